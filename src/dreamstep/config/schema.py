@@ -1,0 +1,187 @@
+"""Typed configuration: one dataclass per command is the schema for its CLI flags and its TOML file.
+
+A field's docstring lives in ``field(metadata={"help": ...})`` via :func:`option`. Values are taken in
+the order defaults < ``--config`` TOML < command line, converted to the field's type, and checked;
+unknown keys and bad values raise :class:`~dreamstep.errors.UserError` naming the flag or the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+from dreamstep.errors import UserError, did_you_mean
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+T = TypeVar("T")
+_MISSING = dataclasses.MISSING
+
+
+def option(default: Any = _MISSING, help: str = "", *, aliases: tuple[str, ...] = (), **kwargs: Any) -> Any:
+    """A dataclass field with a help text and optional extra flag names (e.g. Kohya's spellings)."""
+    metadata = {"help": help, "aliases": aliases}
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file; a missing file or a syntax error becomes one line naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found; check the path given to --config")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path}: not valid TOML ({e}); fix the syntax at that line") from None
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _parse_bool(text: str, where: str) -> bool:
+    lowered = str(text).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise UserError(f"{where}: '{text}' is not a boolean; use true or false")
+
+
+def convert_value(value: Any, tp: Any, where: str) -> Any:
+    """Convert a CLI string or TOML value to ``tp``; ``where`` names the flag or key in errors."""
+    tp, optional = _unwrap_optional(tp)
+    if value is None or (optional and isinstance(value, str) and value.strip().lower() == "none"):
+        if optional:
+            return None
+        raise UserError(f"{where}: a value is required")
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        for choice in choices:
+            if str(value) == str(choice):
+                return choice
+        names = ", ".join(str(c) for c in choices)
+        raise UserError(f"{where}: '{value}' is not a valid choice{did_you_mean(value, choices)}; choose one of {names}")
+    if origin in (list, tuple):
+        (item_tp,) = typing.get_args(tp)[:1] or (str,)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return [convert_value(v, item_tp, where) for v in items]
+    if tp is bool:
+        return value if isinstance(value, bool) else _parse_bool(value, where)
+    if tp in (int, float):
+        if isinstance(value, bool):
+            raise UserError(f"{where}: expected a number, got {value}")
+        try:
+            number = float(value) if tp is float else int(str(value))
+        except ValueError:
+            kind = "an integer" if tp is int else "a number"
+            raise UserError(f"{where}: '{value}' is not {kind}") from None
+        return number
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise UserError(f"{where}: expected a string, got {type(value).__name__}")
+        return str(value)
+    if tp is Path:
+        return Path(value)
+    if tp is dict or typing.get_origin(tp) is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: expected a table")
+        return value
+    raise TypeError(f"unsupported config type {tp!r} for {where}")
+
+
+def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls) if f.init}
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add ``--config`` and one ``--<field>`` flag per dataclass field (plus its aliases)."""
+    parser.add_argument("--config", metavar="TOML", default=argparse.SUPPRESS,
+                        help="TOML file with any of the flags below as keys (command-line flags win)")
+    for name, (f, tp) in _fields(cls).items():
+        base, _ = _unwrap_optional(tp)
+        flags = [f"--{name}", *(f"--{a}" for a in f.metadata.get("aliases", ()))]
+        default = f.default if f.default is not _MISSING else (
+            f.default_factory() if f.default_factory is not _MISSING else None)
+        help_text = f.metadata.get("help", "")
+        if typing.get_origin(base) is Literal:
+            help_text += f" {{{', '.join(str(c) for c in typing.get_args(base))}}}"
+        help_text += f" (default: {default})" if default not in (None, [], "") else ""
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.strip()}
+        if base is bool:
+            kwargs.update(nargs="?", const="true", metavar="BOOL")
+        elif typing.get_origin(base) in (list, tuple):
+            kwargs.update(nargs="*", metavar="VALUE")
+        else:
+            kwargs.update(metavar=name.upper())
+        parser.add_argument(*flags, **kwargs)
+
+
+def build_config(cls: type[T], cli: dict[str, Any] | argparse.Namespace | None = None,
+                 toml_path: str | Path | None = None, toml_values: dict[str, Any] | None = None) -> T:
+    """Build ``cls`` from TOML values (strictly checked) overlaid by command-line values."""
+    fields = _fields(cls)
+    cli = vars(cli) if isinstance(cli, argparse.Namespace) else dict(cli or {})
+    toml_path = toml_path or cli.pop("config", None)
+    cli.pop("config", None)
+    values: dict[str, Any] = {}
+    sources: list[tuple[dict[str, Any], str]] = []
+    if toml_path is not None:
+        sources.append((load_toml(toml_path), f"{toml_path}"))
+    if toml_values:
+        sources.append((toml_values, "config"))
+    for table, origin in sources:
+        for key, value in table.items():
+            if key not in fields:
+                raise UserError(f"{origin}: unknown key '{key}'{did_you_mean(key, fields)}; "
+                                f"see --help for the valid keys")
+            values[key] = convert_value(value, fields[key][1], f"{origin}: key '{key}'")
+    for key, value in cli.items():
+        if key in fields:
+            values[key] = convert_value(value, fields[key][1], f"--{key}")
+    missing = [n for n, (f, _) in fields.items()
+               if n not in values and f.default is _MISSING and f.default_factory is _MISSING]
+    if missing:
+        raise UserError(f"--{missing[0]} is required (on the command line or as a key in --config)")
+    return cls(**values)
+
+
+def config_to_toml(config: Any) -> str:
+    """Render a flat config dataclass as TOML (``None`` values are left out), for saving beside outputs."""
+    lines = []
+    for key, value in dataclasses.asdict(config).items():
+        if value is None:
+            continue
+        lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'
