@@ -1,0 +1,67 @@
+"""Rectified-flow (flow matching) training math for FLUX.1, as in the SD3 paper (arXiv 2403.03206).
+
+With clean latents x, noise ε and σ ∈ [0, 1]:  x_σ = (1 - σ)·x + σ·ε, and the model predicts the
+velocity  v = ε - x.  Timesteps are drawn by index into the scheduler's (shifted) σ table; the SD3
+paper's non-uniform samplers (logit-normal, mode) and loss weightings (sigma_sqrt, cosmap) come from
+diffusers' ``training_utils``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+WeightingScheme = Literal["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"]
+
+
+def sample_timestep_indices(
+    scheme: WeightingScheme,
+    batch_size: int,
+    num_train_timesteps: int,
+    *,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Indices into the scheduler's timestep/σ tables, shape (batch_size,), dtype long.
+
+    ``logit_normal`` and ``mode`` sample non-uniformly (SD3 §3.1); the others sample uniformly.
+    """
+    u = compute_density_for_timestep_sampling(
+        weighting_scheme=scheme, batch_size=batch_size, logit_mean=logit_mean, logit_std=logit_std,
+        mode_scale=mode_scale, generator=generator,
+    )
+    # u can reach 1.0 exactly (mode sampling, float rounding): keep the index inside the table.
+    return (u * num_train_timesteps).long().clamp_(0, num_train_timesteps - 1)
+
+
+def sigmas_at(scheduler_sigmas: torch.Tensor, indices: torch.Tensor, ndim: int) -> torch.Tensor:
+    """σ for each sample, broadcastable to a latent of ``ndim`` dims: shape (B, 1, ..., 1), float32."""
+    sigma = scheduler_sigmas.to(torch.float32)[indices.cpu()].to(indices.device)
+    return sigma.reshape(-1, *([1] * (ndim - 1)))
+
+
+def noisy_latents(latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """x_σ = (1 - σ)·x + σ·ε."""
+    return (1.0 - sigmas) * latents + sigmas * noise
+
+
+def velocity_target(latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The flow-matching target v = ε - x."""
+    return noise - latents
+
+
+def weighted_mse(pred: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor,
+                 scheme: WeightingScheme) -> torch.Tensor:
+    """Mean over the batch of the per-sample weighted MSE, in float32.
+
+    ``sigmas`` has the batch size of ``pred``: with prior preservation call this once per half with
+    that half's σ, so each half gets its own weighting (the port tiles a full-batch weighting
+    against half-batch predictions instead).
+    """
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme=scheme, sigmas=sigmas).float()
+    per_element = weighting * (pred.float() - target.float()) ** 2
+    return per_element.reshape(pred.shape[0], -1).mean(dim=1).mean()
