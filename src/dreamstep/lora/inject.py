@@ -1,0 +1,103 @@
+"""Adding LoRA adapters to the FLUX transformer and the CLIP text encoder through peft, and saving
+them in the diffusers/PEFT layout that ``FluxPipeline.load_lora_weights`` reads.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from torch import nn
+
+from dreamstep.errors import UserError
+
+# Module-name suffixes per preset, matched against the transformer blocks' nn.Linear layers.
+# "attention" is the seed's default set; "attention+ff" follows diffusers' wider FLUX example set.
+_ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
+_ATTENTION_FF = _ATTENTION + (
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+    "proj_mlp", "proj_out",
+)
+FLUX_LORA_PRESETS: dict[str, tuple[str, ...] | None] = {
+    "attention": _ATTENTION,
+    "attention+ff": _ATTENTION_FF,
+    "all-linear": None,  # every nn.Linear inside the double and single blocks, modulation included
+}
+CLIP_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+_FLUX_BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")
+
+
+def flux_lora_targets(transformer: nn.Module, layers: list[str]) -> list[str]:
+    """Full module names to adapt, from one preset name or a list of module-name suffixes.
+
+    Only layers inside the double and single blocks are considered, so a suffix like ``proj_out``
+    never catches the final output projection.
+    """
+    if len(layers) == 1 and layers[0] in FLUX_LORA_PRESETS:
+        suffixes = FLUX_LORA_PRESETS[layers[0]]
+    else:
+        suffixes = tuple(s for item in layers for s in item.split(",") if s)
+    linears = [name for name, module in transformer.named_modules()
+               if isinstance(module, nn.Linear) and name.startswith(_FLUX_BLOCKS)]
+    if suffixes is None:
+        return linears
+    chosen = [name for name in linears if any(name == s or name.endswith("." + s) for s in suffixes)]
+    unmatched = [s for s in suffixes if not any(n == s or n.endswith("." + s) for n in linears)]
+    if unmatched:
+        presets = ", ".join(FLUX_LORA_PRESETS)
+        raise UserError(f"--lora_layers: '{unmatched[0]}' matches no linear layer of the FLUX transformer; "
+                        f"use a preset ({presets}) or module names such as attn.to_q,ff.net.2")
+    return chosen
+
+
+def add_lora(model: nn.Module, targets: list[str] | tuple[str, ...], rank: int, alpha: float,
+             dropout: float = 0.0) -> None:
+    """Inject a gaussian-initialised LoRA (B = 0, so the model is unchanged at step 0) as adapter 'default'."""
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights="gaussian",
+                        target_modules=list(targets))
+    model.add_adapter(config)
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA weights of ``model`` in peft's naming, detached (for checkpoints)."""
+    return {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def load_trainable_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Put weights saved by :func:`trainable_state` back; every key must land."""
+    result = set_peft_model_state_dict(model, state)
+    unexpected = getattr(result, "unexpected_keys", None)
+    if unexpected:
+        raise UserError(f"checkpoint LoRA key '{unexpected[0]}' does not fit this model; "
+                        f"resume with the same --lora_layers and --rank as the checkpoint")
+
+
+def save_flux_lora(out_dir: str | Path, transformer: nn.Module, text_encoder: nn.Module | None = None,
+                   weight_name: str = "pytorch_lora_weights.safetensors",
+                   dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``out_dir/weight_name`` in the diffusers layout, with each adapter's config (rank and
+    alpha) in the safetensors header so that alpha != rank loads with the right scale."""
+    from diffusers import FluxPipeline
+
+    def cast(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
+
+    kwargs = {
+        "transformer_lora_layers": cast(get_peft_model_state_dict(transformer)),
+        "transformer_lora_adapter_metadata": transformer.peft_config["default"].to_dict(),
+    }
+    if text_encoder is not None:
+        kwargs["text_encoder_lora_layers"] = cast(get_peft_model_state_dict(text_encoder))
+        kwargs["text_encoder_lora_adapter_metadata"] = text_encoder.peft_config["default"].to_dict()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Written beside the target and renamed into place, so a crash never leaves half a file.
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".saving-") as tmp:
+        FluxPipeline.save_lora_weights(tmp, weight_name=weight_name, **kwargs)
+        os.replace(Path(tmp) / weight_name, out_dir / weight_name)
+    return out_dir / weight_name
