@@ -1,0 +1,29 @@
+# Quick start:  make demo  (train a FLUX DreamBooth LoRA on a tiny offline model)   make test  (run the tests)
+# Both create .venv with the CPU build of torch; set TORCH to pick another build, e.g. TORCH=torch.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+DEMO := demo_out
+
+.PHONY: install demo test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	@test -f $(DEMO)/tiny-flux-dev/model_index.json || \
+		$(PY) -m dreamstep tiny-model flux $(DEMO)/tiny-flux-dev --guidance-embeds --seed 0
+	$(PY) -m dreamstep train flux-lora --config configs/demo_flux_lora.toml
+
+test: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile
+
+clean:
+	rm -rf $(DEMO)

@@ -1,0 +1,5 @@
+import sys
+
+from dreamstep.cli import main
+
+sys.exit(main())
