@@ -1,0 +1,51 @@
+import importlib.util
+
+import pytest
+import torch
+
+from dreamstep.engine.optim import build_lr_scheduler, build_optimizer, parse_optimizer_args
+from dreamstep.errors import UserError
+
+
+def _params():
+    return [torch.nn.Parameter(torch.zeros(3))]
+
+
+def test_kohya_optimizer_args_parse_to_python_values():
+    args = parse_optimizer_args(["weight_decay=0.05", "betas=0.9,0.98", "decouple=True", "mode=fast"])
+    assert args == {"weight_decay": 0.05, "betas": (0.9, 0.98), "decouple": True, "mode": "fast"}
+    opt = build_optimizer("adamw", _params(), 1e-3, extra=parse_optimizer_args(["weight_decay=0.05", "betas=0.9,0.98"]))
+    group = opt.param_groups[0]
+    assert group["weight_decay"] == 0.05 and group["betas"] == (0.9, 0.98)
+
+
+def test_bad_optimizer_args_name_the_flag():
+    with pytest.raises(UserError, match="--optimizer_args: 'weight_decay' is not key=value"):
+        parse_optimizer_args(["weight_decay"])
+    with pytest.raises(UserError, match="bad optimizer argument"):
+        build_optimizer("AdamW", _params(), 1e-3, extra={"no_such_arg": 1})
+
+
+def test_unknown_optimizer_and_scheduler_suggest_the_close_name():
+    with pytest.raises(UserError, match="did you mean 'AdamW8bit'"):
+        build_optimizer("AdamW8bt", _params(), 1e-3)
+    opt = build_optimizer("AdamW", _params(), 1e-3)
+    with pytest.raises(UserError, match="--lr_scheduler: unknown scheduler 'costant' \\(did you mean 'constant'\\?\\)"):
+        build_lr_scheduler("costant", opt, warmup_steps=0, total_steps=10)
+
+
+def test_warmup_schedule_and_adafactor():
+    opt = build_optimizer("Adafactor", _params(), 1e-2)
+    sched = build_lr_scheduler("constant_with_warmup", opt, warmup_steps=4, total_steps=10)
+    lrs = []
+    for _ in range(5):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([0.0, 0.0025, 0.005, 0.0075, 0.01])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("prodigyopt") is not None, reason="prodigyopt is installed")
+def test_missing_optional_package_says_how_to_install():
+    with pytest.raises(UserError, match="pip install prodigyopt"):
+        build_optimizer("Prodigy", _params(), 1.0)
