@@ -1,0 +1,121 @@
+"""A disk cache for VAE latents and text-encoder outputs, keyed by content, never by step.
+
+A latent's key is the sha256 of the image file's bytes plus the exact transform (bucket, resize, crop,
+flip); a text entry's key is the caption itself; both are joined with a model identity string (say the
+model path and revision plus dtype) so a different VAE or text encoder never reads another's entries.
+Unchanged data is a hit in any later run; changed bytes or a different crop is a miss. Entries are
+safetensors files written atomically (temporary file, then rename), in a directory the caller chooses,
+which may not be one of the user's image folders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from dreamstep.data.buckets import Placement
+from dreamstep.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def image_content_key(sha256: str, placement: Placement, fit_to: tuple[int, int] | None = None) -> str:
+    """Key of a transformed image. ``fit_to`` marks a conditioning image first resized to its target's size."""
+    fit = f";fit={fit_to[0]}x{fit_to[1]}" if fit_to is not None else ""
+    return f"image:{sha256};{placement.describe()}{fit}"
+
+
+def text_content_key(caption: str) -> str:
+    """Key of a caption's text-encoder outputs."""
+    return f"text:{caption}"
+
+
+class TensorCache:
+    """Named tensors per content key, stored under ``root`` for one model identity."""
+
+    def __init__(self, root: str | Path, model_id: str, image_dirs: Iterable[str | Path] = ()):
+        self.root = Path(root).resolve()
+        self.model_id = model_id
+        for folder in image_dirs:
+            folder = Path(folder).resolve()
+            if self.root == folder or folder in self.root.parents:
+                raise UserError(f"cache directory {root} is inside the image folder {folder}; choose a cache "
+                                "directory outside your data (e.g. under the output directory)")
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, content_key: str) -> Path:
+        """Where an entry lives: sha256(model identity, content key), fanned out over 256 folders."""
+        digest = hashlib.sha256(f"{self.model_id}\0{content_key}".encode()).hexdigest()
+        return self.root / digest[:2] / f"{digest}.safetensors"
+
+    def get(self, content_key: str) -> dict[str, torch.Tensor] | None:
+        """The stored tensors, or None on a miss (an unreadable entry is a miss and gets rewritten)."""
+        path = self.path(content_key)
+        if not path.is_file():
+            return None
+        try:
+            return load_file(path)
+        except (SafetensorError, OSError) as e:
+            log.warning("cache entry %s is unreadable (%s); recomputing it", path, e)
+            return None
+
+    def put(self, content_key: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Store tensors atomically; a crash leaves either the old entry or the new one, never half."""
+        path = self.path(content_key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
+        try:
+            contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+            save_file(contiguous, tmp, metadata={"model_id": self.model_id, "content": content_key[:4096]})
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    def get_or_compute(self, content_keys: Sequence[str],
+                       compute: Callable[[list[int]], dict[str, torch.Tensor]],
+                       known: Sequence[dict[str, torch.Tensor] | None] | None = None) -> dict[str, torch.Tensor]:
+        """Batch lookup: entries already ``known`` or cached are used; ``compute(missing_positions)`` returns
+        batched tensors for the rest, which are stored. Returns every name stacked over the batch, on the CPU."""
+        found = list(known) if known is not None else [None] * len(content_keys)
+        for i, key in enumerate(content_keys):
+            if found[i] is None:
+                found[i] = self.get(key)
+        missing = [i for i, entry in enumerate(found) if entry is None]
+        if missing:
+            computed = compute(missing)
+            for row, i in enumerate(missing):
+                found[i] = {name: value[row].detach().cpu() for name, value in computed.items()}
+                self.put(content_keys[i], found[i])
+        names = found[0].keys()
+        return {name: torch.stack([entry[name] for entry in found]) for name in names}
+
+
+def latents_for_batch(batch: dict[str, Any], encode: Callable[[torch.Tensor], torch.Tensor],
+                      cache: TensorCache | None, prefix: str = "") -> torch.Tensor:
+    """The batch's latents (B, C, h, w), on the CPU when a cache is used: from the cache where present, else ``encode(pixel_values)`` for
+    the samples that came with pixels, stored for later epochs and runs. ``prefix="conditioning_"`` does
+    the same for ControlNet conditioning images."""
+    pixels, positions = batch[f"{prefix}pixel_values"], batch[f"{prefix}pixel_items"]
+    if cache is None:
+        if len(positions) != len(batch["captions"]):
+            raise ValueError("some samples came without pixels but no cache was given")
+        return encode(pixels)
+    keys = batch["image_keys" if not prefix else f"{prefix}keys"]
+    known = [{"latents": t} if t is not None else None for t in batch[f"{prefix}latents"]]
+
+    def compute(missing: list[int]) -> dict[str, torch.Tensor]:
+        rows = [positions.index(i) for i in missing]
+        return {"latents": encode(pixels[rows])}
+
+    return cache.get_or_compute(keys, compute, known)["latents"]

@@ -1,0 +1,199 @@
+"""The torch side: a map-style dataset of bucketed samples, a batch sampler that keeps each batch inside
+one bucket, and the collate function.
+
+Every random choice for a sample (crop, flip, caption shuffle and dropout) comes from a generator seeded
+with (seed, epoch, sample index), and the batch order from one seeded with (seed, epoch). So an epoch is
+the same in every run, in every worker process, and a resumed run that skips the first k batches sees
+exactly the batches the interrupted run would have seen next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from dreamstep.data.buckets import Placement, place
+from dreamstep.data.cache import TensorCache, image_content_key
+from dreamstep.data.captions import process_caption
+from dreamstep.data.dataset_config import DatasetConfig
+from dreamstep.data.images import load_rgb
+from dreamstep.data.records import ImageRecord, collect_records
+from dreamstep.errors import UserError
+
+SampleKey = tuple[int, int]  # (sample index, epoch)
+_BATCH_ORDER_STREAM = 1  # keeps the batch-order generator apart from the per-sample ones
+
+
+class BucketDataset(Dataset):
+    """Samples of one or more datasets; each image appears ``num_repeats`` times.
+
+    Index with ``(index, epoch)`` (what :class:`BucketBatchSampler` yields) or a bare index (epoch 0). With a
+    ``latent_cache``, a sample whose latents are cached comes with ``latents`` instead of ``pixel_values``.
+    """
+
+    def __init__(self, groups: Sequence[tuple[list[ImageRecord], int]], seed: int,
+                 latent_cache: TensorCache | None = None):
+        self.records: list[ImageRecord] = []
+        self.samples: list[int] = []  # sample index -> record index
+        self.sample_group: list[tuple[int, int, int]] = []  # (dataset, bucket w, bucket h)
+        self.batch_sizes: list[int] = []
+        for group_index, (records, batch_size) in enumerate(groups):
+            self.batch_sizes.append(batch_size)
+            for record in records:
+                self.records.append(record)
+                for _ in range(record.num_repeats):
+                    self.samples.append(len(self.records) - 1)
+                    self.sample_group.append((group_index, *record.bucket))
+        if not self.samples:
+            raise UserError("the dataset has no images; check the image folders")
+        self.seed = seed
+        self.latent_cache = latent_cache
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def placement(self, index: int, epoch: int) -> tuple[Placement, np.random.Generator]:
+        """The crop and flip of sample ``index`` in ``epoch``, and the generator, ready for the caption."""
+        record = self.records[self.samples[index]]
+        rng = np.random.default_rng([self.seed, epoch, index])
+        flip = bool(record.subset.flip_aug and rng.random() < 0.5)
+        return place(record.bucket, record.resized, record.subset.random_crop, flip, rng), rng
+
+    def __getitem__(self, key: int | SampleKey) -> dict[str, Any]:
+        index, epoch = (key, 0) if isinstance(key, int) else key
+        record = self.records[self.samples[index]]
+        placement, rng = self.placement(index, epoch)
+        (width, height), (bucket_w, bucket_h) = record.image.size, record.bucket
+        item: dict[str, Any] = {
+            "caption": process_caption(record.caption, record.subset.captions, epoch, rng),
+            "original_size": (height, width),
+            "crop_top_left": placement.crop_top_left(),
+            "target_size": (bucket_h, bucket_w),
+            "is_reg": record.subset.is_reg,
+            "image_key": image_content_key(record.image.sha256, placement),
+            "image_path": str(record.image.path),
+        }
+        self._add_pixels(item, "", record.image.path, record.image.size, placement)
+        if record.conditioning is not None:
+            item["conditioning_key"] = image_content_key(record.conditioning.sha256, placement, record.image.size)
+            self._add_pixels(item, "conditioning_", record.conditioning.path, record.image.size, placement)
+        return item
+
+    def _add_pixels(self, item: dict[str, Any], prefix: str, path: Any, size: tuple[int, int],
+                    placement: Placement) -> None:
+        key = item[f"{prefix or 'image_'}key"]
+        cached = self.latent_cache.get(key) if self.latent_cache is not None else None
+        if cached is not None:
+            item[f"{prefix}latents"] = cached["latents"]
+        else:
+            item[f"{prefix}pixel_values"] = transform_image(load_rgb(path), size, placement)
+
+
+def transform_image(image: Image.Image, size: tuple[int, int], placement: Placement) -> torch.Tensor:
+    """Resize to ``size`` (a conditioning image to its target's size) and then as ``placement`` says;
+    return (3, H, W) floats in [-1, 1]."""
+    if image.size != size:
+        image = image.resize(size, Image.Resampling.LANCZOS)
+    if image.size != placement.resized:
+        image = image.resize(placement.resized, Image.Resampling.LANCZOS)
+    left, top = placement.crop_left, placement.crop_top
+    image = image.crop((left, top, left + placement.bucket[0], top + placement.bucket[1]))
+    if placement.flip:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    array = np.asarray(image, dtype=np.uint8)  # (H, W, 3)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
+
+
+def build_dataset(configs: Sequence[DatasetConfig], seed: int,
+                  latent_cache: TensorCache | None = None) -> BucketDataset:
+    """Scan, validate and bucket every dataset (errors name the file) and return the torch dataset."""
+    return BucketDataset([(collect_records(c), c.batch_size) for c in configs], seed, latent_cache)
+
+
+class BucketBatchSampler(Sampler[list[SampleKey]]):
+    """Batches of samples from one bucket, in an order fixed by (seed, epoch), like sd-scripts: each bucket's
+    samples are shuffled and cut into batches of its dataset's batch size (the last may be shorter),
+    then all batches are shuffled. ``skip_batches`` drops the first batches of this epoch (exact resume).
+    With ``num_replicas`` > 1 the list is padded by repeating its start, then dealt round robin."""
+
+    def __init__(self, dataset: BucketDataset, seed: int, epoch: int = 0, skip_batches: int = 0,
+                 num_replicas: int = 1, rank: int = 0):
+        self.dataset = dataset
+        self.seed = seed
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.set_epoch(epoch, skip_batches)
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Select the epoch to iterate, optionally skipping its first ``skip_batches`` batches (per rank)."""
+        self.epoch = epoch
+        self.skip_batches = skip_batches
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of ``epoch`` (sample indices), before skipping."""
+        rng = np.random.default_rng([self.seed, epoch, _BATCH_ORDER_STREAM])
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for index, group in enumerate(self.dataset.sample_group):
+            groups.setdefault(group, []).append(index)
+        batches = []
+        for group in sorted(groups):
+            members = [groups[group][i] for i in rng.permutation(len(groups[group]))]
+            size = self.dataset.batch_sizes[group[0]]
+            batches += [members[i:i + size] for i in range(0, len(members), size)]
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+        if self.num_replicas > 1:
+            padding = (-len(batches)) % self.num_replicas
+            batches = (batches + batches[:padding])[self.rank::self.num_replicas]
+        return batches
+
+    def batches_per_epoch(self) -> int:
+        """Batches per epoch for this rank (the same in every epoch)."""
+        return len(self.epoch_batches(0))
+
+    def __iter__(self) -> Iterator[list[SampleKey]]:
+        for batch in self.epoch_batches(self.epoch)[self.skip_batches:]:
+            yield [(index, self.epoch) for index in batch]
+
+    def __len__(self) -> int:
+        return max(0, self.batches_per_epoch() - self.skip_batches)
+
+
+def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack a same-bucket batch. Sizes become (B, 2) long tensors. ``pixel_values`` holds only the samples
+    that were not served from the latent cache, at the positions listed in ``pixel_items``; ``latents``
+    is a per-sample list with None where pixels were loaded (see :func:`~dreamstep.data.cache.latents_for_batch`)."""
+    batch: dict[str, Any] = {
+        "captions": [it["caption"] for it in items],
+        "original_sizes": torch.tensor([it["original_size"] for it in items], dtype=torch.long),
+        "crop_top_lefts": torch.tensor([it["crop_top_left"] for it in items], dtype=torch.long),
+        "target_sizes": torch.tensor([it["target_size"] for it in items], dtype=torch.long),
+        "is_reg": torch.tensor([it["is_reg"] for it in items], dtype=torch.bool),
+        "image_keys": [it["image_key"] for it in items],
+        "image_paths": [it["image_path"] for it in items],
+    }
+    _stack_images(batch, items, "")
+    if "conditioning_key" in items[0]:
+        batch["conditioning_keys"] = [it["conditioning_key"] for it in items]
+        _stack_images(batch, items, "conditioning_")
+    return batch
+
+
+def _stack_images(batch: dict[str, Any], items: list[dict[str, Any]], prefix: str) -> None:
+    positions = [i for i, it in enumerate(items) if f"{prefix}pixel_values" in it]
+    batch[f"{prefix}pixel_items"] = positions
+    batch[f"{prefix}pixel_values"] = (torch.stack([items[i][f"{prefix}pixel_values"] for i in positions])
+                                      if positions else None)
+    batch[f"{prefix}latents"] = [it.get(f"{prefix}latents") for it in items]
+
+
+def make_dataloader(dataset: BucketDataset, seed: int, epoch: int = 0, skip_batches: int = 0,
+                    num_workers: int = 0, num_replicas: int = 1, rank: int = 0) -> DataLoader:
+    """A DataLoader over bucketed batches; call ``loader.batch_sampler.set_epoch(e)`` before each epoch."""
+    sampler = BucketBatchSampler(dataset, seed, epoch, skip_batches, num_replicas, rank)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+                      persistent_workers=False, pin_memory=torch.cuda.is_available())

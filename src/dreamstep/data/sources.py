@@ -1,0 +1,99 @@
+"""Datasets described by diffusers-style flags, mapped onto the same :class:`DatasetConfig` that a Kohya
+TOML produces, so every trainer has one data pipeline.
+
+- DreamBooth (FLUX LoRA): ``--instance_data_dir`` + ``--instance_prompt`` (optionally per-image caption
+  files via ``--caption_extension``, with the instance prompt as the fallback), and for prior
+  preservation ``--class_data_dir`` + ``--class_prompt``: a regularization subset, balanced as in sd-scripts.
+- ControlNet pairs: ``--train_data_dir`` + ``--conditioning_data_dir`` (same-named files), or a
+  ``--jsonl_for_train`` file with ``image``, ``conditioning_image`` and ``text`` columns (a
+  ``metadata.jsonl`` inside ``--train_data_dir`` is found on its own).
+
+``center_crop=False`` means random crops, as in the diffusers scripts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dreamstep.data.buckets import BucketSpec, adjust_bucket_limits
+from dreamstep.data.captions import CaptionOptions
+from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig, normalize_extension
+from dreamstep.data.images import list_images
+from dreamstep.errors import UserError
+
+
+def bucket_spec(resolution: int | tuple[int, int], enable_bucket: bool = False, min_bucket_reso: int = 256,
+                max_bucket_reso: int = 1024, bucket_reso_steps: int = 64,
+                bucket_no_upscale: bool = False) -> BucketSpec:
+    """A checked :class:`BucketSpec` from flag values; ``resolution`` is a side or (width, height)."""
+    size = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
+    if min(size) <= 0:
+        raise UserError(f"--resolution must be positive, got {resolution}")
+    spec = BucketSpec(size, enable_bucket, min_bucket_reso, max_bucket_reso, bucket_reso_steps, bucket_no_upscale)
+    return adjust_bucket_limits(spec, "--resolution")
+
+
+def _check_folder(folder: str | Path | None, flag: str) -> Path:
+    if folder is None:
+        raise UserError(f"{flag} is required")
+    list_images(Path(folder), flag)
+    return Path(folder)
+
+
+def dreambooth_from_flags(instance_data_dir: str | Path, instance_prompt: str | None, *,
+                          caption_extension: str | None = None, class_data_dir: str | Path | None = None,
+                          class_prompt: str | None = None, buckets: BucketSpec | None = None,
+                          center_crop: bool = False, random_flip: bool = False, repeats: int = 1,
+                          class_repeats: int = 1, batch_size: int = 1,
+                          captions: CaptionOptions | None = None) -> DatasetConfig:
+    """The diffusers DreamBooth flags as one DreamBooth dataset (instance subset + optional class subset)."""
+    instance_dir = _check_folder(instance_data_dir, "--instance_data_dir")
+    caption_extension = normalize_extension(caption_extension)
+    if not instance_prompt and caption_extension is None:
+        raise UserError("--instance_prompt is required (or give --caption_extension for per-image captions)")
+    if repeats < 1 or batch_size < 1:
+        raise UserError("--repeats and --train_batch_size must be at least 1")
+    common = dict(flip_aug=random_flip, random_crop=not center_crop)
+    subsets = [SubsetConfig(where="--instance_data_dir", image_dir=instance_dir, num_repeats=repeats,
+                            class_tokens=instance_prompt or None, caption_extension=caption_extension,
+                            captions=captions or CaptionOptions(), **common)]
+    if class_data_dir is not None:
+        class_dir = _check_folder(class_data_dir, "--class_data_dir")
+        if not class_prompt:
+            raise UserError("--class_prompt is required with --class_data_dir (prior preservation)")
+        subsets.append(SubsetConfig(where="--class_data_dir", image_dir=class_dir, num_repeats=class_repeats,
+                                    is_reg=True, class_tokens=class_prompt, caption_extension=None, **common))
+    return DatasetConfig("--instance_data_dir", "dreambooth", buckets or bucket_spec(512), batch_size,
+                         tuple(subsets))
+
+
+def controlnet_from_flags(*, train_data_dir: str | Path | None = None,
+                          conditioning_data_dir: str | Path | None = None,
+                          jsonl_for_train: str | Path | None = None, caption_extension: str | None = ".txt",
+                          default_caption: str | None = None, buckets: BucketSpec | None = None,
+                          center_crop: bool = False, random_flip: bool = False, repeats: int = 1,
+                          batch_size: int = 1) -> DatasetConfig:
+    """ControlNet pairs from two folders or a JSONL file, as one ControlNet dataset. With folders, captions
+    come from caption files beside the images, falling back to ``default_caption``."""
+    if jsonl_for_train is None and train_data_dir is not None and conditioning_data_dir is None:
+        candidate = Path(train_data_dir) / "metadata.jsonl"
+        if candidate.is_file():
+            jsonl_for_train = candidate
+    common = dict(num_repeats=repeats, flip_aug=random_flip, random_crop=not center_crop)
+    if jsonl_for_train is not None:
+        if not Path(jsonl_for_train).is_file():
+            raise UserError(f"--jsonl_for_train: file '{jsonl_for_train}' not found; check the path")
+        subset = SubsetConfig(where="--jsonl_for_train",
+                              image_dir=Path(train_data_dir) if train_data_dir is not None else None,
+                              metadata_file=Path(jsonl_for_train), caption_extension=None, **common)
+    elif train_data_dir is not None:
+        subset = SubsetConfig(where="--train_data_dir", image_dir=_check_folder(train_data_dir, "--train_data_dir"),
+                              conditioning_data_dir=_check_folder(conditioning_data_dir, "--conditioning_data_dir"),
+                              class_tokens=default_caption, caption_extension=normalize_extension(caption_extension),
+                              **common)
+    else:
+        raise UserError("no training data: give --train_data_dir with --conditioning_data_dir, "
+                        "--jsonl_for_train, or --dataset_config")
+    if batch_size < 1:
+        raise UserError("--train_batch_size must be at least 1")
+    return DatasetConfig(subset.where, "controlnet", buckets or bucket_spec(512), batch_size, (subset,))
