@@ -46,10 +46,10 @@ def test_weighted_mse_hand_computed():
     target = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
     sigmas = torch.tensor([[0.5], [0.25]])
     # per-sample MSE: [(1 + 4) / 2, (4 + 0) / 2] = [2.5, 2.0]
-    assert weighted_mse(pred, target, sigmas, "none").item() == 2.25
-    # sigma_sqrt weights 1/σ²: [4 * 2.5, 16 * 2.0] -> mean 21
-    assert math.isclose(weighted_mse(pred, target, sigmas, "sigma_sqrt").item(), 21.0)
+    assert weighted_mse(pred, target, sigmas, "none").tolist() == [2.5, 2.0]
+    # sigma_sqrt weights 1/σ²: [4 * 2.5, 16 * 2.0]
+    assert weighted_mse(pred, target, sigmas, "sigma_sqrt").tolist() == [10.0, 32.0]
     # cosmap weight 2 / (π (1 - 2σ + 2σ²))
     w = [2 / (math.pi * (1 - 2 * s + 2 * s * s)) for s in (0.5, 0.25)]
     expected = (w[0] * 2.5 + w[1] * 2.0) / 2
-    assert math.isclose(weighted_mse(pred, target, sigmas, "cosmap").item(), expected, rel_tol=1e-6)
+    assert math.isclose(weighted_mse(pred, target, sigmas, "cosmap").mean().item(), expected, rel_tol=1e-6)

@@ -56,12 +56,11 @@ def velocity_target(latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 def weighted_mse(pred: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor,
                  scheme: WeightingScheme) -> torch.Tensor:
-    """Mean over the batch of the per-sample weighted MSE, in float32.
+    """Per-sample weighted MSE in float32, shape (B,).
 
-    ``sigmas`` has the batch size of ``pred``: with prior preservation call this once per half with
-    that half's σ, so each half gets its own weighting (the port tiles a full-batch weighting
-    against half-batch predictions instead).
+    Each sample is weighted by its own σ, so instance and prior-preservation samples of one batch
+    are weighted separately (the port tiles a full-batch weighting against half-batch predictions).
     """
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=scheme, sigmas=sigmas).float()
     per_element = weighting * (pred.float() - target.float()) ** 2
-    return per_element.reshape(pred.shape[0], -1).mean(dim=1).mean()
+    return per_element.reshape(pred.shape[0], -1).mean(dim=1)
