@@ -53,3 +53,12 @@ def test_weighted_mse_hand_computed():
     w = [2 / (math.pi * (1 - 2 * s + 2 * s * s)) for s in (0.5, 0.25)]
     expected = (w[0] * 2.5 + w[1] * 2.0) / 2
     assert math.isclose(weighted_mse(pred, target, sigmas, "cosmap").mean().item(), expected, rel_tol=1e-6)
+
+
+def test_prior_preservation_weights_each_part_separately():
+    from dreamstep.diffusion.flow_matching import instance_plus_prior_loss
+
+    per_sample = torch.tensor([1.0, 3.0, 10.0, 20.0])
+    is_reg = torch.tensor([False, False, True, True])
+    assert instance_plus_prior_loss(per_sample, is_reg, 0.5).item() == 2.0 + 0.5 * 15.0
+    assert instance_plus_prior_loss(per_sample[:2], is_reg[:2], 0.5).item() == 2.0

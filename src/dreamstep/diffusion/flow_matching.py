@@ -64,3 +64,15 @@ def weighted_mse(pred: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor,
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=scheme, sigmas=sigmas).float()
     per_element = weighting * (pred.float() - target.float()) ** 2
     return per_element.reshape(pred.shape[0], -1).mean(dim=1)
+
+
+def instance_plus_prior_loss(per_sample: torch.Tensor, is_reg: torch.Tensor, prior_loss_weight: float) -> torch.Tensor:
+    """DreamBooth with prior preservation: mean loss of the instance samples plus ``prior_loss_weight``
+    times the mean loss of the class (regularization) samples; a part absent from the batch adds 0."""
+    is_reg = is_reg.to(per_sample.device)
+    loss = per_sample.new_zeros(())
+    if (~is_reg).any():
+        loss = loss + per_sample[~is_reg].mean()
+    if is_reg.any():
+        loss = loss + prior_loss_weight * per_sample[is_reg].mean()
+    return loss
