@@ -1,0 +1,49 @@
+"""Shared test setup: no hub access, a fixed thread count, and tiny pipelines built once a session.
+
+The fixtures return folders written by :func:`dreamstep.models.tiny.write_tiny_model`; tests must not
+modify them (copy first if a test needs to write next to a model).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dreamstep.models.tiny import SINGLE_FILE_NAME, write_tiny_model  # noqa: E402
+
+# Two cores on the CI machine; a fixed count also keeps float results reproducible run to run.
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny FLUX.1 pipeline folder without guidance embedding (like FLUX.1-schnell)."""
+    return write_tiny_model("flux", tmp_path_factory.mktemp("tiny") / "flux", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dev_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny guidance-distilled FLUX.1 pipeline folder (like FLUX.1-dev)."""
+    return write_tiny_model("flux", tmp_path_factory.mktemp("tiny") / "flux-dev", seed=0,
+                            guidance_embeds=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SDXL pipeline folder that also holds the same weights as one SGM-layout file,
+    ``<folder>/tiny_sdxl.safetensors`` (see ``tiny_sdxl_single_file``)."""
+    return write_tiny_model("sdxl", tmp_path_factory.mktemp("tiny") / "sdxl", seed=0,
+                            single_file=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl_single_file(tiny_sdxl_dir: Path) -> Path:
+    """The SGM-layout single file of ``tiny_sdxl_dir`` (like sd_xl_base_1.0.safetensors)."""
+    return tiny_sdxl_dir / SINGLE_FILE_NAME
