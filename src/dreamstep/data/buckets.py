@@ -103,7 +103,10 @@ class BucketPlanner:
 
 
 def adjust_bucket_limits(spec: BucketSpec, where: str) -> BucketSpec:
-    """Round min/max bucket sizes to the step (as sd-scripts does) and check they bracket the resolution."""
+    """With buckets on, round min/max bucket sizes to the step (as sd-scripts does) and check they bracket
+    the resolution; with buckets off they are unused."""
+    if not spec.enable_bucket:
+        return spec
     steps = spec.bucket_reso_steps
     if steps <= 0:
         raise UserError(f"{where}: bucket_reso_steps must be positive, got {steps}")
