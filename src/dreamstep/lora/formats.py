@@ -138,7 +138,7 @@ MODEL_HINTS: Final[tuple[tuple[str, str], ...]] = (
     ("double_blocks", "flux"), ("single_blocks", "flux"), ("lora_te3", "flux"),
     ("single_transformer_blocks", "flux"), ("transformer.transformer_blocks", "flux"),
     ("input_blocks", "sdxl"), ("middle_block", "sdxl"), ("output_blocks", "sdxl"), ("lora_te2", "sdxl"),
-    ("unet.", "sdxl"), ("lora_unet.", "sdxl"),
+    ("unet.", "sdxl"), ("lora_unet.", "sdxl"), ("transformer.", "flux"),
     ("lora_unet_down_blocks", "sd1"), ("lora_unet_mid_block", "sd1"), ("lora_unet_up_blocks", "sd1"),
     ("lora_te_", "sd1"),
 )

@@ -1,0 +1,576 @@
+"""LoRA conversion between the Kohya, diffusers/PEFT and MindSpore layouts, for FLUX.1 and SDXL.
+
+A LoRA is read into :class:`LoraModule` s (down, up, alpha) named in its own layout, moved to the diffusers
+names (the hub every conversion passes through) and from there to the target layout. The module tables
+come from :mod:`dreamstep.lora.formats` expanded for one concrete model (:class:`ModelKeys`), so a module
+the target model does not have is an error that names it, never a silent drop.
+
+Exactness: the merged weight ``W + alpha / rank * up @ down`` of every module is kept. Kohya's fused FLUX
+modules (``img_attn.qkv``, ``single_blocks.N.linear1``) split into diffusers' q, k, v (, mlp) by rows of
+``up``; separate diffusers modules fuse into one Kohya module by stacking ``down`` along the rank axis with a
+block-diagonal ``up``. When the parts' scales (alpha / rank) differ, no single alpha can express them, so the
+scales are folded into ``up`` and the fused alpha equals its rank; that is reported as a note.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from peft.utils.other import get_pattern_key
+
+from dreamstep.errors import UserError, did_you_mean
+from dreamstep.lora import formats
+from dreamstep.lora.io import LoraFile, adapter_metadata, container_for, read_lora_file, write_lora_file
+from dreamstep.models.sgm_keys import unet_module_map
+
+LAYOUTS = ("kohya", "diffusers", "mindspore")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapted module: ``down`` (rank, in[, kh, kw]) = PEFT lora_A, ``up`` (out, rank[, 1, 1]) = lora_B."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    alpha: float
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class ModuleMap:
+    """One Kohya module and the diffusers module(s) it is; ``rows`` gives fused parts' output rows in units
+    of the module's input width."""
+
+    kohya: str
+    diffusers: tuple[str, ...]
+    rows: tuple[int, ...] = (1,)
+
+
+@dataclass(frozen=True)
+class ModelKeys:
+    """Every module a LoRA may adapt in one concrete model, in the Kohya and diffusers namings."""
+
+    model: str
+    description: str
+    maps: tuple[ModuleMap, ...]
+
+    @cached_property
+    def by_kohya(self) -> dict[str, ModuleMap]:
+        return {m.kohya: m for m in self.maps}
+
+    @cached_property
+    def by_diffusers(self) -> dict[str, ModuleMap]:
+        return {name: m for m in self.maps for name in m.diffusers}
+
+
+# ----------------------------------------------------------------------------------------------- tables
+
+
+def _kohya_name(prefix: str, module: str) -> str:
+    return f"{prefix}_{module.replace('.', '_')}"
+
+
+def _text_encoder_maps(prefix: str, component: str, templates: tuple[str, ...], layers: int) -> list[ModuleMap]:
+    return [ModuleMap(_kohya_name(prefix, t.format(i=i)), (f"{component}.{t.format(i=i)}",))
+            for i in range(layers) for t in templates]
+
+
+def flux_keys(transformer: Mapping | None = None, clip_layers: int = formats.FLUX_DEFAULTS["clip_layers"],
+              t5_layers: int = formats.FLUX_DEFAULTS["t5_layers"]) -> ModelKeys:
+    """The FLUX.1 tables for a transformer config (default: the released FLUX.1 with 19 + 38 blocks)."""
+    cfg = {**formats.FLUX_DEFAULTS, **(transformer or {})}
+    maps = []
+    for kind, count, ours in (("double_blocks", cfg["num_layers"], "transformer_blocks"),
+                              ("single_blocks", cfg["num_single_layers"], "single_transformer_blocks")):
+        table = formats.FLUX_DOUBLE_BLOCK if kind == "double_blocks" else formats.FLUX_SINGLE_BLOCK
+        for i in range(count):
+            for bfl, parts in table.items():
+                maps.append(ModuleMap(_kohya_name("lora_unet", f"{kind}.{i}.{bfl}"),
+                                      tuple(f"transformer.{ours}.{i}.{p}" for p in parts),
+                                      formats.FLUX_FUSED_ROWS.get(bfl, (1,))))
+    globals_ = {**formats.FLUX_GLOBAL, **(formats.FLUX_GUIDANCE if cfg["guidance_embeds"] else {})}
+    maps += [ModuleMap(_kohya_name("lora_unet", bfl), (f"transformer.{ours}",)) for bfl, ours in globals_.items()]
+    maps += _text_encoder_maps("lora_te1", "text_encoder", formats.CLIP_LAYER, clip_layers)
+    maps += _text_encoder_maps("lora_te3", "text_encoder_2", formats.T5_LAYER, t5_layers)
+    desc = f"FLUX.1 transformer with {cfg['num_layers']} double and {cfg['num_single_layers']} single blocks"
+    return ModelKeys("flux", desc, tuple(maps))
+
+
+def sdxl_keys(unet: Mapping | None = None, clip_layers: int = formats.SDXL_CLIP_LAYERS["text_encoder"],
+              clip_g_layers: int = formats.SDXL_CLIP_LAYERS["text_encoder_2"]) -> ModelKeys:
+    """The SDXL tables for a UNet config (default: stable-diffusion-xl-base-1.0)."""
+    cfg = dict(unet or formats.SDXL_UNET_CONFIG)
+    maps = [ModuleMap(_kohya_name("lora_unet", sgm), (f"unet.{ours}",))
+            for ours, sgm in unet_module_map(cfg).items()]
+    maps += _text_encoder_maps("lora_te1", "text_encoder", formats.CLIP_LAYER, clip_layers)
+    maps += _text_encoder_maps("lora_te2", "text_encoder_2", formats.CLIP_LAYER, clip_g_layers)
+    desc = f"SDXL UNet with block widths {tuple(cfg['block_out_channels'])}"
+    return ModelKeys("sdxl", desc, tuple(maps))
+
+
+def model_keys(model: str, configs: Mapping[str, Mapping] | None = None) -> ModelKeys:
+    """Tables for ``model`` ('flux' or 'sdxl') from component configs (see :func:`folder_configs`);
+    without configs, for the released model."""
+    configs = configs or {}
+    te = configs.get("text_encoder", {}).get("num_hidden_layers")
+    te2 = configs.get("text_encoder_2", {})
+    if model == "flux":
+        return flux_keys(configs.get("transformer"), te or formats.FLUX_DEFAULTS["clip_layers"],
+                         te2.get("num_layers", formats.FLUX_DEFAULTS["t5_layers"]))
+    if model == "sdxl":
+        return sdxl_keys(configs.get("unet"), te or formats.SDXL_CLIP_LAYERS["text_encoder"],
+                         te2.get("num_hidden_layers", formats.SDXL_CLIP_LAYERS["text_encoder_2"]))
+    raise UserError(f"unknown model '{model}'; use flux or sdxl")
+
+
+def folder_configs(base: str | Path) -> dict[str, dict]:
+    """The ``config.json`` of each component of a diffusers pipeline folder."""
+    base = Path(base)
+    if not (base / "model_index.json").is_file():
+        raise UserError(f"--base {base}: not a diffusers pipeline folder (no model_index.json)")
+    return {d.name: json.loads((d / "config.json").read_text()) for d in sorted(base.iterdir())
+            if (d / "config.json").is_file()}
+
+
+def pipeline_configs(pipe) -> dict[str, dict]:
+    """The configs of a loaded diffusers pipeline's components, as :func:`folder_configs` gives them."""
+    out = {}
+    for name, component in pipe.components.items():
+        config = getattr(component, "config", None)
+        if config is not None:
+            out[name] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return out
+
+
+# ------------------------------------------------------------------------------------- layouts and models
+
+
+def _layout_of_key(key: str) -> str | None:
+    if re.match(r"lora_(unet|te\d?)_\w+\.(lora_down\.weight|lora_up\.weight|alpha)$", key):
+        return "kohya"
+    if re.match(r"lora_(unet|te\d)\.\S+\.(lora_down\.weight|lora_up\.weight|alpha)$", key):
+        return "mindspore"
+    if re.match(r"[a-z_0-9]+\.\S+\.(lora_A\.weight|lora_B\.weight|alpha)$", key):
+        return "diffusers"
+    return None
+
+
+def detect_layout(keys: list[str], source: str) -> str:
+    """'kohya', 'diffusers' or 'mindspore'; a key in none of them, or a mix, is a UserError naming it."""
+    if not keys:
+        raise UserError(f"{source}: the file holds no tensors")
+    layouts = {}
+    for key in keys:
+        layout = _layout_of_key(key)
+        if layout is None:
+            raise UserError(f"{source}: key '{key}' is not a LoRA key in any layout dreamstep reads (Kohya "
+                            f"'lora_unet_….lora_down.weight', diffusers '<component>.….lora_A.weight', "
+                            f"MindSpore 'lora_unet.….lora_down.weight'; LoHa, LoKr and DoRA are not supported)")
+        layouts.setdefault(layout, key)
+    if len(layouts) > 1:
+        (a, ka), (b, kb) = list(layouts.items())[:2]
+        raise UserError(f"{source}: mixes LoRA layouts: '{ka}' is {a}, '{kb}' is {b}")
+    return next(iter(layouts))
+
+
+def guess_model(names: list[str]) -> tuple[str | None, str | None]:
+    """(model, the first name that tells) from module or key names, by :data:`formats.MODEL_HINTS`."""
+    for hint, model in formats.MODEL_HINTS:
+        for name in names:
+            if hint in name:
+                return model, name
+    return None, None
+
+
+# ------------------------------------------------------------------------------ state dict <-> modules
+
+
+def _alpha_from_adapter(cfg: Mapping, module: str, rank: int) -> float:
+    """PEFT's effective alpha for ``module``: alpha_pattern over lora_alpha; rsLoRA's alpha/sqrt(r) scale
+    expressed as the alpha that gives the same scale with alpha/r."""
+    pattern = cfg.get("alpha_pattern") or {}
+    alpha = float(pattern.get(get_pattern_key(list(pattern), module), cfg.get("lora_alpha", rank)))
+    return alpha * math.sqrt(rank) if cfg.get("use_rslora") else alpha
+
+
+def modules_from_file(lora: LoraFile, layout: str) -> dict[str, LoraModule]:
+    """Group a file's tensors into modules named in its layout (Kohya/MindSpore names keep their prefix,
+    diffusers names keep their component). A module's alpha defaults to its rank (scale 1)."""
+    source = str(lora.path)
+    down_s, up_s = formats.DIFFUSERS_SUFFIXES if layout == "diffusers" else formats.KOHYA_SUFFIXES
+    parts: dict[str, dict[str, torch.Tensor]] = collections.defaultdict(dict)
+    for key, tensor in lora.tensors.items():
+        for role, suffix in (("down", down_s), ("up", up_s), ("alpha", formats.ALPHA_SUFFIX)):
+            if key.endswith(suffix):
+                parts[key[: -len(suffix)]][role] = tensor
+    adapters = adapter_metadata(lora) if layout == "diffusers" else None
+    if adapters and any(k.endswith(".use_dora") and v for k, v in adapters.items()):
+        raise UserError(f"{source}: a DoRA adapter (use_dora in its header); dreamstep converts plain LoRA only")
+    modules = {}
+    for name, p in parts.items():
+        if "down" not in p or "up" not in p:
+            missing = down_s if "down" not in p else up_s
+            raise UserError(f"{source}: module '{name}' has no '{name}{missing}' tensor")
+        rank = p["down"].shape[0]
+        if p["up"].shape[1] != rank:
+            raise UserError(f"{source}: module '{name}' has rank {rank} in down but {p['up'].shape[1]} in up")
+        if "alpha" in p:
+            alpha = float(p["alpha"].item())
+        elif adapters:
+            component, _, module = name.partition(".")
+            cfg = {k.removeprefix(f"{component}."): v for k, v in adapters.items() if k.startswith(f"{component}.")}
+            alpha = _alpha_from_adapter(cfg, module, rank)
+        else:
+            alpha = float(rank)
+        modules[name] = LoraModule(p["down"], p["up"], alpha)
+    return modules
+
+
+def _alpha_tensor(alpha: float) -> torch.Tensor:
+    """alpha as a scalar tensor: float32 as sd-scripts stores it, float64 when float32 would round it."""
+    as32 = torch.tensor(alpha, dtype=torch.float32)
+    return as32 if float(as32) == alpha else torch.tensor(alpha, dtype=torch.float64)
+
+
+def kohya_state_dict(modules: Mapping[str, LoraModule]) -> dict[str, torch.Tensor]:
+    """Kohya (or MindSpore) tensors: ``<name>.lora_down.weight``, ``.lora_up.weight``, ``.alpha``."""
+    down_s, up_s = formats.KOHYA_SUFFIXES
+    out = {}
+    for name, m in modules.items():
+        out |= {name + down_s: m.down, name + up_s: m.up, name + formats.ALPHA_SUFFIX: _alpha_tensor(m.alpha)}
+    return out
+
+
+def diffusers_state_dict(modules: Mapping[str, LoraModule]) -> dict[str, torch.Tensor]:
+    """diffusers/PEFT tensors ``<component>.<module>.lora_A.weight`` / ``.lora_B.weight``; no alphas."""
+    down_s, up_s = formats.DIFFUSERS_SUFFIXES
+    out = {}
+    for name, m in modules.items():
+        out |= {name + down_s: m.down, name + up_s: m.up}
+    return out
+
+
+def _peft_pattern(module: str) -> str:
+    """A PEFT name pattern matching exactly ``module``. Patterns are regexes matched against module-path
+    suffixes; '^' anchors them (diffusers' own convention), so 'proj_out' cannot also catch
+    'single_transformer_blocks.0.proj_out'. transformers >= 5 flattened CLIPTextModel (no 'text_model.'),
+    so that prefix is optional and the file loads under old and new transformers alike."""
+    if module.startswith("text_model."):
+        return r"^(text_model\.)?" + re.escape(module.removeprefix("text_model."))
+    return "^" + re.escape(module)
+
+
+def diffusers_adapter_metadata(modules: Mapping[str, LoraModule]) -> dict[str, str]:
+    """The ``lora_adapter_metadata`` header diffusers' ``save_lora_weights`` writes: per component a PEFT
+    LoraConfig, flattened as ``<component>.<field>``, with the most common rank and alpha as ``r`` and
+    ``lora_alpha``, every other module's in ``rank_pattern`` / ``alpha_pattern``, and ``target_modules`` one
+    regex that matches the adapted modules and nothing else."""
+    by_component: dict[str, dict[str, LoraModule]] = collections.defaultdict(dict)
+    for name, m in modules.items():
+        component, _, module = name.partition(".")
+        by_component[component][module] = m
+    flat = {}
+    for component, mods in sorted(by_component.items()):
+        r = collections.Counter(m.rank for m in mods.values()).most_common(1)[0][0]
+        alpha = collections.Counter(m.alpha for m in mods.values()).most_common(1)[0][0]
+        config = {
+            "r": r,
+            "lora_alpha": alpha,
+            "rank_pattern": {_peft_pattern(k): m.rank for k, m in mods.items() if m.rank != r},
+            "alpha_pattern": {_peft_pattern(k): m.alpha for k, m in mods.items() if m.alpha != alpha},
+            "target_modules": "|".join(_peft_pattern(k)[1:] for k in sorted(mods)),
+        }
+        flat |= {f"{component}.{k}": v for k, v in config.items()}
+    return {formats.ADAPTER_METADATA_KEY: json.dumps(flat, indent=2, sort_keys=True)}
+
+
+def fold_alpha(modules: Mapping[str, LoraModule]) -> dict[str, LoraModule]:
+    """Every module with alpha == rank (scale 1), its scale multiplied into ``up``: for loaders that read
+    no alpha (diffusers given an in-memory dict or a torch file). Exact when the scale is a power of two."""
+    out = {}
+    for name, m in modules.items():
+        up = m.up if m.alpha == m.rank else (m.up.float() * m.scale).to(m.up.dtype)
+        out[name] = LoraModule(m.down, up, float(m.rank))
+    return out
+
+
+# --------------------------------------------------------------------------- one function per direction
+
+
+def _exact_alpha(scale: float, rank: int) -> float | None:
+    """An alpha (float32-representable) with alpha / rank == scale exactly, or None when there is none."""
+    alpha = float(torch.tensor(scale * rank, dtype=torch.float32))
+    return alpha if alpha / rank == scale else None
+
+
+def _unmapped(name: str, keys: ModelKeys, source: str) -> UserError:
+    model, _ = guess_model([name])
+    if model is not None and model != keys.model:
+        return UserError(f"{source}: module '{name}' has no counterpart in {formats.MODEL_NAMES[keys.model]}; "
+                         f"this LoRA looks made for {formats.MODEL_NAMES[model]}")
+    return UserError(f"{source}: module '{name}' does not exist in the target {keys.description}; "
+                     f"the LoRA was made for another model or model size (give the right --model / --base)")
+
+
+def _used_columns(up: torch.Tensor) -> tuple[int, int] | None:
+    """The span [first, last + 1) of rank columns where ``up`` is non-zero, or None when it is all zero."""
+    used = up.reshape(up.shape[0], up.shape[1], -1).abs().sum(dim=(0, 2)).nonzero().flatten()
+    return (int(used[0]), int(used[-1]) + 1) if len(used) else None
+
+
+def _split(fused: LoraModule, rows: tuple[int, ...], name: str, source: str) -> list[LoraModule | None]:
+    """A fused Kohya module as its parts. Each part's up is its rows of the fused up; when the fused up is
+    block-diagonal (it came from separate modules), each part keeps only its own columns and down rows,
+    and a part whose rows are all zero is dropped (None)."""
+    sizes = [r * fused.down.shape[1] for r in rows]
+    if fused.up.shape[0] != sum(sizes):
+        raise UserError(f"{source}: module '{name}' has {fused.up.shape[0]} output rows, the target model's "
+                        f"fused module has {sum(sizes)}; the LoRA was made for another model size")
+    ups = torch.split(fused.up, sizes)
+    spans = [_used_columns(up) for up in ups]
+    used = [s for s in spans if s is not None]
+    if used and all(a[1] <= b[0] for a, b in zip(used, used[1:])):
+        alphas = [_exact_alpha(fused.scale, s[1] - s[0]) if s else None for s in spans]
+        if all(a is not None for a, s in zip(alphas, spans) if s is not None):
+            return [LoraModule(fused.down[s[0]:s[1]], up[:, s[0]:s[1]], a) if s else None
+                    for up, s, a in zip(ups, spans, alphas)]
+    return [LoraModule(fused.down, up, fused.alpha) for up in ups]
+
+
+def _fuse(parts: list[LoraModule | None], rows: tuple[int, ...], name: str, source: str,
+          notes: list[str]) -> LoraModule:
+    """Separate diffusers modules as one fused Kohya module (inverse of :func:`_split`)."""
+    present = [p for p in parts if p is not None]
+    width = present[0].down.shape[1]
+    sizes = [r * width for r in rows]
+    for p, size in zip(parts, sizes):
+        if p is not None and p.up.shape[0] != size:
+            raise UserError(f"{source}: a part of '{name}' has {p.up.shape[0]} output rows, the target model "
+                            f"has {size}; the LoRA was made for another model size")
+    scales = {p.scale for p in present}
+    if len(present) == len(parts) and len(scales) == 1 and all(torch.equal(p.down, present[0].down) for p in present):
+        # Parts that share one down (a split Kohya module): stack the ups back, same rank and alpha.
+        return LoraModule(present[0].down, torch.cat([p.up for p in parts]), present[0].alpha)
+    rank = sum(p.rank for p in present)
+    alpha = _exact_alpha(scales.pop(), rank) if len(scales) == 1 else None
+    fold = alpha is None
+    if fold:
+        alpha = float(rank)
+        notes.append(f"'{name}': its parts have different scales (alpha/rank); the scales are folded into "
+                     f"lora_up and alpha = rank = {rank}")
+    dtype = present[0].up.dtype
+    up = torch.zeros(sum(sizes), rank, dtype=dtype)
+    row = col = 0
+    for p, size in zip(parts, sizes):
+        if p is not None:
+            block = (p.up.float() * (p.scale / (alpha / rank))).to(dtype) if fold else p.up
+            up[row:row + size, col:col + p.rank] = block
+            col += p.rank
+        row += size
+    return LoraModule(torch.cat([p.down for p in present]), up, alpha)
+
+
+def kohya_to_diffusers(modules: Mapping[str, LoraModule], keys: ModelKeys, source: str) -> dict[str, LoraModule]:
+    """Kohya-named modules -> diffusers-named modules (fused FLUX modules split into their parts)."""
+    out = {}
+    for name, m in modules.items():
+        entry = keys.by_kohya.get(name)
+        if entry is None:
+            raise _unmapped(name, keys, source)
+        if len(entry.diffusers) == 1:
+            out[entry.diffusers[0]] = m
+            continue
+        for part_name, part in zip(entry.diffusers, _split(m, entry.rows, name, source)):
+            if part is not None:
+                out[part_name] = part
+    return out
+
+
+def diffusers_to_kohya(modules: Mapping[str, LoraModule], keys: ModelKeys, source: str,
+                       notes: list[str]) -> dict[str, LoraModule]:
+    """diffusers-named modules -> Kohya-named modules (FLUX q, k, v (, mlp) fused); folds go to ``notes``."""
+    out = {}
+    for name in modules:
+        if name not in keys.by_diffusers:
+            raise _unmapped(name, keys, source)
+    for entry in keys.maps:
+        parts = [modules.get(n) for n in entry.diffusers]
+        if all(p is None for p in parts):
+            continue
+        out[entry.kohya] = parts[0] if len(parts) == 1 else _fuse(parts, entry.rows, entry.kohya, source, notes)
+    return out
+
+
+def mindspore_to_diffusers(modules: Mapping[str, LoraModule], keys: ModelKeys, source: str) -> dict[str, LoraModule]:
+    """MindSpore port names (``lora_unet.<diffusers module>``) -> diffusers names (``unet.<module>``)."""
+    prefixes = formats.KOHYA_PREFIXES[keys.model]
+    out = {}
+    for name, m in modules.items():
+        prefix, _, module = name.partition(".")
+        ours = f"{prefixes.get(prefix, prefix)}.{module}"
+        if prefix not in prefixes or ours not in keys.by_diffusers:
+            raise _unmapped(name, keys, source)
+        out[ours] = m
+    return out
+
+
+def diffusers_to_mindspore(modules: Mapping[str, LoraModule], keys: ModelKeys, source: str) -> dict[str, LoraModule]:
+    """diffusers names -> MindSpore port names (inverse of :func:`mindspore_to_diffusers`)."""
+    prefixes = {v: k for k, v in formats.KOHYA_PREFIXES[keys.model].items()}
+    out = {}
+    for name, m in modules.items():
+        component, _, module = name.partition(".")
+        if component not in prefixes or name not in keys.by_diffusers:
+            raise _unmapped(name, keys, source)
+        out[f"{prefixes[component]}.{module}"] = m
+    return out
+
+
+def diffusers_check(modules: Mapping[str, LoraModule], keys: ModelKeys, source: str) -> dict[str, LoraModule]:
+    """diffusers names, each checked to exist in the target model."""
+    for name in modules:
+        if name not in keys.by_diffusers:
+            raise _unmapped(name, keys, source)
+    return dict(modules)
+
+
+# ------------------------------------------------------------------------------------------ files
+
+
+@dataclass
+class Lora:
+    """A LoRA file read into modules named in its own layout, with what was detected about it."""
+
+    path: Path
+    container: str
+    layout: str
+    model: str | None
+    modules: dict[str, LoraModule]
+    metadata: dict[str, str]
+
+    @property
+    def format(self) -> str:
+        """e.g. 'kohya-flux', 'diffusers-sdxl', 'mindspore-sdxl'."""
+        return f"{self.layout}-{self.model or 'unknown'}"
+
+
+def read_lora(path: str | Path, model: str | None = None) -> Lora:
+    """Read and classify a LoRA file; ``model`` ('flux'/'sdxl'), when given, must be the one it was made for."""
+    lora_file = read_lora_file(path)
+    source = str(lora_file.path)
+    layout = detect_layout(list(lora_file.tensors), source)
+    modules = modules_from_file(lora_file, layout)
+    guessed, evidence = guess_model(list(modules))
+    if guessed is None and layout == "mindspore":
+        guessed = "sdxl"  # the MindSpore port trains SDXL only
+    if guessed == "sd1":
+        raise UserError(f"{source}: module '{evidence}' is Stable Diffusion 1.x/2.x naming; dreamstep converts "
+                        f"FLUX.1 and SDXL LoRAs")
+    if model is not None and guessed is not None and guessed != model:
+        raise UserError(f"{source}: module '{evidence}' has no counterpart in {formats.MODEL_NAMES[model]}; "
+                        f"this LoRA looks made for {formats.MODEL_NAMES[guessed]}")
+    return Lora(lora_file.path, lora_file.container, layout, model or guessed, modules, lora_file.metadata)
+
+
+def to_diffusers(lora: Lora, keys: ModelKeys) -> dict[str, LoraModule]:
+    """A read LoRA's modules under diffusers names, each checked to exist in ``keys``' model."""
+    source = str(lora.path)
+    if lora.layout == "kohya":
+        return kohya_to_diffusers(lora.modules, keys, source)
+    if lora.layout == "mindspore":
+        return mindspore_to_diffusers(lora.modules, keys, source)
+    return diffusers_check(lora.modules, keys, source)
+
+
+def _keys_for(lora: Lora, configs: Mapping[str, Mapping] | None) -> ModelKeys:
+    if lora.model is None:
+        raise UserError(f"{lora.path}: cannot tell whether this LoRA is for FLUX.1 or SDXL (it adapts only "
+                        f"text encoders); pass --model flux or --model sdxl")
+    return model_keys(lora.model, configs)
+
+
+def load_lora_as_diffusers(path: str | Path, model: str,
+                           configs: Mapping[str, Mapping] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Any LoRA file as a diffusers-layout state dict that ``pipe.load_lora_weights(state_dict)`` loads with
+    the right scales, and the file's metadata. diffusers reads no alpha from an in-memory dict, so each
+    module's alpha/rank is folded into lora_B. ``configs`` (from :func:`pipeline_configs` or
+    :func:`folder_configs`) names the model's size; without it, the released model's."""
+    lora = read_lora(path, model)
+    modules = fold_alpha(to_diffusers(lora, _keys_for(lora, configs)))
+    return diffusers_state_dict(modules), lora.metadata
+
+
+@dataclass
+class Converted:
+    """What :func:`convert_lora` did."""
+
+    source: Lora
+    target_format: str
+    container: str
+    modules: int
+    notes: list[str]
+
+
+def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = None, dtype: str | None = None,
+                 configs: Mapping[str, Mapping] | None = None, overwrite: bool = False) -> Converted:
+    """Convert ``src`` to layout ``to`` ('kohya', 'diffusers', 'mindspore') at ``dst`` (the suffix picks the
+    container). diffusers layout in .safetensors keeps every alpha in the adapter-metadata header; in a torch
+    file, which has no header, alpha is folded into lora_B."""
+    if to not in LAYOUTS:
+        raise UserError(f"--to {to}: unknown layout; use one of {', '.join(LAYOUTS)}{did_you_mean(to, LAYOUTS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}{did_you_mean(dtype, DTYPES)}")
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and not overwrite:
+        raise UserError(f"{dst} exists; choose another output path or pass --overwrite")
+    if dst.resolve() == src.resolve():
+        raise UserError(f"{dst}: the output must not be the input file")
+    container = "mindspore" if to == "mindspore" else container_for(dst)
+    if to == "mindspore" and dst.suffix.lower() != ".ckpt":
+        raise UserError(f"{dst}: a MindSpore checkpoint must end in .ckpt")
+    lora = read_lora(src, model)
+    keys = _keys_for(lora, configs)
+    if to == "mindspore" and keys.model != "sdxl":
+        raise UserError(f"--to mindspore: the MindSpore port's layout exists for SDXL only, this LoRA is "
+                        f"for {formats.MODEL_NAMES[keys.model]}")
+    notes: list[str] = []
+    ours = to_diffusers(lora, keys)
+    if to == "kohya":
+        out = diffusers_to_kohya(ours, keys, str(src), notes)
+    elif to == "mindspore":
+        out = diffusers_to_mindspore(ours, keys, str(src))
+    elif container == "safetensors":
+        out = ours
+    else:
+        out = fold_alpha(ours)
+        if any(m.alpha != m.rank for m in ours.values()):
+            notes.append("a torch file has no header for the adapter config: alpha/rank is folded into lora_B")
+    if dtype is not None:
+        out = {k: LoraModule(m.down.to(DTYPES[dtype]), m.up.to(DTYPES[dtype]), m.alpha) for k, m in out.items()}
+    if to == "diffusers":
+        tensors = diffusers_state_dict(out)
+        metadata = diffusers_adapter_metadata(out) if container == "safetensors" else {}
+    else:
+        tensors = kohya_state_dict(out)
+        metadata = {}
+    if container == "safetensors":
+        carried = {k: v for k, v in lora.metadata.items() if k not in (formats.ADAPTER_METADATA_KEY, "format")}
+        metadata = {**carried, **metadata, "dreamstep_converted_from": lora.format}
+    write_lora_file(dst, tensors, metadata, container)
+    return Converted(lora, f"{to}-{keys.model}", container, len(out), notes)
