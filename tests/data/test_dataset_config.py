@@ -110,7 +110,8 @@ def test_precedence_subset_dataset_general_cli():
 def test_load_from_file(tmp_path: Path):
     path = tmp_path / "dataset.toml"
     path.write_text("[general]\nenable_bucket = true\n[[datasets]]\nresolution = 1024\nbatch_size = 2\n"
-                    "  [[datasets.subsets]]\n  image_dir = 'x'\n  class_tokens = 'sks dog'\n  caption_extension = 'txt'\n")
+                    "  [[datasets.subsets]]\n  image_dir = 'x'\n  class_tokens = 'sks dog'\n"
+                    "  caption_extension = 'txt'\n")
     (config,) = load_dataset_config(path)
     assert config.buckets.enable_bucket and config.batch_size == 2
     assert config.subsets[0].class_tokens == "sks dog" and config.subsets[0].caption_extension == ".txt"

@@ -35,7 +35,8 @@ def test_class_identifier_method(image_folder):
 
 def test_caption_method_reads_first_line(image_folder):
     folder = image_folder("dog", {"a.png": (64, 64), "b.png": (64, 64)},
-                          captions={"a": "a photo of sks dog\nsecond line", "b": "  sks dog on grass  "}, extension=".txt")
+                          captions={"a": "a photo of sks dog\nsecond line", "b": "  sks dog on grass  "},
+                          extension=".txt")
     records = records_of(dataset({"image_dir": str(folder), "caption_extension": ".txt"}))
     assert captions(records) == {"a.png": "a photo of sks dog", "b.png": "sks dog on grass"}
 

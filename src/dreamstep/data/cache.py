@@ -103,9 +103,9 @@ class TensorCache:
 
 def latents_for_batch(batch: dict[str, Any], encode: Callable[[torch.Tensor], torch.Tensor],
                       cache: TensorCache | None, prefix: str = "") -> torch.Tensor:
-    """The batch's latents (B, C, h, w), on the CPU when a cache is used: from the cache where present, else ``encode(pixel_values)`` for
-    the samples that came with pixels, stored for later epochs and runs. ``prefix="conditioning_"`` does
-    the same for ControlNet conditioning images."""
+    """The batch's latents (B, C, h, w), on the CPU when a cache is used: from the cache where present,
+    else ``encode(pixel_values)`` for the samples that came with pixels, stored for later epochs and runs.
+    ``prefix="conditioning_"`` does the same for ControlNet conditioning images."""
     pixels, positions = batch[f"{prefix}pixel_values"], batch[f"{prefix}pixel_items"]
     if cache is None:
         if len(positions) != len(batch["captions"]):

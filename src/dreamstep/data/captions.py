@@ -2,6 +2,10 @@
 shuffleable tags (``keep_tokens`` or ``keep_tokens_separator``), shuffle, tag dropout, join, secondary
 separator. All randomness comes from the generator passed in, so a caption is reproducible from
 (seed, epoch, sample).
+
+One deliberate difference: sd-scripts leaves ``keep_tokens_separator`` (e.g. ``|||``) in the caption when
+neither shuffling nor tag dropout is on; here the marker is always removed, so it never reaches the text
+encoder.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ exactly the batches the interrupted run would have seen next.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -84,7 +85,7 @@ class BucketDataset(Dataset):
             self._add_pixels(item, "conditioning_", record.conditioning.path, record.image.size, placement)
         return item
 
-    def _add_pixels(self, item: dict[str, Any], prefix: str, path: Any, size: tuple[int, int],
+    def _add_pixels(self, item: dict[str, Any], prefix: str, path: Path, size: tuple[int, int],
                     placement: Placement) -> None:
         key = item[f"{prefix or 'image_'}key"]
         cached = self.latent_cache.get(key) if self.latent_cache is not None else None

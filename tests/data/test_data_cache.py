@@ -1,0 +1,102 @@
+"""The content-keyed cache: hits on unchanged content, misses on changed bytes, transform or model."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dreamstep.data.buckets import BucketSpec
+from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
+from dreamstep.data.dataset import build_dataset, collate
+from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig
+from dreamstep.errors import UserError
+
+from data_testkit import write_gradient
+
+
+def fake_vae(pixels: torch.Tensor) -> torch.Tensor:
+    """A stand-in encoder with the VAE's shape contract: (B, 3, H, W) -> (B, 4, H/8, W/8)."""
+    pooled = torch.nn.functional.avg_pool2d(pixels, 8)
+    return torch.cat([pooled, pooled.mean(1, keepdim=True)], dim=1)
+
+
+class CountingEncoder:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, pixels):
+        self.calls += pixels.shape[0]
+        return fake_vae(pixels)
+
+
+def config(folder: Path, random_crop=False, flip=False) -> DatasetConfig:
+    subset = SubsetConfig(where="test", image_dir=folder, class_tokens="sks", caption_extension=None,
+                          random_crop=random_crop, flip_aug=flip)
+    return DatasetConfig("test", "dreambooth", BucketSpec((64, 64)), 1, (subset,))
+
+
+def test_hit_on_unchanged_content_across_runs(tmp_path: Path):
+    folder = tmp_path / "imgs"
+    write_gradient(folder / "a.png", (96, 64))
+    cache_dir = tmp_path / "cache"
+    encoder = CountingEncoder()
+    first_run = TensorCache(cache_dir, "vae@v1", image_dirs=[folder])
+    batch = collate([build_dataset([config(folder)], seed=0, latent_cache=first_run)[0]])
+    latents = latents_for_batch(batch, encoder, first_run)
+    assert encoder.calls == 1 and latents.shape == (1, 4, 8, 8)
+
+    second_run = TensorCache(cache_dir, "vae@v1", image_dirs=[folder])
+    item = build_dataset([config(folder)], seed=0, latent_cache=second_run)[0]
+    assert "pixel_values" not in item  # served from the cache, no image decode
+    again = latents_for_batch(collate([item]), encoder, second_run)
+    assert encoder.calls == 1 and torch.equal(again, latents)
+    assert not any(p.suffix == ".safetensors" for p in folder.rglob("*"))
+
+
+def test_miss_on_changed_bytes_transform_or_model(tmp_path: Path):
+    folder = tmp_path / "imgs"
+    write_gradient(folder / "a.png", (96, 64))
+    cache = TensorCache(tmp_path / "cache", "vae@v1")
+    key = build_dataset([config(folder)], seed=0)[0]["image_key"]
+    cache.put(key, {"latents": torch.ones(4, 8, 8)})
+    assert cache.get(key) is not None
+    assert TensorCache(tmp_path / "cache", "vae@v2").get(key) is None  # another model
+    flipped = build_dataset([config(folder, flip=True)], seed=0)
+    keys = {flipped[(0, e)]["image_key"] for e in range(8)}
+    assert key in keys and len(keys) == 2  # the flipped transform is its own entry
+    write_gradient(folder / "a.png", (96, 65))  # new bytes (and size)
+    changed = build_dataset([config(folder)], seed=0)[0]["image_key"]
+    assert changed != key and cache.get(changed) is None
+
+
+def test_text_entries_keyed_by_caption(tmp_path: Path):
+    cache = TensorCache(tmp_path / "cache", "t5@abc")
+    calls = []
+
+    def encode(missing):
+        calls.append(list(missing))
+        return {"prompt_embeds": torch.arange(len(missing), dtype=torch.float32)[:, None].repeat(1, 3)}
+
+    keys = [text_content_key(c) for c in ["a dog", "a cat"]]
+    first = cache.get_or_compute(keys, encode)
+    second = cache.get_or_compute([keys[1], text_content_key("a cow"), keys[0]], encode)
+    assert calls == [[0, 1], [1]]
+    assert torch.equal(second["prompt_embeds"][0], first["prompt_embeds"][1])
+    assert torch.equal(second["prompt_embeds"][2], first["prompt_embeds"][0])
+
+
+def test_cache_never_inside_image_folder(tmp_path: Path):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    with pytest.raises(UserError, match="is inside the image folder"):
+        TensorCache(folder / "cache", "vae", image_dirs=[folder])
+
+
+def test_unreadable_entry_is_a_miss_and_is_rewritten(tmp_path: Path):
+    cache = TensorCache(tmp_path / "cache", "vae")
+    cache.path("k").parent.mkdir(parents=True, exist_ok=True)
+    cache.path("k").write_bytes(b"half a file")
+    assert cache.get("k") is None
+    cache.put("k", {"latents": torch.zeros(2)})
+    assert torch.equal(cache.get("k")["latents"], torch.zeros(2))
+    assert not list(cache.path("k").parent.glob("*.tmp"))
