@@ -1,0 +1,186 @@
+"""Load FLUX.1 and SDXL components from a diffusers folder, a hub id or a single-file checkpoint.
+
+The loading itself is diffusers' (``from_pretrained`` / ``from_single_file``); this module decides
+which one applies, checks the input first so that a wrong path gets one line that names it and the
+fix, and turns loader failures (missing files, no network) into such lines too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import FluxPipeline, FluxTransformer2DModel, StableDiffusionXLPipeline
+from safetensors import SafetensorError, safe_open
+
+from dreamstep.errors import UserError
+from dreamstep.models.sgm_keys import UNET_PREFIX
+
+CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
+# "owner/name" as on the hub; anything else that does not exist locally is a mistyped path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Loader failures that mean "these files cannot be loaded" rather than a bug in dreamstep.
+_LOAD_ERRORS = (OSError, ValueError, SafetensorError)
+
+
+@dataclass
+class FluxComponents:
+    """The seven parts of a FLUX.1 pipeline, named as in ``FluxPipeline``."""
+
+    tokenizer: Any
+    tokenizer_2: Any
+    text_encoder: torch.nn.Module
+    text_encoder_2: torch.nn.Module
+    vae: torch.nn.Module
+    transformer: torch.nn.Module
+    scheduler: Any
+
+
+@dataclass
+class SDXLComponents:
+    """The seven parts of an SDXL pipeline, named as in ``StableDiffusionXLPipeline``."""
+
+    tokenizer: Any
+    tokenizer_2: Any
+    text_encoder: torch.nn.Module
+    text_encoder_2: torch.nn.Module
+    vae: torch.nn.Module
+    unet: torch.nn.Module
+    scheduler: Any
+
+
+def _components(pipe: Any, cls: type) -> Any:
+    return cls(**{name: getattr(pipe, name) for name in cls.__dataclass_fields__})
+
+
+def _check_pipeline_folder(folder: Path, cls: type, pipeline: str) -> None:
+    """Fail early, naming the folder, when it is not a complete ``pipeline`` folder."""
+    index_path = folder / "model_index.json"
+    if not index_path.is_file():
+        raise UserError(f"{folder} is not a diffusers pipeline folder (no model_index.json); give "
+                        f"the folder that holds model_index.json, or a hub id")
+    index = json.loads(index_path.read_text(encoding="utf-8"))
+    missing = [name for name in cls.__dataclass_fields__
+               if not isinstance(index.get(name), list) or index[name][0] is None]
+    if missing:
+        found = index.get("_class_name", "an unknown pipeline")
+        raise UserError(f"{folder} holds {found}, not a {pipeline}: model_index.json has no "
+                        f"{', '.join(missing)}; give a {pipeline} folder")
+    absent = [name for name in cls.__dataclass_fields__ if not (folder / name).is_dir()]
+    if absent:
+        raise UserError(f"{folder} is incomplete: no {', '.join(s + '/' for s in absent)} folder "
+                        "listed in model_index.json; copy or download the whole pipeline folder")
+
+
+def _folder_or_hub_id(source: str | Path, cls: type, pipeline: str) -> str:
+    """Return ``source`` for ``from_pretrained``: a checked local folder, or a hub id."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        _check_pipeline_folder(path, cls, pipeline)
+        return str(path)
+    if path.exists():
+        raise UserError(f"'{source}' is a file, not a {pipeline} folder; give the folder that holds "
+                        "model_index.json")
+    if isinstance(source, str) and _HUB_ID.match(source) and not source.endswith(CHECKPOINT_SUFFIXES):
+        return source
+    raise UserError(f"model path '{source}' does not exist; give a {pipeline} folder or a "
+                    "Hugging Face hub id such as 'owner/model'")
+
+
+def _load_error(source: str, error: Exception) -> UserError:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if not Path(source).exists():
+        return UserError(f"could not load '{source}' from the Hugging Face hub ({reason}); check the "
+                         "id and your network (HF_HUB_OFFLINE must be unset to download), or give a "
+                         "local folder")
+    return UserError(f"could not load '{source}': {reason}")
+
+
+def load_flux(pretrained_model_name_or_path: str | Path, *, revision: str | None = None,
+              variant: str | None = None, transformer_single_file: str | Path | None = None,
+              weight_dtype: torch.dtype = torch.float32) -> FluxComponents:
+    """Load a FLUX.1 pipeline's components, all in ``weight_dtype``.
+
+    ``transformer_single_file`` replaces the folder's transformer with one file (original BFL layout,
+    like ``flux1-dev.safetensors``, or diffusers layout), configured from the folder's
+    ``transformer/config.json``.
+    """
+    source = _folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
+    overrides = {}
+    if transformer_single_file is not None:
+        file = _check_checkpoint_file(transformer_single_file, "transformer single file")
+        try:
+            overrides["transformer"] = FluxTransformer2DModel.from_single_file(
+                str(file), config=source, subfolder="transformer", torch_dtype=weight_dtype)
+        except _LOAD_ERRORS as e:
+            raise UserError(f"could not load the FLUX transformer from {file}: {e}") from e
+    try:
+        pipe = FluxPipeline.from_pretrained(source, revision=revision, variant=variant,
+                                            torch_dtype=weight_dtype, **overrides)
+    except _LOAD_ERRORS as e:
+        raise _load_error(source, e) from e
+    return _components(pipe, FluxComponents)
+
+
+def _check_checkpoint_file(path: str | Path, what: str) -> Path:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserError(f"{what} {file} does not exist; check the path")
+    if file.suffix not in CHECKPOINT_SUFFIXES:
+        raise UserError(f"{what} {file} is not a checkpoint (expected one of "
+                        f"{', '.join(CHECKPOINT_SUFFIXES)})")
+    return file
+
+
+def _check_sdxl_safetensors(file: Path) -> None:
+    """Read only the header: is this an SDXL checkpoint in the original (SGM) layout?"""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{file} is not a readable .safetensors file ({e}); re-download it") from e
+    if not any(key.startswith(UNET_PREFIX) for key in keys):
+        raise UserError(f"{file} is not an SDXL single-file checkpoint: it has no '{UNET_PREFIX}*' "
+                        "keys (a LoRA or a lone UNet/VAE file?); give a full checkpoint such as "
+                        "sd_xl_base_1.0.safetensors, or a diffusers folder")
+
+
+def _load_sdxl_single_file(file: Path, config: str | Path | None,
+                           weight_dtype: torch.dtype) -> StableDiffusionXLPipeline:
+    if file.suffix == ".safetensors":
+        _check_sdxl_safetensors(file)
+    kwargs: dict[str, Any] = {"torch_dtype": weight_dtype}
+    if config is not None:
+        kwargs["config"] = _folder_or_hub_id(config, SDXLComponents, "StableDiffusionXLPipeline")
+    try:
+        return StableDiffusionXLPipeline.from_single_file(str(file), **kwargs)
+    except _LOAD_ERRORS as e:
+        hint = ("" if config is not None else "; offline, pass config= a diffusers SDXL folder "
+                "(for the model configs and tokenizers)")
+        raise UserError(f"could not load the SDXL checkpoint {file}: {e}{hint}") from e
+
+
+def load_sdxl(path_or_id_or_single_file: str | Path, *, revision: str | None = None,
+              variant: str | None = None, config: str | Path | None = None,
+              weight_dtype: torch.dtype = torch.float32) -> SDXLComponents:
+    """Load an SDXL pipeline's components, all in ``weight_dtype``, from a diffusers folder, a hub id
+    or a single-file checkpoint (``.safetensors`` / ``.ckpt``, original SGM layout).
+
+    For a single file, ``config`` names a diffusers SDXL folder or hub id that supplies the model
+    configs, tokenizers and scheduler; without it diffusers fetches them from the hub.
+    """
+    source = Path(path_or_id_or_single_file).expanduser()
+    if source.is_file() or str(path_or_id_or_single_file).endswith(CHECKPOINT_SUFFIXES):
+        file = _check_checkpoint_file(source, "SDXL checkpoint")
+        return _components(_load_sdxl_single_file(file, config, weight_dtype), SDXLComponents)
+    name = _folder_or_hub_id(path_or_id_or_single_file, SDXLComponents, "StableDiffusionXLPipeline")
+    try:
+        pipe = StableDiffusionXLPipeline.from_pretrained(name, revision=revision, variant=variant,
+                                                         torch_dtype=weight_dtype)
+    except _LOAD_ERRORS as e:
+        raise _load_error(name, e) from e
+    return _components(pipe, SDXLComponents)

@@ -1,0 +1,60 @@
+"""The precision policy of FLUX/SDXL LoRA and ControlNet training (seed 001).
+
+=============  ===================  =====================================
+               frozen weights       trainable weights (LoRA, ControlNet)
+=============  ===================  =====================================
+parameters     bf16 / fp16          fp32
+computation    bf16 / fp16          bf16 / fp16 (autocast)
+=============  ===================  =====================================
+
+Frozen weights are only read, so half precision halves their memory at no cost to training. Trainable
+weights stay fp32 because the optimizer updates them in their own dtype: fp16/bf16 updates of
+``lr * grad`` (often below 1e-3 of the weight) round away or overflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from dreamstep.errors import UserError, did_you_mean
+
+_DTYPES = {"no": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def weight_dtype_for(mixed_precision: str) -> torch.dtype:
+    """dtype of the frozen weights for ``--mixed_precision`` ("no", "fp32", "fp16" or "bf16")."""
+    if mixed_precision not in _DTYPES:
+        raise UserError(f"--mixed_precision '{mixed_precision}' is not one of "
+                        f"{', '.join(_DTYPES)}{did_you_mean(mixed_precision, _DTYPES)}")
+    return _DTYPES[mixed_precision]
+
+
+def freeze(*modules: torch.nn.Module | None) -> None:
+    """Stop gradients to every parameter of the given modules (``None`` entries are skipped)."""
+    for module in modules:
+        if module is not None:
+            module.requires_grad_(False)
+
+
+def cast_trainable_params_to_fp32(*modules: torch.nn.Module) -> int:
+    """Upcast the parameters that require gradients to fp32, in place; return how many there were.
+
+    Call after casting the model to the half-precision weight dtype and adding adapters.
+    """
+    count = 0
+    for module in modules:
+        for param in module.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
+                count += 1
+    return count
+
+
+def autocast(device_type: str, mixed_precision: str) -> contextlib.AbstractContextManager:
+    """Half-precision compute for ``fp16``/``bf16`` (fp32 weights are cast per op), else nothing."""
+    dtype = weight_dtype_for(mixed_precision)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
