@@ -11,12 +11,12 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from dreamstep.models.tiny import SINGLE_FILE_NAME, write_tiny_model  # noqa: E402
+from dreamstep.models.tiny import SINGLE_FILE_NAME, write_tiny_model
 
 # Two cores on the CI machine; a fixed count also keeps float results reproducible run to run.
 torch.set_num_threads(2)

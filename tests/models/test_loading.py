@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from dreamstep.errors import UserError
-from dreamstep.models.loading import FluxComponents, SDXLComponents, load_flux, load_sdxl
+from dreamstep.models.loading import (
+    FluxComponents,
+    SDXLComponents,
+    load_flux,
+    load_sdxl,
+)
 
 
 def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:

@@ -95,7 +95,7 @@ class KeyMappingError(KeyError):
 def _layers_per_block(unet_config: Mapping[str, Any]) -> int:
     layers = unet_config["layers_per_block"]
     if not isinstance(layers, int):
-        raise ValueError(f"SGM layout needs one layers_per_block for all levels, got {layers}")
+        raise TypeError(f"SGM layout needs one layers_per_block for all levels, got {layers}")
     return layers
 
 

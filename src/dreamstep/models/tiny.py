@@ -304,7 +304,8 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
                         help=f"sdxl only: also write OUT/{SINGLE_FILE_NAME} in the original "
                              "(SGM) key layout, like sd_xl_base_1.0.safetensors")
     parser.add_argument("--overwrite", action="store_true",
-                        help="write into OUT even if it is not empty")
+                        help="write into OUT even if it is not empty (files of the same name "
+                             "are replaced)")
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
