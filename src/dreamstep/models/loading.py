@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel, StableDiffusionXLPipeline
+from diffusers.utils import deprecation_utils
 from safetensors import SafetensorError, safe_open
 
 from dreamstep.errors import UserError
@@ -23,6 +24,8 @@ from dreamstep.models.sgm_keys import UNET_PREFIX
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 # "owner/name" as on the hub; anything else that does not exist locally is a mistyped path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Newer diffusers name the loaders' dtype argument `dtype` and warn on the older `torch_dtype`.
+_DTYPE_KWARG = "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
 # Loader failures that mean "these files cannot be loaded" rather than a bug in dreamstep.
 _LOAD_ERRORS = (OSError, ValueError, SafetensorError)
 
@@ -115,12 +118,12 @@ def load_flux(pretrained_model_name_or_path: str | Path, *, revision: str | None
         file = _check_checkpoint_file(transformer_single_file, "transformer single file")
         try:
             overrides["transformer"] = FluxTransformer2DModel.from_single_file(
-                str(file), config=source, subfolder="transformer", torch_dtype=weight_dtype)
+                str(file), config=source, subfolder="transformer", **{_DTYPE_KWARG: weight_dtype})
         except _LOAD_ERRORS as e:
             raise UserError(f"could not load the FLUX transformer from {file}: {e}") from e
     try:
         pipe = FluxPipeline.from_pretrained(source, revision=revision, variant=variant,
-                                            torch_dtype=weight_dtype, **overrides)
+                                            **{_DTYPE_KWARG: weight_dtype}, **overrides)
     except _LOAD_ERRORS as e:
         raise _load_error(source, e) from e
     return _components(pipe, FluxComponents)
@@ -153,7 +156,7 @@ def _load_sdxl_single_file(file: Path, config: str | Path | None,
                            weight_dtype: torch.dtype) -> StableDiffusionXLPipeline:
     if file.suffix == ".safetensors":
         _check_sdxl_safetensors(file)
-    kwargs: dict[str, Any] = {"torch_dtype": weight_dtype}
+    kwargs: dict[str, Any] = {_DTYPE_KWARG: weight_dtype}
     if config is not None:
         kwargs["config"] = _folder_or_hub_id(config, SDXLComponents, "StableDiffusionXLPipeline")
     try:
@@ -180,7 +183,7 @@ def load_sdxl(path_or_id_or_single_file: str | Path, *, revision: str | None = N
     name = _folder_or_hub_id(path_or_id_or_single_file, SDXLComponents, "StableDiffusionXLPipeline")
     try:
         pipe = StableDiffusionXLPipeline.from_pretrained(name, revision=revision, variant=variant,
-                                                         torch_dtype=weight_dtype)
+                                                         **{_DTYPE_KWARG: weight_dtype})
     except _LOAD_ERRORS as e:
         raise _load_error(name, e) from e
     return _components(pipe, SDXLComponents)
