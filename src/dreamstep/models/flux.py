@@ -4,8 +4,14 @@ encoding, all through diffusers' own ``FluxPipeline`` helpers so the layout matc
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 from diffusers import AutoencoderKL, FluxPipeline
+from PIL import Image
+
+from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -56,3 +62,78 @@ def clip_input_ids(pipeline: FluxPipeline, prompts: list[str]) -> torch.Tensor:
 def text_ids(sequence_length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Position ids of the text tokens: all zero, (S, 3), as in ``FluxPipeline.encode_prompt``."""
     return torch.zeros(sequence_length, 3, device=device, dtype=dtype)
+
+
+def assemble_pipeline(components: Any, transformer: torch.nn.Module | None = None) -> FluxPipeline:
+    """A ``FluxPipeline`` over already-loaded components (no copies); ``transformer`` overrides theirs."""
+    parts = {name: getattr(components, name) for name in
+             ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "transformer")}
+    if transformer is not None:
+        parts["transformer"] = transformer
+    return FluxPipeline(**parts)
+
+
+def component_identity(source: str | Path, subfolder: str, *, revision: str | None = None,
+                       variant: str | None = None, extra: str = "") -> str:
+    """A string naming one component's weights, for cache keys: the source, revision and variant, and for
+    a local folder the size and modification time of each weight file (so replaced weights miss)."""
+    parts = [str(source), subfolder, str(revision), str(variant), extra]
+    folder = Path(source) / subfolder
+    if folder.is_dir():
+        parts.append(str(folder.resolve()))
+        for file in sorted(folder.iterdir()):
+            stat = file.stat()
+            parts.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return "|".join(parts)
+
+
+class FluxConditioner:
+    """Turns a collated batch into the step's inputs: VAE posteriors from the latent cache and prompt
+    embeddings from the text cache, encoding (and storing) only what is not cached yet."""
+
+    def __init__(self, pipeline: FluxPipeline, *, latent_cache: TensorCache | None, text_cache: TensorCache,
+                 max_sequence_length: int, device: torch.device, clip_ids: bool = False):
+        self.pipeline = pipeline
+        self.latent_cache = latent_cache
+        self.text_cache = text_cache
+        self.max_sequence_length = max_sequence_length
+        self.device = device
+        self.clip_ids = clip_ids
+
+    def latents(self, batch: dict[str, Any], prefix: str = "") -> torch.Tensor:
+        """(B, 2C, h, w) posterior mean and std of the batch's images (or its conditioning images)."""
+        def encode(pixels: torch.Tensor) -> torch.Tensor:
+            return encode_posterior(self.pipeline.vae, pixels.to(self.device)).cpu()
+
+        return latents_for_batch(batch, encode, self.latent_cache, prefix=prefix).to(self.device)
+
+    def prompts(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        """T5 embeddings (B, S, D), CLIP pooled (B, P) and text ids (S, 3) for the captions."""
+        def encode(missing: list[int]) -> dict[str, torch.Tensor]:
+            return encode_prompts(self.pipeline, [captions[i] for i in missing], self.max_sequence_length)
+
+        found = self.text_cache.get_or_compute([text_content_key(c) for c in captions], encode)
+        embeds = found["prompt_embeds"].to(self.device)
+        inputs = {"prompt_embeds": embeds, "pooled": found["pooled"].to(self.device),
+                  "text_ids": text_ids(embeds.shape[1], self.device, embeds.dtype)}
+        if self.clip_ids:
+            inputs["clip_input_ids"] = clip_input_ids(self.pipeline, captions).to(self.device)
+        return inputs
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {"latent_dist": self.latents(batch), **self.prompts(batch["captions"]),
+                "is_reg": batch["is_reg"].to(self.device)}
+
+
+@torch.no_grad()
+def generate(pipeline: FluxPipeline, prompts: list[str], *, seed: int, steps: int, guidance_scale: float,
+             height: int, width: int, max_sequence_length: int = 512, **pipeline_kwargs: Any) -> list[Image.Image]:
+    """One image per prompt, each from its own generator seeded ``seed + i`` (reproducible one by one)."""
+    images = []
+    for i, prompt in enumerate(prompts):
+        generator = torch.Generator("cpu").manual_seed(seed + i)
+        result = pipeline(prompt=prompt, num_inference_steps=steps, guidance_scale=guidance_scale,
+                          height=height, width=width, generator=generator,
+                          max_sequence_length=max_sequence_length, **pipeline_kwargs)
+        images.append(result.images[0])
+    return images
