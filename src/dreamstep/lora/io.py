@@ -103,7 +103,9 @@ def write_lora_file(path: str | Path, tensors: dict[str, torch.Tensor], metadata
     """Write atomically (a temporary file renamed into place). Only safetensors keeps ``metadata``."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    # Own copies: split or shared tensors (one down behind q, k and v) are views of one storage,
+    # which safetensors refuses to write.
+    tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
     if container == "safetensors":
         safetensors.torch.save_file(tensors, str(tmp), metadata={"format": "pt", **metadata})
     elif container == "torch":
