@@ -27,20 +27,21 @@ def module_of(pipe, name: str) -> torch.nn.Module:
 
 
 def random_lora(pipe, keys: ModelKeys, names: list[str], seed: int,
-                scale_of: Callable[[int, int], float] | None = None) -> dict[str, LoraModule]:
-    """Random diffusers-named LoRA modules for ``names``; ``scale_of(kohya index, part index)``."""
+                scale_of: Callable[[int, int], float] | None = None, rank: int | None = None) -> dict[str, LoraModule]:
+    """Random diffusers-named LoRA modules for ``names``; ``scale_of(kohya index, part index)``; one
+    ``rank`` for all, or ranks 2, 3, 4 in turn."""
     g = torch.Generator().manual_seed(seed)
     kohya_index = {n: i for i, m in enumerate(keys.maps) for n in m.diffusers}
     out = {}
     for n, name in enumerate(names):
         layer = module_of(pipe, name)
-        rank = 2 + n % 3
+        r = rank or 2 + n % 3
         weight = layer.weight
-        down = torch.randn(rank, *weight.shape[1:], generator=g) * 0.2
-        up = torch.randn(weight.shape[0], rank, *([1] * (weight.dim() - 2)), generator=g) * 0.2
+        down = torch.randn(r, *weight.shape[1:], generator=g) * 0.2
+        up = torch.randn(weight.shape[0], r, *([1] * (weight.dim() - 2)), generator=g) * 0.2
         part = keys.by_diffusers[name].diffusers.index(name)
         scale = scale_of(kohya_index[name], part) if scale_of else SCALES[kohya_index[name] % 3]
-        out[name] = LoraModule(down, up, rank * scale)
+        out[name] = LoraModule(down, up, r * scale)
     return out
 
 
