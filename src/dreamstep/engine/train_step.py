@@ -1,0 +1,371 @@
+"""One optimizer step hidden behind a call: the PyTorch ``TrainStep`` of seed 002.
+
+A subclass writes only ``forward(*batch)`` and returns ``(self.scale_loss(loss), *extras)``. Calling the
+step then runs, per micro-batch::
+
+    forward -> backward (no gradient all-reduce unless this micro-batch closes a group)
+    at the last micro-batch of a group: unscale -> global grad norm -> finite? -> clip -> optimizer.step
+                                        -> lr_scheduler.step -> zero_grad -> loss scaler update
+
+and returns ``(loss, *extras)`` where ``loss`` is the mean unscaled loss of the micro-batches of the current
+accumulation group seen so far (at the group's last micro-batch: the group's mean loss, not loss / N).
+
+Accumulation groups follow the epoch: with ``gradient_accumulation_steps=N`` and ``length_of_dataloader=L``
+the micro-batches ``0..L-1`` of each epoch form groups of N, and the last group holds ``L mod N`` micro-batches
+when N does not divide L. Each micro-batch's loss is divided by its group's real size, so a group of r
+micro-batches of equal size gives exactly the gradient of one batch r times larger (the mindone port divides
+by N, which shrinks the last group's update).
+
+Non-finite gradients (any scaler, or none): the optimizer and the LR scheduler do not step, gradients are
+zeroed, ``step_skipped`` is set and the scaler is told. The dynamic scaler then backs off its scale; the
+static scaler keeps its scale, so a static scale that overflows every step skips every step (pick a smaller
+scale, or the dynamic scaler).
+
+Mixed precision with an accelerate ``Accelerator``: the accelerator provides the device, ``autocast`` for
+``forward`` and DDP/FSDP ``no_sync``; loss scaling is ours alone. With ``mixed_precision="fp16"`` on a GPU,
+accelerate creates its own ``GradScaler`` which would scale the loss a second time and unscale the gradients
+with the wrong factor, so ``TrainStep`` refuses an accelerator whose GradScaler is enabled: build it with
+:func:`make_accelerator` (or pass ``GradScalerKwargs(enabled=False)``). When the accelerator's
+``mixed_precision`` is ``"fp16"``, or trainable parameters are float16, and no ``loss_scaler`` is given, a
+:class:`DynamicLossScaler` is used. Prepare the model and optimizer (and data) with
+``accelerator.prepare`` but pass the LR scheduler unprepared: accelerate's scheduler wrapper steps it once
+per process, while ``TrainStep`` steps it exactly once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["TrainStep", "StaticLossScaler", "DynamicLossScaler", "make_accelerator"]
+
+
+class StaticLossScaler:
+    """Multiply the loss by a fixed ``scale``; gradients are divided by it before the optimizer sees them."""
+
+    def __init__(self, scale: float = 2.0**16) -> None:
+        if not scale > 0:
+            raise ValueError(f"loss scale must be positive, got {scale}")
+        self.scale_value = float(scale)
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale_value
+
+    def unscale(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.scale_value
+
+    def update(self, grads_finite: bool) -> None:
+        """A static scale never changes (a non-finite step is still skipped by TrainStep)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": "static", "scale": self.scale_value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_type(state, "static")
+        self.scale_value = float(state["scale"])
+
+
+class DynamicLossScaler:
+    """Loss scaling that halves the scale (by ``factor``) on non-finite gradients and grows it again after
+    ``window`` consecutive finite steps, as MindSpore's ``DynamicLossScaler(scale_value, scale_factor,
+    scale_window)`` and torch's ``GradScaler`` do. The scale never drops below ``min_scale``."""
+
+    def __init__(self, scale: float = 2.0**16, factor: float = 2.0, window: int = 2000,
+                 min_scale: float = 1.0) -> None:
+        if not scale > 0 or not factor > 1 or window < 1:
+            raise ValueError(f"need scale > 0, factor > 1, window >= 1; got {scale}, {factor}, {window}")
+        self.scale_value = float(scale)
+        self.factor = float(factor)
+        self.window = int(window)
+        self.min_scale = float(min_scale)
+        self.good_steps = 0  # consecutive finite steps since the last change of scale
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale_value
+
+    def unscale(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.scale_value
+
+    def update(self, grads_finite: bool) -> None:
+        if not grads_finite:
+            self.scale_value = max(self.scale_value / self.factor, self.min_scale)
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.window:
+            self.scale_value *= self.factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": "dynamic", "scale": self.scale_value, "factor": self.factor, "window": self.window,
+                "min_scale": self.min_scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_type(state, "dynamic")
+        self.scale_value = float(state["scale"])
+        self.factor = float(state["factor"])
+        self.window = int(state["window"])
+        self.min_scale = float(state["min_scale"])
+        self.good_steps = int(state["good_steps"])
+
+
+LossScaler = StaticLossScaler | DynamicLossScaler
+
+
+def _check_type(state: dict[str, Any], expected: str) -> None:
+    if state.get("type") != expected:
+        raise ValueError(f"loss scaler state is for a '{state.get('type')}' scaler, this one is '{expected}'")
+
+
+def make_accelerator(**kwargs: Any) -> Any:
+    """An ``accelerate.Accelerator`` whose own fp16 GradScaler is disabled, so TrainStep's scaler is the only
+    one (see the module docstring). Takes the same keyword arguments as ``Accelerator``."""
+    from accelerate import Accelerator
+    from accelerate.utils import GradScalerKwargs
+
+    handlers = [h for h in kwargs.pop("kwargs_handlers", []) if not isinstance(h, GradScalerKwargs)]
+    return Accelerator(kwargs_handlers=[*handlers, GradScalerKwargs(enabled=False)], **kwargs)
+
+
+class TrainStep:
+    """Base class of every recipe's train step; see the module docstring for what a call does.
+
+    After each call these attributes describe it, for logging:
+    ``sync_gradients`` (this micro-batch closed a group), ``optimizer_stepped``, ``step_skipped`` (non-finite
+    gradients), ``grad_norm`` (global L2 norm before clipping, at group ends, else ``None``) and
+    ``loss_scale``. ``num_updates`` counts finished groups, stepped or skipped; ``num_skipped`` the skipped.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
+                 loss_scaler: LossScaler | None = None, max_grad_norm: float | None = None,
+                 gradient_accumulation_steps: int = 1, length_of_dataloader: int | None = None,
+                 accelerator: Any = None, gradient_accumulation_kwargs: dict[str, Any] | None = None) -> None:
+        """``gradient_accumulation_kwargs={"length_of_dataloader": L}`` is the seed's spelling of
+        ``length_of_dataloader`` and is accepted so that ported mindone code runs unchanged."""
+        length_of_dataloader = _length_from_kwargs(length_of_dataloader, gradient_accumulation_kwargs)
+        if gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+        if gradient_accumulation_steps > 1 and not length_of_dataloader:
+            raise ValueError("length_of_dataloader is required with gradient_accumulation_steps > 1: it tells "
+                             "where the last, shorter accumulation group of an epoch ends")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
+        _check_accelerator(accelerator, lr_scheduler)
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.accelerator = accelerator
+        self.max_grad_norm = max_grad_norm
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.length_of_dataloader = length_of_dataloader
+        self.loss_scaler = loss_scaler if loss_scaler is not None else _default_scaler(accelerator, optimizer)
+        self.micro_step = 0  # index of the next micro-batch within the epoch, 0 .. length_of_dataloader-1
+        self.num_updates = 0
+        self.num_skipped = 0
+        self.sync_gradients = False
+        self.optimizer_stepped = False
+        self.step_skipped = False
+        self.grad_norm: float | None = None
+        self._group_loss_sum: torch.Tensor | None = None  # sum of unscaled micro-batch losses, shape ()
+        self._group_count = 0
+        self._scaled = False
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def forward(self, *batch: Any) -> tuple[torch.Tensor, ...]:
+        """Compute the loss of one micro-batch; return ``(self.scale_loss(loss), *extras)``."""
+        raise NotImplementedError("a TrainStep subclass must implement forward(*batch)")
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale_value if self.loss_scaler is not None else 1.0
+
+    @property
+    def group_size(self) -> int:
+        """Number of micro-batches in the group the next micro-batch belongs to (N, or fewer at epoch end)."""
+        n = self.gradient_accumulation_steps
+        if self.length_of_dataloader is None:
+            return n
+        group_start = self.micro_step // n * n
+        return min(n, self.length_of_dataloader - group_start)
+
+    @property
+    def at_group_end(self) -> bool:
+        """Whether the next micro-batch closes its accumulation group (and triggers the optimizer step)."""
+        position_in_group = self.micro_step % self.gradient_accumulation_steps
+        return position_in_group == self.group_size - 1
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Divide by the group's real size (mean over the group) and multiply by the loss scale."""
+        self._scaled = True
+        loss = loss / self.group_size
+        return self.loss_scaler.scale(loss) if self.loss_scaler is not None else loss
+
+    def unscale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Undo :meth:`scale_loss` for one micro-batch: the micro-batch's own mean loss."""
+        loss = self.loss_scaler.unscale(loss) if self.loss_scaler is not None else loss
+        return loss * self.group_size
+
+    def __call__(self, *batch: Any) -> tuple[torch.Tensor, ...]:
+        closes_group = self.at_group_end
+        with self._sync_context(closes_group):
+            outputs = self._forward_checked(batch)
+            self._backward(outputs[0])
+        loss = self._record_loss(outputs[0])
+        self.sync_gradients = closes_group
+        self.optimizer_stepped = False
+        self.step_skipped = False
+        self.grad_norm = None
+        if closes_group:
+            self._update()
+        self._advance()
+        return (loss, *outputs[1:])
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state for checkpoints: loss scaler and the position in the epoch's accumulation groups.
+        Only valid between groups: gradients of an unfinished group are not part of a checkpoint."""
+        if self._group_count:
+            raise RuntimeError("TrainStep.state_dict() called in the middle of an accumulation group; "
+                               "checkpoint right after a call where sync_gradients is True")
+        return {"micro_step": self.micro_step, "num_updates": self.num_updates, "num_skipped": self.num_skipped,
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved_scaler = state["loss_scaler"]
+        if (saved_scaler is None) != (self.loss_scaler is None):
+            raise ValueError("checkpoint and TrainStep disagree on whether a loss scaler is used")
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(saved_scaler)
+        self.micro_step = int(state["micro_step"])
+        self.num_updates = int(state["num_updates"])
+        self.num_skipped = int(state["num_skipped"])
+
+    def _forward_checked(self, batch: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+        self._scaled = False
+        with self._autocast():
+            outputs = self.forward(*batch)
+        outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+        if not self._scaled:
+            raise RuntimeError(f"{type(self).__name__}.forward must return (self.scale_loss(loss), *extras); "
+                               "scale_loss was not called")
+        return outputs
+
+    def _backward(self, scaled_loss: torch.Tensor) -> None:
+        if self.accelerator is not None:
+            self.accelerator.backward(scaled_loss)
+        else:
+            scaled_loss.backward()
+
+    def _record_loss(self, scaled_loss: torch.Tensor) -> torch.Tensor:
+        """Accumulate this micro-batch's unscaled loss; return the group's running mean (shape ())."""
+        # float32 at least (an fp16 loss times a large scale would overflow), float64 stays float64
+        wide = scaled_loss.detach().to(torch.promote_types(scaled_loss.dtype, torch.float32))
+        micro_loss = self.unscale_loss(wide)
+        self._group_loss_sum = micro_loss if self._group_loss_sum is None else self._group_loss_sum + micro_loss
+        self._group_count += 1
+        return self._group_loss_sum / self._group_count
+
+    def _advance(self) -> None:
+        if self.sync_gradients:
+            self._group_loss_sum = None
+            self._group_count = 0
+        self.micro_step += 1
+        if self.length_of_dataloader is not None and self.micro_step >= self.length_of_dataloader:
+            self.micro_step = 0
+
+    def _update(self) -> None:
+        """Unscale, measure, clip and step; or skip everything when the gradients are not finite."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self._unscale_grads(params)
+        norm = self._clip(params)
+        finite = math.isfinite(norm)  # the one host sync per optimizer step
+        self.grad_norm = norm
+        if finite:
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.num_skipped += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(finite)
+        self.num_updates += 1
+        self.optimizer_stepped = finite
+        self.step_skipped = not finite
+
+    def _unscale_grads(self, params: list[torch.nn.Parameter]) -> None:
+        if self.loss_scale != 1.0:
+            torch._foreach_mul_([p.grad for p in params], 1.0 / self.loss_scale)
+
+    def _clip(self, params: list[torch.nn.Parameter]) -> float:
+        """Clip to ``max_grad_norm`` (if set) and return the global norm before clipping.
+
+        With no clipping the norm is still measured: it is the finiteness check and a logged value.
+        """
+        if not params:
+            return 0.0
+        max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf
+        if self.accelerator is not None:  # FSDP shards need accelerate's distributed norm
+            norm = self.accelerator.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm)
+
+    def _sync_context(self, closes_group: bool) -> contextlib.AbstractContextManager:
+        """No gradient all-reduce on micro-batches that do not close a group."""
+        if closes_group:
+            return contextlib.nullcontext()
+        if self.accelerator is not None:
+            return self.accelerator.no_sync(self.model)
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return self.accelerator.autocast() if self.accelerator is not None else contextlib.nullcontext()
+
+
+def _length_from_kwargs(length: int | None, kwargs: dict[str, Any] | None) -> int | None:
+    if not kwargs:
+        return length
+    unknown = set(kwargs) - {"length_of_dataloader"}
+    if unknown:
+        raise ValueError(f"gradient_accumulation_kwargs: unknown keys {sorted(unknown)}; "
+                         "only 'length_of_dataloader' is accepted")
+    if length is not None and length != kwargs["length_of_dataloader"]:
+        raise ValueError("length_of_dataloader given twice with different values")
+    return kwargs["length_of_dataloader"]
+
+
+def _check_accelerator(accelerator: Any, lr_scheduler: Any) -> None:
+    if accelerator is None:
+        return
+    from accelerate.scheduler import AcceleratedScheduler
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise ValueError("TrainStep does not support DeepSpeed (it owns loss scaling, accumulation and "
+                         "clipping itself); use DDP or FSDP")
+    if accelerator.scaler is not None and accelerator.scaler.is_enabled():
+        raise ValueError("the Accelerator has its own enabled fp16 GradScaler, which would scale the loss twice; "
+                         "create it with dreamstep.engine.train_step.make_accelerator(...)")
+    if accelerator.gradient_accumulation_steps != 1:
+        raise ValueError("give gradient_accumulation_steps to TrainStep, not to the Accelerator")
+    if isinstance(lr_scheduler, AcceleratedScheduler):
+        raise ValueError("pass the LR scheduler to TrainStep unprepared (not through accelerator.prepare): "
+                         "TrainStep steps it once per optimizer step")
+
+
+def _default_scaler(accelerator: Any, optimizer: torch.optim.Optimizer) -> LossScaler | None:
+    """fp16 needs loss scaling; bf16 and fp32 do not."""
+    fp16_compute = accelerator is not None and accelerator.mixed_precision == "fp16"
+    fp16_params = any(p.dtype == torch.float16 for p in _params(optimizer))
+    return DynamicLossScaler() if fp16_compute or fp16_params else None
+
+
+def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
+    for group in optimizer.param_groups:
+        yield from group["params"]

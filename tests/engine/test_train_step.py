@@ -1,0 +1,277 @@
+"""TrainStep against the hand-written reference loop (engine_testkit.reference_train), float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dreamstep import DynamicLossScaler, StaticLossScaler, TrainStep
+from engine_testkit import RegressionStep, flat_params, max_param_diff, reference_train, regression_batches, tiny_mlp
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def _warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
+
+
+def test_accumulated_micro_batches_equal_one_large_batch():
+    """(a) N=4 micro-batches of 3 give the parameters of one batch of 12, step by step."""
+    n, micro = 4, regression_batches(12, batch_size=3)
+    model, ref = tiny_mlp(), tiny_mlp()
+    opt, ref_opt = _adamw(model), _adamw(ref)
+    step = RegressionStep(model, opt, _warmup(opt), gradient_accumulation_steps=n, length_of_dataloader=12)
+    ref_sched = _warmup(ref_opt)
+    group_losses = []
+    for i, batch in enumerate(micro):
+        loss, pred = step(*batch)
+        assert pred.shape == (3, 2)
+        assert step.optimizer_stepped == ((i + 1) % n == 0)
+        if step.sync_gradients:
+            group_losses.append(loss.item())
+            ref_losses = reference_train(ref, ref_opt, [micro[i - n + 1:i + 1]], ref_sched)
+            assert max_param_diff(model, ref) < 1e-10
+            assert loss.item() == pytest.approx(ref_losses[0], abs=1e-12)  # group mean, not loss / N
+    assert len(group_losses) == 3 and step.num_updates == 3
+    assert opt.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+    assert flat_params(model).abs().sum() != flat_params(tiny_mlp()).abs().sum()  # it did train
+
+
+def test_running_loss_is_the_mean_of_the_group_so_far():
+    micro = regression_batches(2, batch_size=3)
+    model = tiny_mlp()
+    step = RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.0), gradient_accumulation_steps=2,
+                          length_of_dataloader=2)
+    with torch.no_grad():
+        own = [torch.nn.functional.mse_loss(model(x), y).item() for x, y in micro]
+    first, _ = step(*micro[0])
+    second, _ = step(*micro[1])
+    assert first.item() == pytest.approx(own[0], abs=1e-12)
+    assert second.item() == pytest.approx((own[0] + own[1]) / 2, abs=1e-12)
+
+
+def test_short_last_group_steps_and_is_normalised_by_its_real_size():
+    """(b) 7 micro-batches, N=3: groups of 3, 3 and 1 -> 3 steps per epoch; the last group is a mean of 1."""
+    micro = regression_batches(7, batch_size=2)
+    model, ref = tiny_mlp(), tiny_mlp()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    step = RegressionStep(model, opt, gradient_accumulation_steps=3, length_of_dataloader=7)
+    groups = [micro[0:3], micro[3:6], micro[6:7]]
+    for epoch in range(2):
+        stepped = [step(*batch) and step.optimizer_stepped for batch in micro]
+        assert stepped == [False, False, True, False, False, True, True], f"epoch {epoch}"
+        reference_train(ref, ref_opt, groups)
+        assert max_param_diff(model, ref) < 1e-10
+    assert step.num_updates == 6
+
+
+def test_last_group_loss_is_its_own_micro_batch_loss():
+    micro = regression_batches(7, batch_size=2)
+    model = tiny_mlp()
+    step = RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.0), gradient_accumulation_steps=3,
+                          length_of_dataloader=7)
+    for batch in micro:
+        loss, _ = step(*batch)
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(model(micro[6][0]), micro[6][1]).item()
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+
+
+def _poison_next_gradient(param: torch.nn.Parameter) -> None:
+    """Make the next backward write an inf into ``param.grad`` (a real hook, removed after one use)."""
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        handle.remove()
+        poisoned = grad.clone()
+        poisoned.view(-1)[0] = math.inf
+        return poisoned
+    handle = param.register_hook(hook)
+
+
+def test_dynamic_scaler_skips_inf_gradient_step_then_training_continues():
+    """(c) inf gradient: no optimizer or LR step, scale halves, then training goes on like the reference
+    without the poisoned group."""
+    micro = regression_batches(8, batch_size=2)
+    model, ref = tiny_mlp(), tiny_mlp()
+    opt, ref_opt = _adamw(model), _adamw(ref)
+    sched, ref_sched = _warmup(opt), _warmup(ref_opt)
+    step = RegressionStep(model, opt, sched, loss_scaler=DynamicLossScaler(2.0**16, 2, 2000),
+                          gradient_accumulation_steps=2, length_of_dataloader=8)
+    for batch in micro[:2]:
+        step(*batch)
+    assert step.optimizer_stepped and step.loss_scale == 2.0**16
+    before, lr_before, adam_step = flat_params(model).clone(), opt.param_groups[0]["lr"], opt.state[model[0].weight]["step"].item()
+
+    _poison_next_gradient(model[0].weight)
+    for batch in micro[2:4]:
+        loss, _ = step(*batch)
+    assert step.step_skipped and not step.optimizer_stepped and step.num_skipped == 1
+    assert not math.isfinite(step.grad_norm)
+    assert math.isfinite(loss.item())  # the loss was fine, only the gradient overflowed
+    assert step.loss_scale == 2.0**15
+    assert torch.equal(flat_params(model), before)
+    assert opt.param_groups[0]["lr"] == lr_before and sched.last_epoch == 1
+    assert opt.state[model[0].weight]["step"].item() == adam_step
+    assert all(p.grad is None for p in model.parameters())
+
+    for batch in micro[4:]:
+        step(*batch)
+    assert step.optimizer_stepped and step.num_updates == 4
+    reference_train(ref, ref_opt, [micro[0:2], micro[4:6], micro[6:8]], ref_sched)
+    assert max_param_diff(model, ref) < 1e-10
+
+
+def test_static_scaler_skips_non_finite_step_and_keeps_its_scale():
+    """(c) documented behaviour: a static scaler never changes its scale, but the step is still skipped."""
+    micro = regression_batches(4, batch_size=2)
+    model, ref = tiny_mlp(), tiny_mlp()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = RegressionStep(model, opt, loss_scaler=StaticLossScaler(1024.0))
+    step(*micro[0])
+    _poison_next_gradient(model[2].bias)
+    step(*micro[1])
+    assert step.step_skipped and step.loss_scale == 1024.0
+    step(*micro[2])
+    step(*micro[3])
+    reference_train(ref, ref_opt, [[micro[0]], [micro[2]], [micro[3]]])
+    assert max_param_diff(model, ref) < 1e-10
+
+
+def test_dynamic_scaler_grows_after_window_backs_off_and_round_trips():
+    scaler = DynamicLossScaler(8.0, factor=2, window=2, min_scale=2.0)
+    scaler.update(True)
+    assert scaler.scale_value == 8.0
+    scaler.update(True)
+    assert scaler.scale_value == 16.0
+    scaler.update(True)
+    for _ in range(5):
+        scaler.update(False)
+    assert scaler.scale_value == 2.0 and scaler.good_steps == 0
+    scaler.update(True)
+    copy = DynamicLossScaler()
+    copy.load_state_dict(scaler.state_dict())
+    assert copy.state_dict() == scaler.state_dict() == {"type": "dynamic", "scale": 2.0, "factor": 2.0,
+                                                         "window": 2, "min_scale": 2.0, "good_steps": 1}
+    with pytest.raises(ValueError, match="'dynamic' scaler, this one is 'static'"):
+        StaticLossScaler().load_state_dict(scaler.state_dict())
+
+
+def test_clipping_bounds_the_global_norm_and_reports_the_pre_clip_norm():
+    """(d) SGD with lr=1: the update is minus the clipped gradient, so its norm is the clipped norm."""
+    x, y = regression_batches(1, batch_size=4)[0]
+    y = y * 100  # large errors -> a gradient norm well above the limit
+    probe = tiny_mlp()
+    torch.nn.functional.mse_loss(probe(x), y).backward()
+    true_norm = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in probe.parameters()])).item()
+    assert true_norm > 10
+
+    for limit, expected_update in ((0.5, 0.5), (10 * true_norm, true_norm)):
+        model = tiny_mlp()
+        step = RegressionStep(model, torch.optim.SGD(model.parameters(), lr=1.0), max_grad_norm=limit)
+        before = flat_params(model).clone()
+        step(x, y)
+        update = torch.linalg.vector_norm(flat_params(model) - before).item()
+        assert step.grad_norm == pytest.approx(true_norm, rel=1e-12)
+        assert update <= limit
+        assert update == pytest.approx(expected_update, rel=1e-6)  # torch divides by (norm + 1e-6)
+
+
+def test_reported_norm_is_unscaled_and_per_group():
+    micro = regression_batches(2, batch_size=2)
+    probe = tiny_mlp()
+    big_x, big_y = torch.cat([micro[0][0], micro[1][0]]), torch.cat([micro[0][1], micro[1][1]])
+    torch.nn.functional.mse_loss(probe(big_x), big_y).backward()
+    true_norm = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in probe.parameters()])).item()
+    model = tiny_mlp()
+    step = RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss_scaler=DynamicLossScaler(2.0**16, 2, 2000), gradient_accumulation_steps=2,
+                          length_of_dataloader=2)
+    step(*micro[0])
+    assert step.grad_norm is None and not step.sync_gradients
+    step(*micro[1])
+    assert step.grad_norm == pytest.approx(true_norm, rel=1e-12)
+
+
+def test_seed_002_example_runs_as_written():
+    """(f) seed 002's example with PyTorch names: nn.Dense -> nn.Linear, AdamWeightDecay -> AdamW,
+    ops -> torch."""
+    class TrainStepForMyNet(TrainStep):
+        def forward(self, x):
+            y = self.model(x)
+            loss = torch.sum(y)
+            loss = self.scale_loss(loss)
+            return loss, y
+
+    model = torch.nn.Linear(10, 10)
+    optim = torch.optim.AdamW(model.parameters())
+
+    train_step = TrainStepForMyNet(
+        model,
+        optim,
+        loss_scaler=DynamicLossScaler(2.0**16, 2, 2000),
+        max_grad_norm=1.0,
+        gradient_accumulation_steps=2,
+        gradient_accumulation_kwargs={"length_of_dataloader": 3}
+    )
+
+    stepped = []
+    for epoch in range(2):
+        for batch in range(3):
+            inputs = torch.randn(8, 10)
+            outputs = train_step(inputs)
+            stepped.append(train_step.optimizer_stepped)
+            loss, y = outputs
+            assert y.shape == (8, 10) and loss.shape == ()
+            assert train_step.grad_norm is None or train_step.grad_norm > 1.0  # sum-loss gradients get clipped
+    assert stepped == [False, True, True, False, True, True]
+    assert train_step.loss_scale == 2.0**16 and train_step.num_skipped == 0
+
+
+def test_forward_must_call_scale_loss():
+    class Forgetful(TrainStep):
+        def forward(self, x):
+            return self.model(x).sum(), None
+
+    model = torch.nn.Linear(2, 1)
+    step = Forgetful(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="Forgetful.forward must return \\(self.scale_loss\\(loss\\)"):
+        step(torch.ones(1, 2))
+
+
+def test_constructor_rejects_accumulation_without_length_and_bad_values():
+    model = tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="length_of_dataloader is required"):
+        RegressionStep(model, opt, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="unknown keys \\['drop_last'\\]"):
+        RegressionStep(model, opt, gradient_accumulation_steps=2, gradient_accumulation_kwargs={"drop_last": 1})
+    with pytest.raises(ValueError, match="max_grad_norm must be positive"):
+        RegressionStep(model, opt, max_grad_norm=0.0)
+
+
+def test_fp16_parameters_get_the_dynamic_scaler_by_default():
+    half = torch.nn.Linear(2, 2).half()
+    assert isinstance(RegressionStep(half, torch.optim.SGD(half.parameters(), lr=0.1)).loss_scaler,
+                      DynamicLossScaler)
+    full = tiny_mlp()
+    assert RegressionStep(full, torch.optim.SGD(full.parameters(), lr=0.1)).loss_scaler is None
+
+
+def test_state_dict_round_trip_and_refused_mid_group():
+    micro = regression_batches(3, batch_size=2)
+    model = tiny_mlp()
+    step = RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_scaler=DynamicLossScaler(4.0, 2, 1),
+                          gradient_accumulation_steps=2, length_of_dataloader=3)
+    step(*micro[0])
+    with pytest.raises(RuntimeError, match="middle of an accumulation group"):
+        step.state_dict()
+    step(*micro[1])
+    state = step.state_dict()
+    assert state["micro_step"] == 2 and state["loss_scaler"]["scale"] == 8.0
+    other = RegressionStep(tiny_mlp(), torch.optim.SGD(model.parameters(), lr=0.1),
+                           loss_scaler=DynamicLossScaler(), gradient_accumulation_steps=2, length_of_dataloader=3)
+    other.load_state_dict(state)
+    assert other.state_dict() == state and other.at_group_end and other.group_size == 1
