@@ -1,0 +1,116 @@
+"""``dreamstep convert lora`` and ``dreamstep lora info`` from the command line, and the one-line errors a
+user gets for a broken file, an unknown key layout and a LoRA for another model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lora_testkit import MINDSPORE_DIR
+from safetensors.torch import save_file
+
+from dreamstep.cli import main
+from dreamstep.lora.convert import LoraModule, kohya_state_dict, read_lora
+from dreamstep.lora.io import write_lora_file
+
+MS_FP32 = MINDSPORE_DIR / "mindspore_lora_fp32.ckpt"
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _error(capsys, *argv) -> str:
+    code, _, err = _run(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def _kohya_flux(path, block: int = 0):
+    g = torch.Generator().manual_seed(0)
+    modules = {f"lora_unet_double_blocks_{block}_img_attn_proj": LoraModule(torch.randn(4, 32, generator=g),
+                                                                            torch.randn(32, 4, generator=g), 2.0),
+               "lora_unet_single_blocks_0_linear1": LoraModule(torch.randn(8, 32, generator=g),
+                                                               torch.randn(224, 8, generator=g), 8.0)}
+    write_lora_file(path, kohya_state_dict(modules), {"ss_network_dim": "4", "ss_base_model_version": "flux1"},
+                    "safetensors")
+    return path
+
+
+def test_convert_mindspore_to_diffusers_bf16(capsys, tmp_path):
+    out = tmp_path / "lora.safetensors"
+    code, stdout, _ = _run(capsys, "convert", "lora", MS_FP32, out, "--to", "diffusers", "--dtype", "bf16")
+    assert code == 0 and "mindspore-sdxl (mindspore)" in stdout and "diffusers-sdxl (safetensors), 4 modules" in stdout
+    lora = read_lora(out)
+    assert {m.down.dtype for m in lora.modules.values()} == {torch.bfloat16}
+    assert {m.alpha for m in lora.modules.values()} == {4.0}
+    assert "unet.mid_block.attentions.0.proj_in" in lora.modules
+    assert lora.metadata["dreamstep_converted_from"] == "mindspore-sdxl"
+
+    assert "exists" in _error(capsys, "convert", "lora", MS_FP32, out, "--to", "kohya")
+    code, _, _ = _run(capsys, "convert", "lora", MS_FP32, out, "--to", "kohya", "--overwrite")
+    assert code == 0 and read_lora(out).format == "kohya-sdxl"
+
+
+@pytest.mark.parametrize("kind", ["kohya-flux", "diffusers-flux", "kohya-sdxl", "diffusers-sdxl", "mindspore-sdxl",
+                                  "kohya-sdxl-torch"])
+def test_info_on_each_format(capsys, tmp_path, kind):
+    if kind == "mindspore-sdxl":
+        path = MS_FP32
+    elif kind.endswith("flux"):
+        path = _kohya_flux(tmp_path / "kohya.safetensors")
+        if kind == "diffusers-flux":
+            assert main(["convert", "lora", str(path), str(tmp_path / "d.safetensors"), "--to", "diffusers"]) == 0
+            path = tmp_path / "d.safetensors"
+    else:
+        layout = kind.split("-")[0]
+        path = tmp_path / ("lora.ckpt" if kind.endswith("torch") else "lora.safetensors")
+        assert main(["convert", "lora", str(MS_FP32), str(path), "--to", layout]) == 0
+    capsys.readouterr()
+    code, out, _ = _run(capsys, "lora", "info", path)
+    assert code == 0
+    assert f"format:    {kind.removesuffix('-torch')}:" in out
+    assert "fits:      yes" in out
+    if kind.endswith("flux"):
+        # Kohya's fused single-block linear1 is four diffusers modules; each keeps rank 8 and alpha 8.
+        assert f"modules:   {2 if kind == 'kohya-flux' else 5}" in out
+        assert "ss_network_dim: 4" in out
+        assert "rank 8  alpha 8  (scale 1)" in out and "rank 4  alpha 2  (scale 0.5)" in out
+    else:
+        assert "modules:   4" in out and "rank 4  alpha 4  (scale 1)" in out
+    if kind == "kohya-sdxl-torch":
+        assert "torch)" in out
+    if kind == "diffusers-flux":
+        assert "lora_adapter_metadata: (PEFT adapter config for transformer)" in out
+
+
+def test_truncated_safetensors_is_one_line_naming_the_file(capsys, tmp_path):
+    data = _kohya_flux(tmp_path / "full.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 100])
+    line = _error(capsys, "lora", "info", tmp_path / "cut.safetensors")
+    assert "cut.safetensors: not a readable safetensors file (truncated or corrupt" in line
+    line = _error(capsys, "convert", "lora", tmp_path / "cut.safetensors", tmp_path / "o.safetensors", "--to", "diffusers")
+    assert "cut.safetensors" in line
+
+
+def test_unknown_key_layout_names_the_key(capsys, tmp_path):
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(2, 2)}, tmp_path / "model.safetensors")
+    line = _error(capsys, "convert", "lora", tmp_path / "model.safetensors", tmp_path / "o.safetensors", "--to", "kohya")
+    assert "key 'model.diffusion_model.input_blocks.0.0.weight' is not a LoRA key" in line
+
+
+def test_lora_for_another_model_names_the_module(capsys, tmp_path):
+    line = _error(capsys, "convert", "lora", MS_FP32, tmp_path / "o.safetensors", "--to", "kohya", "--model", "flux")
+    assert "module 'lora_unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q' has no counterpart in " \
+           "FLUX.1; this LoRA looks made for SDXL" in line
+
+
+def test_lora_for_a_larger_model_names_the_missing_module(capsys, tmp_path, tiny_flux_dir):
+    src = _kohya_flux(tmp_path / "big.safetensors", block=5)
+    line = _error(capsys, "convert", "lora", src, tmp_path / "o.safetensors", "--to", "diffusers", "--base", tiny_flux_dir)
+    assert "module 'lora_unet_double_blocks_5_img_attn_proj' does not exist in the target FLUX.1 transformer with " \
+           "1 double and 1 single blocks" in line
+    code, out, _ = _run(capsys, "lora", "info", src, "--base", tiny_flux_dir)
+    assert code == 0 and "fits:      NO: module 'lora_unet_double_blocks_5_img_attn_proj'" in out
