@@ -1,0 +1,288 @@
+"""Checkpoints that resume a run exactly, written atomically.
+
+``checkpoint-<step>/`` holds::
+
+    trainable_weights.safetensors   the tensors the caller passes (e.g. the LoRA state dict)
+    optimizer.pt                    optimizer.state_dict()
+    lr_scheduler.pt                 lr_scheduler.state_dict() (when there is a scheduler)
+    random_states.pt                per process: python, numpy, torch CPU (and CUDA) RNG, now and at the
+                                    start of the current epoch
+    trainer_state.json              position (epoch, batch in epoch, global step), TrainStep state, extra
+
+Everything is written into a hidden temporary folder beside the final one and renamed into place, so a
+crash mid-save leaves either the previous checkpoints or a complete new one, never a half-written
+``checkpoint-<step>``. Under several processes only the main process writes; the RNG states of all
+processes are gathered to it first.
+
+RNG states are returned by :func:`load_checkpoint` but not applied: the training loop applies them at the
+right moments (see ``dreamstep.engine.loop``), which is what makes shuffled data order and the random
+numbers drawn in ``forward`` continue exactly as in an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from dreamstep.engine.train_step import TrainStep
+from dreamstep.errors import UserError
+
+__all__ = ["TrainingPosition", "LoadedCheckpoint", "save_checkpoint", "load_checkpoint", "list_checkpoints",
+           "prune_checkpoints", "resolve_resume", "capture_rng_state", "restore_rng_state"]
+
+WEIGHTS_FILE = "trainable_weights.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "lr_scheduler.pt"
+RNG_FILE = "random_states.pt"
+STATE_FILE = "trainer_state.json"
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass
+class TrainingPosition:
+    """Where a run stands after an optimizer step.
+
+    ``batch_in_epoch`` batches of epoch ``epoch`` have been consumed. ``epoch_start_rng`` is this process's
+    RNG state taken just before the epoch's data iterator was created; restoring it recreates the same
+    shuffled order even for a loader that draws its permutation from the global RNG.
+    """
+
+    global_step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    epoch_start_rng: dict[str, Any] | None = field(default=None, repr=False)
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` hands back; optimizer, scheduler and TrainStep are already restored."""
+
+    path: Path
+    weights: dict[str, torch.Tensor]  # on CPU; the caller loads them into its model
+    position: TrainingPosition
+    rng_state: dict[str, Any] | None  # this process's RNG at save time; applied by the loop
+    extra: dict[str, Any]
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG states, as tensors and plain types (loadable with ``weights_only=True``)."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
+    random.setstate(_as_tuples(state["python"]))
+    np_state = state["numpy"]
+    keys = np_state["keys"].numpy().astype(np.uint32)
+    np.random.set_state((np_state["kind"], keys, np_state["pos"], np_state["has_gauss"],
+                         np_state["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuples(value: Any) -> Any:
+    """``random.setstate`` needs tuples; a round trip through some serialisers returns lists."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_as_tuples(v) for v in value)
+    return value
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """``checkpoint-<step>`` folders in ``output_dir``, oldest (smallest step) first."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = [p for p in output_dir.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def save_checkpoint(output_dir: str | Path, train_step: TrainStep, position: TrainingPosition,
+                    weights: Mapping[str, torch.Tensor], *, extra: Mapping[str, Any] | None = None,
+                    total_limit: int | None = None) -> Path:
+    """Write ``output_dir/checkpoint-<global_step>`` atomically and prune to ``total_limit`` checkpoints.
+
+    Call it on every process (RNG states are gathered collectively); only the main process writes.
+    ``weights`` are the trainable tensors (e.g. ``get_peft_model_state_dict(model)``); ``extra`` is any
+    JSON-able dict (e.g. the resolved config). Returns the checkpoint's path.
+    """
+    accelerator = train_step.accelerator
+    rng = _gather({"current": capture_rng_state(), "epoch_start": position.epoch_start_rng}, accelerator)
+    final = Path(output_dir) / f"checkpoint-{position.global_step}"
+    if _is_main(accelerator):
+        _remove_leftovers(final.parent)
+        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+        tmp.mkdir(parents=True)
+        _write_contents(tmp, train_step, position, weights, extra, rng)
+        _replace_dir(tmp, final)
+        if total_limit is not None:
+            prune_checkpoints(final.parent, total_limit)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    return final
+
+
+def _remove_leftovers(output_dir: Path) -> None:
+    """Delete hidden folders left by a save or prune that crashed (never a visible checkpoint)."""
+    if output_dir.is_dir():
+        for path in output_dir.glob(".checkpoint-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_contents(folder: Path, train_step: TrainStep, position: TrainingPosition,
+                    weights: Mapping[str, torch.Tensor], extra: Mapping[str, Any] | None,
+                    rng: list[dict[str, Any]]) -> None:
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    torch.save(train_step.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+    if train_step.lr_scheduler is not None:
+        torch.save(train_step.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
+    torch.save(rng, folder / RNG_FILE)
+    state = {"format_version": FORMAT_VERSION, "global_step": position.global_step, "epoch": position.epoch,
+             "batch_in_epoch": position.batch_in_epoch, "num_processes": len(rng),
+             "train_step": train_step.state_dict(), "extra": dict(extra or {})}
+    (folder / STATE_FILE).write_text(json.dumps(state, indent=2))
+    _fsync_tree(folder)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush file contents to disk before the rename makes the checkpoint visible."""
+    for path in folder.iterdir():
+        with path.open("rb") as f:
+            os.fsync(f.fileno())
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``; an existing ``final`` (the same step saved again) is moved aside first."""
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def prune_checkpoints(output_dir: str | Path, total_limit: int) -> list[Path]:
+    """Delete all but the newest ``total_limit`` checkpoints; return the deleted paths.
+
+    Each is renamed to a hidden name before deletion so a crash never leaves a partial ``checkpoint-<step>``.
+    """
+    if total_limit < 1:
+        raise ValueError(f"checkpoints_total_limit must be >= 1, got {total_limit}")
+    removed = list_checkpoints(output_dir)[:-total_limit]
+    for path in removed:
+        doomed = path.parent / f".{path.name}.deleting-{os.getpid()}"
+        os.replace(path, doomed)
+        shutil.rmtree(doomed)
+    return removed
+
+
+def resolve_resume(output_dir: str | Path, resume_from_checkpoint: str | Path | None) -> Path | None:
+    """Turn ``--resume_from_checkpoint`` into a checkpoint folder.
+
+    ``None``/``""``: start fresh. ``latest``: the newest ``checkpoint-<step>`` in ``output_dir``, or ``None``
+    when there is none yet (a first run with ``latest`` starts fresh). A path, or a folder name inside
+    ``output_dir``: that checkpoint; a missing one is a :class:`UserError`.
+    """
+    if resume_from_checkpoint in (None, ""):
+        return None
+    if str(resume_from_checkpoint) == "latest":
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
+    for candidate in (Path(resume_from_checkpoint), Path(output_dir) / str(resume_from_checkpoint)):
+        if candidate.is_dir():
+            return candidate
+    available = ", ".join(p.name for p in list_checkpoints(output_dir)) or "none"
+    raise UserError(f"--resume_from_checkpoint: '{resume_from_checkpoint}' not found (checkpoints in "
+                    f"{output_dir}: {available}); give a checkpoint folder or 'latest'")
+
+
+def load_checkpoint(path: str | Path, train_step: TrainStep) -> LoadedCheckpoint:
+    """Restore optimizer, LR scheduler and TrainStep state from ``path``; return weights, position, RNG, extra.
+
+    The caller copies ``weights`` into its model; the loop applies the RNG states (pass the result to
+    ``run_training(resume=...)``).
+    """
+    path = Path(path)
+    state = _read_state(path)
+    weights = load_file(str(_require(path, WEIGHTS_FILE)), device="cpu")
+    train_step.optimizer.load_state_dict(_torch_load(_require(path, OPTIMIZER_FILE)))
+    if train_step.lr_scheduler is not None:
+        train_step.lr_scheduler.load_state_dict(_torch_load(_require(path, SCHEDULER_FILE)))
+    try:
+        train_step.load_state_dict(state["train_step"])
+    except (KeyError, ValueError) as e:
+        raise UserError(f"{path / STATE_FILE}: TrainStep state does not match this run ({e}); resume with the "
+                        "same loss scaler settings") from None
+    rng = _this_process_rng(_torch_load(_require(path, RNG_FILE)), train_step.accelerator)
+    position = TrainingPosition(global_step=state["global_step"], epoch=state["epoch"],
+                                batch_in_epoch=state["batch_in_epoch"],
+                                epoch_start_rng=rng["epoch_start"] if rng else None)
+    return LoadedCheckpoint(path=path, weights=weights, position=position,
+                            rng_state=rng["current"] if rng else None, extra=state["extra"])
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    state_file = _require(path, STATE_FILE)
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{state_file}: unreadable ({e}); pick another checkpoint") from None
+    if state.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"{state_file}: checkpoint format {state.get('format_version')} is not supported "
+                        f"(expected {FORMAT_VERSION})")
+    return state
+
+
+def _require(path: Path, name: str) -> Path:
+    if not path.is_dir():
+        raise UserError(f"{path}: checkpoint folder not found; check --resume_from_checkpoint")
+    file = path / name
+    if not file.is_file():
+        raise UserError(f"{file}: missing from the checkpoint; it is incomplete, resume from another one")
+    return file
+
+
+def _torch_load(file: Path) -> Any:
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _this_process_rng(per_process: list[dict[str, Any]], accelerator: Any) -> dict[str, Any] | None:
+    """This rank's saved RNG; ``None`` (keep the seeded RNG) when the run now has more processes."""
+    rank = accelerator.process_index if accelerator is not None else 0
+    return per_process[rank] if rank < len(per_process) else None
+
+
+def _is_main(accelerator: Any) -> bool:
+    return accelerator is None or accelerator.is_main_process
+
+
+def _gather(obj: dict[str, Any], accelerator: Any) -> list[dict[str, Any]]:
+    """Collect one object per process, in rank order, on every process."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return [obj]
+    from accelerate.utils import gather_object
+
+    return gather_object([obj])
