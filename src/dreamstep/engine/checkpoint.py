@@ -62,7 +62,7 @@ class TrainingPosition:
     global_step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
-    epoch_start_rng: dict[str, Any] | None = field(default=None, repr=False)
+    epoch_start_rng: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass

@@ -1,0 +1,238 @@
+"""The training loop every recipe uses: epochs of micro-batches through a :class:`TrainStep`, with progress,
+logging, validation and checkpoint callbacks, non-finite loss detection, and exact resume.
+
+Exact resume means: N optimizer steps straight give the same weights, optimizer and scheduler state, random
+numbers and data order as k steps, a checkpoint, a new process and N-k more steps. The loop gets there by
+owning the RNG timeline of an epoch:
+
+1. just before an epoch's batches are created it records the RNG state (``epoch_start_rng``);
+2. on resume it restores that state, creates the epoch's batches again (same shuffled order, whether the
+   order comes from a seeded generator, ``set_epoch`` or the global RNG), and consumes the batches already
+   trained on by iterating over them (so worker-side random augmentation advances identically too);
+3. then it restores the RNG state saved with the checkpoint, so ``forward`` draws the same noise.
+
+A step's loss is checked once per optimizer step; under several processes it is averaged over them first,
+so every process sees the same value and takes the same stop/continue decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from dreamstep.engine.checkpoint import LoadedCheckpoint, TrainingPosition, capture_rng_state, restore_rng_state
+from dreamstep.engine.logging import TrainingLogger
+from dreamstep.engine.train_step import TrainStep
+from dreamstep.errors import UserError
+
+__all__ = ["run_training", "TrainingResult", "NonFiniteLossError", "epoch_generator"]
+
+DataSource = Iterable[Any] | Callable[[int], Iterable[Any]]
+
+
+class NonFiniteLossError(UserError):
+    """The loss became NaN or infinite and ``on_nonfinite_loss="stop"``."""
+
+
+@dataclass
+class TrainingResult:
+    """``losses``: one group-mean loss per optimizer step of this run (NaN/inf included when skipped);
+    ``position``: where the run stopped (give it to ``save_checkpoint`` for a final checkpoint);
+    ``skipped_steps``: global steps whose update was skipped (non-finite gradients or loss)."""
+
+    losses: list[float] = field(default_factory=list)
+    position: TrainingPosition = field(default_factory=TrainingPosition)
+    skipped_steps: list[int] = field(default_factory=list)
+
+
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """A generator for an epoch's shuffling that depends only on (seed, epoch): pass it as a DataLoader's
+    ``generator`` in a ``make_dataloader(epoch)`` factory."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+
+
+def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | None = None,
+                 num_epochs: int | None = None, resume: LoadedCheckpoint | None = None,
+                 checkpoint_every_n_steps: int | None = None,
+                 save_checkpoint: Callable[[TrainingPosition], Any] | None = None,
+                 validate_every_n_steps: int | None = None, validate: Callable[[int], Any] | None = None,
+                 logger: TrainingLogger | None = None,
+                 on_nonfinite_loss: Literal["stop", "skip"] = "stop", progress: bool = True) -> TrainingResult:
+    """Train until ``max_train_steps`` optimizer steps or ``num_epochs`` epochs, whichever comes first.
+
+    ``data`` is either a function ``epoch -> iterable of batches`` or an iterable with a deterministic
+    order per epoch (``set_epoch(epoch)`` is called on it, or on its ``batch_sampler``/``sampler``, when
+    present). A tuple/list batch is passed to the step as ``step(*batch)``, anything else as ``step(batch)``.
+    ``save_checkpoint(position)`` runs every ``checkpoint_every_n_steps`` steps and ``validate(global_step)``
+    every ``validate_every_n_steps`` steps (after logging; validation first, so a checkpoint taken at the
+    same step holds the RNG state after validation). ``resume`` is what ``load_checkpoint`` returned.
+    ``on_nonfinite_loss``: ``"stop"`` raises :class:`NonFiniteLossError` naming the step; ``"skip"`` reports
+    it and goes on (TrainStep has already skipped the update, as the gradients are then non-finite too).
+    """
+    _check_arguments(max_train_steps, num_epochs, checkpoint_every_n_steps, save_checkpoint,
+                     validate_every_n_steps, validate, on_nonfinite_loss)
+    position = dataclasses.replace(resume.position) if resume is not None else TrainingPosition()
+    resume_rng = resume.rng_state if resume is not None else None
+    result = TrainingResult(position=position)
+    bar = None
+    try:
+        while not _finished(position, max_train_steps, num_epochs):
+            batches = _open_epoch(data, position, resuming=resume is not None and bar is None)
+            steps_per_epoch = _steps_per_epoch(step, batches)
+            if max_train_steps is None:
+                max_train_steps = num_epochs * steps_per_epoch
+            if bar is None:
+                bar = _progress_bar(step, position.global_step, max_train_steps, progress)
+            iterator = _skip(iter(batches), position.batch_in_epoch)
+            if resume_rng is not None:
+                restore_rng_state(resume_rng)
+                resume_rng = None
+            _check_alignment(step, position.batch_in_epoch)
+            if _train_epoch(step, iterator, position, result, max_train_steps, bar, logger, on_nonfinite_loss,
+                            (checkpoint_every_n_steps, save_checkpoint), (validate_every_n_steps, validate)):
+                position.epoch += 1
+                position.batch_in_epoch = 0
+    finally:
+        if bar is not None:
+            bar.close()
+    return result
+
+
+def _train_epoch(step: TrainStep, iterator: Iterator[Any], position: TrainingPosition, result: TrainingResult,
+                 max_train_steps: int, bar: Any, logger: TrainingLogger | None, on_nonfinite_loss: str,
+                 checkpointing: tuple[int | None, Callable | None],
+                 validation: tuple[int | None, Callable | None]) -> bool:
+    """Run the rest of an epoch; return True when the epoch's data ran out (False: max steps reached)."""
+    for batch in iterator:
+        outputs = step(*batch) if isinstance(batch, (tuple, list)) else step(batch)
+        position.batch_in_epoch += 1
+        if not step.sync_gradients:
+            continue
+        position.global_step += 1
+        loss = _global_loss(step, outputs[0])
+        _record(step, loss, position, result, bar, logger, on_nonfinite_loss)
+        _every(validation, position.global_step, position.global_step)
+        _every(checkpointing, position.global_step, dataclasses.replace(position))
+        if position.global_step >= max_train_steps:
+            return False
+    return True
+
+
+def _record(step: TrainStep, loss: float, position: TrainingPosition, result: TrainingResult, bar: Any,
+            logger: TrainingLogger | None, on_nonfinite_loss: str) -> None:
+    """Append the loss, log the step's scalars, update the bar; handle a non-finite loss or skipped update."""
+    result.losses.append(loss)
+    where = f"step {position.global_step} (epoch {position.epoch}, batch {position.batch_in_epoch})"
+    if not math.isfinite(loss):
+        if on_nonfinite_loss == "stop":
+            raise NonFiniteLossError(
+                f"loss is {loss} at {where}; the update was not applied. Lower the learning rate, check the "
+                "data, prefer bf16 over fp16, or set on_nonfinite_loss to 'skip' to continue past such steps")
+        _say(bar, f"warning: loss is {loss} at {where}; skipping this step")
+    if step.step_skipped:
+        result.skipped_steps.append(position.global_step)
+    lr = step.optimizer.param_groups[0]["lr"]
+    if logger is not None:
+        scalars = {"loss": loss, "lr": lr, "loss_scale": step.loss_scale, "skipped": float(step.step_skipped)}
+        if step.grad_norm is not None and math.isfinite(step.grad_norm):
+            scalars["grad_norm"] = step.grad_norm
+        logger.log(position.global_step, scalars)
+    bar.update(1)
+    bar.set_postfix(loss=f"{loss:.4g}", lr=f"{lr:.3g}", refresh=False)
+
+
+def _global_loss(step: TrainStep, loss: torch.Tensor) -> float:
+    """The group's mean loss averaged over processes (one scalar all-reduce per optimizer step)."""
+    accelerator = step.accelerator
+    if accelerator is not None and accelerator.num_processes > 1:
+        loss = accelerator.reduce(loss.detach().to(accelerator.device), reduction="mean")
+    return float(loss)
+
+
+def _every(schedule: tuple[int | None, Callable | None], global_step: int, argument: Any) -> None:
+    every, callback = schedule
+    if every and callback is not None and global_step % every == 0:
+        callback(argument)
+
+
+def _finished(position: TrainingPosition, max_train_steps: int | None, num_epochs: int | None) -> bool:
+    if max_train_steps is not None and position.global_step >= max_train_steps:
+        return True
+    return num_epochs is not None and position.epoch >= num_epochs
+
+
+def _open_epoch(data: DataSource, position: TrainingPosition, resuming: bool) -> Iterable[Any]:
+    """Record (or, resuming, restore) the epoch's starting RNG state, then make the epoch's batches."""
+    if resuming and position.epoch_start_rng is not None:
+        restore_rng_state(position.epoch_start_rng)
+    position.epoch_start_rng = capture_rng_state()
+    if callable(data) and not hasattr(data, "__iter__"):
+        return data(position.epoch)
+    for target in (data, getattr(data, "batch_sampler", None), getattr(data, "sampler", None)):
+        if hasattr(target, "set_epoch"):
+            target.set_epoch(position.epoch)
+            break
+    return data
+
+
+def _skip(iterator: Iterator[Any], count: int) -> Iterator[Any]:
+    """Consume ``count`` batches that a resumed run already trained on."""
+    end = object()
+    for consumed in range(count):
+        if next(iterator, end) is end:
+            raise UserError(f"the checkpoint is {count} batches into its epoch but the data now has only "
+                            f"{consumed}; resume with the same dataset and batch size")
+    return iterator
+
+
+def _steps_per_epoch(step: TrainStep, batches: Iterable[Any]) -> int:
+    try:
+        length = len(batches)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError("the training data must have a length (len(dataloader))") from None
+    if step.length_of_dataloader is not None and step.length_of_dataloader != length:
+        raise ValueError(f"TrainStep was built with length_of_dataloader={step.length_of_dataloader} "
+                         f"but an epoch has {length} batches")
+    return math.ceil(length / step.gradient_accumulation_steps)
+
+
+def _check_alignment(step: TrainStep, batch_in_epoch: int) -> None:
+    """The TrainStep's accumulation groups must start where the loop thinks the epoch stands."""
+    if step.length_of_dataloader is None:
+        return
+    expected = batch_in_epoch % step.length_of_dataloader
+    if step.micro_step != expected:
+        raise RuntimeError(f"TrainStep is at micro-batch {step.micro_step} of its epoch but the loop is at "
+                           f"{expected}; load the TrainStep state from the same checkpoint as the position")
+
+
+def _progress_bar(step: TrainStep, initial: int, total: int, enabled: bool) -> Any:
+    """tqdm shows it/s and the ETA; only the main process draws it."""
+    is_main = step.accelerator is None or step.accelerator.is_main_process
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                disable=not (enabled and is_main))
+
+
+def _say(bar: Any, message: str) -> None:
+    if not bar.disable:
+        bar.write(message, file=sys.stderr)
+
+
+def _check_arguments(max_train_steps: int | None, num_epochs: int | None, checkpoint_every: int | None,
+                     save_checkpoint: Callable | None, validate_every: int | None, validate: Callable | None,
+                     on_nonfinite_loss: str) -> None:
+    if max_train_steps is None and num_epochs is None:
+        raise ValueError("give max_train_steps or num_epochs")
+    if on_nonfinite_loss not in ("stop", "skip"):
+        raise ValueError(f"on_nonfinite_loss must be 'stop' or 'skip', got {on_nonfinite_loss!r}")
+    if checkpoint_every and save_checkpoint is None:
+        raise ValueError("checkpoint_every_n_steps needs a save_checkpoint callback")
+    if validate_every and validate is None:
+        raise ValueError("validate_every_n_steps needs a validate callback")
