@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
 from lora_testkit import inference_mode
 
-from dreamstep.lora.convert import ModelKeys, model_keys, pipeline_configs
+from dreamstep.lora.formats import ModelKeys, model_keys, pipeline_configs
 from dreamstep.models.tiny import build_tiny_flux, build_tiny_sdxl
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from dreamstep.lora.convert import LoraModule, ModelKeys
+from dreamstep.lora.convert import LoraModule
+from dreamstep.lora.formats import ModelKeys
 
 MINDSPORE_DIR = Path(__file__).resolve().parents[3] / "shared" / "testdata" / "mindspore"
 SCALES = (0.5, 1.0, 2.0)

@@ -5,7 +5,14 @@ file, our diffusers file, our in-memory dict and weights merged by hand."""
 from __future__ import annotations
 
 import torch
-from lora_testkit import SCALES, delta, inference_mode, merge_into, module_of, random_lora
+from lora_testkit import (
+    SCALES,
+    delta,
+    inference_mode,
+    merge_into,
+    module_of,
+    random_lora,
+)
 
 from dreamstep.lora.convert import (
     LoraModule,
@@ -29,10 +36,10 @@ def _write_diffusers(modules, path):
 
 def _assert_same(a: dict[str, LoraModule], b: dict[str, LoraModule]) -> None:
     assert sorted(a) == sorted(b)
-    for name in a:
-        assert torch.equal(a[name].down, b[name].down), name
-        assert torch.equal(a[name].up, b[name].up), name
-        assert a[name].alpha == b[name].alpha, name
+    for name, m in a.items():
+        assert torch.equal(m.down, b[name].down), name
+        assert torch.equal(m.up, b[name].up), name
+        assert m.alpha == b[name].alpha, name
 
 
 def _assert_fused_deltas(kohya: dict[str, LoraModule], ours: dict[str, LoraModule], keys, rtol: float) -> None:

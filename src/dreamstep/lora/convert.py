@@ -15,12 +15,12 @@ scales are folded into ``up`` and the fused alpha equals its rank; that is repor
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -28,8 +28,14 @@ from peft.utils.other import get_pattern_key
 
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.lora import formats
-from dreamstep.lora.io import LoraFile, adapter_metadata, container_for, read_lora_file, write_lora_file
-from dreamstep.models.sgm_keys import unet_module_map
+from dreamstep.lora.formats import ModelKeys, model_keys
+from dreamstep.lora.io import (
+    LoraFile,
+    adapter_metadata,
+    container_for,
+    read_lora_file,
+    write_lora_file,
+)
 
 LAYOUTS = ("kohya", "diffusers", "mindspore")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -50,112 +56,6 @@ class LoraModule:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
-
-
-@dataclass(frozen=True)
-class ModuleMap:
-    """One Kohya module and the diffusers module(s) it is; ``rows`` gives fused parts' output rows in units
-    of the module's input width."""
-
-    kohya: str
-    diffusers: tuple[str, ...]
-    rows: tuple[int, ...] = (1,)
-
-
-@dataclass(frozen=True)
-class ModelKeys:
-    """Every module a LoRA may adapt in one concrete model, in the Kohya and diffusers namings."""
-
-    model: str
-    description: str
-    maps: tuple[ModuleMap, ...]
-
-    @cached_property
-    def by_kohya(self) -> dict[str, ModuleMap]:
-        return {m.kohya: m for m in self.maps}
-
-    @cached_property
-    def by_diffusers(self) -> dict[str, ModuleMap]:
-        return {name: m for m in self.maps for name in m.diffusers}
-
-
-# ----------------------------------------------------------------------------------------------- tables
-
-
-def _kohya_name(prefix: str, module: str) -> str:
-    return f"{prefix}_{module.replace('.', '_')}"
-
-
-def _text_encoder_maps(prefix: str, component: str, templates: tuple[str, ...], layers: int) -> list[ModuleMap]:
-    return [ModuleMap(_kohya_name(prefix, t.format(i=i)), (f"{component}.{t.format(i=i)}",))
-            for i in range(layers) for t in templates]
-
-
-def flux_keys(transformer: Mapping | None = None, clip_layers: int = formats.FLUX_DEFAULTS["clip_layers"],
-              t5_layers: int = formats.FLUX_DEFAULTS["t5_layers"]) -> ModelKeys:
-    """The FLUX.1 tables for a transformer config (default: the released FLUX.1 with 19 + 38 blocks)."""
-    cfg = {**formats.FLUX_DEFAULTS, **(transformer or {})}
-    maps = []
-    for kind, count, ours in (("double_blocks", cfg["num_layers"], "transformer_blocks"),
-                              ("single_blocks", cfg["num_single_layers"], "single_transformer_blocks")):
-        table = formats.FLUX_DOUBLE_BLOCK if kind == "double_blocks" else formats.FLUX_SINGLE_BLOCK
-        for i in range(count):
-            for bfl, parts in table.items():
-                maps.append(ModuleMap(_kohya_name("lora_unet", f"{kind}.{i}.{bfl}"),
-                                      tuple(f"transformer.{ours}.{i}.{p}" for p in parts),
-                                      formats.FLUX_FUSED_ROWS.get(bfl, (1,))))
-    globals_ = {**formats.FLUX_GLOBAL, **(formats.FLUX_GUIDANCE if cfg["guidance_embeds"] else {})}
-    maps += [ModuleMap(_kohya_name("lora_unet", bfl), (f"transformer.{ours}",)) for bfl, ours in globals_.items()]
-    maps += _text_encoder_maps("lora_te1", "text_encoder", formats.CLIP_LAYER, clip_layers)
-    maps += _text_encoder_maps("lora_te3", "text_encoder_2", formats.T5_LAYER, t5_layers)
-    desc = f"FLUX.1 transformer with {cfg['num_layers']} double and {cfg['num_single_layers']} single blocks"
-    return ModelKeys("flux", desc, tuple(maps))
-
-
-def sdxl_keys(unet: Mapping | None = None, clip_layers: int = formats.SDXL_CLIP_LAYERS["text_encoder"],
-              clip_g_layers: int = formats.SDXL_CLIP_LAYERS["text_encoder_2"]) -> ModelKeys:
-    """The SDXL tables for a UNet config (default: stable-diffusion-xl-base-1.0)."""
-    cfg = dict(unet or formats.SDXL_UNET_CONFIG)
-    maps = [ModuleMap(_kohya_name("lora_unet", sgm), (f"unet.{ours}",))
-            for ours, sgm in unet_module_map(cfg).items()]
-    maps += _text_encoder_maps("lora_te1", "text_encoder", formats.CLIP_LAYER, clip_layers)
-    maps += _text_encoder_maps("lora_te2", "text_encoder_2", formats.CLIP_LAYER, clip_g_layers)
-    desc = f"SDXL UNet with block widths {tuple(cfg['block_out_channels'])}"
-    return ModelKeys("sdxl", desc, tuple(maps))
-
-
-def model_keys(model: str, configs: Mapping[str, Mapping] | None = None) -> ModelKeys:
-    """Tables for ``model`` ('flux' or 'sdxl') from component configs (see :func:`folder_configs`);
-    without configs, for the released model."""
-    configs = configs or {}
-    te = configs.get("text_encoder", {}).get("num_hidden_layers")
-    te2 = configs.get("text_encoder_2", {})
-    if model == "flux":
-        return flux_keys(configs.get("transformer"), te or formats.FLUX_DEFAULTS["clip_layers"],
-                         te2.get("num_layers", formats.FLUX_DEFAULTS["t5_layers"]))
-    if model == "sdxl":
-        return sdxl_keys(configs.get("unet"), te or formats.SDXL_CLIP_LAYERS["text_encoder"],
-                         te2.get("num_hidden_layers", formats.SDXL_CLIP_LAYERS["text_encoder_2"]))
-    raise UserError(f"unknown model '{model}'; use flux or sdxl")
-
-
-def folder_configs(base: str | Path) -> dict[str, dict]:
-    """The ``config.json`` of each component of a diffusers pipeline folder."""
-    base = Path(base)
-    if not (base / "model_index.json").is_file():
-        raise UserError(f"--base {base}: not a diffusers pipeline folder (no model_index.json)")
-    return {d.name: json.loads((d / "config.json").read_text()) for d in sorted(base.iterdir())
-            if (d / "config.json").is_file()}
-
-
-def pipeline_configs(pipe) -> dict[str, dict]:
-    """The configs of a loaded diffusers pipeline's components, as :func:`folder_configs` gives them."""
-    out = {}
-    for name, component in pipe.components.items():
-        config = getattr(component, "config", None)
-        if config is not None:
-            out[name] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    return out
 
 
 # ------------------------------------------------------------------------------------- layouts and models
@@ -345,7 +245,7 @@ def _split(fused: LoraModule, rows: tuple[int, ...], name: str, source: str) -> 
     ups = torch.split(fused.up, sizes)
     spans = [_used_columns(up) for up in ups]
     used = [s for s in spans if s is not None]
-    if used and all(a[1] <= b[0] for a, b in zip(used, used[1:])):
+    if used and all(a[1] <= b[0] for a, b in itertools.pairwise(used)):
         alphas = [_exact_alpha(fused.scale, s[1] - s[0]) if s else None for s in spans]
         if all(a is not None for a, s in zip(alphas, spans) if s is not None):
             return [LoraModule(fused.down[s[0]:s[1]], up[:, s[0]:s[1]], a) if s else None

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from dreamstep.lora.convert import DTYPES, LAYOUTS, convert_lora, folder_configs
+from dreamstep.lora.convert import DTYPES, LAYOUTS, convert_lora
+from dreamstep.lora.formats import folder_configs
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:

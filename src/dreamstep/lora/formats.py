@@ -9,12 +9,24 @@ Three layouts name the same LoRA differently:
   the ``lora_adapter_metadata`` safetensors header (a PEFT ``LoraConfig`` per component) or is folded in.
 * **mindspore** (the mindone port, SDXL): ``<kohya prefix>.<diffusers module>.lora_down.weight`` / ... .
 
-Everything here is a fact about those formats; :mod:`dreamstep.lora.convert` turns it into concrete tables.
+The facts come first; :func:`model_keys` then expands them into the tables of one concrete model (its block
+and layer counts), which :mod:`dreamstep.lora.convert` maps through.
 """
 
 from __future__ import annotations
 
-from typing import Final
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from dreamstep.errors import UserError
+from dreamstep.models.sgm_keys import unet_module_map
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
 
 # Tensor suffixes, per layout: (down, up). Kohya "down" is PEFT "lora_A" (rank, in); "up" is "lora_B" (out, rank).
 KOHYA_SUFFIXES: Final = (".lora_down.weight", ".lora_up.weight")
@@ -142,3 +154,112 @@ MODEL_HINTS: Final[tuple[tuple[str, str], ...]] = (
     ("lora_unet_down_blocks", "sd1"), ("lora_unet_mid_block", "sd1"), ("lora_unet_up_blocks", "sd1"),
     ("lora_te_", "sd1"),
 )
+
+
+# ------------------------------------------- the tables expanded for one concrete model
+
+
+@dataclass(frozen=True)
+class ModuleMap:
+    """One Kohya module and the diffusers module(s) it is; ``rows`` gives fused parts' output rows in units
+    of the module's input width."""
+
+    kohya: str
+    diffusers: tuple[str, ...]
+    rows: tuple[int, ...] = (1,)
+
+
+@dataclass(frozen=True)
+class ModelKeys:
+    """Every module a LoRA may adapt in one concrete model, in the Kohya and diffusers namings."""
+
+    model: str
+    description: str
+    maps: tuple[ModuleMap, ...]
+
+    @cached_property
+    def by_kohya(self) -> dict[str, ModuleMap]:
+        return {m.kohya: m for m in self.maps}
+
+    @cached_property
+    def by_diffusers(self) -> dict[str, ModuleMap]:
+        return {name: m for m in self.maps for name in m.diffusers}
+
+
+def _kohya_name(prefix: str, module: str) -> str:
+    return f"{prefix}_{module.replace('.', '_')}"
+
+
+def _text_encoder_maps(prefix: str, component: str, templates: tuple[str, ...], layers: int) -> list[ModuleMap]:
+    return [ModuleMap(_kohya_name(prefix, t.format(i=i)), (f"{component}.{t.format(i=i)}",))
+            for i in range(layers) for t in templates]
+
+
+def flux_keys(transformer: Mapping | None = None, clip_layers: int = FLUX_DEFAULTS["clip_layers"],
+              t5_layers: int = FLUX_DEFAULTS["t5_layers"]) -> ModelKeys:
+    """The FLUX.1 tables for a transformer config (default: the released FLUX.1 with 19 + 38 blocks)."""
+    cfg = {**FLUX_DEFAULTS, **(transformer or {})}
+    maps = []
+    for kind, count, ours in (("double_blocks", cfg["num_layers"], "transformer_blocks"),
+                              ("single_blocks", cfg["num_single_layers"], "single_transformer_blocks")):
+        table = FLUX_DOUBLE_BLOCK if kind == "double_blocks" else FLUX_SINGLE_BLOCK
+        for i in range(count):
+            for bfl, parts in table.items():
+                maps.append(ModuleMap(_kohya_name("lora_unet", f"{kind}.{i}.{bfl}"),
+                                      tuple(f"transformer.{ours}.{i}.{p}" for p in parts),
+                                      FLUX_FUSED_ROWS.get(bfl, (1,))))
+    globals_ = {**FLUX_GLOBAL, **(FLUX_GUIDANCE if cfg["guidance_embeds"] else {})}
+    maps += [ModuleMap(_kohya_name("lora_unet", bfl), (f"transformer.{ours}",)) for bfl, ours in globals_.items()]
+    maps += _text_encoder_maps("lora_te1", "text_encoder", CLIP_LAYER, clip_layers)
+    maps += _text_encoder_maps("lora_te3", "text_encoder_2", T5_LAYER, t5_layers)
+    desc = f"FLUX.1 transformer with {cfg['num_layers']} double and {cfg['num_single_layers']} single blocks"
+    return ModelKeys("flux", desc, tuple(maps))
+
+
+def sdxl_keys(unet: Mapping | None = None, clip_layers: int = SDXL_CLIP_LAYERS["text_encoder"],
+              clip_g_layers: int = SDXL_CLIP_LAYERS["text_encoder_2"]) -> ModelKeys:
+    """The SDXL tables for a UNet config (default: stable-diffusion-xl-base-1.0)."""
+    cfg = dict(unet or SDXL_UNET_CONFIG)
+    maps = [ModuleMap(_kohya_name("lora_unet", sgm), (f"unet.{ours}",))
+            for ours, sgm in unet_module_map(cfg).items()]
+    maps += _text_encoder_maps("lora_te1", "text_encoder", CLIP_LAYER, clip_layers)
+    maps += _text_encoder_maps("lora_te2", "text_encoder_2", CLIP_LAYER, clip_g_layers)
+    desc = f"SDXL UNet with block widths {tuple(cfg['block_out_channels'])}"
+    return ModelKeys("sdxl", desc, tuple(maps))
+
+
+def model_keys(model: str, configs: Mapping[str, Mapping] | None = None) -> ModelKeys:
+    """Tables for ``model`` ('flux' or 'sdxl') from component configs (see :func:`folder_configs`);
+    without configs, for the released model."""
+    main = {"flux": "transformer", "sdxl": "unet"}.get(model)
+    if main is None:
+        raise UserError(f"unknown model '{model}'; use flux or sdxl")
+    if configs and main not in configs:
+        raise UserError(f"the base model has no {main}/config.json, so it is not a {MODEL_NAMES[model]} pipeline")
+    configs = configs or {}
+    te = configs.get("text_encoder", {}).get("num_hidden_layers")
+    te2 = configs.get("text_encoder_2", {})
+    if model == "flux":
+        return flux_keys(configs.get("transformer"), te or FLUX_DEFAULTS["clip_layers"],
+                         te2.get("num_layers", FLUX_DEFAULTS["t5_layers"]))
+    return sdxl_keys(configs.get("unet"), te or SDXL_CLIP_LAYERS["text_encoder"],
+                     te2.get("num_hidden_layers", SDXL_CLIP_LAYERS["text_encoder_2"]))
+
+
+def folder_configs(base: str | Path) -> dict[str, dict]:
+    """The ``config.json`` of each component of a diffusers pipeline folder."""
+    base = Path(base)
+    if not (base / "model_index.json").is_file():
+        raise UserError(f"--base {base}: not a diffusers pipeline folder (no model_index.json)")
+    return {d.name: json.loads((d / "config.json").read_text()) for d in sorted(base.iterdir())
+            if (d / "config.json").is_file()}
+
+
+def pipeline_configs(pipe: DiffusionPipeline) -> dict[str, dict]:
+    """The configs of a loaded diffusers pipeline's components, as :func:`folder_configs` gives them."""
+    out = {}
+    for name, component in pipe.components.items():
+        config = getattr(component, "config", None)
+        if config is not None:
+            out[name] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return out

@@ -12,7 +12,8 @@ import re
 
 from dreamstep.errors import UserError
 from dreamstep.lora import formats
-from dreamstep.lora.convert import Lora, folder_configs, model_keys, read_lora, to_diffusers
+from dreamstep.lora.convert import Lora, read_lora, to_diffusers
+from dreamstep.lora.formats import folder_configs, model_keys
 
 LAYOUT_NAMES = {
     "kohya": "Kohya sd-scripts layout (lora_down/lora_up/alpha)",

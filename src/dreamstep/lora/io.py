@@ -54,7 +54,7 @@ def _read_safetensors(path: Path) -> LoraFile:
     try:
         with safetensors.safe_open(str(path), framework="pt") as f:
             metadata = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = safetensors.torch.load_file(str(path))
     except (safetensors.SafetensorError, OSError, ValueError, struct.error) as e:
         raise UserError(f"{path}: not a readable safetensors file (truncated or corrupt: {e})") from None
     return LoraFile(path, "safetensors", tensors, metadata)
