@@ -1,0 +1,179 @@
+"""Training logs: TensorBoard scalars, the loss history, a loss-curve PNG and image grids, all with Pillow.
+
+TensorBoard is optional: with ``report_to="none"``, or when the ``tensorboard`` package is missing (one
+warning), scalars are still kept in memory and the loss curve is still drawn. Only the main process writes.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+__all__ = ["TrainingLogger", "save_image_grid", "draw_loss_curve", "smooth"]
+
+ReportTo = Literal["tensorboard", "none"]
+
+
+class TrainingLogger:
+    """Scalars to TensorBoard and memory; validation image grids; ``loss_curve.png`` on :meth:`close`.
+
+    ``log_dir`` receives the TensorBoard event files, ``samples/`` and ``loss_curve.png``.
+    """
+
+    def __init__(self, log_dir: str | Path, *, report_to: ReportTo = "tensorboard",
+                 is_main_process: bool = True) -> None:
+        if report_to not in ("tensorboard", "none"):
+            raise ValueError(f"report_to must be 'tensorboard' or 'none', got {report_to!r}")
+        self.log_dir = Path(log_dir)
+        self.is_main_process = is_main_process
+        self.history: dict[str, list[tuple[int, float]]] = {}
+        self._writer = _open_writer(self.log_dir) if report_to == "tensorboard" and is_main_process else None
+
+    @property
+    def loss_history(self) -> list[tuple[int, float]]:
+        """``(step, loss)`` pairs logged so far."""
+        return self.history.get("loss", [])
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Record scalars at ``step`` (e.g. loss, lr, grad_norm, loss_scale)."""
+        for name, value in scalars.items():
+            value = float(value)
+            self.history.setdefault(name, []).append((step, value))
+            if self._writer is not None:
+                self._writer.add_scalar(f"train/{name}", value, step)
+
+    def log_images(self, step: int, images: Sequence[Image.Image], tag: str = "validation") -> Path | None:
+        """Save ``images`` as ``samples/<tag>-<step>.png`` (and to TensorBoard); return the PNG path."""
+        if not self.is_main_process or not images:
+            return None
+        path = save_image_grid(images, self.log_dir / "samples" / f"{tag}-{step:06d}.png")
+        if self._writer is not None:
+            grid = np.asarray(Image.open(path).convert("RGB"))  # (H, W, 3) uint8
+            self._writer.add_image(tag, grid, step, dataformats="HWC")
+        return path
+
+    def close(self) -> Path | None:
+        """Flush TensorBoard and draw ``loss_curve.png``; return its path (``None`` with no losses)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if not self.is_main_process or not self.loss_history:
+            return None
+        steps, losses = zip(*self.loss_history)
+        return draw_loss_curve(steps, losses, self.log_dir / "loss_curve.png")
+
+
+def _open_writer(log_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warnings.warn("tensorboard is not installed, so no TensorBoard logs are written; "
+                      "install it with 'pip install tensorboard' or set report_to to 'none'", stacklevel=3)
+        return None
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+def save_image_grid(images: Sequence[Image.Image], path: str | Path, columns: int | None = None) -> Path:
+    """Paste ``images`` row by row into one PNG (cells sized to the largest image); return ``path``."""
+    if not images:
+        raise ValueError("save_image_grid needs at least one image")
+    columns = columns or math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / columns)
+    cell_w = max(im.width for im in images)
+    cell_h = max(im.height for im in images)
+    grid = Image.new("RGB", (columns * cell_w, rows * cell_h), "white")
+    for i, im in enumerate(images):
+        grid.paste(im.convert("RGB"), ((i % columns) * cell_w, (i // columns) * cell_h))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    return path
+
+
+def smooth(values: Sequence[float], weight: float = 0.9) -> list[float]:
+    """Debiased exponential moving average, as TensorBoard's smoothing slider computes it."""
+    out, ema, norm = [], 0.0, 0.0
+    for v in values:
+        ema = weight * ema + (1 - weight) * v
+        norm = weight * norm + (1 - weight)
+        out.append(ema / norm)
+    return out
+
+
+_SIZE = (800, 480)
+_MARGIN = (70, 30, 30, 50)  # left, top, right, bottom: room for tick labels and the title
+_RAW, _SMOOTH, _AXES = (170, 190, 230), (20, 70, 170), (60, 60, 60)
+
+
+def draw_loss_curve(steps: Sequence[int], losses: Sequence[float], path: str | Path,
+                    smoothing: float = 0.9) -> Path:
+    """Draw the raw loss (light) and its smoothed curve (dark) against steps with labelled axes; save PNG.
+
+    Non-finite losses are left out of the plot.
+    """
+    points = [(int(s), float(v)) for s, v in zip(steps, losses) if math.isfinite(float(v))]
+    image = Image.new("RGB", _SIZE, "white")
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default()
+    draw.text((_MARGIN[0], 8), "training loss (light: raw, dark: smoothed)", fill=_AXES, font=font)
+    if points:
+        xs, ys = zip(*points)
+        to_px = _projection(xs, ys)
+        _draw_axes(draw, font, xs, ys, to_px)
+        _polyline(draw, [to_px(x, y) for x, y in points], _RAW, 1)
+        _polyline(draw, [to_px(x, y) for x, y in zip(xs, smooth(ys, smoothing))], _SMOOTH, 2)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return path
+
+
+def _projection(xs: Sequence[int], ys: Sequence[float]) -> Any:
+    """Map (step, loss) to pixels in the plot area; flat ranges get a unit span so nothing divides by 0."""
+    left, top, right, bottom = _MARGIN
+    width, height = _SIZE[0] - left - right, _SIZE[1] - top - bottom
+    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+    y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
+
+    def to_px(x: float, y: float) -> tuple[float, float]:
+        return left + (x - x0) / (x1 - x0) * width, top + (1 - (y - y0) / (y1 - y0)) * height
+
+    return to_px
+
+
+def _draw_axes(draw: ImageDraw.ImageDraw, font: Any, xs: Sequence[int], ys: Sequence[float], to_px: Any) -> None:
+    left, top, right, bottom = _MARGIN
+    x_end, y_end = _SIZE[0] - right, _SIZE[1] - bottom
+    draw.line([(left, top), (left, y_end), (x_end, y_end)], fill=_AXES, width=1)
+    for x in _ticks(min(xs), max(xs), integer=True):
+        px, _ = to_px(x, min(ys))
+        draw.line([(px, y_end), (px, y_end + 4)], fill=_AXES)
+        label = f"{int(x)}"
+        draw.text((px - 3 * len(label), y_end + 8), label, fill=_AXES, font=font)  # roughly centred
+    for y in _ticks(min(ys), max(ys), integer=False):
+        _, py = to_px(min(xs), y)
+        draw.line([(left - 4, py), (left, py)], fill=_AXES)
+        draw.text((4, py - 6), f"{y:.4g}", fill=_AXES, font=font)
+    draw.text((x_end - 30, y_end + 26), "step", fill=_AXES, font=font)
+
+
+def _ticks(lo: float, hi: float, integer: bool, count: int = 5) -> list[float]:
+    if hi <= lo:
+        return [lo]
+    ticks = [lo + (hi - lo) * i / (count - 1) for i in range(count)]
+    return sorted({round(t) for t in ticks}) if integer else ticks
+
+
+def _polyline(draw: ImageDraw.ImageDraw, pixels: list[tuple[float, float]], color: tuple[int, int, int],
+              width: int) -> None:
+    if len(pixels) == 1:
+        x, y = pixels[0]
+        draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=color)
+    else:
+        draw.line(pixels, fill=color, width=width)

@@ -1,0 +1,98 @@
+"""TrainingLogger: TensorBoard events, loss-curve PNG, image grids, graceful degradation."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dreamstep.engine.logging import TrainingLogger, draw_loss_curve, save_image_grid, smooth
+
+_SMOOTH_BLUE = (20, 70, 170)
+_RAW_BLUE = (170, 190, 230)
+
+
+def _pixels(path) -> np.ndarray:
+    return np.asarray(Image.open(path).convert("RGB"))  # (H, W, 3)
+
+
+def _has_color(pixels: np.ndarray, color: tuple[int, int, int]) -> bool:
+    return bool((pixels == np.array(color, dtype=np.uint8)).all(axis=-1).any())
+
+
+def test_logger_writes_tensorboard_history_and_loss_curve(tmp_path):
+    logger = TrainingLogger(tmp_path, report_to="tensorboard")
+    losses = [1.0 / (1 + i) + 0.05 * math.sin(i) for i in range(40)]
+    for i, loss in enumerate(losses, start=1):
+        logger.log(i, {"loss": loss, "lr": 1e-4})
+    curve = logger.close()
+    assert curve == tmp_path / "loss_curve.png"
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+    assert logger.loss_history == list(enumerate(losses, start=1))
+    pixels = _pixels(curve)
+    assert pixels.shape == (480, 800, 3)
+    assert _has_color(pixels, _SMOOTH_BLUE) and _has_color(pixels, _RAW_BLUE)
+    # the smoothed curve descends: its pixels sit higher (smaller y) on the left than on the right
+    ys, xs = np.nonzero((pixels == np.array(_SMOOTH_BLUE, dtype=np.uint8)).all(axis=-1))
+    assert ys[xs < 200].mean() < ys[xs > 600].mean()
+
+
+def test_report_to_none_writes_no_events_but_still_draws(tmp_path):
+    logger = TrainingLogger(tmp_path, report_to="none")
+    logger.log(1, {"loss": 0.5})
+    assert logger.close() == tmp_path / "loss_curve.png"
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+
+
+def test_missing_tensorboard_degrades_with_a_warning(tmp_path, monkeypatch):
+    # Make `import tensorboard` fail as it does when the package is not installed.
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    with pytest.warns(UserWarning, match="tensorboard is not installed"):
+        logger = TrainingLogger(tmp_path)
+    logger.log(1, {"loss": 0.5})
+    assert logger.close().is_file()
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+
+
+def test_only_the_main_process_writes(tmp_path):
+    logger = TrainingLogger(tmp_path / "logs", is_main_process=False)
+    logger.log(1, {"loss": 0.5})
+    assert logger.log_images(1, [Image.new("RGB", (4, 4))]) is None
+    assert logger.close() is None
+    assert not (tmp_path / "logs").exists()
+
+
+def test_image_grid_layout(tmp_path):
+    colors = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255)]
+    images = [Image.new("RGB", (16, 8), c) for c in colors]
+    path = save_image_grid(images, tmp_path / "grid.png", columns=3)
+    pixels = _pixels(path)
+    assert pixels.shape == (16, 48, 3)  # 2 rows x 3 columns of 16x8
+    for i, color in enumerate(colors):
+        row, col = divmod(i, 3)
+        assert tuple(pixels[row * 8 + 4, col * 16 + 8]) == color
+    assert tuple(pixels[12, 40]) == (255, 255, 255)  # the empty sixth cell
+
+
+def test_log_images_saves_a_grid_per_step(tmp_path):
+    logger = TrainingLogger(tmp_path, report_to="tensorboard")
+    path = logger.log_images(20, [Image.new("RGB", (8, 8), "red")] * 4)
+    logger.close()
+    assert path == tmp_path / "samples" / "validation-000020.png"
+    assert _pixels(path).shape == (16, 16, 3)
+
+
+def test_smooth_is_a_debiased_ema():
+    assert smooth([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
+    # weight 0.5: ema = 0.5, 1.25; normaliser = 0.5, 0.75
+    assert smooth([1.0, 2.0], weight=0.5) == pytest.approx([1.0, 1.25 / 0.75])
+
+
+def test_loss_curve_handles_one_point_flat_and_non_finite_values(tmp_path):
+    for name, losses in (("one", [0.3]), ("flat", [0.2] * 5), ("nan", [0.5, math.nan, 0.4, math.inf, 0.3])):
+        path = draw_loss_curve(range(1, len(losses) + 1), losses, tmp_path / f"{name}.png")
+        assert _has_color(_pixels(path), _SMOOTH_BLUE), name
