@@ -1,0 +1,88 @@
+"""DDPM noise-prediction training math for SDXL (ε- and v-prediction), with sd-scripts' loss options.
+
+With clean latents x₀, noise ε and a timestep t of a DDPM schedule with cumulative product ᾱ_t:
+x_t = √ᾱ_t·x₀ + √(1-ᾱ_t)·ε, and the model predicts ε, or v = √ᾱ_t·ε - √(1-ᾱ_t)·x₀ (Salimans & Ho 2022,
+"Progressive Distillation", §4). Noising and the v target come from diffusers' ``DDPMScheduler``; this
+module adds the pieces sd-scripts trains with:
+
+- min-SNR-γ loss weighting (Hang et al. 2023, "Efficient Diffusion Training via Min-SNR Weighting");
+- offset noise (Guttenberg 2023, "Diffusion with Offset Noise") and sd-scripts' adaptive scale;
+- multi-resolution ("pyramid") noise (Whitaker 2023, "Multi-Resolution Noise for Diffusion Model Training").
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from diffusers import DDPMScheduler
+
+PredictionType = Literal["epsilon", "v_prediction"]
+
+
+def training_scheduler(scheduler_config: dict) -> DDPMScheduler:
+    """The DDPM schedule of the base model (SDXL: 1000 steps, scaled-linear β 0.00085..0.012), as sd-scripts
+    trains with it (``clip_sample=False``)."""
+    config = {k: v for k, v in dict(scheduler_config).items() if not k.startswith("_")}
+    return DDPMScheduler.from_config({**config, "clip_sample": False})
+
+
+def snr(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+    """Signal-to-noise ratio ᾱ_t / (1 - ᾱ_t) at each timestep, shape (B,), float32."""
+    alpha = alphas_cumprod.to(timesteps.device)[timesteps].float()
+    return alpha / (1.0 - alpha)
+
+
+def min_snr_weight(snr_values: torch.Tensor, gamma: float, v_prediction: bool = False) -> torch.Tensor:
+    """Per-sample loss weight min(SNR, γ) / SNR for ε-prediction, min(SNR, γ) / (SNR + 1) for v-prediction
+    (the v loss already carries a factor SNR + 1 relative to the ε loss)."""
+    clipped = torch.clamp(snr_values, max=gamma)
+    return clipped / (snr_values + 1.0) if v_prediction else clipped / snr_values
+
+
+def offset_noise(noise: torch.Tensor, latents: torch.Tensor, offset: float,
+                 adaptive_scale: float | None = None) -> torch.Tensor:
+    """ε + o·n with one n ~ N(0, 1) per sample and channel, shape (B, C, 1, 1): lets the model learn the
+    mean brightness. sd-scripts' adaptive scale raises o per channel by ``adaptive_scale·|mean(x₀)|``
+    (clamped at 0 for a negative scale)."""
+    strength: float | torch.Tensor = offset
+    if adaptive_scale is not None:
+        channel_mean = latents.mean(dim=(2, 3), keepdim=True).abs()  # (B, C, 1, 1)
+        strength = torch.clamp(offset + adaptive_scale * channel_mean, min=0.0)
+    shift = torch.randn(latents.shape[0], latents.shape[1], 1, 1, device=latents.device, dtype=latents.dtype)
+    return noise + strength * shift
+
+
+def pyramid_noise(noise: torch.Tensor, iterations: int, discount: float) -> torch.Tensor:
+    """ε plus ``iterations`` coarser noise levels, each upsampled bilinearly and weighted ``discount**i``,
+    the size divided by a random factor r ∈ [2, 4) per level (to 1x1 at most); rescaled to unit std."""
+    batch, channels, height, width = noise.shape
+    out = noise.clone()
+    for i in range(iterations):
+        r = float(torch.rand(()) * 2 + 2)
+        h, w = max(1, int(height / r**i)), max(1, int(width / r**i))
+        coarse = torch.randn(batch, channels, h, w, device=noise.device, dtype=noise.dtype)
+        out += F.interpolate(coarse, size=(height, width), mode="bilinear") * discount**i
+        if h == 1 or w == 1:
+            break
+    return out / out.std()
+
+
+def sample_timesteps(batch_size: int, min_timestep: int, max_timestep: int,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """Uniform integer timesteps in [min_timestep, max_timestep), shape (B,), as sd-scripts samples them."""
+    return torch.randint(min_timestep, max_timestep, (batch_size,), device=device)
+
+
+def prediction_target(scheduler: DDPMScheduler, latents: torch.Tensor, noise: torch.Tensor,
+                      timesteps: torch.Tensor, prediction_type: PredictionType) -> torch.Tensor:
+    """What the UNet should output: ε, or v = √ᾱ_t·ε - √(1-ᾱ_t)·x₀."""
+    if prediction_type == "v_prediction":
+        return scheduler.get_velocity(latents, noise, timesteps)
+    return noise
+
+
+def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error per sample in fp32, shape (B,)."""
+    return F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=tuple(range(1, target.ndim)))
