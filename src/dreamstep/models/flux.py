@@ -12,6 +12,8 @@ from diffusers import AutoencoderKL, FluxPipeline
 from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
+from dreamstep.models.loading import load_flux
+from dreamstep.models.precision import freeze, weight_dtype_for
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -70,7 +72,9 @@ def assemble_pipeline(components: Any, transformer: torch.nn.Module | None = Non
              ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "transformer")}
     if transformer is not None:
         parts["transformer"] = transformer
-    return FluxPipeline(**parts)
+    pipeline = FluxPipeline(**parts)
+    pipeline.set_progress_bar_config(disable=True)  # the trainer shows its own progress
+    return pipeline
 
 
 def component_identity(source: str | Path, subfolder: str, *, revision: str | None = None,
@@ -137,3 +141,53 @@ def generate(pipeline: FluxPipeline, prompts: list[str], *, seed: int, steps: in
                           max_sequence_length=max_sequence_length, **pipeline_kwargs)
         images.append(result.images[0])
     return images
+
+
+def load_frozen_for_training(source: str, *, revision: str | None, variant: str | None,
+                             transformer_single_file: str | None, mixed_precision: str,
+                             device: torch.device) -> Any:
+    """The base model for training under seed 001's policy: every weight frozen, in the half-precision
+    dtype of ``mixed_precision`` (fp32 for "no"), on ``device``. Trainable adapters are added (in fp32)
+    by the caller."""
+    components = load_flux(source, revision=revision, variant=variant,
+                           transformer_single_file=transformer_single_file,
+                           weight_dtype=weight_dtype_for(mixed_precision))
+    for name in ("text_encoder", "text_encoder_2", "vae", "transformer"):
+        module = getattr(components, name)
+        freeze(module)
+        module.to(device)
+        module.eval()
+    return components
+
+
+def generate_class_images(pipeline: FluxPipeline, class_dir: str | Path, class_prompt: str, wanted: int, *,
+                          batch_size: int, resolution: int, seed: int, guidance_scale: float,
+                          steps: int = 28) -> int:
+    """Fill ``class_dir`` up to ``wanted`` images with the base model's pictures of ``class_prompt``;
+    return how many were generated. Each file is written whole (temporary name, then rename)."""
+    from tqdm.auto import tqdm
+
+    from dreamstep.data.images import IMAGE_EXTENSIONS
+
+    folder = Path(class_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    existing = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS]
+    missing = wanted - len(existing)
+    if missing <= 0:
+        return 0
+    made = 0
+    with tqdm(total=missing, desc="generating class images", unit="img") as bar:
+        while made < missing:
+            count = min(batch_size, missing - made)
+            generator = torch.Generator("cpu").manual_seed(seed + len(existing) + made)
+            images = pipeline(prompt=[class_prompt] * count, num_inference_steps=steps,
+                              guidance_scale=guidance_scale, height=resolution, width=resolution,
+                              generator=generator).images
+            for image in images:
+                target = folder / f"class-{len(existing) + made:05d}.png"
+                partial = target.with_suffix(".png.partial")
+                image.save(partial, format="PNG")
+                partial.replace(target)
+                made += 1
+                bar.update(1)
+    return made

@@ -1,0 +1,129 @@
+"""What every trainer does around the loop: claim the output folder, set up devices and logging, resume,
+train with checkpoints and validation, and end with a summary of what was written where.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from dreamstep.engine.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from dreamstep.engine.logging import TrainingLogger
+from dreamstep.engine.loop import TrainingResult, run_training
+from dreamstep.engine.train_step import TrainStep, make_accelerator
+from dreamstep.errors import UserError
+
+
+@dataclass
+class Run:
+    """One training run: its folder, accelerator, logger and the checkpoint it resumes from (if any)."""
+
+    output_dir: Path
+    accelerator: Any
+    logger: TrainingLogger
+    resume_from: Path | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.accelerator.is_main_process
+
+
+def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_checkpoint: str | None) -> Path:
+    """Refuse a non-empty ``--output_dir`` unless the run resumes from it or ``--overwrite_output_dir``."""
+    folder = Path(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--output_dir {folder} is a file; give a folder")
+    if folder.is_dir() and any(folder.iterdir()) and not overwrite and not resume_from_checkpoint:
+        raise UserError(f"--output_dir {folder} is not empty; pick a new folder, continue it with "
+                        "--resume_from_checkpoint latest, or pass --overwrite_output_dir")
+    return folder
+
+
+def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report_to: str,
+              resume_from_checkpoint: str | None, config_toml: str) -> Run:
+    """Set up the accelerator (devices, autocast, processes), seed everything, open the logger and save the
+    resolved config as ``config.toml``."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import set_seed
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # accelerate keeps its state per process; a second run in one process (tests, notebooks) may
+        # ask for another precision.
+        AcceleratorState._reset_state()
+    accelerator = make_accelerator(mixed_precision=mixed_precision)
+    set_seed(seed)
+    folder = Path(output_dir)
+    resume_from = resolve_resume(folder, resume_from_checkpoint)
+    if accelerator.is_main_process:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.toml").write_text(config_toml)
+    accelerator.wait_for_everyone()
+    logger = TrainingLogger(folder, report_to=report_to, is_main_process=accelerator.is_main_process)
+    return Run(folder, accelerator, logger, resume_from)
+
+
+def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, num_epochs: int | None,
+        weights: Callable[[], Mapping[str, torch.Tensor]], load_weights: Callable[[Mapping[str, torch.Tensor]], None],
+        checkpointing_steps: int, checkpoints_total_limit: int | None,
+        validate: Callable[[int], list[Image.Image]] | None = None, validation_steps: int = 0,
+        extra: Mapping[str, Any] | None = None) -> TrainingResult:
+    """Resume if asked, then train for ``max_train_steps`` optimizer steps (when given, it overrides
+    ``num_epochs``), saving ``checkpoint-N`` every ``checkpointing_steps`` and validation grids every
+    ``validation_steps`` optimizer steps (0 turns either off)."""
+    resume = None
+    if run.resume_from is not None:
+        resume = load_checkpoint(run.resume_from, step)
+        load_weights(resume.weights)
+        _say(run, f"resuming from {run.resume_from} (step {resume.position.global_step})")
+
+    def save(position: Any) -> None:
+        path = save_checkpoint(run.output_dir, step, position, weights(), extra=extra,
+                               total_limit=checkpoints_total_limit)
+        _say(run, f"saved {path}")
+
+    def validate_and_log(global_step: int) -> None:
+        images = validate(global_step)
+        path = run.logger.log_images(global_step, images)
+        if path is not None:
+            _say(run, f"validation images: {path}")
+
+    return run_training(
+        step, data, max_train_steps=max_train_steps, num_epochs=None if max_train_steps else num_epochs,
+        resume=resume,
+        checkpoint_every_n_steps=checkpointing_steps or None, save_checkpoint=save if checkpointing_steps else None,
+        validate_every_n_steps=(validation_steps or None) if validate else None,
+        validate=validate_and_log if validate else None, logger=run.logger,
+        progress=run.is_main_process)
+
+
+def finish(run: Run, written: Mapping[str, Path | None], validate_final: Callable[[], list[Image.Image]] | None = None,
+           final_step: int = 0) -> None:
+    """Final validation grid, loss curve, and the summary of every file written."""
+    outputs = dict(written)
+    if validate_final is not None:
+        outputs["samples"] = run.logger.log_images(final_step, validate_final(), tag="final")
+    outputs["loss curve"] = run.logger.close()
+    outputs["TensorBoard logs"] = run.output_dir if run.logger.history else None
+    run.accelerator.wait_for_everyone()
+    if run.is_main_process:
+        print("\nwrote:")
+        for what, path in outputs.items():
+            if path is not None:
+                print(f"  {what:<18} {path}")
+
+
+def _say(run: Run, message: str) -> None:
+    if run.is_main_process:
+        from tqdm.auto import tqdm
+
+        tqdm.write(message)
