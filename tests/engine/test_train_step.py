@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,3 +278,40 @@ def test_state_dict_round_trip_and_refused_mid_group():
                            loss_scaler=DynamicLossScaler(), gradient_accumulation_steps=2, length_of_dataloader=3)
     other.load_state_dict(state)
     assert other.state_dict() == state and other.at_group_end and other.group_size == 1
+
+
+_FP16_ON_GPU = r"""
+import torch
+from accelerate import Accelerator
+from dreamstep import DynamicLossScaler
+from dreamstep.engine.train_step import make_accelerator
+from engine_testkit import RegressionStep, max_param_diff, reference_train, regression_batches, tiny_mlp
+
+accelerator = make_accelerator(mixed_precision="fp16")
+model = tiny_mlp(dtype=torch.float32)
+model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+step = RegressionStep(model, optimizer, accelerator=accelerator)
+assert isinstance(step.loss_scaler, DynamicLossScaler)
+ref = tiny_mlp(dtype=torch.float32).cuda()
+ref_optimizer = torch.optim.SGD(ref.parameters(), lr=0.1)
+for x, y in regression_batches(3, 8, dtype=torch.float32):
+    step(x.cuda(), y.cuda())
+    reference_train(ref, ref_optimizer, [[(x.cuda(), y.cuda())]])
+assert step.num_skipped == 0 and step.loss_scale == 2.0**16
+assert max_param_diff(accelerator.unwrap_model(model), ref) < 1e-2  # fp16 compute vs fp32
+try:
+    RegressionStep(model, optimizer, accelerator=Accelerator(mixed_precision="fp16"))
+except ValueError as e:
+    assert "scale the loss twice" in str(e)
+else:
+    raise AssertionError("an Accelerator with an enabled GradScaler was accepted")
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 autocast and accelerate's GradScaler need CUDA")
+def test_fp16_accelerator_on_gpu_scales_once():
+    """With real fp16 autocast our dynamic scaler is the only one; accelerate's enabled GradScaler is refused.
+    Run in a subprocess: accelerate's state is a per-process singleton."""
+    proc = subprocess.run([sys.executable, "-c", _FP16_ON_GPU], cwd=Path(__file__).parent, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
