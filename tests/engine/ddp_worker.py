@@ -13,15 +13,16 @@ import sys
 
 import torch
 import torch.distributed as dist
+from engine_testkit import RegressionStep, regression_batches, tiny_mlp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from dreamstep import DynamicLossScaler
 from dreamstep.engine.checkpoint import save_checkpoint
 from dreamstep.engine.loop import run_training
 from dreamstep.engine.train_step import make_accelerator
-from engine_testkit import RegressionStep, regression_batches, tiny_mlp
 
 ALLREDUCE_CALLS = [0]
+RECORD: list[tuple[bool, int]] = []  # per micro-batch: (closes its group, all-reduces before it)
 
 
 def counting_allreduce(group, bucket):
@@ -32,10 +33,8 @@ def counting_allreduce(group, bucket):
 class RecordingStep(RegressionStep):
     """Records, before each micro-batch, whether it closes a group and the all-reduces so far."""
 
-    record: list[tuple[bool, int]] = []
-
     def forward(self, x, y):
-        self.record.append((self.at_group_end, ALLREDUCE_CALLS[0]))
+        RECORD.append((self.at_group_end, ALLREDUCE_CALLS[0]))
         return super().forward(x, y)
 
 
@@ -55,15 +54,15 @@ def main(out_file: str, checkpoint_dir: str) -> None:
     step = RecordingStep(model, optimizer, scheduler, gradient_accumulation_steps=2, length_of_dataloader=5,
                          accelerator=accelerator)
     assert isinstance(step.loss_scaler, DynamicLossScaler)
-    save = lambda position: save_checkpoint(checkpoint_dir, step, position,  # noqa: E731
+    save = lambda position: save_checkpoint(checkpoint_dir, step, position,
                                             accelerator.unwrap_model(model).state_dict(), total_limit=1)
     result = run_training(step, shard, num_epochs=2, checkpoint_every_n_steps=3, save_checkpoint=save)
-    step.record.append((False, ALLREDUCE_CALLS[0]))
+    RECORD.append((False, ALLREDUCE_CALLS[0]))
 
     params = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
     everyone = accelerator.gather(torch.cat([p.reshape(-1) for p in params])[None])  # (world, n_params)
     if accelerator.is_main_process:
-        torch.save({"params": params, "losses": result.losses, "record": step.record, "world": world,
+        torch.save({"params": params, "losses": result.losses, "record": RECORD, "world": world,
                     "rank_spread": (everyone - everyone[0]).abs().max().item(),
                     "loss_scale": step.loss_scale}, out_file)
     accelerator.wait_for_everyone()

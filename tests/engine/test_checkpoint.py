@@ -8,12 +8,20 @@ import random
 import numpy as np
 import pytest
 import torch
+from engine_testkit import RegressionStep, regression_batches, tiny_mlp
 
 from dreamstep import DynamicLossScaler
-from dreamstep.engine.checkpoint import (TrainingPosition, capture_rng_state, list_checkpoints, load_checkpoint,
-                                         prune_checkpoints, resolve_resume, restore_rng_state, save_checkpoint)
+from dreamstep.engine.checkpoint import (
+    TrainingPosition,
+    capture_rng_state,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    resolve_resume,
+    restore_rng_state,
+    save_checkpoint,
+)
 from dreamstep.errors import UserError
-from engine_testkit import RegressionStep, regression_batches, tiny_mlp
 
 
 def _trained_step(seed: int = 0, steps: int = 2) -> RegressionStep:

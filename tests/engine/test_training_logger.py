@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dreamstep.engine.logging import TrainingLogger, draw_loss_curve, save_image_grid, smooth
+from dreamstep.engine.logging import (
+    TrainingLogger,
+    draw_loss_curve,
+    save_image_grid,
+    smooth,
+)
 
 _SMOOTH_BLUE = (20, 70, 170)
 _RAW_BLUE = (170, 190, 230)

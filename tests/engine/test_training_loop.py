@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from diffusers.optimization import get_cosine_schedule_with_warmup
+from engine_testkit import RegressionStep, regression_batches, tiny_mlp
 from torch.utils.data import DataLoader, TensorDataset
 
 from dreamstep import DynamicLossScaler, TrainStep
@@ -17,7 +18,6 @@ from dreamstep.engine.checkpoint import load_checkpoint, resolve_resume, save_ch
 from dreamstep.engine.logging import TrainingLogger
 from dreamstep.engine.loop import NonFiniteLossError, epoch_generator, run_training
 from dreamstep.errors import UserError
-from engine_testkit import RegressionStep, regression_batches, tiny_mlp
 
 
 class NoisyStep(TrainStep):
@@ -71,7 +71,7 @@ def test_resume_is_exact(tmp_path, kind, stop_at):
 
     _seed_everything(0)
     first = _build(init_seed=0)
-    save = lambda position: save_checkpoint(tmp_path, first, position, first.model.state_dict())  # noqa: E731
+    save = lambda position: save_checkpoint(tmp_path, first, position, first.model.state_dict())
     head = run_training(first, _data(kind), max_train_steps=stop_at, checkpoint_every_n_steps=stop_at,
                         save_checkpoint=save, progress=False)
 

@@ -38,8 +38,17 @@ from safetensors.torch import load_file, save_file
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
 
-__all__ = ["TrainingPosition", "LoadedCheckpoint", "save_checkpoint", "load_checkpoint", "list_checkpoints",
-           "prune_checkpoints", "resolve_resume", "capture_rng_state", "restore_rng_state"]
+__all__ = [
+    "LoadedCheckpoint",
+    "TrainingPosition",
+    "capture_rng_state",
+    "list_checkpoints",
+    "load_checkpoint",
+    "prune_checkpoints",
+    "resolve_resume",
+    "restore_rng_state",
+    "save_checkpoint",
+]
 
 WEIGHTS_FILE = "trainable_weights.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["TrainingLogger", "save_image_grid", "draw_loss_curve", "smooth"]
+__all__ = ["TrainingLogger", "draw_loss_curve", "save_image_grid", "smooth"]
 
 ReportTo = Literal["tensorboard", "none"]
 

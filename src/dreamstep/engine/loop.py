@@ -27,12 +27,17 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
-from dreamstep.engine.checkpoint import LoadedCheckpoint, TrainingPosition, capture_rng_state, restore_rng_state
+from dreamstep.engine.checkpoint import (
+    LoadedCheckpoint,
+    TrainingPosition,
+    capture_rng_state,
+    restore_rng_state,
+)
 from dreamstep.engine.logging import TrainingLogger
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
 
-__all__ = ["run_training", "TrainingResult", "NonFiniteLossError", "epoch_generator"]
+__all__ = ["NonFiniteLossError", "TrainingResult", "epoch_generator", "run_training"]
 
 DataSource = Iterable[Any] | Callable[[int], Iterable[Any]]
 

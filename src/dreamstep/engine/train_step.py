@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TrainStep", "StaticLossScaler", "DynamicLossScaler", "make_accelerator"]
+__all__ = ["DynamicLossScaler", "StaticLossScaler", "TrainStep", "make_accelerator"]
 
 
 class StaticLossScaler:
@@ -117,8 +117,9 @@ LossScaler = StaticLossScaler | DynamicLossScaler
 
 
 def _check_type(state: dict[str, Any], expected: str) -> None:
-    if state.get("type") != expected:
-        raise ValueError(f"loss scaler state is for a '{state.get('type')}' scaler, this one is '{expected}'")
+    saved = state.get("type")
+    if saved != expected:
+        raise ValueError(f"loss scaler state is for a '{saved}' scaler, this one is '{expected}'")
 
 
 def make_accelerator(**kwargs: Any) -> Any:
@@ -199,9 +200,13 @@ class TrainStep:
         return position_in_group == self.group_size - 1
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Divide by the group's real size (mean over the group) and multiply by the loss scale."""
+        """Divide by the group's real size (mean over the group) and multiply by the loss scale.
+
+        The loss is first widened to float32 (float64 stays): a half-precision loss times 2**16 would
+        overflow before backward, turning every report into inf instead of letting the scaler back off.
+        """
         self._scaled = True
-        loss = loss / self.group_size
+        loss = loss.to(torch.promote_types(loss.dtype, torch.float32)) / self.group_size
         return self.loss_scaler.scale(loss) if self.loss_scaler is not None else loss
 
     def unscale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -261,9 +266,7 @@ class TrainStep:
 
     def _record_loss(self, scaled_loss: torch.Tensor) -> torch.Tensor:
         """Accumulate this micro-batch's unscaled loss; return the group's running mean (shape ())."""
-        # float32 at least (an fp16 loss times a large scale would overflow), float64 stays float64
-        wide = scaled_loss.detach().to(torch.promote_types(scaled_loss.dtype, torch.float32))
-        micro_loss = self.unscale_loss(wide)
+        micro_loss = self.unscale_loss(scaled_loss.detach())
         self._group_loss_sum = micro_loss if self._group_loss_sum is None else self._group_loss_sum + micro_loss
         self._group_count += 1
         return self._group_loss_sum / self._group_count
@@ -355,7 +358,7 @@ def _check_accelerator(accelerator: Any, lr_scheduler: Any) -> None:
     if accelerator.gradient_accumulation_steps != 1:
         raise ValueError("give gradient_accumulation_steps to TrainStep, not to the Accelerator")
     if isinstance(lr_scheduler, AcceleratedScheduler):
-        raise ValueError("pass the LR scheduler to TrainStep unprepared (not through accelerator.prepare): "
+        raise TypeError("pass the LR scheduler to TrainStep unprepared (not through accelerator.prepare): "
                          "TrainStep steps it once per optimizer step")
 
 
