@@ -114,10 +114,11 @@ def test_non_finite_loss_stops_with_the_step_number():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_non_finite_loss_can_be_skipped():
+def test_non_finite_loss_can_be_skipped(capsys):
     model = tiny_mlp()
     step = RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.1))
     result = run_training(step, _nan_batches(), num_epochs=1, on_nonfinite_loss="skip", progress=False)
+    assert "warning: loss is nan at step 2 (epoch 0, batch 2); skipping this step" in capsys.readouterr().err
     assert len(result.losses) == 4 and math.isnan(result.losses[1])
     assert result.skipped_steps == [2] and step.num_updates == 4 and step.num_skipped == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())

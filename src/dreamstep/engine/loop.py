@@ -140,7 +140,7 @@ def _record(step: TrainStep, loss: float, position: TrainingPosition, result: Tr
             raise NonFiniteLossError(
                 f"loss is {loss} at {where}; the update was not applied. Lower the learning rate, check the "
                 "data, prefer bf16 over fp16, or set on_nonfinite_loss to 'skip' to continue past such steps")
-        _say(bar, f"warning: loss is {loss} at {where}; skipping this step")
+        _say(step, bar, f"warning: loss is {loss} at {where}; skipping this step")
     if step.step_skipped:
         result.skipped_steps.append(position.global_step)
     lr = step.optimizer.param_groups[0]["lr"]
@@ -225,8 +225,13 @@ def _progress_bar(step: TrainStep, initial: int, total: int, enabled: bool) -> A
                 disable=not (enabled and is_main))
 
 
-def _say(bar: Any, message: str) -> None:
-    if not bar.disable:
+def _say(step: TrainStep, bar: Any, message: str) -> None:
+    """Print a warning once (main process), without breaking the progress bar's line."""
+    if step.accelerator is not None and not step.accelerator.is_main_process:
+        return
+    if bar.disable:
+        print(message, file=sys.stderr)
+    else:
         bar.write(message, file=sys.stderr)
 
 
