@@ -22,12 +22,15 @@ from dreamstep.errors import UserError
 
 @dataclass
 class Run:
-    """One training run: its folder, accelerator, logger and the checkpoint it resumes from (if any)."""
+    """One training run: its folder, accelerator, the checkpoint it resumes from (if any), and once
+    training starts its logger. Nothing is written before :func:`fit`, so a setup error leaves no files."""
 
     output_dir: Path
     accelerator: Any
-    logger: TrainingLogger
     resume_from: Path | None
+    config_toml: str
+    report_to: str
+    logger: TrainingLogger | None = None
 
     @property
     def device(self) -> torch.device:
@@ -51,8 +54,8 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_che
 
 def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report_to: str,
               resume_from_checkpoint: str | None, config_toml: str) -> Run:
-    """Set up the accelerator (devices, autocast, processes), seed everything, open the logger and save the
-    resolved config as ``config.toml``."""
+    """Set up the accelerator (devices, autocast, processes), seed everything and find the checkpoint to
+    resume from; the folder, ``config.toml`` and the logs are written when training starts."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import set_seed
 
@@ -63,13 +66,15 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
     accelerator = make_accelerator(mixed_precision=mixed_precision)
     set_seed(seed)
     folder = Path(output_dir)
-    resume_from = resolve_resume(folder, resume_from_checkpoint)
-    if accelerator.is_main_process:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.toml").write_text(config_toml)
-    accelerator.wait_for_everyone()
-    logger = TrainingLogger(folder, report_to=report_to, is_main_process=accelerator.is_main_process)
-    return Run(folder, accelerator, logger, resume_from)
+    return Run(folder, accelerator, resolve_resume(folder, resume_from_checkpoint), config_toml, report_to)
+
+
+def _open_output(run: Run) -> None:
+    if run.is_main_process:
+        run.output_dir.mkdir(parents=True, exist_ok=True)
+        (run.output_dir / "config.toml").write_text(run.config_toml)
+    run.accelerator.wait_for_everyone()
+    run.logger = TrainingLogger(run.output_dir, report_to=run.report_to, is_main_process=run.is_main_process)
 
 
 def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, num_epochs: int | None,
@@ -80,6 +85,7 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
     """Resume if asked, then train for ``max_train_steps`` optimizer steps (when given, it overrides
     ``num_epochs``), saving ``checkpoint-N`` every ``checkpointing_steps`` and validation grids every
     ``validation_steps`` optimizer steps (0 turns either off)."""
+    _open_output(run)
     resume = None
     if run.resume_from is not None:
         resume = load_checkpoint(run.resume_from, step)

@@ -163,7 +163,8 @@ def _datasets(config: FluxLoraConfig, class_dir: str | None) -> list:
 def train(config: FluxLoraConfig) -> None:
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
                      resume_from_checkpoint=config.resume_from_checkpoint)
-    _datasets(config, None)  # every flag, folder and image is checked before a model loads
+    # Every flag, folder and image is checked (each image decoded once) before a model loads.
+    dataset = build_dataset(_datasets(config, None), seed=config.seed)
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
                     config_toml=config_to_toml(config))
@@ -197,6 +198,8 @@ def train(config: FluxLoraConfig) -> None:
 
     # 2. Data: bucketed samples; posteriors and prompt embeddings from content-keyed caches.
     datasets = _datasets(config, class_dir)
+    if class_dir is not None:
+        dataset = build_dataset(datasets, seed=config.seed)
     cache_root = Path(config.cache_dir or Path(config.output_dir) / "cache")
     image_dirs = [s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None]
     source = config.pretrained_model_name_or_path
@@ -205,7 +208,7 @@ def train(config: FluxLoraConfig) -> None:
                     if config.cache_latents else None)
     text_cache = TensorCache(cache_root / "text", flux.component_identity(
         source, "text_encoder_2", **ident) + f"|{config.max_sequence_length}", image_dirs)
-    dataset = build_dataset(datasets, seed=config.seed, latent_cache=latent_cache)
+    dataset.latent_cache = latent_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     conditioner = flux.FluxConditioner(pipeline, latent_cache=latent_cache, text_cache=text_cache,

@@ -1,0 +1,176 @@
+"""`dreamstep train flux-lora` on the tiny FLUX models: learning, outputs that diffusers loads, exact
+resume, the optional features, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxPipeline
+from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, fixed_noise_loss, generate, load_images, run_cli
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from dreamstep.lora.convert import load_lora_as_diffusers
+
+BASE_ARGS = ("--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--resolution", "64",
+             "--report_to", "none", "--checkpointing_steps", "0")
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_flux_dev_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("flux_lora") / "out"
+    code = run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir, "--output_dir", out,
+                   *BASE_ARGS, "--lora_layers", "all-linear", "--rank", "8", "--lora_alpha", "4",
+                   "--learning_rate", "3e-3", "--max_train_steps", "150", "--save_kohya_format",
+                   "--validation_prompt", ROBOT_PROMPT, "--num_validation_images", "2",
+                   "--validation_inference_steps", "2", "--validation_steps", "100")
+    assert code == 0
+    return out
+
+
+def test_loss_on_the_instance_images_falls(trained: Path, tiny_flux_dev_dir: Path) -> None:
+    pixels = load_images(ROBOT_DIR, 64)
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    before = fixed_noise_loss(pipe, pixels, ROBOT_PROMPT)
+    pipe.load_lora_weights(trained / "pytorch_lora_weights.safetensors")
+    after = fixed_noise_loss(pipe, pixels, ROBOT_PROMPT)
+    assert after < 0.9 * before, (before, after)
+
+
+def test_outputs_are_written(trained: Path) -> None:
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors", "loss_curve.png",
+                 "config.toml", "samples/validation-000100.png", "samples/final-000150.png"):
+        assert (trained / name).is_file(), name
+    assert not list(trained.glob("checkpoint-*"))
+
+
+def test_diffusers_file_keeps_alpha_and_changes_the_output(trained: Path, tiny_flux_dev_dir: Path) -> None:
+    path = trained / "pytorch_lora_weights.safetensors"
+    keys = load_file(path).keys()
+    assert "transformer.single_transformer_blocks.0.attn.to_q.lora_A.weight" in keys
+    assert "transformer.transformer_blocks.0.norm1.linear.lora_B.weight" in keys
+    with safe_open(path, "pt") as f:
+        adapter = json.loads(f.metadata()["lora_adapter_metadata"])
+    assert adapter["transformer.r"] == 8 and adapter["transformer.lora_alpha"] == 4
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    plain = generate(pipe)
+    pipe.load_lora_weights(path)
+    with_lora = generate(pipe)
+    assert np.abs(with_lora - plain).max() > 1e-2
+
+
+def test_kohya_file_has_sd_scripts_names_and_gives_the_same_image(trained: Path, tiny_flux_dev_dir: Path) -> None:
+    kohya = trained / "pytorch_lora_weights_kohya.safetensors"
+    keys = set(load_file(kohya))
+    for name in ("lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_double_blocks_0_txt_mlp_0",
+                 "lora_unet_double_blocks_0_img_mod_lin", "lora_unet_single_blocks_0_linear1"):
+        assert {f"{name}.lora_down.weight", f"{name}.lora_up.weight", f"{name}.alpha"} <= keys
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    pipe.load_lora_weights(trained / "pytorch_lora_weights.safetensors")
+    reference = generate(pipe)
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    state_dict, _ = load_lora_as_diffusers(kohya, "flux")
+    pipe.load_lora_weights(state_dict)
+    np.testing.assert_allclose(generate(pipe), reference, atol=2e-4)
+
+
+def test_resume_equals_an_uninterrupted_run(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    common = ("--pretrained_model_name_or_path", tiny_flux_dev_dir, "--instance_data_dir", ROBOT_DIR,
+              "--instance_prompt", ROBOT_PROMPT, "--resolution", "32", "--report_to", "none",
+              "--train_batch_size", "2", "--gradient_accumulation_steps", "2", "--random_flip",
+              "--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "2", "--learning_rate", "1e-3",
+              "--weighting_scheme", "logit_normal", "--checkpointing_steps", "3")
+    assert run_cli("train", "flux-lora", *common, "--output_dir", tmp_path / "straight", "--max_train_steps", "6") == 0
+    split = tmp_path / "split"
+    assert run_cli("train", "flux-lora", *common, "--output_dir", split, "--max_train_steps", "3") == 0
+    assert run_cli("train", "flux-lora", *common, "--output_dir", split, "--max_train_steps", "6",
+                   "--resume_from_checkpoint", "latest") == 0
+    straight = load_file(tmp_path / "straight" / "pytorch_lora_weights.safetensors")
+    resumed = load_file(split / "pytorch_lora_weights.safetensors")
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], atol=1e-6, rtol=0)
+
+
+def test_prior_preservation_text_encoder_lora_and_checkpointing(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    class_dir = tmp_path / "class"
+    out = tmp_path / "out"
+    code = run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dir, "--output_dir", out,
+                   *BASE_ARGS, "--with_prior_preservation", "--class_data_dir", class_dir,
+                   "--class_prompt", "a photo of a robot", "--num_class_images", "3", "--sample_batch_size", "2",
+                   "--train_text_encoder", "--text_encoder_lr", "5e-4", "--gradient_checkpointing",
+                   "--max_train_steps", "4", "--train_batch_size", "2", "--lora_layers", "attention+ff")
+    assert code == 0
+    assert len(list(class_dir.glob("*.png"))) == 3
+    keys = load_file(out / "pytorch_lora_weights.safetensors").keys()
+    assert any(k.startswith("text_encoder.") for k in keys)
+    assert any(k.startswith("transformer.") and "ff.net.2" in k for k in keys)
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dir)
+    pipe.load_lora_weights(out / "pytorch_lora_weights.safetensors")
+
+
+@pytest.mark.parametrize("scheme", ["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"])
+def test_every_weighting_scheme_trains(scheme: str, tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    code = run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir,
+                   "--output_dir", tmp_path, *BASE_ARGS, "--weighting_scheme", scheme, "--max_train_steps", "2",
+                   "--mixed_precision", "bf16")
+    assert code == 0
+    assert (tmp_path / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_toml_config_sets_flags_and_the_command_line_wins(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    out = tmp_path / "out"
+    config.write_text(f'pretrained_model_name_or_path = "{tiny_flux_dir}"\ninstance_data_dir = "{ROBOT_DIR}"\n'
+                      f'instance_prompt = "{ROBOT_PROMPT}"\noutput_dir = "{out}"\nresolution = 32\nrank = 2\n'
+                      'max_train_steps = 1\nreport_to = "none"\n')
+    assert run_cli("train", "flux-lora", "--config", config, "--rank", "3") == 0
+    saved = (out / "config.toml").read_text()
+    assert "rank = 3" in saved and "resolution = 32" in saved
+    assert load_file(out / "pytorch_lora_weights.safetensors")[
+        "transformer.transformer_blocks.0.attn.to_q.lora_A.weight"].shape[0] == 3
+
+
+def _corrupt_copy(tmp_path: Path) -> Path:
+    images = tmp_path / "images"
+    shutil.copytree(ROBOT_DIR, images)
+    (images / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"\x00" * 40)
+    return images
+
+
+@pytest.mark.parametrize("case", ["missing_dir", "empty_dir", "corrupt_image", "bad_choice", "bad_number",
+                                  "toml_typo", "unknown_flag_value"])
+def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_dir: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    args = ["--pretrained_model_name_or_path", tiny_flux_dir, "--output_dir", out, "--instance_prompt", ROBOT_PROMPT,
+            "--resolution", "32", "--max_train_steps", "1"]
+    expected = {
+        "missing_dir": (["--instance_data_dir", tmp_path / "nope"], "nope"),
+        "empty_dir": (["--instance_data_dir", tmp_path], str(tmp_path)),
+        "corrupt_image": (["--instance_data_dir", _corrupt_copy(tmp_path)], "broken.jpg"),
+        "bad_choice": (["--instance_data_dir", ROBOT_DIR, "--weighting_scheme", "logit-normal"],
+                       "did you mean 'logit_normal'"),
+        "bad_number": (["--instance_data_dir", ROBOT_DIR, "--rank", "four"], "--rank"),
+        "toml_typo": (["--instance_data_dir", ROBOT_DIR, "--config", _typo_toml(tmp_path)],
+                      "did you mean 'learning_rate'"),
+        "unknown_flag_value": (["--instance_data_dir", ROBOT_DIR, "--lora_layers", "to_qq"], "--lora_layers"),
+    }[case]
+    args += expected[0]
+    code = run_cli("train", "flux-lora", *args)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2
+    assert len(errors) == 1 and expected[1] in errors[0] and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def _typo_toml(tmp_path: Path) -> Path:
+    path = tmp_path / "typo.toml"
+    path.write_text("learning_rat = 1e-4\n")
+    return path
