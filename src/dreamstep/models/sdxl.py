@@ -1,0 +1,200 @@
+"""SDXL plumbing shared by trainers and sampling: prompt encoding with both CLIP encoders (through
+``StableDiffusionXLPipeline.encode_prompt``, so training sees exactly what inference sees), the size
+conditioning ``add_time_ids``, VAE posteriors, and sd-scripts' sample-prompt lines.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from diffusers import (
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+    HeunDiscreteScheduler,
+    PNDMScheduler,
+    StableDiffusionXLPipeline,
+)
+from PIL import Image
+
+from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
+from dreamstep.errors import UserError, did_you_mean
+
+# sd-scripts' --sample_sampler names -> diffusers schedulers.
+SAMPLERS = {
+    "ddim": DDIMScheduler, "pndm": PNDMScheduler, "euler": EulerDiscreteScheduler,
+    "k_euler": EulerDiscreteScheduler, "euler_a": EulerAncestralDiscreteScheduler,
+    "k_euler_a": EulerAncestralDiscreteScheduler, "dpmsolver++": DPMSolverMultistepScheduler,
+    "heun": HeunDiscreteScheduler,
+}
+
+
+def assemble_pipeline(components: Any, unet: torch.nn.Module | None = None) -> StableDiffusionXLPipeline:
+    """A ``StableDiffusionXLPipeline`` over already-loaded components (no copies)."""
+    parts = {name: getattr(components, name) for name in
+             ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "unet", "scheduler")}
+    if unet is not None:
+        parts["unet"] = unet
+    pipeline = StableDiffusionXLPipeline(**parts)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def encode_prompts(pipeline: StableDiffusionXLPipeline, prompts: list[str]) -> dict[str, torch.Tensor]:
+    """Penultimate hidden states of CLIP-L and CLIP-G, concatenated: (B, 77, 768 + 1280 for SDXL), and
+    CLIP-G's projected pooled output (B, 1280). Differentiable when a text encoder trains."""
+    device = pipeline.text_encoder_2.device
+    embeds, _, pooled, _ = pipeline.encode_prompt(prompt=prompts, device=device, do_classifier_free_guidance=False)
+    return {"prompt_embeds": embeds, "pooled": pooled}
+
+
+def add_time_ids(original_sizes: torch.Tensor, crop_top_lefts: torch.Tensor,
+                 target_sizes: torch.Tensor) -> torch.Tensor:
+    """SDXL's micro-conditioning, (B, 6): original (h, w), crop (top, left), target (h, w) of each sample
+    (each (B, 2), from the data pipeline's true sizes and crops)."""
+    return torch.cat([original_sizes, crop_top_lefts, target_sizes], dim=1)
+
+
+@torch.no_grad()
+def encode_posterior(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """Pixels in [-1, 1], (B, 3, H, W) -> the posterior's mean and std times the VAE scale (SDXL 0.13025):
+    (B, 2C, H/8, W/8). Caching the distribution keeps a fresh latent sample per step, as without a cache."""
+    posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+    scale = vae.config.scaling_factor
+    return torch.cat([posterior.mean.float() * scale, posterior.std.float() * scale], dim=1)
+
+
+def sample_latents(latent_dist: torch.Tensor) -> torch.Tensor:
+    """One latent sample x = μ + σ·n from (B, 2C, h, w) mean and std: (B, C, h, w)."""
+    mean, std = latent_dist.chunk(2, dim=1)
+    return mean + std * torch.randn_like(mean)
+
+
+class SDXLConditioner:
+    """A collated batch -> the step's inputs: VAE posteriors (from the latent cache when given), size
+    conditioning, and prompt embeddings from the text cache; with ``text_cache=None`` the captions are
+    passed on to be encoded inside the step (text encoders that train)."""
+
+    def __init__(self, pipeline: StableDiffusionXLPipeline, *, device: torch.device,
+                 latent_cache: TensorCache | None, text_cache: TensorCache | None, encode_text: bool):
+        self.pipeline = pipeline
+        self.device = device
+        self.latent_cache = latent_cache
+        self.text_cache = text_cache
+        self.encode_text = encode_text
+
+    def latents(self, batch: dict[str, Any]) -> torch.Tensor:
+        def encode(pixels: torch.Tensor) -> torch.Tensor:
+            return encode_posterior(self.pipeline.vae, pixels.to(self.device)).cpu()
+
+        return latents_for_batch(batch, encode, self.latent_cache).to(self.device)
+
+    @torch.no_grad()
+    def prompts(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        def encode(missing: list[int]) -> dict[str, torch.Tensor]:
+            found = encode_prompts(self.pipeline, [captions[i] for i in missing])
+            return {k: v.cpu() for k, v in found.items()}
+
+        if self.text_cache is None:
+            return {k: v.to(self.device) for k, v in encode(list(range(len(captions)))).items()}
+        found = self.text_cache.get_or_compute([text_content_key(c) for c in captions], encode)
+        return {k: v.to(self.device) for k, v in found.items()}
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        inputs: dict[str, Any] = {
+            "latent_dist": self.latents(batch),
+            "add_time_ids": add_time_ids(batch["original_sizes"], batch["crop_top_lefts"],
+                                         batch["target_sizes"]).to(self.device),
+            "is_reg": batch["is_reg"].to(self.device),
+        }
+        if self.encode_text:
+            inputs.update(self.prompts(batch["captions"]))
+        else:
+            inputs["captions"] = batch["captions"]
+        return inputs
+
+
+# ------------------------------------------------------------------------------------- sample prompts
+
+@dataclass
+class SamplePrompt:
+    """One line of an sd-scripts prompt file: ``a cat --n blurry --w 1024 --h 1024 --s 30 --l 7.5 --d 42``."""
+
+    prompt: str
+    negative_prompt: str = ""
+    width: int = 1024
+    height: int = 1024
+    steps: int = 30
+    scale: float = 7.5
+    seed: int | None = None
+    sampler: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+_OPTIONS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "l": ("scale", float),
+            "d": ("seed", int), "n": ("negative_prompt", str), "ss": ("sampler", str)}
+
+
+def parse_sample_prompt(line: str, where: str, default_size: tuple[int, int]) -> SamplePrompt:
+    """Parse one prompt line with sd-scripts' options (--n --w --h --s --l --d --ss)."""
+    parts = line.split(" --")
+    sample = SamplePrompt(prompt=parts[0].strip(), width=default_size[0], height=default_size[1])
+    for part in parts[1:]:
+        match = re.match(r"(\w+)\s*(.*)$", part.strip(), re.DOTALL)
+        if match is None or match.group(1) not in _OPTIONS:
+            name = match.group(1) if match else part
+            raise UserError(f"{where}: unknown prompt option '--{name}'{did_you_mean(name, _OPTIONS)}; "
+                            "use --n, --w, --h, --s, --l, --d or --ss")
+        attribute, kind = _OPTIONS[match.group(1)]
+        try:
+            setattr(sample, attribute, kind(match.group(2).strip()))
+        except ValueError:
+            raise UserError(f"{where}: --{match.group(1)} '{match.group(2).strip()}' is not a number") from None
+    if sample.width % 8 or sample.height % 8:
+        raise UserError(f"{where}: --w and --h must be multiples of 8 (got {sample.width}x{sample.height})")
+    return sample
+
+
+def read_sample_prompts(path: str, default_size: tuple[int, int]) -> list[SamplePrompt]:
+    """A prompt file (one prompt per line, '#' comments); every line is checked before training starts."""
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise UserError(f"--sample_prompts {path}: cannot read it ({e.strerror}); check the path") from None
+    prompts = [parse_sample_prompt(line, f"{path}:{i}", default_size) for i, line in enumerate(lines, 1)
+               if line.strip() and not line.lstrip().startswith("#")]
+    if not prompts:
+        raise UserError(f"--sample_prompts {path}: no prompts in the file")
+    return prompts
+
+
+def sampler_for(name: str, scheduler_config: Any, where: str = "--sample_sampler") -> Any:
+    """The diffusers scheduler for an sd-scripts sampler name, built from the model's schedule."""
+    if name not in SAMPLERS:
+        raise UserError(f"{where}: unknown sampler '{name}'{did_you_mean(name, SAMPLERS)}; "
+                        f"choose one of {', '.join(SAMPLERS)}")
+    return SAMPLERS[name].from_config(scheduler_config)
+
+
+@torch.no_grad()
+def generate_samples(pipeline: StableDiffusionXLPipeline, prompts: list[SamplePrompt], *, default_sampler: str,
+                     seed: int) -> list[Image.Image]:
+    """One image per prompt; a prompt without --d gets ``seed + its index``, so samples are comparable
+    across steps."""
+    images = []
+    base_scheduler = pipeline.scheduler
+    try:
+        for i, sample in enumerate(prompts):
+            pipeline.scheduler = sampler_for(sample.sampler or default_sampler, base_scheduler.config)
+            generator = torch.Generator("cpu").manual_seed(sample.seed if sample.seed is not None else seed + i)
+            result = pipeline(prompt=sample.prompt, negative_prompt=sample.negative_prompt or None,
+                              width=sample.width, height=sample.height, num_inference_steps=sample.steps,
+                              guidance_scale=sample.scale, generator=generator)
+            images.append(result.images[0])
+    finally:
+        pipeline.scheduler = base_scheduler
+    return images

@@ -1,0 +1,559 @@
+"""Kohya-compatible SDXL LoRA: ``dreamstep train sdxl-lora``, taking sd-scripts' ``sdxl_train_network.py``
+flags with their meaning.
+
+Features: the dataset from a Kohya dataset TOML (``--dataset_config``: DreamBooth class+identifier,
+DreamBooth captions, fine-tuning metadata, regularization subsets, buckets) or from Kohya's folder flags
+(``--train_data_dir`` with ``<repeats>_<class tokens>`` folders, ``--reg_data_dir``, ``--in_json``); the
+``networks.lora`` network on the UNet and both text encoders with sd-scripts' key names (``--network_dim``,
+``--network_alpha``, ``--network_dropout``, ``--network_args conv_dim= conv_alpha= rank_dropout=
+module_dropout=``, ``--network_train_unet_only``, ``--network_train_text_encoder_only``,
+``--network_weights``); ε- or v-prediction (``--v_parameterization``) with ``--min_snr_gamma``,
+``--noise_offset`` + ``--adaptive_noise_scale``, multires noise, ``--prior_loss_weight``; precision
+``--mixed_precision``, ``--full_fp16``, ``--full_bf16``, ``--no_half_vae``; ``--gradient_checkpointing``;
+``--sdpa``/``--flash_attn``/``--xformers`` (all PyTorch scaled-dot-product attention); the optimizers of
+:mod:`dreamstep.engine.optim` with ``--optimizer_args``; LR schedules with warm-up; latents and text
+embeddings cached by content (exactly what encoding every step gives: the VAE posterior is cached and
+sampled each step); ``--save_every_n_steps``/``--save_every_n_epochs``; ``--save_state`` + ``--resume``
+(exact); ``--sample_prompts`` with sd-scripts' per-line options; TensorBoard and a loss curve.
+
+Outputs in --output_dir: ``<output_name>.safetensors`` (or ``.ckpt``) with sd-scripts' ``ss_*`` metadata,
+``<output_name>-step00000500.*`` and ``<output_name>-000001.*`` along the way, ``checkpoint-N/`` with
+--save_state, ``sample/`` PNGs, ``config.toml``, TensorBoard logs and ``loss_curve.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from torch import nn
+
+from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
+from dreamstep.data import (DatasetConfig, SubsetConfig, TensorCache, bucket_spec, build_dataset,
+                            load_dataset_config, make_dataloader, require_methods)
+from dreamstep.diffusion import noise_prediction as noise_math
+from dreamstep.engine.optim import LR_SCHEDULERS, build_lr_scheduler, build_optimizer, parse_optimizer_args
+from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
+from dreamstep.engine.train_step import TrainStep
+from dreamstep.errors import UserError
+from dreamstep.lora.kohya_network import (NETWORK_MODULE, LoRANetwork, NetworkOptions, create_network,
+                                          dataset_metadata, network_metadata, parse_network_args)
+from dreamstep.models import sdxl
+from dreamstep.models.flux import component_identity
+from dreamstep.models.loading import load_sdxl
+from dreamstep.models.precision import freeze, weight_dtype_for
+
+SchedulerName = Literal[LR_SCHEDULERS]  # type: ignore[valid-type]
+SAVE_DTYPES = {"fp32": torch.float32, "float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class SDXLLoraConfig:
+    pretrained_model_name_or_path: str = option(
+        help="base SDXL: a diffusers folder, a hub id, or a single file such as sd_xl_base_1.0.safetensors")
+    output_dir: str = option(help="where the LoRA, step files, states, samples and logs are written")
+    output_name: str = option("last", "file name of the LoRA, without extension")
+    model_config: Optional[str] = option(
+        None, "for a single-file model: a diffusers SDXL folder or hub id with the configs and tokenizers "
+              "(default: the file's folder when it holds model_index.json, else the SDXL base on the hub)")
+    dataset_config: Optional[str] = option(None, "Kohya dataset TOML ([general], [[datasets]], [[datasets.subsets]])")
+    train_data_dir: Optional[str] = option(None, "folder of <repeats>_<class tokens> image folders (DreamBooth), "
+                                                 "or of images with --in_json (fine-tuning)")
+    reg_data_dir: Optional[str] = option(None, "folder of <repeats>_<class> regularization image folders")
+    in_json: Optional[str] = option(None, "fine-tuning metadata JSON for --train_data_dir")
+    caption_extension: str = option(".caption", "caption file extension (with --train_data_dir)")
+    resolution: Optional[str] = option(None, "training resolution 'W,H' or 'S' (the dataset TOML may set it)")
+    enable_bucket: Optional[bool] = option(None, "aspect-ratio buckets (with --train_data_dir)")
+    min_bucket_reso: Optional[int] = option(None, "smallest bucket side")
+    max_bucket_reso: Optional[int] = option(None, "largest bucket side")
+    bucket_reso_steps: Optional[int] = option(None, "bucket sides are multiples of this")
+    bucket_no_upscale: Optional[bool] = option(None, "never enlarge images to fill a bucket")
+    train_batch_size: int = option(1, "batch size (the dataset TOML's batch_size wins)")
+    seed: Optional[int] = option(None, "seed for init, data order, noise and timesteps (default: random, saved "
+                                       "in config.toml)")
+    network_module: str = option(NETWORK_MODULE, "network type; networks.lora (Kohya LoRA / LoCon)")
+    network_dim: int = option(4, "LoRA rank")
+    network_alpha: float = option(1.0, "LoRA alpha; the update is scaled by alpha / dim")
+    network_dropout: Optional[float] = option(None, "dropout on the LoRA down projection's output")
+    network_args: list[str] = option([], "key=value: conv_dim, conv_alpha (LoCon), rank_dropout, module_dropout")
+    network_weights: Optional[str] = option(None, "continue from this LoRA file")
+    network_train_unet_only: bool = option(False, "LoRA on the UNet only")
+    network_train_text_encoder_only: bool = option(False, "LoRA on the text encoders only")
+    learning_rate: float = option(1e-4, "learning rate")
+    unet_lr: Optional[float] = option(None, "learning rate of the UNet LoRA (default: --learning_rate)")
+    text_encoder_lr: Optional[float] = option(None, "learning rate of the text-encoder LoRA (default: --learning_rate)")
+    optimizer_type: str = option("AdamW", "AdamW, AdamW8bit, Lion, Prodigy or Adafactor")
+    optimizer_args: list[str] = option([], "optimizer key=value arguments, e.g. weight_decay=0.05 betas=0.9,0.98")
+    lr_scheduler: SchedulerName = option("constant", "learning-rate schedule")
+    lr_warmup_steps: float = option(0, "warm-up steps (a value below 1 is a fraction of the training steps)")
+    lr_scheduler_num_cycles: int = option(1, "cycles of cosine_with_restarts")
+    lr_scheduler_power: float = option(1.0, "power of the polynomial schedule")
+    max_grad_norm: float = option(1.0, "clip the gradient norm to this (0: no clipping)")
+    gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step")
+    max_train_steps: int = option(1600, "optimizer steps to train")
+    max_train_epochs: Optional[int] = option(None, "epochs to train (overrides --max_train_steps)")
+    mixed_precision: Literal["no", "fp16", "bf16"] = option("no", "frozen weights and compute in this precision")
+    full_fp16: bool = option(False, "LoRA weights in fp16 too (needs --mixed_precision fp16)")
+    full_bf16: bool = option(False, "LoRA weights in bf16 too (needs --mixed_precision bf16)")
+    no_half_vae: bool = option(False, "keep the VAE in fp32 (SDXL's VAE overflows in fp16)")
+    gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    sdpa: bool = option(False, "PyTorch scaled-dot-product attention (the default attention)")
+    flash_attn: bool = option(False, "flash attention: PyTorch scaled-dot-product attention picks it where it can")
+    xformers: bool = option(False, "memory-efficient attention: PyTorch scaled-dot-product attention instead")
+    v_parameterization: bool = option(False, "train v-prediction instead of ε-prediction")
+    min_snr_gamma: Optional[float] = option(None, "min-SNR loss weighting with this γ (5 is typical)")
+    noise_offset: Optional[float] = option(None, "offset noise strength (e.g. 0.0357)")
+    adaptive_noise_scale: Optional[float] = option(None, "raise the offset by this times |latent mean| "
+                                                         "(needs --noise_offset)")
+    multires_noise_iterations: Optional[int] = option(None, "multi-resolution noise levels (6-10 typical)")
+    multires_noise_discount: float = option(0.3, "weight decay per multires noise level")
+    min_timestep: int = option(0, "smallest training timestep")
+    max_timestep: int = option(1000, "training timesteps are below this")
+    prior_loss_weight: float = option(1.0, "loss weight of regularization images")
+    cache_latents: bool = option(True, "encode each image with the VAE once (identical results, faster)")
+    cache_latents_to_disk: bool = option(False, "keep the latent cache in OUTPUT_DIR/cache after the run")
+    cache_text_encoder_outputs: bool = option(True, "encode each caption once while the text encoders are frozen")
+    cache_text_encoder_outputs_to_disk: bool = option(False, "keep the text cache in OUTPUT_DIR/cache after the run")
+    max_data_loader_n_workers: int = option(0, "data loading worker processes")
+    save_model_as: Literal["safetensors", "ckpt", "pt"] = option("safetensors", "LoRA file format")
+    save_precision: Optional[Literal["fp32", "float", "fp16", "bf16"]] = option(
+        None, "dtype of saved LoRA files (default: the training dtype)")
+    save_every_n_steps: Optional[int] = option(None, "write <output_name>-stepNNNNNNNN every N steps")
+    save_every_n_epochs: Optional[int] = option(None, "write <output_name>-NNNNNN every N epochs")
+    save_state: bool = option(False, "with every saved LoRA also write a resumable checkpoint-N folder")
+    resume: Optional[str] = option(None, "a checkpoint-N folder (or 'latest') to resume exactly")
+    sample_prompts: Optional[str] = option(None, "prompt file; options per line: --n --w --h --s --l --d --ss")
+    sample_every_n_steps: Optional[int] = option(None, "sample images every N steps")
+    sample_every_n_epochs: Optional[int] = option(None, "sample images every N epochs")
+    sample_at_first: bool = option(False, "sample images before training")
+    sample_sampler: str = option("ddim", "sampler for samples: ddim, euler, euler_a, dpmsolver++, pndm, heun")
+    log_with: Literal["tensorboard", "none"] = option("tensorboard", "where scalars are logged")
+    overwrite_output_dir: bool = option(False, "allow writing into a non-empty --output_dir")
+
+    def __post_init__(self) -> None:
+        if self.network_module not in (NETWORK_MODULE, "lora"):
+            raise UserError(f"--network_module '{self.network_module}' is not supported; dreamstep trains "
+                            f"'{NETWORK_MODULE}' (LoRA, and LoCon with --network_args conv_dim=...)")
+        if self.network_train_unet_only and self.network_train_text_encoder_only:
+            raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
+        if self.full_fp16 and self.mixed_precision != "fp16":
+            raise UserError("--full_fp16 needs --mixed_precision fp16")
+        if self.full_bf16 and self.mixed_precision != "bf16":
+            raise UserError("--full_bf16 needs --mixed_precision bf16")
+        if self.adaptive_noise_scale is not None and self.noise_offset is None:
+            raise UserError("--adaptive_noise_scale needs --noise_offset")
+        if not 0 <= self.min_timestep < self.max_timestep <= 1000:
+            raise UserError(f"need 0 <= --min_timestep < --max_timestep <= 1000 "
+                            f"(got {self.min_timestep}, {self.max_timestep})")
+        if (self.dataset_config is None) == (self.train_data_dir is None):
+            raise UserError("give the data with --dataset_config, or with --train_data_dir (not both)")
+        if self.max_train_steps < 1 or self.gradient_accumulation_steps < 1 or self.train_batch_size < 1:
+            raise UserError("--max_train_steps, --gradient_accumulation_steps and --train_batch_size must be >= 1")
+        for name in ("save_every_n_steps", "save_every_n_epochs", "sample_every_n_steps", "sample_every_n_epochs",
+                     "max_train_epochs"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise UserError(f"--{name} must be at least 1")
+        if self.min_snr_gamma is not None and self.min_snr_gamma <= 0:
+            raise UserError("--min_snr_gamma must be positive")
+
+
+# ------------------------------------------------------------------------------------------- builders
+
+_KOHYA_FOLDER = re.compile(r"^(\d+)_(.*)$")
+
+
+def _kohya_folders(root: str, is_reg: bool, caption_extension: str, flag: str) -> list[SubsetConfig]:
+    """sd-scripts' DreamBooth folder convention: ``<root>/<repeats>_<class tokens>/`` image folders."""
+    folder = Path(root)
+    if not folder.is_dir():
+        raise UserError(f"{flag} {root}: folder not found")
+    subsets = []
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+        match = _KOHYA_FOLDER.match(sub.name)
+        if match is None:
+            raise UserError(f"{flag}: folder '{sub}' is not named <repeats>_<class tokens> (e.g. 10_sks dog)")
+        subsets.append(SubsetConfig(where=f"{flag} {sub}", image_dir=sub, num_repeats=int(match.group(1)),
+                                    is_reg=is_reg, class_tokens=match.group(2) or None,
+                                    caption_extension=caption_extension))
+    if not subsets:
+        raise UserError(f"{flag} {root}: no <repeats>_<class tokens> folders inside")
+    return subsets
+
+
+def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
+    """The Kohya dataset TOML, or the flag-level dataset; every key and folder checked, no image read yet."""
+    cli = {k: getattr(config, k) for k in ("resolution", "train_batch_size", "enable_bucket", "min_bucket_reso",
+                                           "max_bucket_reso", "bucket_reso_steps", "bucket_no_upscale")}
+    if config.dataset_config is not None:
+        datasets = load_dataset_config(config.dataset_config, cli=cli)
+        require_methods(datasets, ("dreambooth", "finetune"), "train sdxl-lora")
+        return datasets
+    if config.resolution is None:
+        raise UserError("--resolution is required with --train_data_dir (e.g. --resolution 1024,1024)")
+    size = tuple(int(v) for v in config.resolution.split(","))
+    buckets = bucket_spec(size if len(size) == 2 else size[0], bool(config.enable_bucket),
+                          **{k: v for k, v in cli.items() if k.endswith(("reso", "steps", "upscale")) and v is not None})
+    if config.in_json is not None:
+        subset = SubsetConfig(where="--in_json", image_dir=Path(config.train_data_dir),
+                              metadata_file=Path(config.in_json), caption_extension=None)
+        return [DatasetConfig("--in_json", "finetune", buckets, config.train_batch_size, (subset,))]
+    subsets = _kohya_folders(config.train_data_dir, False, config.caption_extension, "--train_data_dir")
+    if config.reg_data_dir is not None:
+        subsets += _kohya_folders(config.reg_data_dir, True, config.caption_extension, "--reg_data_dir")
+    return [DatasetConfig("--train_data_dir", "dreambooth", buckets, config.train_batch_size, tuple(subsets))]
+
+
+def check_optimizer(config: SDXLLoraConfig) -> dict[str, Any]:
+    """Name and arguments of the optimizer, checked on a dummy parameter before any model loads."""
+    extra = parse_optimizer_args(config.optimizer_args)
+    build_optimizer(config.optimizer_type, [nn.Parameter(torch.zeros(1))], config.learning_rate, weight_decay=0.01,
+                    extra=extra, flag="--optimizer_type")
+    return extra
+
+
+def load_frozen_base(config: SDXLLoraConfig, device: torch.device) -> Any:
+    """The SDXL components, frozen, in the --mixed_precision dtype (the VAE in fp32 with --no_half_vae)."""
+    source = Path(config.pretrained_model_name_or_path)
+    model_config = config.model_config
+    if model_config is None and source.is_file() and (source.parent / "model_index.json").is_file():
+        model_config = str(source.parent)
+    dtype = weight_dtype_for(config.mixed_precision)
+    base = load_sdxl(config.pretrained_model_name_or_path, config=model_config, weight_dtype=dtype)
+    freeze(base.unet, base.vae, base.text_encoder, base.text_encoder_2)
+    for module in (base.unet, base.vae, base.text_encoder, base.text_encoder_2):
+        module.to(device).eval()
+    if config.no_half_vae:
+        base.vae.to(torch.float32)
+    if config.sdpa or config.flash_attn or config.xformers:
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        base.unet.set_attn_processor(AttnProcessor2_0())
+    if config.gradient_checkpointing:
+        base.unet.enable_gradient_checkpointing()
+    return base
+
+
+def build_network(config: SDXLLoraConfig, base: Any) -> tuple[LoRANetwork, NetworkOptions, dict[str, Any]]:
+    """The Kohya network, its trainable dtype set (fp32, or half with --full_fp16/--full_bf16)."""
+    args = parse_network_args(config.network_args)
+    options = NetworkOptions(dim=config.network_dim, alpha=config.network_alpha,
+                             dropout=config.network_dropout or args.get("dropout"),
+                             conv_dim=args.get("conv_dim"), conv_alpha=args.get("conv_alpha"),
+                             rank_dropout=args.get("rank_dropout"), module_dropout=args.get("module_dropout"))
+    network = create_network(base.unet, {"text_encoder": base.text_encoder, "text_encoder_2": base.text_encoder_2},
+                             options, train_unet=not config.network_train_text_encoder_only,
+                             train_text_encoder=not config.network_train_unet_only)
+    if config.network_weights is not None:
+        network.load_weights(config.network_weights)
+    trainable_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[config.mixed_precision] \
+        if config.full_fp16 or config.full_bf16 else torch.float32
+    network.to(trainable_dtype)
+    if not config.network_train_unet_only:
+        for encoder in (base.text_encoder, base.text_encoder_2):
+            if config.gradient_checkpointing:
+                encoder.gradient_checkpointing_enable()
+    return network, options, args
+
+
+def _identity(config: SDXLLoraConfig, component: str) -> str:
+    """Cache identity of one component: source, dtype, and for a single file its size and time."""
+    source = Path(config.pretrained_model_name_or_path)
+    stamp = f"{source.stat().st_size}:{source.stat().st_mtime_ns}" if source.is_file() else ""
+    vae_fp32 = config.no_half_vae and component == "vae"
+    return component_identity(source, component, extra=f"{stamp}|{'no' if vae_fp32 else config.mixed_precision}")
+
+
+def build_caches(config: SDXLLoraConfig, datasets: list[DatasetConfig], train_text: bool
+                 ) -> tuple[TensorCache | None, TensorCache | None]:
+    """Latent and text-embedding caches under OUTPUT_DIR/cache (never in the image folders)."""
+    root = Path(config.output_dir) / "cache"
+    image_dirs = [s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None]
+    latents = TensorCache(root / "latents", _identity(config, "vae"), image_dirs) if config.cache_latents else None
+    text = None
+    if config.cache_text_encoder_outputs and not train_text:
+        text = TensorCache(root / "text", _identity(config, "text_encoder_2"), image_dirs)
+    return latents, text
+
+
+# ----------------------------------------------------------------------------------------- the step
+
+class SDXLLoraModel(nn.Module):
+    """What DDP wraps: the UNet with the network's hooks; prompts are encoded here when the text encoders
+    train (``captions``), else they come cached (``prompt_embeds``, ``pooled``)."""
+
+    def __init__(self, unet: nn.Module, network: LoRANetwork, pipeline: Any):
+        super().__init__()
+        self.unet = unet
+        self.network = network
+        self._pipeline = (pipeline,)  # not a module: its parts are the UNet and frozen encoders
+
+    def forward(self, noisy: torch.Tensor, timesteps: torch.Tensor, add_time_ids: torch.Tensor,
+                prompt_embeds: torch.Tensor | None = None, pooled: torch.Tensor | None = None,
+                captions: list[str] | None = None) -> torch.Tensor:
+        if captions is not None:
+            encoded = sdxl.encode_prompts(self._pipeline[0], captions)
+            prompt_embeds, pooled = encoded["prompt_embeds"], encoded["pooled"]
+        conditions = {"text_embeds": pooled, "time_ids": add_time_ids}
+        return self.unet(noisy, timesteps, encoder_hidden_states=prompt_embeds, added_cond_kwargs=conditions,
+                         return_dict=False)[0]
+
+
+class SDXLLoraStep(TrainStep):
+    """One DDPM step: noise the latents at a random timestep, predict ε (or v), weighted MSE."""
+
+    def __init__(self, model: nn.Module, *, noise_scheduler: Any, v_prediction: bool, min_snr_gamma: float | None,
+                 noise_offset: float | None, adaptive_noise_scale: float | None, multires_iterations: int | None,
+                 multires_discount: float, timestep_range: tuple[int, int], prior_loss_weight: float,
+                 **engine_options: Any):
+        super().__init__(model, **engine_options)
+        self.noise_scheduler = noise_scheduler
+        self.prediction_type = "v_prediction" if v_prediction else "epsilon"
+        self.min_snr_gamma = min_snr_gamma
+        self.noise_offset, self.adaptive_noise_scale = noise_offset, adaptive_noise_scale
+        self.multires = (multires_iterations, multires_discount)
+        self.timestep_range = timestep_range
+        self.prior_loss_weight = prior_loss_weight
+
+    def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor]:
+        latents = sdxl.sample_latents(batch["latent_dist"])  # (B, 4, h, w), scaled by 0.13025
+        noise = torch.randn_like(latents)
+        if self.noise_offset:
+            noise = noise_math.offset_noise(noise, latents, self.noise_offset, self.adaptive_noise_scale)
+        if self.multires[0]:
+            noise = noise_math.pyramid_noise(noise, *self.multires)
+        timesteps = noise_math.sample_timesteps(latents.shape[0], *self.timestep_range, device=latents.device)
+        # x_t = √ᾱ_t·x₀ + √(1-ᾱ_t)·ε
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        prediction = self.model(noisy, timesteps, batch["add_time_ids"], prompt_embeds=batch.get("prompt_embeds"),
+                                pooled=batch.get("pooled"), captions=batch.get("captions"))
+        target = noise_math.prediction_target(self.noise_scheduler, latents, noise, timesteps, self.prediction_type)
+        loss = noise_math.per_sample_mse(prediction, target)  # (B,)
+        if self.min_snr_gamma:
+            snr = noise_math.snr(self.noise_scheduler.alphas_cumprod, timesteps)
+            loss = loss * noise_math.min_snr_weight(snr, self.min_snr_gamma, self.prediction_type == "v_prediction")
+        weights = torch.where(batch["is_reg"], self.prior_loss_weight, 1.0)
+        return (self.scale_loss((loss * weights).mean()),)
+
+
+# ------------------------------------------------------------------------------------------- main
+
+def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
+    add_arguments(parser, SDXLLoraConfig)
+
+
+def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
+    train(build_config(SDXLLoraConfig, args))
+
+
+def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
+    """Train as configured; return what was written where."""
+    if config.seed is None:
+        config = dataclasses.replace(config, seed=random.randrange(2**31))
+    claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume)
+    datasets = load_datasets(config)  # every flag, key and folder is checked before a model loads
+    optimizer_extra = check_optimizer(config)
+    prompts = (sdxl.read_sample_prompts(config.sample_prompts, datasets[0].buckets.resolution)
+               if config.sample_prompts else None)
+    dataset = build_dataset(datasets, seed=config.seed)  # every image is read once, errors name the file
+    run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
+                    report_to=config.log_with, resume_from_checkpoint=config.resume,
+                    config_toml=config_to_toml(config))
+
+    # 1. Models: the base frozen in the --mixed_precision dtype; the Kohya network on top.
+    base = load_frozen_base(config, run.device)
+    network, options, network_args = build_network(config, base)
+    pipeline = sdxl.assemble_pipeline(base)
+    model = SDXLLoraModel(base.unet, network, pipeline).train()
+
+    # 2. Data: bucketed samples; VAE posteriors and prompt embeddings from the content-keyed caches.
+    train_text = not config.network_train_unet_only
+    latent_cache, text_cache = build_caches(config, datasets, train_text)
+    dataset.latent_cache = latent_cache
+    loader = make_dataloader(dataset, seed=config.seed, num_workers=config.max_data_loader_n_workers,
+                             num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
+    conditioner = sdxl.SDXLConditioner(pipeline, device=run.device, latent_cache=latent_cache, text_cache=text_cache,
+                                       encode_text=not train_text)
+    steps_per_epoch = math.ceil(len(loader) / config.gradient_accumulation_steps)
+    total_steps = config.max_train_epochs * steps_per_epoch if config.max_train_epochs else config.max_train_steps
+
+    # 3. The step: optimizer over the network (UNet and text-encoder groups), schedule, scaler, clipping.
+    optimizer = build_optimizer(
+        config.optimizer_type, network.param_groups(config.unet_lr or config.learning_rate,
+                                                    config.text_encoder_lr or config.learning_rate),
+        config.learning_rate, weight_decay=0.01, extra=optimizer_extra, flag="--optimizer_type")
+    warmup = config.lr_warmup_steps
+    lr_scheduler = build_lr_scheduler(
+        config.lr_scheduler, optimizer, warmup_steps=int(warmup * total_steps if warmup < 1 else warmup),
+        total_steps=total_steps, num_cycles=config.lr_scheduler_num_cycles, power=config.lr_scheduler_power)
+    if options.module_dropout and run.accelerator.num_processes > 1:
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        run.accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+    model, optimizer = run.accelerator.prepare(model, optimizer)
+    step = SDXLLoraStep(
+        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
+        max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
+        length_of_dataloader=len(loader),
+        noise_scheduler=noise_math.training_scheduler(base.scheduler.config),
+        v_prediction=config.v_parameterization, min_snr_gamma=config.min_snr_gamma,
+        noise_offset=config.noise_offset, adaptive_noise_scale=config.adaptive_noise_scale,
+        multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
+        timestep_range=(config.min_timestep, config.max_timestep), prior_loss_weight=config.prior_loss_weight)
+
+    # 4. Loop: the engine trains and resumes; every step, our callback writes LoRA files and samples when due.
+    saver = LoraSaver(config, network, options, network_args, datasets, dataset.records, steps_per_epoch, time.time())
+    sampler = Sampler(config, pipeline, network, prompts, steps_per_epoch, run.accelerator)
+    if config.sample_at_first and prompts and not run.resume_from:
+        run.logger.log_images(0, sampler(0, force=True), tag="sample")
+
+    def every_step(global_step: int) -> list:
+        if run.is_main_process:
+            saver.maybe_save(global_step)
+        return sampler(global_step)
+
+    state_every = math.gcd(config.save_every_n_steps or 0, (config.save_every_n_epochs or 0) * steps_per_epoch)
+    result = fit(run, step, _StepInputs(loader, conditioner), max_train_steps=total_steps, num_epochs=None,
+                 weights=network.state_dict, load_weights=network.load_state_dict,
+                 checkpointing_steps=state_every if config.save_state else 0, checkpoints_total_limit=None,
+                 validate=every_step, validation_steps=1)
+
+    # 5. Save the final LoRA, remove temporary caches, summary.
+    written: dict[str, Path | None] = {}
+    if run.is_main_process:
+        written["LoRA"] = saver.save(Path(config.output_dir) / f"{config.output_name}.{config.save_model_as}",
+                                     result.position.global_step)
+        written["step/epoch LoRAs"] = Path(config.output_dir) if saver.saved else None
+        written["samples"] = sampler.folder if sampler.written else None
+        written["config"] = Path(config.output_dir) / "config.toml"
+        _drop_caches(config)
+    last = result.position.global_step
+    final = (lambda: sampler(last, force=True)) if prompts and not sampler.due(last) else None
+    finish(run, written, validate_final=final, final_step=last)
+    return written
+
+
+def _drop_caches(config: SDXLLoraConfig) -> None:
+    root = Path(config.output_dir) / "cache"
+    for name, keep in (("latents", config.cache_latents_to_disk), ("text", config.cache_text_encoder_outputs_to_disk)):
+        if not keep and (root / name).is_dir():
+            shutil.rmtree(root / name)
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
+
+
+class _StepInputs:
+    """The loader's batches as the step's inputs, keeping its epoch control and length visible to the loop."""
+
+    def __init__(self, loader: Any, conditioner: sdxl.SDXLConditioner):
+        self.loader = loader
+        self.batch_sampler = loader.batch_sampler
+        self.conditioner = conditioner
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield self.conditioner(batch)
+
+
+class LoraSaver:
+    """Writes the network as sd-scripts does: ``<name>-step%08d`` / ``<name>-%06d`` files when due, the final
+    ``<name>``, each with the ``ss_*`` metadata of the run."""
+
+    def __init__(self, config: SDXLLoraConfig, network: LoRANetwork, options: NetworkOptions,
+                 network_args: dict[str, Any], datasets: list[DatasetConfig], records: list[Any],
+                 steps_per_epoch: int, started: float):
+        self.config, self.network, self.steps_per_epoch = config, network, steps_per_epoch
+        self.saved: list[Path] = []
+        self.base_metadata = {
+            "ss_session_id": str(random.randrange(2**31)), "ss_training_started_at": str(started),
+            "ss_output_name": config.output_name, "ss_base_model_version": "sdxl_base_v1-0",
+            "ss_sd_model_name": Path(config.pretrained_model_name_or_path).name,
+            "ss_learning_rate": str(config.learning_rate), "ss_unet_lr": str(config.unet_lr),
+            "ss_text_encoder_lr": str(config.text_encoder_lr), "ss_optimizer": config.optimizer_type,
+            "ss_lr_scheduler": config.lr_scheduler, "ss_lr_warmup_steps": str(config.lr_warmup_steps),
+            "ss_max_train_steps": str(config.max_train_steps), "ss_num_batches_per_epoch": str(steps_per_epoch),
+            "ss_gradient_accumulation_steps": str(config.gradient_accumulation_steps),
+            "ss_gradient_checkpointing": str(config.gradient_checkpointing),
+            "ss_mixed_precision": config.mixed_precision, "ss_full_fp16": str(config.full_fp16),
+            "ss_seed": str(config.seed), "ss_cache_latents": str(config.cache_latents),
+            "ss_min_snr_gamma": str(config.min_snr_gamma), "ss_noise_offset": str(config.noise_offset),
+            "ss_adaptive_noise_scale": str(config.adaptive_noise_scale),
+            "ss_multires_noise_iterations": str(config.multires_noise_iterations),
+            "ss_multires_noise_discount": str(config.multires_noise_discount),
+            "ss_v_parameterization": str(config.v_parameterization),
+            "ss_prior_loss_weight": str(config.prior_loss_weight), "ss_max_grad_norm": str(config.max_grad_norm),
+            **network_metadata(options, network_args),
+            **dataset_metadata(records, datasets[0].batch_size, datasets[0].buckets.resolution),
+        }
+
+    def filename(self, global_step: int) -> Path | None:
+        """The step or epoch file due at ``global_step``, or None."""
+        ext, name, folder = self.config.save_model_as, self.config.output_name, Path(self.config.output_dir)
+        epochs = self.config.save_every_n_epochs
+        if epochs and global_step % (epochs * self.steps_per_epoch) == 0:
+            return folder / f"{name}-{global_step // self.steps_per_epoch:06d}.{ext}"
+        if self.config.save_every_n_steps and global_step % self.config.save_every_n_steps == 0:
+            return folder / f"{name}-step{global_step:08d}.{ext}"
+        return None
+
+    def maybe_save(self, global_step: int) -> None:
+        path = self.filename(global_step)
+        if path is not None and global_step < self._total_steps():
+            self.saved.append(self.save(path, global_step))
+
+    def _total_steps(self) -> int:
+        epochs = self.config.max_train_epochs
+        return epochs * self.steps_per_epoch if epochs else self.config.max_train_steps
+
+    def save(self, path: Path, global_step: int) -> Path:
+        metadata = {**self.base_metadata, "ss_steps": str(global_step),
+                    "ss_epoch": str(math.ceil(global_step / self.steps_per_epoch)),
+                    "ss_num_epochs": str(math.ceil(self._total_steps() / self.steps_per_epoch)),
+                    "ss_training_finished_at": str(time.time())}
+        dtype = SAVE_DTYPES[self.config.save_precision] if self.config.save_precision else None
+        return self.network.save_weights(path, dtype, metadata)
+
+
+class Sampler:
+    """Sample images with the network applied, every --sample_every_n_steps / _epochs; PNGs go to
+    OUTPUT_DIR/sample as sd-scripts names them, and the grid to the log."""
+
+    def __init__(self, config: SDXLLoraConfig, pipeline: Any, network: LoRANetwork, prompts: list | None,
+                 steps_per_epoch: int, accelerator: Any):
+        self.config, self.pipeline, self.network, self.prompts = config, pipeline, network, prompts
+        self.steps_per_epoch, self.accelerator = steps_per_epoch, accelerator
+        self.folder = Path(config.output_dir) / "sample"
+        self.written: list[Path] = []
+
+    def due(self, global_step: int) -> bool:
+        steps, epochs = self.config.sample_every_n_steps, self.config.sample_every_n_epochs
+        return bool(self.prompts) and bool((steps and global_step % steps == 0) or
+                                           (epochs and global_step % (epochs * self.steps_per_epoch) == 0))
+
+    def __call__(self, global_step: int, force: bool = False) -> list:
+        if not (force or self.due(global_step)) or not self.accelerator.is_main_process:
+            return []
+        self.network.eval()
+        try:
+            with self.accelerator.autocast():
+                images = sdxl.generate_samples(self.pipeline, self.prompts, default_sampler=self.config.sample_sampler,
+                                               seed=self.config.seed)
+        finally:
+            self.network.train()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for i, image in enumerate(images):
+            path = self.folder / f"{self.config.output_name}_{global_step:06d}_{i:02d}.png"
+            image.save(path)
+            self.written.append(path)
+        return images
