@@ -59,11 +59,14 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
     from accelerate.state import AcceleratorState
     from accelerate.utils import set_seed
 
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
         # accelerate keeps its state per process; a second run in one process (tests, notebooks) may
         # ask for another precision.
         AcceleratorState._reset_state()
-    accelerator = make_accelerator(mixed_precision=mixed_precision)
+    # Several processes without GPUs (accelerate launch on CPUs) need accelerate's CPU mode for gloo.
+    cpu_processes = world_size > 1 and not torch.cuda.is_available()
+    accelerator = make_accelerator(mixed_precision=mixed_precision, cpu=cpu_processes)
     set_seed(seed)
     folder = Path(output_dir)
     return Run(folder, accelerator, resolve_resume(folder, resume_from_checkpoint), config_toml, report_to)

@@ -1,0 +1,44 @@
+"""`dreamstep train flux-lora` under `accelerate launch --num_processes 2` on CPU (gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from diffusers import FluxPipeline
+from flux_testkit import ROBOT_DIR, ROBOT_PROMPT
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_train_one_lora(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), "-m", "dreamstep", "train", "flux-lora",
+           "--pretrained_model_name_or_path", str(tiny_flux_dev_dir), "--instance_data_dir", str(ROBOT_DIR),
+           "--instance_prompt", ROBOT_PROMPT, "--output_dir", str(out), "--resolution", "32",
+           "--max_train_steps", "3", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "3",
+           "--report_to", "none", "--validation_prompt", ROBOT_PROMPT, "--validation_inference_steps", "1",
+           "--num_validation_images", "1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("wrote:") == 1, proc.stdout  # only the main process reports and writes
+    rng = torch.load(out / "checkpoint-3" / "random_states.pt", weights_only=True)
+    assert len(rng) == 2  # each process's RNG is kept for exact resume
+    # 6 images over 2 processes = 3 batches each per epoch, in accumulation groups of 2 + 1: steps 1-2
+    # are epoch 0 and step 3 ends after 2 batches of epoch 1 (one process alone would still be in epoch 0).
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert (state["epoch"], state["batch_in_epoch"], state["num_processes"]) == (1, 2, 2)
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    pipe.load_lora_weights(out / "pytorch_lora_weights.safetensors")
