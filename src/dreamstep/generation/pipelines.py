@@ -1,0 +1,140 @@
+"""Building the diffusers pipeline that generates: FLUX.1 (``FluxPipeline``, or ``FluxControlNetPipeline``
+with a ControlNet) or SDXL (``StableDiffusionXLPipeline`` with the seed's Euler sampler), from a diffusers
+folder, a hub id or a single file, on the chosen device and precision.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (EulerDiscreteScheduler, FluxControlNetModel, FluxControlNetPipeline, FluxPipeline,
+                       StableDiffusionXLPipeline)
+
+from dreamstep.errors import UserError, did_you_mean
+from dreamstep.models.loading import CHECKPOINT_SUFFIXES, load_flux, load_sdxl
+
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Where a single-file --model takes its other components and configs when --model_config is not given.
+DEFAULT_BASES = {"flux": "black-forest-labs/FLUX.1-dev", "sdxl": "stabilityai/stable-diffusion-xl-base-1.0"}
+
+
+def choose_device(name: str | None) -> torch.device:
+    """``name``, or the best available: CUDA, then Apple MPS, then the CPU."""
+    if name is not None:
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise UserError(f"--device {name}: not a device name; use cpu, cuda, cuda:1 or mps") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def choose_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """``auto``: fp32 on the CPU (half precision is slow there), bf16 on GPUs that have it, else fp16."""
+    if precision != "auto":
+        if precision not in PRECISIONS:
+            raise UserError(f"--dtype {precision}: use auto, {', '.join(PRECISIONS)}"
+                            f"{did_you_mean(precision, PRECISIONS)}")
+        return PRECISIONS[precision]
+    if device.type == "cpu":
+        return torch.float32
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float16
+
+
+def is_single_file(model: str) -> bool:
+    return Path(model).expanduser().is_file() or model.endswith(CHECKPOINT_SUFFIXES)
+
+
+def _flux_pipeline(model: str, model_config: str | None, dtype: torch.dtype,
+                   controlnet: str | None) -> FluxPipeline:
+    if is_single_file(model):
+        components = load_flux(model_config or DEFAULT_BASES["flux"], transformer_single_file=model,
+                               weight_dtype=dtype)
+    else:
+        components = load_flux(model, weight_dtype=dtype)
+    parts = vars(components)
+    if controlnet is None:
+        return FluxPipeline(**parts)
+    return FluxControlNetPipeline(**parts, controlnet=load_flux_controlnet(controlnet, dtype))
+
+
+def load_flux_controlnet(folder: str, dtype: torch.dtype) -> FluxControlNetModel:
+    """A FLUX ControlNet in the ``save_pretrained`` layout (what ``train flux-controlnet`` writes)."""
+    path = Path(folder).expanduser()
+    if not (path / "config.json").is_file():
+        raise UserError(f"--controlnet {folder}: no config.json there; give the folder that "
+                        "train flux-controlnet (or save_pretrained) wrote")
+    try:
+        return FluxControlNetModel.from_pretrained(str(path)).to(dtype)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--controlnet {folder}: could not load the ControlNet ({e})") from e
+
+
+def _sdxl_pipeline(model: str, model_config: str | None, dtype: torch.dtype) -> StableDiffusionXLPipeline:
+    config = (model_config or DEFAULT_BASES["sdxl"]) if is_single_file(model) else None
+    components = load_sdxl(model, config=config, weight_dtype=dtype)
+    pipe = StableDiffusionXLPipeline(**vars(components), add_watermarker=False)
+    # The seed's minimal inference samples with Euler (sd-scripts' sdxl_minimal_inference.py).
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    return pipe
+
+
+def _cast_inputs(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point tensors ``module`` is called with to ``dtype``."""
+
+    def cast(value: Any) -> Any:
+        return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+
+    def hook(_: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def keep_vae_fp32(pipe: Any) -> None:
+    """``--no_half_vae``: the VAE in fp32 (SDXL's overflows in fp16). The pipelines hand the VAE latents
+    in the denoiser's dtype, and the FLUX ControlNet gets the VAE's encoding of the control image, so
+    both see their inputs cast to their own dtype."""
+    half = pipe.vae.dtype
+    vae = pipe.vae.to(torch.float32)
+    _cast_inputs(vae.post_quant_conv if getattr(vae, "post_quant_conv", None) is not None else vae.decoder,
+                 torch.float32)
+    if getattr(pipe, "controlnet", None) is not None:
+        _cast_inputs(pipe.controlnet, half)
+
+
+def build_pipeline(model_type: str, model: str, *, model_config: str | None, dtype: torch.dtype,
+                   device: torch.device, no_half_vae: bool = False, controlnet: str | None = None,
+                   cpu_offload: bool = False) -> Any:
+    """The pipeline for ``model_type`` ('flux' or 'sdxl') on ``device`` in ``dtype``; ``no_half_vae`` keeps
+    the VAE in fp32 (SDXL's VAE overflows in fp16); ``cpu_offload`` moves each model to the GPU only while
+    it runs."""
+    if model_type == "flux":
+        pipe = _flux_pipeline(model, model_config, dtype, controlnet)
+    else:
+        pipe = _sdxl_pipeline(model, model_config, dtype)
+    if no_half_vae and dtype != torch.float32:
+        keep_vae_fp32(pipe)
+    if cpu_offload:
+        if device.type == "cpu":
+            raise UserError("--cpu_offload needs a GPU (--device cuda); on the CPU everything is already there")
+        pipe.enable_model_cpu_offload(device=device)
+    else:
+        pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def default_size(pipe: Any) -> int:
+    """The model's native resolution, as diffusers computes it when no size is given."""
+    return pipe.default_sample_size * pipe.vae_scale_factor
