@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from diffusers import (
     AutoencoderKL,
+    DiffusionPipeline,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
@@ -169,6 +170,13 @@ def _flux_scheduler(guidance_embeds: bool) -> FlowMatchEulerDiscreteScheduler:
                                            use_dynamic_shifting=False)
 
 
+def _to_eval(pipe: DiffusionPipeline) -> None:
+    """Inference mode, as ``from_pretrained`` returns models (T5's dropout would otherwise be active)."""
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
+
+
 def build_tiny_flux(seed: int = 0, guidance_embeds: bool = False) -> FluxPipeline:
     """A random FLUX.1 pipeline with every block type of the real one, in fp32 on the CPU."""
     tokenizer, tokenizer_2 = build_clip_tokenizer(), build_t5_tokenizer()
@@ -188,6 +196,7 @@ def build_tiny_flux(seed: int = 0, guidance_embeds: bool = False) -> FluxPipelin
                         text_encoder=text_encoder, tokenizer=tokenizer,
                         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
                         transformer=transformer)
+    _to_eval(pipe)
     return pipe
 
 
@@ -241,6 +250,7 @@ def build_tiny_sdxl(seed: int = 0) -> StableDiffusionXLPipeline:
                                      text_encoder_2=text_encoder_2, tokenizer=tokenizer,
                                      tokenizer_2=tokenizer_2, unet=unet, scheduler=_sdxl_scheduler(),
                                      add_watermarker=False)
+    _to_eval(pipe)
     return pipe
 
 
