@@ -1,0 +1,185 @@
+"""FLUX.1 LoRA step time and peak memory: dreamstep's trainer against a reference loop, in one run.
+
+The reference does what seed 000 does each step: VAE-encode the batch, sample the posterior, noise,
+forward, backward, optimizer step (text embeddings precomputed, as the seed does). dreamstep's step
+reads the cached VAE posterior instead and runs through the TrainStep engine. Both train the same
+LoRA (rank 16, the seed's attention targets) on the same model.
+
+    python benchmarks/flux_lora.py                                  # tiny model, CPU
+    python benchmarks/flux_lora.py --size full --resolution 1024    # FLUX.1-dev architecture, random weights, GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+from dreamstep.diffusion import flow_matching as fm
+from dreamstep.lora.inject import add_lora, flux_lora_targets
+from dreamstep.models import flux
+from dreamstep.models.precision import cast_trainable_params_to_fp32, freeze
+from dreamstep.models.tiny import build_tiny_flux
+from dreamstep.recipes.flux_lora import FluxLoraModel, FluxLoraStep
+
+# FLUX.1-dev's transformer and VAE configs (black-forest-labs/FLUX.1-dev).
+FULL_TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                        guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+FULL_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                layers_per_block=2, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+                use_post_quant_conv=False)
+T5_TOKENS, T5_DIM, CLIP_DIM = 512, 4096, 768
+
+
+def build_models(size: str, device: torch.device, dtype: torch.dtype) -> tuple:
+    """(transformer, vae, scheduler, text embedding sizes); weights are random (speed does not depend on them)."""
+    if size == "tiny":
+        pipe = build_tiny_flux(seed=0, guidance_embeds=True)
+        text = (16, pipe.text_encoder_2.config.d_model, pipe.text_encoder.config.hidden_size)
+        transformer, vae, scheduler = pipe.transformer, pipe.vae, pipe.scheduler
+    else:
+        with torch.device(device):
+            transformer = FluxTransformer2DModel(**FULL_TRANSFORMER).to(dtype)
+            vae = AutoencoderKL(**FULL_VAE).to(dtype)
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+        text = (T5_TOKENS, T5_DIM, CLIP_DIM)
+    freeze(transformer, vae)
+    return transformer.to(device), vae.to(device).eval(), scheduler, text
+
+
+def add_benchmark_lora(transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
+    add_lora(transformer, flux_lora_targets(transformer, ["attention"]), rank=16, alpha=16)
+    cast_trainable_params_to_fp32(transformer)
+    transformer.train()
+    return [p for p in transformer.parameters() if p.requires_grad]
+
+
+def reference_step(transformer, vae, sigmas, optimizer, pixels, embeds, autocast) -> None:
+    """Seed 000, written out: encode, sample, noise, predict, flow-matching loss, update."""
+    with torch.no_grad():
+        posterior = vae.encode(pixels).latent_dist
+        latents = (posterior.sample() - vae.config.shift_factor) * vae.config.scaling_factor
+    latents = latents.float()
+    b, _, h, w = latents.shape
+    noise = torch.randn_like(latents)
+    indices = fm.sample_timestep_indices("none", b, len(sigmas)).to(latents.device)
+    s = fm.sigmas_at(sigmas, indices, latents.ndim).to(latents.device)
+    with autocast:
+        pred = transformer(hidden_states=flux.pack(fm.noisy_latents(latents, noise, s)), timestep=s.flatten(),
+                           guidance=torch.full((b,), 3.5, device=latents.device), pooled_projections=embeds["pooled"],
+                           encoder_hidden_states=embeds["prompt_embeds"], txt_ids=embeds["text_ids"],
+                           img_ids=flux.latent_image_ids(h, w, latents.device, latents.dtype), return_dict=False)[0]
+    loss = fm.weighted_mse(flux.unpack(pred, h, w), fm.velocity_target(latents, noise), s, "none").mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class PeakMemory:
+    """Peak memory of a block: CUDA allocator peak on a GPU, else the process's peak RSS (Linux)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak_mib = torch.cuda.max_memory_allocated() / 2**20
+        else:
+            line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM"))
+            self.peak_mib = int(line.split()[1]) / 1024
+
+
+def time_steps(run_step: Callable[[], None], steps: int, warmup: int, device: torch.device) -> tuple[float, float]:
+    for _ in range(warmup):
+        run_step()
+    times = []
+    with PeakMemory(device) as memory:
+        for _ in range(steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            run_step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), memory.peak_mib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=["tiny", "full"], default="tiny")
+    parser.add_argument("--resolution", type=int, default=None, help="default: 64 tiny, 1024 full")
+    parser.add_argument("--batch_size", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    resolution = args.resolution or (64 if args.size == "tiny" else 1024)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    torch.manual_seed(0)
+
+    transformer, vae, scheduler, (tokens, t5_dim, clip_dim) = build_models(args.size, device, dtype)
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    params = add_benchmark_lora(transformer)
+    b = args.batch_size
+    pixels = torch.rand(b, 3, resolution, resolution, device=device, dtype=dtype) * 2 - 1
+    embeds = {"prompt_embeds": torch.randn(b, tokens, t5_dim, device=device, dtype=dtype),
+              "pooled": torch.randn(b, clip_dim, device=device, dtype=dtype),
+              "text_ids": flux.text_ids(tokens, device, dtype)}
+    sigmas = scheduler.sigmas[:scheduler.config.num_train_timesteps]
+
+    ref_optimizer = torch.optim.AdamW(params, lr=1e-4)
+    ref_time, ref_mem = time_steps(lambda: reference_step(transformer, vae, sigmas, ref_optimizer, pixels, embeds,
+                                                          autocast), args.steps, args.warmup, device)
+
+    from dreamstep.engine.train_step import make_accelerator
+
+    accelerator = make_accelerator(mixed_precision="bf16" if device.type == "cuda" else "no")
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    step = FluxLoraStep(FluxLoraModel(transformer), optimizer=optimizer, accelerator=accelerator, max_grad_norm=1.0,
+                        sigmas=sigmas, weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29,
+                        guidance_scale=3.5, prior_loss_weight=1.0)
+    batch = {"latent_dist": flux.encode_posterior(vae, pixels), "is_reg": torch.zeros(b, dtype=torch.bool),
+             **embeds}  # the posterior comes from the latent cache in training
+    ours_time, ours_mem = time_steps(lambda: step(batch), args.steps, args.warmup, device)
+
+    name = f"FLUX.1 LoRA ({args.size}, {resolution}x{resolution}, batch {b}, {device.type})"
+    print(f"{name}\n{'':2}{'loop':<34}{'s/step':>10}{'peak MiB':>12}")
+    print(f"{'':2}{'reference (seed 000: VAE every step)':<34}{ref_time:>10.4f}{ref_mem:>12.0f}")
+    print(f"{'':2}{'dreamstep (cached latents)':<34}{ours_time:>10.4f}{ours_mem:>12.0f}")
+    print(f"  speed-up: {ref_time / ours_time:.2f}x   memory ratio: {ours_mem / ref_mem:.2f}")
+    if args.size == "full" and device.type == "cuda":
+        report_mfu(transformer, resolution, b, ours_time)
+
+
+def report_mfu(transformer: torch.nn.Module, resolution: int, batch: int, seconds: float) -> None:
+    """Model FLOPs utilisation against the H100 dense bf16 peak (989 TFLOP/s), counting the usual 6·N·tokens
+    per step (attention scores not counted, so this is a lower bound on the work done)."""
+    params = sum(p.numel() for p in transformer.parameters())
+    tokens = batch * ((resolution // 16) ** 2 + T5_TOKENS)
+    flops = 6 * params * tokens
+    print(f"  model FLOPs/step: {flops:.3g}   MFU vs 989 TFLOP/s: {flops / seconds / 989e12:.1%}")
+
+
+if __name__ == "__main__":
+    main()
