@@ -1,0 +1,62 @@
+"""Helpers for the generation tests: run ``dreamstep generate`` in-process and read back what it wrote, and
+make LoRA files the way the trainers do (their own injection and saving code), with random weights so that
+they change the image."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import FluxPipeline, StableDiffusionXLPipeline
+from PIL import Image
+
+from dreamstep.cli import main
+from dreamstep.lora.inject import add_lora, flux_lora_targets, save_flux_lora
+from dreamstep.lora.kohya_network import NetworkOptions, create_network
+
+PROMPT = "a photo of sks dog"
+FLUX_ARGS = ("--steps", "2", "--width", "32", "--height", "32", "--seed", "7")
+SDXL_ARGS = ("--steps", "2", "--width", "32", "--height", "32", "--seed", "7")
+
+
+def run_cli(*args: object) -> int:
+    return main([str(a) for a in args])
+
+
+def generate(model_type: str, model: Path, out: Path, *extra: object) -> np.ndarray:
+    """Generate one image with the tiny-model settings into the empty folder ``out``; return it as float."""
+    args = FLUX_ARGS if model_type == "flux" else SDXL_ARGS
+    assert run_cli("generate", model_type, "--model", model, "--prompt", PROMPT, "--output_dir", out,
+                   *args, *extra) == 0
+    (path,) = sorted(out.glob("*.png"))
+    return np.asarray(Image.open(path).convert("RGB"), dtype=np.float32)
+
+
+def randomize_up(module: torch.nn.Module, names: tuple[str, ...], seed: int, std: float) -> None:
+    """Replace the zero-initialised up/B matrices so the LoRA does something."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if any(n in name for n in names):
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+def flux_lora_file(model_dir: Path, out_dir: Path, seed: int) -> Path:
+    """A FLUX LoRA as ``train flux-lora`` writes it: peft adapters on the attention layers (rank 4,
+    alpha 2) saved by its :func:`save_flux_lora` in the diffusers layout."""
+    pipe = FluxPipeline.from_pretrained(model_dir)
+    transformer = pipe.transformer
+    add_lora(transformer, flux_lora_targets(transformer, ["attention"]), rank=4, alpha=2.0)
+    randomize_up(transformer, ("lora_B",), seed, std=2.0)
+    return save_flux_lora(out_dir, transformer, weight_name=f"flux_lora_{seed}.safetensors")
+
+
+def sdxl_kohya_lora_file(model_dir: Path, path: Path, seed: int) -> Path:
+    """An SDXL LoRA as ``train sdxl-lora`` writes it: sd-scripts' network (UNet and both text encoders,
+    dim 4, alpha 2) saved with Kohya key names."""
+    pipe = StableDiffusionXLPipeline.from_pretrained(model_dir)
+    encoders = {"text_encoder": pipe.text_encoder, "text_encoder_2": pipe.text_encoder_2}
+    network = create_network(pipe.unet, encoders, NetworkOptions(dim=4, alpha=2.0))
+    randomize_up(network, ("lora_up",), seed, std=0.3)
+    return network.save_weights(path, None, {"ss_network_dim": "4", "ss_network_alpha": "2.0"})

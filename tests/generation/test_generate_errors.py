@@ -1,0 +1,70 @@
+"""Bad input to ``dreamstep generate`` gets one ``error:`` line naming the flag, before any model loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from generation_testkit import PROMPT, run_cli
+
+from dreamstep.generation.loras import LoraSpec, parse_lora_spec
+
+
+def _error_line(capsys: pytest.CaptureFixture, *args: object) -> str:
+    assert run_cli(*args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    return line
+
+
+@pytest.mark.parametrize("lora, expected", [
+    ("missing.safetensors", "--lora missing.safetensors: file not found"),
+    ("{file}:strong", "weight 'strong' is not a number; write FILE:WEIGHT"),
+    ("{file}:nan", "weight must be a finite number"),
+    ("missing.safetensors:0.5", "file missing.safetensors not found"),
+])
+def test_bad_lora_values(tiny_flux_dir: Path, tmp_path: Path, capsys, lora: str, expected: str) -> None:
+    file = tmp_path / "style.safetensors"
+    file.write_bytes(b"")
+    line = _error_line(capsys, "generate", "flux", "--model", tiny_flux_dir, "--prompt", PROMPT,
+                       "--output_dir", tmp_path / "out", "--lora", lora.format(file=file))
+    assert expected in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_lora_for_the_other_model(tiny_flux_dev_dir: Path, sdxl_kohya_lora: Path, tmp_path: Path, capsys) -> None:
+    line = _error_line(capsys, "generate", "flux", "--model", tiny_flux_dev_dir, "--prompt", PROMPT, "--steps", "1",
+                       "--output_dir", tmp_path, "--lora", sdxl_kohya_lora)
+    assert str(sdxl_kohya_lora) in line and "SDXL" in line
+
+
+@pytest.mark.parametrize("args, expected", [
+    ((), "give --prompt or --from_file"),
+    (("--prompt", "a", "--width", "40"), "--width 40: FLUX needs a multiple of 16 (e.g. 32)"),
+    (("--prompt", "a", "--negative_prompt", "b"), "--negative_prompt has no effect on FLUX unless --true_cfg_scale"),
+    (("--prompt", "a", "--controlnet", "cn"), "--controlnet needs --control_image"),
+    (("--prompt", "a", "--num_images", "0"), "--num_images must be at least 1"),
+    (("--prompt", "a", "--dtype", "fp8"), "'fp8' is not a valid choice"),
+    (("--from_file", "nope.txt"), "--from_file nope.txt: file not found"),
+])
+def test_bad_flags(tiny_flux_dir: Path, tmp_path: Path, capsys, args: tuple[str, ...], expected: str) -> None:
+    assert expected in _error_line(capsys, "generate", "flux", "--model", tiny_flux_dir, "--output_dir", tmp_path,
+                                   *args)
+
+
+def test_bad_model_and_sdxl_controlnet(tmp_path: Path, capsys) -> None:
+    line = _error_line(capsys, "generate", "sdxl", "--model", tmp_path / "nowhere", "--prompt", "a",
+                       "--output_dir", tmp_path / "out")
+    assert "nowhere' does not exist" in line
+    line = _error_line(capsys, "generate", "sdxl", "--model", tmp_path, "--prompt", "a", "--controlnet", "cn",
+                       "--control_image", "c.png")
+    assert "--controlnet is supported for FLUX.1 only" in line
+
+
+def test_lora_spec_keeps_colons_of_existing_files(tmp_path: Path) -> None:
+    odd = tmp_path / "style:v2.safetensors"
+    odd.write_bytes(b"")
+    assert parse_lora_spec(str(odd)) == LoraSpec(odd, 1.0)
+    assert parse_lora_spec(f"{odd}:0.25") == LoraSpec(odd, 0.25)
+    assert LoraSpec(odd, 0.25).label == "style:v2:0.25"
