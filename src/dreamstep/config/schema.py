@@ -78,7 +78,8 @@ def convert_value(value: Any, tp: Any, where: str) -> Any:
             if str(value) == str(choice):
                 return choice
         names = ", ".join(str(c) for c in choices)
-        raise UserError(f"{where}: '{value}' is not a valid choice{did_you_mean(value, choices)}; choose one of {names}")
+        hint = did_you_mean(value, choices)
+        raise UserError(f"{where}: '{value}' is not a valid choice{hint}; choose one of {names}")
     if origin in (list, tuple):
         (item_tp,) = typing.get_args(tp)[:1] or (str,)
         items = value if isinstance(value, (list, tuple)) else [value]

@@ -129,6 +129,36 @@ class FluxConditioner:
                 "is_reg": batch["is_reg"].to(self.device)}
 
 
+class ConditionedBatches:
+    """A loader's batches passed through a conditioner (cached latents and embeddings), keeping the
+    loader's length and epoch control (``batch_sampler.set_epoch``) visible to the training loop."""
+
+    def __init__(self, loader: Any, conditioner: Any):
+        self.loader = loader
+        self.batch_sampler = loader.batch_sampler
+        self.conditioner = conditioner
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        for batch in self.loader:
+            yield self.conditioner(batch)
+
+
+def training_caches(root: Path, source: str, *, revision: str | None, variant: str | None, mixed_precision: str,
+                    max_sequence_length: int, cache_latents: bool, image_dirs: list[Path]
+                    ) -> tuple[TensorCache | None, TensorCache]:
+    """The latent cache (``None`` when ``cache_latents`` is off) and the text-embedding cache of a run,
+    each keyed to the weights that fill it."""
+    ident = dict(revision=revision, variant=variant, extra=mixed_precision)
+    latents = (TensorCache(root / "latents", component_identity(source, "vae", **ident), image_dirs)
+               if cache_latents else None)
+    text_id = "+".join(component_identity(source, name, **ident) for name in ("text_encoder", "text_encoder_2"))
+    text = TensorCache(root / "text", f"{text_id}|{max_sequence_length}", image_dirs)
+    return latents, text
+
+
 @torch.no_grad()
 def generate(pipeline: FluxPipeline, prompts: list[str], *, seed: int, steps: int, guidance_scale: float,
              height: int, width: int, max_sequence_length: int = 512, **pipeline_kwargs: Any) -> list[Image.Image]:

@@ -26,7 +26,6 @@ from torch import nn
 
 from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
 from dreamstep.config.training import FluxTrainingConfig
-from dreamstep.data.cache import TensorCache
 from dreamstep.data.dataset import build_dataset, make_dataloader
 from dreamstep.data.dataset_config import load_dataset_config, require_methods
 from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
@@ -200,20 +199,17 @@ def train(config: FluxLoraConfig) -> None:
     datasets = _datasets(config, class_dir)
     if class_dir is not None:
         dataset = build_dataset(datasets, seed=config.seed)
-    cache_root = Path(config.cache_dir or Path(config.output_dir) / "cache")
-    image_dirs = [s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None]
-    source = config.pretrained_model_name_or_path
-    ident = dict(revision=config.revision, variant=config.variant, extra=config.mixed_precision)
-    latent_cache = (TensorCache(cache_root / "latents", flux.component_identity(source, "vae", **ident), image_dirs)
-                    if config.cache_latents else None)
-    text_cache = TensorCache(cache_root / "text", flux.component_identity(
-        source, "text_encoder_2", **ident) + f"|{config.max_sequence_length}", image_dirs)
+    latent_cache, text_cache = flux.training_caches(
+        Path(config.cache_dir or Path(config.output_dir) / "cache"), config.pretrained_model_name_or_path,
+        revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
+        max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents,
+        image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
     dataset.latent_cache = latent_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
-    conditioner = flux.FluxConditioner(pipeline, latent_cache=latent_cache, text_cache=text_cache,
-                                       max_sequence_length=config.max_sequence_length, device=run.device,
-                                       clip_ids=text_encoder is not None)
+    batches = flux.ConditionedBatches(loader, flux.FluxConditioner(
+        pipeline, latent_cache=latent_cache, text_cache=text_cache, max_sequence_length=config.max_sequence_length,
+        device=run.device, clip_ids=text_encoder is not None))
 
     # 3. The step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
     groups = [{"params": [p for p in base.transformer.parameters() if p.requires_grad], "lr": config.learning_rate}]
@@ -252,7 +248,7 @@ def train(config: FluxLoraConfig) -> None:
             if module is not None:
                 load_trainable_state(module, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
-    result = fit(run, step, _StepInputs(loader, conditioner), max_train_steps=config.max_train_steps,
+    result = fit(run, step, batches, max_train_steps=config.max_train_steps,
                  num_epochs=config.num_train_epochs, weights=weights, load_weights=load_weights,
                  checkpointing_steps=config.checkpointing_steps,
                  checkpoints_total_limit=config.checkpoints_total_limit,
@@ -271,23 +267,6 @@ def train(config: FluxLoraConfig) -> None:
 
 
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
-
-
-class _StepInputs:
-    """The loader's batches as the step's inputs (cached latents and embeddings), keeping the
-    loader's epoch control (``batch_sampler.set_epoch``) and length visible to the engine."""
-
-    def __init__(self, loader, conditioner: flux.FluxConditioner):
-        self.loader = loader
-        self.batch_sampler = loader.batch_sampler
-        self.conditioner = conditioner
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self):
-        for batch in self.loader:
-            yield self.conditioner(batch)
 
 
 def _validation_images(config: FluxLoraConfig, pipeline) -> list:
