@@ -1,0 +1,113 @@
+"""FLUX.1 ControlNet (seed 003): built from the base transformer or loaded, checked against the base,
+run beside it, and saved in the ``save_pretrained`` layout that ``FluxControlNetModel.from_pretrained``
+and ``FluxControlNetPipeline`` read.
+
+A ControlNet built from the transformer copies its embedders and its first double- and single-stream
+blocks (diffusers' ``from_transformer``); the projections that feed the base (``controlnet_blocks``,
+``controlnet_single_blocks``) and the input projection of the control latents (``controlnet_x_embedder``)
+start at zero, so at step 0 the base's prediction is unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import FluxControlNetModel, FluxControlNetPipeline, FluxTransformer2DModel
+from PIL import Image
+
+from dreamstep.errors import UserError
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+# Config keys a ControlNet must share with the base transformer for its residuals to fit.
+_SHARED_KEYS = ("in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim",
+                "pooled_projection_dim")
+
+
+def build_from_transformer(transformer: FluxTransformer2DModel, num_double_layers: int,
+                           num_single_layers: int) -> FluxControlNetModel:
+    """A new fp32 ControlNet with the transformer's first ``num_double_layers`` / ``num_single_layers``
+    blocks; its output projections and control-input projection are zero (see the module docstring)."""
+    have = (len(transformer.transformer_blocks), len(transformer.single_transformer_blocks))
+    for flag, wanted, available in (("--num_double_layers", num_double_layers, have[0]),
+                                    ("--num_single_layers", num_single_layers, have[1])):
+        if not 0 <= wanted <= available:
+            raise UserError(f"{flag} {wanted}: the base transformer has {available} such blocks; "
+                            f"choose 0 to {available}")
+    if num_double_layers + num_single_layers == 0:
+        raise UserError("--num_double_layers and --num_single_layers are both 0; the ControlNet needs a block")
+    config = transformer.config
+    return FluxControlNetModel.from_transformer(
+        transformer, num_layers=num_double_layers, num_single_layers=num_single_layers,
+        attention_head_dim=config.attention_head_dim, num_attention_heads=config.num_attention_heads,
+        load_weights_from_transformer=True)
+
+
+def load(path: str, transformer: FluxTransformer2DModel) -> FluxControlNetModel:
+    """A trained ControlNet (a ``save_pretrained`` folder or a hub id) in its saved dtype, checked against
+    the base."""
+    folder = Path(path).expanduser()
+    if folder.exists() and not (folder / CONFIG_NAME).is_file():
+        raise UserError(f"--controlnet_model_name_or_path {path}: no {CONFIG_NAME} there; give the folder "
+                        "that train flux-controlnet (or save_pretrained) wrote")
+    try:
+        controlnet = FluxControlNetModel.from_pretrained(str(folder) if folder.exists() else path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--controlnet_model_name_or_path {path}: cannot load the ControlNet ({e})") from None
+    check_matches(controlnet, transformer, f"--controlnet_model_name_or_path {path}")
+    return controlnet
+
+
+def check_matches(controlnet: FluxControlNetModel, transformer: FluxTransformer2DModel, where: str) -> None:
+    """Refuse a ControlNet whose widths, inputs or guidance embedding differ from the base transformer's."""
+    for key in (*_SHARED_KEYS, "guidance_embeds"):
+        ours, theirs = controlnet.config[key], transformer.config[key]
+        if ours != theirs:
+            raise UserError(f"{where}: the ControlNet has {key}={ours} but the base transformer has {theirs}; "
+                            "use a ControlNet trained for this base model")
+    if controlnet.input_hint_block is not None or controlnet.union:
+        raise UserError(f"{where}: XLabs-style (input_hint_block) and Union ControlNets are not supported "
+                        "for training; give an InstantX-style ControlNet or build one from the transformer")
+
+
+def cast(controlnet: FluxControlNetModel, dtype: torch.dtype) -> FluxControlNetModel:
+    """Cast the weights to fp32 or bf16 (``.to(dtype)`` would print a spurious diffusers warning)."""
+    return controlnet.float() if dtype == torch.float32 else controlnet.bfloat16()
+
+
+def residuals(controlnet: torch.nn.Module, **inputs: Any) -> dict[str, list[torch.Tensor] | None]:
+    """Run the ControlNet; return its per-block residuals under the names the transformer takes them.
+
+    Double-stream residuals: one (B, N, D) tensor per ControlNet double block, single-stream: one per
+    single block; the transformer adds residual ``i // ceil(blocks / residuals)`` after block ``i``.
+    """
+    block_samples, single_block_samples = controlnet(return_dict=False, **inputs)
+    return {"controlnet_block_samples": block_samples, "controlnet_single_block_samples": single_block_samples}
+
+
+def save(controlnet: FluxControlNetModel, output_dir: str | Path) -> Path:
+    """``config.json`` + ``diffusion_pytorch_model.safetensors`` in ``output_dir``; returns the weights path."""
+    controlnet.save_pretrained(str(output_dir), safe_serialization=True)
+    return Path(output_dir) / WEIGHTS_NAME
+
+
+def assemble_pipeline(components: Any, controlnet: FluxControlNetModel) -> FluxControlNetPipeline:
+    """A ``FluxControlNetPipeline`` over already-loaded components and the ControlNet being trained."""
+    parts = {name: getattr(components, name) for name in
+             ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "transformer")}
+    pipeline = FluxControlNetPipeline(**parts, controlnet=controlnet)
+    pipeline.set_progress_bar_config(disable=True)  # the trainer shows its own progress
+    return pipeline
+
+
+def side_by_side(rows: list[list[Image.Image]]) -> Image.Image:
+    """One image: each row (a control image, then its results) left to right, rows top to bottom."""
+    cell_w = max(im.width for row in rows for im in row)
+    cell_h = max(im.height for row in rows for im in row)
+    grid = Image.new("RGB", (max(len(r) for r in rows) * cell_w, len(rows) * cell_h), "white")
+    for y, row in enumerate(rows):
+        for x, image in enumerate(row):
+            grid.paste(image.convert("RGB").resize((cell_w, cell_h)), (x * cell_w, y * cell_h))
+    return grid

@@ -1,0 +1,325 @@
+"""FLUX.1 ControlNet: ``dreamstep train flux-controlnet``.
+
+Features: a ControlNet built from the base transformer (``--num_double_layers``, ``--num_single_layers``;
+output projections zero-initialised, so training starts from the base's own prediction) or loaded
+(``--controlnet_model_name_or_path``), trained beside the frozen base as diffusers'
+``train_controlnet_flux.py`` does: the control image's latents are packed like the target's and fed to
+the ControlNet, whose per-block residuals are added inside the transformer; gradients flow through the
+frozen transformer into the ControlNet. Data: a folder of pairs (``--train_data_dir`` +
+``--conditioning_data_dir``, same-named files, captions from ``--caption_extension`` files), a
+``metadata.jsonl`` with ``image``, ``conditioning_image`` and ``text`` (``--jsonl_for_train``, or found
+in ``--train_data_dir``), or a Kohya dataset TOML whose subsets have ``conditioning_data_dir``; every
+pair is checked before a model loads. Text embeddings cached; target and control latents cached when no
+random crop or flip is on; ``--proportion_empty_prompts``; SD3 timestep sampling / weighting; guidance for
+guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. Precision (seed 003):
+frozen weights in ``--mixed_precision``, ControlNet weights fp32 with half-precision compute, or with
+``--controlnet_weights_dtype bf16`` bf16 weights and an AdamW whose math is fp32 with stochastic rounding
+(12 instead of 16 bytes of trainable state per parameter). Resumable checkpoints, validation grids through
+diffusers' ``FluxControlNetPipeline`` (control image beside the results), TensorBoard, a loss curve PNG.
+
+Outputs in --output_dir: ``config.json`` + ``diffusion_pytorch_model.safetensors`` (what
+``FluxControlNetModel.from_pretrained`` loads), ``samples/``, ``loss_curve.png``, ``logs``,
+``checkpoint-N/`` and the run's ``config.toml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from PIL import Image
+
+from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
+from dreamstep.config.training import FluxTrainingConfig
+from dreamstep.data.cache import TensorCache
+from dreamstep.data.dataset import build_dataset, make_dataloader
+from dreamstep.data.dataset_config import DatasetConfig, load_dataset_config, require_methods
+from dreamstep.data.images import load_rgb
+from dreamstep.data.sources import bucket_spec, controlnet_from_flags
+from dreamstep.diffusion import flow_matching as fm
+from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW
+from dreamstep.engine.loop import TrainingResult
+from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
+from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
+from dreamstep.engine.train_step import TrainStep
+from dreamstep.errors import UserError
+from dreamstep.models import controlnet as cn
+from dreamstep.models import flux
+from dreamstep.models.precision import autocast
+
+
+@dataclass
+class FluxControlNetConfig(FluxTrainingConfig):
+    train_data_dir: Optional[str] = option(None, "folder of target images (paired with --conditioning_data_dir, "
+                                                 "or holding a metadata.jsonl)")
+    conditioning_data_dir: Optional[str] = option(None, "folder of control images, each named like its target")
+    jsonl_for_train: Optional[str] = option(None, "a metadata.jsonl with image, conditioning_image and text "
+                                                  "columns (paths relative to it or to --train_data_dir)")
+    caption_extension: str = option(".txt", "with folders: read each target's caption from a file with this "
+                                            "extension beside it")
+    default_caption: Optional[str] = option(None, "with folders: the caption of targets without a caption file")
+    dataset_config: Optional[str] = option(None, "a Kohya dataset TOML (subsets with conditioning_data_dir) "
+                                                 "instead of the folder flags")
+    repeats: int = option(1, "times each pair appears per epoch")
+    random_crop: bool = option(False, "crop at random (default: center crop, as diffusers' script does)")
+    random_flip: bool = option(False, "flip target and control image together, at random")
+    proportion_empty_prompts: float = option(0.0, "fraction of samples trained with the empty prompt")
+    controlnet_model_name_or_path: Optional[str] = option(None, "start from this ControlNet (save_pretrained "
+                                                                "folder or hub id) instead of building one")
+    num_double_layers: int = option(4, "double-stream blocks of a ControlNet built from the transformer")
+    num_single_layers: int = option(4, "single-stream blocks of a ControlNet built from the transformer")
+    controlnet_weights_dtype: Literal["fp32", "bf16"] = option(
+        "fp32", "ControlNet weight dtype; bf16 needs --mixed_precision bf16 and uses AdamW with fp32 update "
+                "math and stochastic rounding (less memory)")
+    validation_prompt: list[str] = option([], "prompts for validation images (one, or one per --validation_image)")
+    validation_image: list[str] = option([], "control images for validation (one, or one per --validation_prompt)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        flags_given = any(v is not None for v in (self.train_data_dir, self.jsonl_for_train))
+        if self.dataset_config is None and not flags_given:
+            raise UserError("give --train_data_dir with --conditioning_data_dir, --jsonl_for_train, "
+                            "or --dataset_config")
+        if self.dataset_config is not None and flags_given:
+            raise UserError("give either --dataset_config or the folder flags (--train_data_dir, "
+                            "--jsonl_for_train), not both")
+        if not 0.0 <= self.proportion_empty_prompts <= 1.0:
+            raise UserError(f"--proportion_empty_prompts must be in [0, 1] (got {self.proportion_empty_prompts})")
+        if self.repeats < 1:
+            raise UserError(f"--repeats must be at least 1 (got {self.repeats})")
+        if self.controlnet_weights_dtype == "bf16" and self.mixed_precision != "bf16":
+            raise UserError("--controlnet_weights_dtype bf16 needs --mixed_precision bf16 (bf16 compute)")
+        if self.controlnet_weights_dtype == "bf16" and self.optimizer.lower() != "adamw":
+            raise UserError(f"--controlnet_weights_dtype bf16 trains with AdamW (fp32 math, stochastic rounding); "
+                            f"drop --optimizer {self.optimizer} or use --controlnet_weights_dtype fp32")
+        self._check_validation_pairs()
+
+    def _check_validation_pairs(self) -> None:
+        prompts, images = len(self.validation_prompt), len(self.validation_image)
+        if (prompts == 0) != (images == 0):
+            raise UserError("validation needs both --validation_prompt and --validation_image")
+        if prompts > 1 and images > 1 and prompts != images:
+            raise UserError(f"{prompts} --validation_prompt values but {images} --validation_image values; "
+                            "give one of either, or the same number of both")
+
+    def validation_pairs(self) -> list[tuple[str, str]]:
+        """(control image path, prompt) pairs; a single prompt or image is shared by all of the other."""
+        count = max(len(self.validation_prompt), len(self.validation_image))
+        prompts = self.validation_prompt * count if len(self.validation_prompt) == 1 else self.validation_prompt
+        images = self.validation_image * count if len(self.validation_image) == 1 else self.validation_image
+        return list(zip(images, prompts))
+
+
+class FluxControlNetStep(TrainStep):
+    """One flow-matching step of the frozen base with the ControlNet's residuals added; only the
+    ControlNet (``model``) learns. The transformer is frozen but back-propagated through."""
+
+    def __init__(self, controlnet: torch.nn.Module, *, transformer: torch.nn.Module, sigmas: torch.Tensor,
+                 weighting_scheme: str, logit_mean: float, logit_std: float, mode_scale: float,
+                 guidance_scale: float | None, **engine_options: Any):
+        super().__init__(controlnet, **engine_options)
+        self.transformer = transformer
+        self.sigmas = sigmas  # (num_train_timesteps,): the scheduler's shifted σ table
+        self.weighting_scheme = weighting_scheme
+        self.sampling = dict(logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale)
+        self.guidance_scale = guidance_scale
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        # latent_dist / control_dist: (B, 2C, h, w) VAE posterior mean and std; one fresh sample of each.
+        latents = _sample(batch["latent_dist"])
+        control = _sample(batch["control_dist"])
+        bsz, _, height, width = latents.shape
+        noise = torch.randn_like(latents)
+        indices = fm.sample_timestep_indices(self.weighting_scheme, bsz, len(self.sigmas),
+                                             **self.sampling).to(latents.device)
+        sigmas = fm.sigmas_at(self.sigmas, indices, latents.ndim).to(latents.device)
+        # x_σ = (1 - σ)·x + σ·ε, packed into 2x2 patches: (B, N, 4C) with N = h/2 · w/2.
+        packed = flux.pack(fm.noisy_latents(latents, noise, sigmas))
+        guidance = (torch.full((bsz,), self.guidance_scale, device=latents.device)
+                    if self.guidance_scale is not None else None)
+        inputs = dict(hidden_states=packed, timestep=sigmas.flatten(), guidance=guidance,
+                      pooled_projections=batch["pooled"], encoder_hidden_states=batch["prompt_embeds"],
+                      txt_ids=batch["text_ids"], img_ids=flux.latent_image_ids(height, width, latents.device,
+                                                                              packed.dtype))
+        # The ControlNet reads the packed control latents (B, N, 4C) beside x_σ; its residuals, one
+        # (B, N, D) per block, are added to the transformer's hidden states block by block.
+        residuals = cn.residuals(self.model, controlnet_cond=flux.pack(control), **inputs)
+        packed_pred = self.transformer(**inputs, **residuals, return_dict=False)[0]
+        pred = flux.unpack(packed_pred, height, width)
+        # Flow-matching target v = ε - x, each sample weighted by its own σ.
+        loss = fm.weighted_mse(pred, fm.velocity_target(latents, noise), sigmas, self.weighting_scheme).mean()
+        return (self.scale_loss(loss),)
+
+
+def _sample(posterior: torch.Tensor) -> torch.Tensor:
+    """(B, 2C, h, w) mean and std -> one latent sample (B, C, h, w)."""
+    mean, std = posterior.chunk(2, dim=1)
+    return mean + std * torch.randn_like(mean)
+
+
+def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
+    add_arguments(parser, FluxControlNetConfig)
+
+
+def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
+    train(build_config(FluxControlNetConfig, args))
+
+
+def _datasets(config: FluxControlNetConfig) -> list[DatasetConfig]:
+    if config.dataset_config is not None:
+        datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
+                                                                   "train_batch_size": config.train_batch_size})
+        require_methods(datasets, ("controlnet",), "train flux-controlnet")
+    else:
+        datasets = [controlnet_from_flags(
+            train_data_dir=config.train_data_dir, conditioning_data_dir=config.conditioning_data_dir,
+            jsonl_for_train=config.jsonl_for_train, caption_extension=config.caption_extension,
+            default_caption=config.default_caption, buckets=bucket_spec(config.resolution),
+            center_crop=not config.random_crop, random_flip=config.random_flip, repeats=config.repeats,
+            batch_size=config.train_batch_size)]
+    return [_with_empty_prompts(d, config.proportion_empty_prompts) for d in datasets]
+
+
+def _with_empty_prompts(dataset: DatasetConfig, proportion: float) -> DatasetConfig:
+    """--proportion_empty_prompts as the data package's caption dropout: drawn per (seed, epoch, sample),
+    so a resumed run drops the same captions."""
+    if proportion == 0.0:
+        return dataset
+    subsets = tuple(dataclasses.replace(s, captions=dataclasses.replace(s.captions, caption_dropout_rate=proportion))
+                    for s in dataset.subsets)
+    return dataclasses.replace(dataset, subsets=subsets)
+
+
+def _randomly_augmented(datasets: list[DatasetConfig]) -> bool:
+    return any(s.random_crop or s.flip_aug for d in datasets for s in d.subsets)
+
+
+def train(config: FluxControlNetConfig) -> TrainingResult:
+    claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
+                     resume_from_checkpoint=config.resume_from_checkpoint)
+    # Every flag, folder, pair and image (validation images too) is checked before a model loads.
+    datasets = _datasets(config)
+    dataset = build_dataset(datasets, seed=config.seed)
+    validation = [(load_rgb(Path(image)), prompt) for image, prompt in config.validation_pairs()]
+    run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
+                    report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
+                    config_toml=config_to_toml(config))
+
+    # 1. Models: the base frozen in --mixed_precision; the ControlNet built or loaded, in its weight dtype.
+    base = flux.load_frozen_for_training(
+        config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
+        transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
+        device=run.device)
+    if config.controlnet_model_name_or_path is not None:
+        controlnet = cn.load(config.controlnet_model_name_or_path, base.transformer)
+    else:
+        controlnet = cn.build_from_transformer(base.transformer, config.num_double_layers, config.num_single_layers)
+    weights_dtype = torch.bfloat16 if config.controlnet_weights_dtype == "bf16" else torch.float32
+    cn.cast(controlnet, weights_dtype).to(run.device)
+    controlnet.requires_grad_(True)
+    if config.gradient_checkpointing:
+        controlnet.enable_gradient_checkpointing()
+        base.transformer.enable_gradient_checkpointing()
+    controlnet.train()
+    pipeline = cn.assemble_pipeline(base, controlnet)
+
+    # 2. Data: pairs; target and control posteriors cached unless augmented, prompt embeddings cached.
+    cache_root = Path(config.cache_dir or Path(config.output_dir) / "cache")
+    image_dirs = [d for ds in datasets for s in ds.subsets for d in (s.image_dir, s.conditioning_data_dir)
+                  if d is not None]
+    source = config.pretrained_model_name_or_path
+    ident = dict(revision=config.revision, variant=config.variant, extra=config.mixed_precision)
+    latent_cache = (TensorCache(cache_root / "latents", flux.component_identity(source, "vae", **ident), image_dirs)
+                    if config.cache_latents and not _randomly_augmented(datasets) else None)
+    text_cache = TensorCache(cache_root / "text", flux.component_identity(
+        source, "text_encoder_2", **ident) + f"|{config.max_sequence_length}", image_dirs)
+    dataset.latent_cache = latent_cache
+    loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
+                             num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
+    conditioner = flux.FluxConditioner(pipeline, latent_cache=latent_cache, text_cache=text_cache,
+                                       max_sequence_length=config.max_sequence_length, device=run.device)
+
+    # 3. The step: the optimizer over every ControlNet weight, the LR schedule, clipping, accumulation.
+    optimizer = _optimizer(config, list(controlnet.parameters()))
+    steps_per_epoch = math.ceil(len(loader) / config.gradient_accumulation_steps)
+    total_steps = config.max_train_steps or config.num_train_epochs * steps_per_epoch
+    lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=config.lr_warmup_steps,
+                                      total_steps=total_steps, num_cycles=config.lr_num_cycles,
+                                      power=config.lr_power)
+    model, optimizer = run.accelerator.prepare(controlnet, optimizer)
+    step = FluxControlNetStep(
+        model, transformer=base.transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
+        accelerator=run.accelerator, max_grad_norm=config.max_grad_norm or None,
+        gradient_accumulation_steps=config.gradient_accumulation_steps, length_of_dataloader=len(loader),
+        sigmas=base.scheduler.sigmas[:base.scheduler.config.num_train_timesteps],
+        weighting_scheme=config.weighting_scheme, logit_mean=config.logit_mean, logit_std=config.logit_std,
+        mode_scale=config.mode_scale,
+        guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)
+
+    # 4. Loop: the engine trains, checkpoints and validates.
+    def validate(_: int) -> list[Image.Image]:
+        return _validation_grid(config, pipeline, validation, run.device.type)
+
+    result = fit(run, step, _StepInputs(loader, conditioner), max_train_steps=config.max_train_steps,
+                 num_epochs=config.num_train_epochs, weights=controlnet.state_dict,
+                 load_weights=controlnet.load_state_dict, checkpointing_steps=config.checkpointing_steps,
+                 checkpoints_total_limit=config.checkpoints_total_limit,
+                 validate=validate if validation else None, validation_steps=config.validation_steps)
+
+    # 5. Save: the save_pretrained layout, final samples, loss curve, summary.
+    written = {}
+    if run.is_main_process:
+        written["ControlNet"] = cn.save(controlnet, config.output_dir)
+    finish(run, written, validate_final=(lambda: validate(0)) if validation else None,
+           final_step=result.position.global_step)
+    return result
+
+
+def _optimizer(config: FluxControlNetConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """--optimizer over fp32 weights; for bf16 weights, AdamW with fp32 math and stochastic rounding."""
+    betas = (config.adam_beta1, config.adam_beta2)
+    if config.controlnet_weights_dtype == "bf16":
+        return StochasticRoundingAdamW(params, lr=config.learning_rate, betas=betas, eps=config.adam_epsilon,
+                                       weight_decay=config.adam_weight_decay, seed=config.seed)
+    return build_optimizer(config.optimizer, [{"params": params, "lr": config.learning_rate}], config.learning_rate,
+                           betas=betas, weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
+
+
+class _StepInputs:
+    """The loader's batches as the step's inputs: target and control posteriors (from the latent cache
+    when there is one) and cached prompt embeddings, keeping the loader's epoch control and length."""
+
+    def __init__(self, loader, conditioner: flux.FluxConditioner):
+        self.loader = loader
+        self.batch_sampler = loader.batch_sampler
+        self.conditioner = conditioner
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield {**self.conditioner(batch), "control_dist": self.conditioner.latents(batch, prefix="conditioning_")}
+
+
+def _validation_grid(config: FluxControlNetConfig, pipeline, validation: list[tuple[Image.Image, str]],
+                     device_type: str) -> list[Image.Image]:
+    """One grid: a row per (control image, prompt), the control image first, then its results."""
+    was_training = pipeline.controlnet.training
+    pipeline.controlnet.eval()
+    rows = []
+    # Under autocast, as in training: the fp32 (or bf16) ControlNet meets the base's half-precision tensors.
+    with autocast(device_type, config.mixed_precision):
+        for control, prompt in validation:
+            images = flux.generate(pipeline, [prompt] * config.num_validation_images, seed=config.seed,
+                                   steps=config.validation_inference_steps, guidance_scale=config.guidance_scale,
+                                   height=config.resolution, width=config.resolution,
+                                   max_sequence_length=config.max_sequence_length, control_image=control)
+            rows.append([control, *images])
+    pipeline.controlnet.train(was_training)
+    return [cn.side_by_side(rows)]
