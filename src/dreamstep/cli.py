@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
+from pathlib import Path
 
 from dreamstep.errors import UserError, did_you_mean
 
@@ -26,10 +26,12 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
 
 
 def _available() -> dict[tuple[str, ...], tuple[str, str]]:
-    """Commands whose module is installed (later capabilities add theirs)."""
+    """Commands whose module is installed. Looked up as files: importing the subpackages would import torch."""
+    root = Path(__file__).parent
     found = {}
     for key, (module, summary) in COMMANDS.items():
-        if importlib.util.find_spec(module) is not None:
+        relative = Path(*module.split(".")[1:])
+        if (root / relative.with_suffix(".py")).is_file() or (root / relative / "__init__.py").is_file():
             found[key] = (module, summary)
     return found
 

@@ -1,0 +1,66 @@
+import argparse
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import pytest
+
+from dreamstep.config.schema import add_arguments, build_config, config_to_toml, load_toml, option
+from dreamstep.errors import UserError
+
+
+@dataclass
+class Example:
+    output_dir: str = option(help="where")
+    rank: int = option(4, "LoRA rank", aliases=("network_dim",))
+    scale: float = option(1.0, "a float")
+    flip: bool = option(False, "a bool")
+    layers: list[str] = option(["attention"], "a list")
+    precision: Literal["no", "fp16", "bf16"] = option("no", "a choice")
+    limit: Optional[int] = option(None, "optional int")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, Example)
+    return parser.parse_args(argv)
+
+
+def test_command_line_beats_toml_beats_defaults(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('output_dir = "a"\nrank = 8\nscale = 2\nlayers = ["x", "y"]\n')
+    config = build_config(Example, parse(["--config", str(toml), "--network_dim", "16", "--flip", "--limit", "3"]))
+    assert config == Example(output_dir="a", rank=16, scale=2.0, flip=True, layers=["x", "y"], limit=3)
+    assert build_config(Example, parse(["--output_dir", "b", "--flip", "false", "--limit", "none"])).flip is False
+
+
+def test_saved_config_reads_back(tmp_path):
+    config = Example(output_dir='with "quotes"', layers=["a", "b"], limit=2, precision="bf16")
+    path = tmp_path / "saved.toml"
+    path.write_text(config_to_toml(config))
+    assert build_config(Example, toml_path=path) == config
+
+
+@pytest.mark.parametrize("argv, toml, message", [
+    (["--output_dir", "o", "--precision", "bf61"], None, "--precision: 'bf61' is not a valid choice (did you mean 'bf16'?)"),
+    (["--output_dir", "o", "--rank", "4.5"], None, "--rank: '4.5' is not an integer"),
+    (["--output_dir", "o", "--flip", "maybe"], None, "--flip: 'maybe' is not a boolean"),
+    ([], None, "--output_dir is required"),
+    ([], 'output_dir = "o"\nrnak = 3\n', "unknown key 'rnak' (did you mean 'rank'?)"),
+    ([], 'output_dir = "o"\nrank = "four"\n', "key 'rank': 'four' is not an integer"),
+    ([], 'output_dir = "o"\nrank = [', "not valid TOML"),
+])
+def test_bad_values_name_the_flag_or_key(tmp_path, argv, toml, message):
+    if toml is not None:
+        path = tmp_path / "bad.toml"
+        path.write_text(toml)
+        argv = [*argv, "--config", str(path)]
+    with pytest.raises(UserError) as error:
+        build_config(Example, parse(argv))
+    assert message in str(error.value)
+    if toml is not None:
+        assert "bad.toml" in str(error.value)
+
+
+def test_missing_toml_file_is_named(tmp_path):
+    with pytest.raises(UserError, match="nope.toml: config file not found"):
+        load_toml(tmp_path / "nope.toml")
