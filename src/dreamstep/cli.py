@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from pathlib import Path
 
@@ -53,6 +54,14 @@ def _match(argv: list[str], commands: dict[tuple[str, ...], tuple[str, str]]) ->
     return None
 
 
+class _HideTorchvisionNotice(logging.Filter):
+    """transformers announces on every start that image processors fall back to PIL without torchvision;
+    dreamstep uses no transformers image processor, so the notice only hides the output that matters."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision" not in record.getMessage()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = _available()
@@ -71,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command '{typed}'{hint}; run 'dreamstep --help' for the list", file=sys.stderr)
         return 2
     module_name, summary = commands[key]
+    logging.getLogger("transformers.utils.import_utils").addFilter(_HideTorchvisionNotice())
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"dreamstep {' '.join(key)}", description=summary,
                                      allow_abbrev=False)
