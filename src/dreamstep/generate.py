@@ -19,7 +19,7 @@ import argparse
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from PIL import Image
@@ -31,7 +31,12 @@ from dreamstep.data.images import load_rgb
 from dreamstep.errors import UserError
 from dreamstep.generation.loras import LoraSpec, apply_loras, parse_lora_spec
 from dreamstep.generation.outputs import next_index, save_png
-from dreamstep.generation.pipelines import build_pipeline, choose_device, choose_dtype, default_size
+from dreamstep.generation.pipelines import (
+    build_pipeline,
+    choose_device,
+    choose_dtype,
+    default_size,
+)
 
 # Both models' VAEs downsample 8x; FLUX packs 2x2 latent patches on top.
 SIZE_MULTIPLE = {"flux": 16, "sdxl": 8}
@@ -42,34 +47,34 @@ SDXL_DEFAULTS = {"steps": 50, "guidance_scale": 7.0}
 class GenerateConfig:
     model: str = option(help="diffusers pipeline folder, hub id, or single file (SDXL checkpoint such as "
                              "sd_xl_base_1.0.safetensors; FLUX transformer such as flux1-dev.safetensors)")
-    model_config: Optional[str] = option(None, "for a single-file --model: the diffusers folder or hub id "
+    model_config: str | None = option(None, "for a single-file --model: the diffusers folder or hub id "
                                                "that supplies the other components and configs (default: "
                                                "FLUX.1-dev / SDXL base 1.0 from the hub)")
-    prompt: Optional[str] = option(None, "the prompt")
-    from_file: Optional[str] = option(None, "text file with one prompt per line (blank lines skipped), "
+    prompt: str | None = option(None, "the prompt")
+    from_file: str | None = option(None, "text file with one prompt per line (blank lines skipped), "
                                             "instead of --prompt")
-    negative_prompt: Optional[str] = option(None, "what to steer away from (FLUX: needs --true_cfg_scale > 1)")
+    negative_prompt: str | None = option(None, "what to steer away from (FLUX: needs --true_cfg_scale > 1)")
     lora: list[str] = option([], "LoRA file, optionally FILE:WEIGHT (default weight 1); repeat the flag "
                                  "or list several; Kohya, diffusers/PEFT and MindSpore .ckpt files load")
     merge: bool = option(False, "fold the LoRAs into the model weights (faster sampling) instead of "
                                 "applying them as adapters")
-    controlnet: Optional[str] = option(None, "FLUX ControlNet folder (config.json + weights)")
-    control_image: Optional[str] = option(None, "the ControlNet's conditioning image")
+    controlnet: str | None = option(None, "FLUX ControlNet folder (config.json + weights)")
+    control_image: str | None = option(None, "the ControlNet's conditioning image")
     controlnet_conditioning_scale: float = option(1.0, "strength of the ControlNet's residuals")
-    steps: Optional[int] = option(None, "sampling steps (default: SDXL 50; FLUX 28, or 4 for a model "
+    steps: int | None = option(None, "sampling steps (default: SDXL 50; FLUX 28, or 4 for a model "
                                         "without guidance embedding such as FLUX.1-schnell)")
-    guidance_scale: Optional[float] = option(None, "SDXL: classifier-free guidance (default 7); FLUX: the "
+    guidance_scale: float | None = option(None, "SDXL: classifier-free guidance (default 7); FLUX: the "
                                                    "distilled guidance value (default 3.5; schnell ignores it)")
     true_cfg_scale: float = option(1.0, "FLUX: classifier-free guidance with --negative_prompt when > 1 "
                                         "(two transformer passes per step)")
-    width: Optional[int] = option(None, "image width (default: the model's native size, or the control image's)")
-    height: Optional[int] = option(None, "image height (default: as --width)")
+    width: int | None = option(None, "image width (default: the model's native size, or the control image's)")
+    height: int | None = option(None, "image height (default: as --width)")
     num_images: int = option(1, "images per prompt")
     batch_size: int = option(1, "images per pipeline call")
-    seed: Optional[int] = option(None, "seed of the first image; image i uses seed + i (default: random)")
+    seed: int | None = option(None, "seed of the first image; image i uses seed + i (default: random)")
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = option("auto", "weight and compute precision; auto: fp32 "
                                                                     "on the CPU, bf16 (else fp16) on a GPU")
-    device: Optional[str] = option(None, "cpu, cuda, cuda:N or mps (default: the best available)")
+    device: str | None = option(None, "cpu, cuda, cuda:N or mps (default: the best available)")
     no_half_vae: bool = option(False, "keep the VAE in fp32 when --dtype is half precision")
     cpu_offload: bool = option(False, "keep each model on the CPU until it runs (large models, small GPUs)")
     output_dir: str = option("outputs", "folder for the PNGs; earlier images there are kept")

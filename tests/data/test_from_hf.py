@@ -26,7 +26,7 @@ def _image(i: int, fmt: str = "PNG") -> Image.Image:
     return Image.open(io.BytesIO(buffer.getvalue()))  # keeps .format, so datasets stores these bytes
 
 
-def _dataset(n: int, image: str = "image", caption: str = "text", **extra: list) -> "datasets.Dataset":
+def _dataset(n: int, image: str = "image", caption: str = "text", **extra: list) -> datasets.Dataset:
     rows = {image: [_image(i, "JPEG" if i % 3 == 2 else "PNG") for i in range(n)],
             caption: [f"a photo of thing {i}" for i in range(n)], **extra}
     features = datasets.Features({image: datasets.Image(), caption: datasets.Value("string"),
@@ -107,8 +107,8 @@ def test_an_interrupted_run_continues_to_the_same_result(tmp_path: Path, capsys)
 @pytest.mark.parametrize("args, expected", [
     (("{tmp}/missing.parquet", "{tmp}/out"), "no such file or folder"),
     (("{tmp}/data.parquet", "{tmp}/out", "--image_column", "imag"),
-     "--image_column imag: {tmp}/data.parquet has no such column (did you mean 'image'?); its columns: "
-     "image (image), text (text), note (text)"),
+     ("--image_column imag: {tmp}/data.parquet has no such column (did you mean 'image'?); its columns: "
+      "image (image), text (text), note (text)")),
     (("{tmp}/data.parquet", "{tmp}/out", "--caption_column", "txt"), "(did you mean 'text'?)"),
     (("{tmp}/data.parquet", "{tmp}/out", "--image_column", "note"), "--image_column note: row 0 holds no image"),
     (("{tmp}/data.parquet", "{tmp}/out", "--split", "test"), "has no such split; choose one of train"),

@@ -17,7 +17,7 @@ from dreamstep.lora.kohya_network import NetworkOptions, create_network
 
 PROMPT = "a photo of sks dog"
 FLUX_ARGS = ("--steps", "2", "--width", "32", "--height", "32", "--seed", "7")
-SDXL_ARGS = ("--steps", "2", "--width", "32", "--height", "32", "--seed", "7")
+SDXL_ARGS = ("--steps", "1", "--width", "32", "--height", "32", "--seed", "7")
 
 
 def run_cli(*args: object) -> int:

@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 from tqdm.auto import tqdm
@@ -45,12 +45,12 @@ SAVE_EVERY = 500  # rows between metadata.json rewrites
 class FromHfConfig:
     source: str = option(help="parquet/arrow/json/csv file, a save_to_disk or data folder, or a hub name")
     output_dir: str = option(help="folder for the images, metadata.json and dataset.toml")
-    image_column: Optional[str] = option(None, "column with the images (default: the first image column)")
-    caption_column: Optional[str] = option(None, f"column with the captions (default: the first of "
+    image_column: str | None = option(None, "column with the images (default: the first image column)")
+    caption_column: str | None = option(None, f"column with the captions (default: the first of "
                                                  f"{', '.join(CAPTION_COLUMNS)})")
-    split: Optional[str] = option(None, "split to convert (default: train, or the only split)")
-    dataset_config_name: Optional[str] = option(None, "the hub dataset's configuration (subset) name")
-    limit: Optional[int] = option(None, "convert only the first N rows (a later run without it continues)")
+    split: str | None = option(None, "split to convert (default: train, or the only split)")
+    dataset_config_name: str | None = option(None, "the hub dataset's configuration (subset) name")
+    limit: int | None = option(None, "convert only the first N rows (a later run without it continues)")
     resolution: int = option(1024, "training resolution written into dataset.toml")
 
     def __post_init__(self) -> None:
@@ -116,7 +116,7 @@ def load_source(source: str, split: str | None = None, config_name: str | None =
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         where = "local" if path.exists() else "hub"
-        hint = "" if where == "local" else " (hub names need a network; set HF_HUB_OFFLINE=0 or give local files)"
+        hint = "" if where == "local" else " (a hub name needs a network, with HF_HUB_OFFLINE unset; or give local files)"
         raise UserError(f"SOURCE {source}: could not load it as a dataset ({reason}){hint}") from e
     return _pick_split(data, split, source)
 

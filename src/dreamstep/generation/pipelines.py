@@ -9,8 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import (EulerDiscreteScheduler, FluxControlNetModel, FluxControlNetPipeline, FluxPipeline,
-                       StableDiffusionXLPipeline)
+from diffusers import (
+    EulerDiscreteScheduler,
+    FluxControlNetModel,
+    FluxControlNetPipeline,
+    FluxPipeline,
+    StableDiffusionXLPipeline,
+)
 
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.models.loading import CHECKPOINT_SUFFIXES, load_flux, load_sdxl
