@@ -242,13 +242,18 @@ def load_frozen_base(config: SDXLLoraConfig, device: torch.device) -> Any:
     return base
 
 
-def build_network(config: SDXLLoraConfig, base: Any) -> tuple[LoRANetwork, NetworkOptions, dict[str, Any]]:
-    """The Kohya network, its trainable dtype set (fp32, or half with --full_fp16/--full_bf16)."""
+def network_options(config: SDXLLoraConfig) -> tuple[NetworkOptions, dict[str, Any]]:
+    """--network_dim/alpha/dropout and --network_args as checked options, and the parsed args."""
     args = parse_network_args(config.network_args)
     options = NetworkOptions(dim=config.network_dim, alpha=config.network_alpha,
                              dropout=config.network_dropout or args.get("dropout"),
                              conv_dim=args.get("conv_dim"), conv_alpha=args.get("conv_alpha"),
                              rank_dropout=args.get("rank_dropout"), module_dropout=args.get("module_dropout"))
+    return options, args
+
+
+def build_network(config: SDXLLoraConfig, base: Any, options: NetworkOptions) -> LoRANetwork:
+    """The Kohya network, its trainable dtype set (fp32, or half with --full_fp16/--full_bf16)."""
     network = create_network(base.unet, {"text_encoder": base.text_encoder, "text_encoder_2": base.text_encoder_2},
                              options, train_unet=not config.network_train_text_encoder_only,
                              train_text_encoder=not config.network_train_unet_only)
@@ -257,11 +262,10 @@ def build_network(config: SDXLLoraConfig, base: Any) -> tuple[LoRANetwork, Netwo
     trainable_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[config.mixed_precision] \
         if config.full_fp16 or config.full_bf16 else torch.float32
     network.to(trainable_dtype)
-    if not config.network_train_unet_only:
+    if config.gradient_checkpointing and not config.network_train_unet_only:
         for encoder in (base.text_encoder, base.text_encoder_2):
-            if config.gradient_checkpointing:
-                encoder.gradient_checkpointing_enable()
-    return network, options, args
+            encoder.gradient_checkpointing_enable()
+    return network
 
 
 def _identity(config: SDXLLoraConfig, component: str) -> str:
@@ -361,6 +365,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume)
     datasets = load_datasets(config)  # every flag, key and folder is checked before a model loads
     optimizer_extra = check_optimizer(config)
+    options, network_args = network_options(config)
     prompts = (sdxl.read_sample_prompts(config.sample_prompts, datasets[0].buckets.resolution)
                if config.sample_prompts else None)
     dataset = build_dataset(datasets, seed=config.seed)  # every image is read once, errors name the file
@@ -370,7 +375,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
 
     # 1. Models: the base frozen in the --mixed_precision dtype; the Kohya network on top.
     base = load_frozen_base(config, run.device)
-    network, options, network_args = build_network(config, base)
+    network = build_network(config, base, options)
     pipeline = sdxl.assemble_pipeline(base)
     model = SDXLLoraModel(base.unet, network, pipeline).train()
 
