@@ -106,6 +106,7 @@ def test_an_interrupted_run_continues_to_the_same_result(tmp_path: Path, capsys)
 
 @pytest.mark.parametrize("args, expected", [
     (("{tmp}/missing.parquet", "{tmp}/out"), "no such file or folder"),
+    (("someone/captioned-photos", "{tmp}/out"), "a hub name needs a network"),  # tests run offline
     (("{tmp}/data.parquet", "{tmp}/out", "--image_column", "imag"),
      ("--image_column imag: {tmp}/data.parquet has no such column (did you mean 'image'?); its columns: "
       "image (image), text (text), note (text)")),

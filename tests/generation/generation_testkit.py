@@ -17,7 +17,7 @@ from dreamstep.lora.kohya_network import NetworkOptions, create_network
 
 PROMPT = "a photo of sks dog"
 FLUX_ARGS = ("--steps", "2", "--width", "32", "--height", "32", "--seed", "7")
-SDXL_ARGS = ("--steps", "1", "--width", "32", "--height", "32", "--seed", "7")
+SDXL_ARGS = ("--steps", "2", "--width", "32", "--height", "32", "--seed", "7")
 
 
 def run_cli(*args: object) -> int:
@@ -58,5 +58,5 @@ def sdxl_kohya_lora_file(model_dir: Path, path: Path, seed: int) -> Path:
     pipe = StableDiffusionXLPipeline.from_pretrained(model_dir)
     encoders = {"text_encoder": pipe.text_encoder, "text_encoder_2": pipe.text_encoder_2}
     network = create_network(pipe.unet, encoders, NetworkOptions(dim=4, alpha=2.0))
-    randomize_up(network, ("lora_up",), seed, std=0.3)
+    randomize_up(network, ("lora_up",), seed, std=1.0)
     return network.save_weights(path, None, {"ss_network_dim": "4", "ss_network_alpha": "2.0"})
