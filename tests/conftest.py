@@ -18,8 +18,9 @@ import torch
 
 from dreamstep.models.tiny import SINGLE_FILE_NAME, write_tiny_model
 
-# Two cores on the CI machine; a fixed count also keeps float results reproducible run to run.
-torch.set_num_threads(2)
+# Two cores on the CI machine, shared by two pytest-xdist workers: one thread each avoids oversubscription
+# (tiny models gain nothing from intra-op threads). A fixed count also keeps float results reproducible.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(scope="session")
