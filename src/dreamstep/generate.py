@@ -48,11 +48,11 @@ class GenerateConfig:
     model: str = option(help="diffusers pipeline folder, hub id, or single file (SDXL checkpoint such as "
                              "sd_xl_base_1.0.safetensors; FLUX transformer such as flux1-dev.safetensors)")
     model_config: str | None = option(None, "for a single-file --model: the diffusers folder or hub id "
-                                               "that supplies the other components and configs (default: "
-                                               "FLUX.1-dev / SDXL base 1.0 from the hub)")
+                                            "that supplies the other components and configs (default: "
+                                            "FLUX.1-dev / SDXL base 1.0 from the hub)")
     prompt: str | None = option(None, "the prompt")
     from_file: str | None = option(None, "text file with one prompt per line (blank lines skipped), "
-                                            "instead of --prompt")
+                                         "instead of --prompt")
     negative_prompt: str | None = option(None, "what to steer away from (FLUX: needs --true_cfg_scale > 1)")
     lora: list[str] = option([], "LoRA file, optionally FILE:WEIGHT (default weight 1); repeat the flag "
                                  "or list several; Kohya, diffusers/PEFT and MindSpore .ckpt files load")
@@ -62,18 +62,19 @@ class GenerateConfig:
     control_image: str | None = option(None, "the ControlNet's conditioning image")
     controlnet_conditioning_scale: float = option(1.0, "strength of the ControlNet's residuals")
     steps: int | None = option(None, "sampling steps (default: SDXL 50; FLUX 28, or 4 for a model "
-                                        "without guidance embedding such as FLUX.1-schnell)")
+                                     "without guidance embedding such as FLUX.1-schnell)")
     guidance_scale: float | None = option(None, "SDXL: classifier-free guidance (default 7); FLUX: the "
-                                                   "distilled guidance value (default 3.5; schnell ignores it)")
+                                                "distilled guidance value (default 3.5; schnell ignores it)")
     true_cfg_scale: float = option(1.0, "FLUX: classifier-free guidance with --negative_prompt when > 1 "
                                         "(two transformer passes per step)")
-    width: int | None = option(None, "image width (default: the model's native size, or the control image's)")
-    height: int | None = option(None, "image height (default: as --width)")
+    width: int | None = option(None, "image width (default: --height if given, else the model's native size "
+                                     "or the control image's)")
+    height: int | None = option(None, "image height (default: --width if given, else as for --width)")
     num_images: int = option(1, "images per prompt")
     batch_size: int = option(1, "images per pipeline call")
     seed: int | None = option(None, "seed of the first image; image i uses seed + i (default: random)")
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = option("auto", "weight and compute precision; auto: fp32 "
-                                                                    "on the CPU, bf16 (else fp16) on a GPU")
+                                                            "on the CPU, bf16 (else fp16) on a GPU")
     device: str | None = option(None, "cpu, cuda, cuda:N or mps (default: the best available)")
     no_half_vae: bool = option(False, "keep the VAE in fp32 when --dtype is half precision")
     cpu_offload: bool = option(False, "keep each model on the CPU until it runs (large models, small GPUs)")

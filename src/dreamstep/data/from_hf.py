@@ -47,7 +47,7 @@ class FromHfConfig:
     output_dir: str = option(help="folder for the images, metadata.json and dataset.toml")
     image_column: str | None = option(None, "column with the images (default: the first image column)")
     caption_column: str | None = option(None, f"column with the captions (default: the first of "
-                                                 f"{', '.join(CAPTION_COLUMNS)})")
+                                              f"{', '.join(CAPTION_COLUMNS)})")
     split: str | None = option(None, "split to convert (default: train, or the only split)")
     dataset_config_name: str | None = option(None, "the hub dataset's configuration (subset) name")
     limit: int | None = option(None, "convert only the first N rows (a later run without it continues)")
