@@ -236,19 +236,7 @@ def generate_images(config: GenerateConfig, model_type: str) -> list[Path]:
     return written
 
 
-class _Repeatable(argparse.Action):
-    """argparse's store, except that a list flag given again adds to its earlier values
-    (``--lora a.safetensors --lora b.safetensors:0.5``)."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        if self.nargs == "*":
-            values = [*(getattr(namespace, self.dest, None) or []), *values]
-        setattr(namespace, self.dest, values)
-
-
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
-    parser.register("action", None, _Repeatable)
     add_arguments(parser, GenerateConfig)
 
 

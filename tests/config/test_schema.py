@@ -64,3 +64,8 @@ def test_bad_values_name_the_flag_or_key(tmp_path, argv, toml, message):
 def test_missing_toml_file_is_named(tmp_path):
     with pytest.raises(UserError, match="nope.toml: config file not found"):
         load_toml(tmp_path / "nope.toml")
+
+
+def test_a_repeated_list_flag_adds_to_the_list():
+    config = build_config(Example, parse(["--output_dir", "o", "--layers", "a", "--layers", "b", "c"]))
+    assert config.layers == ["a", "b", "c"]

@@ -130,7 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         if base is bool:
             kwargs.update(nargs="?", const="true", metavar="BOOL")
         elif typing.get_origin(base) in (list, tuple):
-            kwargs.update(nargs="*", metavar="VALUE")
+            # Repeating a list flag adds to it: --lora a.safetensors --lora b.safetensors:0.5
+            kwargs.update(nargs="*", action="extend", metavar="VALUE")
         else:
             kwargs.update(metavar=name.upper())
         parser.add_argument(*flags, **kwargs)
