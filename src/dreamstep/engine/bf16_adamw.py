@@ -104,3 +104,13 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         for index, saved in state_dict["state"].items():
             for key in ("exp_avg", "exp_avg_sq"):
                 self.state[params[index]][key] = saved[key].to(device=params[index].device, dtype=torch.float32)
+
+
+def trainable_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the trainable state: the optimizer's parameters, their gradients (a gradient has its
+    parameter's dtype and shape, and lives from backward to the step) and the optimizer's state tensors."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    weights = sum(p.numel() * p.element_size() for p in params)
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    return {"weights": weights, "gradients": weights, "optimizer": state, "total": 2 * weights + state}

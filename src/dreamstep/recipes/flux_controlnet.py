@@ -29,16 +29,19 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from PIL import Image
 
 from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
 from dreamstep.config.training import FluxTrainingConfig
-from dreamstep.data.cache import TensorCache
 from dreamstep.data.dataset import build_dataset, make_dataloader
-from dreamstep.data.dataset_config import DatasetConfig, load_dataset_config, require_methods
+from dreamstep.data.dataset_config import (
+    DatasetConfig,
+    load_dataset_config,
+    require_methods,
+)
 from dreamstep.data.images import load_rgb
 from dreamstep.data.sources import bucket_spec, controlnet_from_flags
 from dreamstep.diffusion import flow_matching as fm
@@ -55,21 +58,21 @@ from dreamstep.models.precision import autocast
 
 @dataclass
 class FluxControlNetConfig(FluxTrainingConfig):
-    train_data_dir: Optional[str] = option(None, "folder of target images (paired with --conditioning_data_dir, "
+    train_data_dir: str | None = option(None, "folder of target images (paired with --conditioning_data_dir, "
                                                  "or holding a metadata.jsonl)")
-    conditioning_data_dir: Optional[str] = option(None, "folder of control images, each named like its target")
-    jsonl_for_train: Optional[str] = option(None, "a metadata.jsonl with image, conditioning_image and text "
+    conditioning_data_dir: str | None = option(None, "folder of control images, each named like its target")
+    jsonl_for_train: str | None = option(None, "a metadata.jsonl with image, conditioning_image and text "
                                                   "columns (paths relative to it or to --train_data_dir)")
     caption_extension: str = option(".txt", "with folders: read each target's caption from a file with this "
                                             "extension beside it")
-    default_caption: Optional[str] = option(None, "with folders: the caption of targets without a caption file")
-    dataset_config: Optional[str] = option(None, "a Kohya dataset TOML (subsets with conditioning_data_dir) "
+    default_caption: str | None = option(None, "with folders: the caption of targets without a caption file")
+    dataset_config: str | None = option(None, "a Kohya dataset TOML (subsets with conditioning_data_dir) "
                                                  "instead of the folder flags")
     repeats: int = option(1, "times each pair appears per epoch")
     random_crop: bool = option(False, "crop at random (default: center crop, as diffusers' script does)")
     random_flip: bool = option(False, "flip target and control image together, at random")
     proportion_empty_prompts: float = option(0.0, "fraction of samples trained with the empty prompt")
-    controlnet_model_name_or_path: Optional[str] = option(None, "start from this ControlNet (save_pretrained "
+    controlnet_model_name_or_path: str | None = option(None, "start from this ControlNet (save_pretrained "
                                                                 "folder or hub id) instead of building one")
     num_double_layers: int = option(4, "double-stream blocks of a ControlNet built from the transformer")
     num_single_layers: int = option(4, "single-stream blocks of a ControlNet built from the transformer")
@@ -229,20 +232,19 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     pipeline = cn.assemble_pipeline(base, controlnet)
 
     # 2. Data: pairs; target and control posteriors cached unless augmented, prompt embeddings cached.
-    cache_root = Path(config.cache_dir or Path(config.output_dir) / "cache")
-    image_dirs = [d for ds in datasets for s in ds.subsets for d in (s.image_dir, s.conditioning_data_dir)
-                  if d is not None]
-    source = config.pretrained_model_name_or_path
-    ident = dict(revision=config.revision, variant=config.variant, extra=config.mixed_precision)
-    latent_cache = (TensorCache(cache_root / "latents", flux.component_identity(source, "vae", **ident), image_dirs)
-                    if config.cache_latents and not _randomly_augmented(datasets) else None)
-    text_cache = TensorCache(cache_root / "text", flux.component_identity(
-        source, "text_encoder_2", **ident) + f"|{config.max_sequence_length}", image_dirs)
+    latent_cache, text_cache = flux.training_caches(
+        Path(config.cache_dir or Path(config.output_dir) / "cache"), config.pretrained_model_name_or_path,
+        revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
+        max_sequence_length=config.max_sequence_length,
+        cache_latents=config.cache_latents and not _randomly_augmented(datasets),
+        image_dirs=[d for ds in datasets for s in ds.subsets for d in (s.image_dir, s.conditioning_data_dir)
+                    if d is not None])
     dataset.latent_cache = latent_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
-    conditioner = flux.FluxConditioner(pipeline, latent_cache=latent_cache, text_cache=text_cache,
-                                       max_sequence_length=config.max_sequence_length, device=run.device)
+    batches = flux.ConditionedBatches(loader, ControlConditioner(flux.FluxConditioner(
+        pipeline, latent_cache=latent_cache, text_cache=text_cache, max_sequence_length=config.max_sequence_length,
+        device=run.device)))
 
     # 3. The step: the optimizer over every ControlNet weight, the LR schedule, clipping, accumulation.
     optimizer = _optimizer(config, list(controlnet.parameters()))
@@ -265,7 +267,7 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     def validate(_: int) -> list[Image.Image]:
         return _validation_grid(config, pipeline, validation, run.device.type)
 
-    result = fit(run, step, _StepInputs(loader, conditioner), max_train_steps=config.max_train_steps,
+    result = fit(run, step, batches, max_train_steps=config.max_train_steps,
                  num_epochs=config.num_train_epochs, weights=controlnet.state_dict,
                  load_weights=controlnet.load_state_dict, checkpointing_steps=config.checkpointing_steps,
                  checkpoints_total_limit=config.checkpoints_total_limit,
@@ -290,21 +292,15 @@ def _optimizer(config: FluxControlNetConfig, params: list[torch.nn.Parameter]) -
                            betas=betas, weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
 
 
-class _StepInputs:
-    """The loader's batches as the step's inputs: target and control posteriors (from the latent cache
-    when there is one) and cached prompt embeddings, keeping the loader's epoch control and length."""
+class ControlConditioner:
+    """The step's inputs: what ``FluxConditioner`` gives (target posterior, prompt embeddings) plus the
+    control images' posteriors, encoded with the same crop and flip and through the same latent cache."""
 
-    def __init__(self, loader, conditioner: flux.FluxConditioner):
-        self.loader = loader
-        self.batch_sampler = loader.batch_sampler
+    def __init__(self, conditioner: flux.FluxConditioner):
         self.conditioner = conditioner
 
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self):
-        for batch in self.loader:
-            yield {**self.conditioner(batch), "control_dist": self.conditioner.latents(batch, prefix="conditioning_")}
+    def __call__(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {**self.conditioner(batch), "control_dist": self.conditioner.latents(batch, prefix="conditioning_")}
 
 
 def _validation_grid(config: FluxControlNetConfig, pipeline, validation: list[tuple[Image.Image, str]],
