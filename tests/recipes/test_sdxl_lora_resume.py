@@ -21,8 +21,7 @@ def test_resume_is_exact_and_ckpt_equals_safetensors(tiny_sdxl_dir: Path, tmp_pa
     base = ("train", "sdxl-lora", "--pretrained_model_name_or_path", tiny_sdxl_dir, "--dataset_config", toml, *COMMON)
     assert run_cli(*base, "--output_dir", tmp_path / "straight", "--max_train_steps", "6") == 0
     interrupted = tmp_path / "interrupted"
-    assert run_cli(*base, "--output_dir", interrupted, "--max_train_steps", "3", "--save_every_n_steps", "3",
-                   "--save_state") == 0
+    assert run_cli(*base, "--output_dir", interrupted, "--max_train_steps", "3", "--save_state") == 0
     assert (interrupted / "checkpoint-3").is_dir() and not (interrupted / "last-step00000003.safetensors").exists()
     assert run_cli(*base, "--output_dir", interrupted, "--max_train_steps", "6", "--resume", "latest",
                    "--save_model_as", "ckpt") == 0
@@ -50,9 +49,11 @@ def test_two_processes_under_accelerate_launch(tiny_sdxl_dir: Path, tmp_path: Pa
                "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu", "-m", "dreamstep", "train", "sdxl-lora",
                "--pretrained_model_name_or_path", str(tiny_sdxl_dir), "--dataset_config",
                str(write_method(tmp_path, "finetune")), "--output_dir", str(out), *COMMON, "--max_train_steps", "2",
-               "--save_every_n_steps", "1", "--network_train_unet_only", "--network_args", "module_dropout=0.2"]
+               "--save_every_n_steps", "1", "--save_state", "--network_train_unet_only", "--network_args",
+               "module_dropout=0.2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "last.safetensors").is_file() and (out / "last-step00000001.safetensors").is_file()
+    assert (out / "checkpoint-1").is_dir() and (out / "checkpoint-2").is_dir()
     assert result.stdout.count("wrote:") == 1  # one summary, from the main process

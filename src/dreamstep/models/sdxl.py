@@ -182,14 +182,15 @@ def sampler_for(name: str, scheduler_config: Any, where: str = "--sample_sampler
 
 @torch.no_grad()
 def generate_samples(pipeline: StableDiffusionXLPipeline, prompts: list[SamplePrompt], *, default_sampler: str,
-                     seed: int) -> list[Image.Image]:
+                     seed: int, v_prediction: bool = False) -> list[Image.Image]:
     """One image per prompt; a prompt without --d gets ``seed + its index``, so samples are comparable
-    across steps."""
+    across steps. ``v_prediction`` samples a v-prediction model (--v_parameterization)."""
     images = []
     base_scheduler = pipeline.scheduler
     try:
         for i, sample in enumerate(prompts):
-            pipeline.scheduler = sampler_for(sample.sampler or default_sampler, base_scheduler.config)
+            config = {**base_scheduler.config, "prediction_type": "v_prediction" if v_prediction else "epsilon"}
+            pipeline.scheduler = sampler_for(sample.sampler or default_sampler, config)
             generator = torch.Generator("cpu").manual_seed(sample.seed if sample.seed is not None else seed + i)
             result = pipeline(prompt=sample.prompt, negative_prompt=sample.negative_prompt or None,
                               width=sample.width, height=sample.height, num_inference_steps=sample.steps,

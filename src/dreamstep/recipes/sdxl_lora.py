@@ -42,6 +42,7 @@ from dreamstep.data import (DatasetConfig, SubsetConfig, TensorCache, bucket_spe
                             load_dataset_config, make_dataloader, require_methods)
 from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.engine.optim import LR_SCHEDULERS, build_lr_scheduler, build_optimizer, parse_optimizer_args
+from dreamstep.engine.checkpoint import save_checkpoint
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
@@ -431,16 +432,18 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
                  checkpointing_steps=state_every if config.save_state else 0, checkpoints_total_limit=None,
                  validate=every_step, validation_steps=1)
 
-    # 5. Save the final LoRA, remove temporary caches, summary.
+    # 5. Save the final LoRA (and with --save_state the final state), remove temporary caches, summary.
+    last = result.position.global_step
     written: dict[str, Path | None] = {}
+    if config.save_state and not (Path(config.output_dir) / f"checkpoint-{last}").is_dir():
+        written["state"] = save_checkpoint(config.output_dir, step, result.position, network.state_dict())
     if run.is_main_process:
         written["LoRA"] = saver.save(Path(config.output_dir) / f"{config.output_name}.{config.save_model_as}",
-                                     result.position.global_step)
+                                     last)
         written["step/epoch LoRAs"] = Path(config.output_dir) if saver.saved else None
         written["samples"] = sampler.folder if sampler.written else None
         written["config"] = Path(config.output_dir) / "config.toml"
         _drop_caches(config)
-    last = result.position.global_step
     final = (lambda: sampler(last, force=True)) if prompts and not sampler.due(last) else None
     finish(run, written, validate_final=final, final_step=last)
     return written
@@ -553,7 +556,7 @@ class Sampler:
         try:
             with self.accelerator.autocast():
                 images = sdxl.generate_samples(self.pipeline, self.prompts, default_sampler=self.config.sample_sampler,
-                                               seed=self.config.seed)
+                                               seed=self.config.seed, v_prediction=self.config.v_parameterization)
         finally:
             self.network.train()
         self.folder.mkdir(parents=True, exist_ok=True)
