@@ -5,7 +5,7 @@ The reference does what the seed 004 trainer does with the seed's command: every
 with the LoRA (rank 256, alpha 256, fp32, gradient checkpointing), min-SNR-weighted MSE, backward, AdamW.
 dreamstep's step (the recipe's ``SDXLLoraStep`` on the TrainStep engine) reads the VAE posterior and the
 prompt embeddings from the content-keyed caches; it runs twice: with the seed's own flags (fp32, gradient
-checkpointing), and as recommended (on a GPU: --mixed_precision bf16 without checkpointing).
+checkpointing), and as recommended (without checkpointing; on a GPU with --mixed_precision bf16).
 
     python benchmarks/sdxl_lora.py                                  # tiny model, CPU
     python benchmarks/sdxl_lora.py --size full                      # SDXL architecture, random weights, GPU
@@ -193,12 +193,13 @@ def main() -> None:
         step = dreamstep_step(pipe, network, scheduler, "no")
         rows.append(("dreamstep, seed flags (cached, fp32, checkpointing)",
                      *time_steps(ours(step), args.steps, args.warmup, device)))
-        if device.type == "cuda":
-            pipe.unet.disable_gradient_checkpointing()
+        pipe.unet.disable_gradient_checkpointing()
+        precision = "bf16" if device.type == "cuda" else "no"  # CPUs without bf16 units are slower in bf16
+        if precision == "bf16":
             pipe.unet.to(torch.bfloat16)
-            step = dreamstep_step(pipe, network, scheduler, "bf16")
-            rows.append(("dreamstep, recommended (cached, bf16, no checkpointing)",
-                         *time_steps(ours(step), args.steps, args.warmup, device)))
+        step = dreamstep_step(pipe, network, scheduler, precision)
+        rows.append((f"dreamstep, recommended (cached, {'bf16' if precision == 'bf16' else 'fp32'}, "
+                     "no checkpointing)", *time_steps(ours(step), args.steps, args.warmup, device)))
         flops = count_flops(ours(step)) if args.size == "full" and device.type == "cuda" else None
 
     name = f"SDXL LoRA rank 256 ({args.size}, {resolution}x{resolution}, batch {b}, {device.type})"
