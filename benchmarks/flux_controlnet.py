@@ -113,8 +113,8 @@ def main() -> None:
                                     args.steps, args.warmup, device)
     rows.append(("reference (seed 003: VAE x2 every step)", time_ref, peak_ref, trainable_state_bytes(optimizer)))
     # The posteriors come from the latent cache in training.
-    batch = {"latent_dist": flux.encode_posterior(vae, pixels), "control_dist": flux.encode_posterior(vae, control_pixels),
-             **embeds}
+    batch = {"latent_dist": flux.encode_posterior(vae, pixels),
+             "control_dist": flux.encode_posterior(vae, control_pixels), **embeds}
     variants = [("dreamstep (cached latents)", torch.float32, torch.optim.AdamW)]
     if half:
         variants.append(("dreamstep, bf16 weights + SR AdamW", torch.bfloat16, StochasticRoundingAdamW))
@@ -137,7 +137,8 @@ def main() -> None:
     if half:
         fp32_state, bf16_state = rows[1][3]["total"], rows[2][3]["total"]
         print(f"  bf16 weights: trainable state {mib(bf16_state):.2f} MiB vs {mib(fp32_state):.2f} MiB "
-              f"({1 - bf16_state / fp32_state:.0%} less); for the seed's {SEED_CONTROLNET_PARAMS / 1e9:.2f}B ControlNet "
+              f"({1 - bf16_state / fp32_state:.0%} less); "
+              f"for the seed's {SEED_CONTROLNET_PARAMS / 1e9:.2f}B ControlNet "
               f"{fp32_state / params * SEED_CONTROLNET_PARAMS / 2**30:.1f} GiB -> "
               f"{bf16_state / params * SEED_CONTROLNET_PARAMS / 2**30:.1f} GiB")
 

@@ -17,10 +17,13 @@ from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from dreamstep.config.schema import build_config
 from dreamstep.diffusion import flow_matching as fm
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
+from dreamstep.recipes.flux_controlnet import FluxControlNetConfig
 
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PROMPT = "a red square"
 RESOLUTION = 32
 CORNERS = ((2, 2), (14, 2), (2, 14), (14, 14))  # top-left of the 16x16 square in each pair
@@ -318,3 +321,9 @@ def _dreambooth_toml(pairs: Path, tmp_path: Path) -> Path:
     path.write_text(f"[[datasets]]\nresolution = {RESOLUTION}\n\n[[datasets.subsets]]\n"
                     f"image_dir = \"{pairs / 'images'}\"\nclass_tokens = \"sks square\"\n")
     return path
+
+
+def test_the_shipped_config_is_valid() -> None:
+    config = build_config(FluxControlNetConfig, toml_path=CONFIGS / "flux_controlnet.toml")
+    assert config.mixed_precision == "bf16" and config.controlnet_weights_dtype == "fp32"
+    assert config.validation_pairs() == [("data/controlnet/validation/canny_car.png", "a red car on a mountain road")]
