@@ -29,9 +29,9 @@ def tiny():
     return pipe
 
 
-def _network(pipe, options=NetworkOptions(dim=4, alpha=2.0), **kwargs):
+def _network(pipe, options: NetworkOptions | None = None, **kwargs):
     encoders = {"text_encoder": pipe.text_encoder, "text_encoder_2": pipe.text_encoder_2}
-    return create_network(pipe.unet, encoders, options, **kwargs)
+    return create_network(pipe.unet, encoders, options or NetworkOptions(dim=4, alpha=2.0), **kwargs)
 
 
 def _transformer_layers(unet) -> int:

@@ -58,6 +58,8 @@ def test_sample_prompt_lines_take_sd_scripts_options() -> None:
     assert parse_sample_prompt("plain", "p.txt:2", (64, 32)).width == 64
     with pytest.raises(UserError, match=r"p.txt:3: unknown prompt option '--x'"):
         parse_sample_prompt("a cat --x 3", "p.txt:3", (64, 64))
+    with pytest.raises(UserError, match=r"p.txt:4: --ss: unknown sampler 'eular' \(did you mean 'euler'\?\)"):
+        parse_sample_prompt("a cat --ss eular", "p.txt:4", (64, 64))
 
 
 def _fails(capsys, *args: object) -> str:

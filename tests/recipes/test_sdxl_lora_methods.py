@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-from sdxl_testkit import captions_for, fixed_noise_loss, load_pixels, run_cli, write_method
+from sdxl_testkit import (
+    captions_for,
+    fixed_noise_loss,
+    load_pixels,
+    run_cli,
+    write_method,
+)
 
 
 @pytest.mark.parametrize("method", ["class_tokens", "captions", "finetune"])

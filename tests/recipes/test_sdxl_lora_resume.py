@@ -52,7 +52,7 @@ def test_two_processes_under_accelerate_launch(tiny_sdxl_dir: Path, tmp_path: Pa
                "--save_every_n_steps", "1", "--save_state", "--network_train_unet_only", "--network_args",
                "module_dropout=0.2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "last.safetensors").is_file() and (out / "last-step00000001.safetensors").is_file()
     assert (out / "checkpoint-1").is_dir() and (out / "checkpoint-2").is_dir()

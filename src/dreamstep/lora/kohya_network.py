@@ -259,8 +259,8 @@ def create_network(unet: nn.Module, text_encoders: Mapping[str, nn.Module], opti
     attached (its hooks are active). The modules take the dtype and device of the layers they adapt."""
     keys = sdxl_keys(dict(unet.config), text_encoders["text_encoder"].config.num_hidden_layers,
                      text_encoders["text_encoder_2"].config.num_hidden_layers)
-    common = dict(dropout=options.dropout, rank_dropout=options.rank_dropout,
-                  module_dropout=options.module_dropout)
+    common = {"dropout": options.dropout, "rank_dropout": options.rank_dropout,
+              "module_dropout": options.module_dropout}
     modules: dict[str, LoRAModule] = {}
     if train_unet:
         for path, layer, dim, alpha in _unet_targets(unet, options):

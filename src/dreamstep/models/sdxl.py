@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -154,6 +155,9 @@ def parse_sample_prompt(line: str, where: str, default_size: tuple[int, int]) ->
             setattr(sample, attribute, kind(match.group(2).strip()))
         except ValueError:
             raise UserError(f"{where}: --{match.group(1)} '{match.group(2).strip()}' is not a number") from None
+    if sample.sampler is not None and sample.sampler not in SAMPLERS:
+        raise UserError(f"{where}: --ss: unknown sampler '{sample.sampler}'{did_you_mean(sample.sampler, SAMPLERS)}; "
+                        f"choose one of {', '.join(SAMPLERS)}")
     if sample.width % 8 or sample.height % 8:
         raise UserError(f"{where}: --w and --h must be multiples of 8 (got {sample.width}x{sample.height})")
     return sample
@@ -162,7 +166,7 @@ def parse_sample_prompt(line: str, where: str, default_size: tuple[int, int]) ->
 def read_sample_prompts(path: str, default_size: tuple[int, int]) -> list[SamplePrompt]:
     """A prompt file (one prompt per line, '#' comments); every line is checked before training starts."""
     try:
-        lines = open(path, encoding="utf-8").read().splitlines()
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise UserError(f"--sample_prompts {path}: cannot read it ({e.strerror}); check the path") from None
     prompts = [parse_sample_prompt(line, f"{path}:{i}", default_size) for i, line in enumerate(lines, 1)

@@ -32,22 +32,42 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
-from dreamstep.data import (DatasetConfig, SubsetConfig, TensorCache, bucket_spec, build_dataset,
-                            load_dataset_config, make_dataloader, require_methods)
+from dreamstep.data import (
+    DatasetConfig,
+    SubsetConfig,
+    TensorCache,
+    bucket_spec,
+    build_dataset,
+    load_dataset_config,
+    make_dataloader,
+    require_methods,
+)
 from dreamstep.diffusion import noise_prediction as noise_math
-from dreamstep.engine.optim import LR_SCHEDULERS, build_lr_scheduler, build_optimizer, parse_optimizer_args
 from dreamstep.engine.checkpoint import save_checkpoint
+from dreamstep.engine.optim import (
+    LR_SCHEDULERS,
+    build_lr_scheduler,
+    build_optimizer,
+    parse_optimizer_args,
+)
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
 from dreamstep.engine.train_step import TrainStep
-from dreamstep.errors import UserError
-from dreamstep.lora.kohya_network import (NETWORK_MODULE, LoRANetwork, NetworkOptions, create_network,
-                                          dataset_metadata, network_metadata, parse_network_args)
+from dreamstep.errors import UserError, did_you_mean
+from dreamstep.lora.kohya_network import (
+    NETWORK_MODULE,
+    LoRANetwork,
+    NetworkOptions,
+    create_network,
+    dataset_metadata,
+    network_metadata,
+    parse_network_args,
+)
 from dreamstep.models import sdxl
 from dreamstep.models.flux import component_identity
 from dreamstep.models.loading import load_sdxl
@@ -63,35 +83,35 @@ class SDXLLoraConfig:
         help="base SDXL: a diffusers folder, a hub id, or a single file such as sd_xl_base_1.0.safetensors")
     output_dir: str = option(help="where the LoRA, step files, states, samples and logs are written")
     output_name: str = option("last", "file name of the LoRA, without extension")
-    model_config: Optional[str] = option(
+    model_config: str | None = option(
         None, "for a single-file model: a diffusers SDXL folder or hub id with the configs and tokenizers "
               "(default: the file's folder when it holds model_index.json, else the SDXL base on the hub)")
-    dataset_config: Optional[str] = option(None, "Kohya dataset TOML ([general], [[datasets]], [[datasets.subsets]])")
-    train_data_dir: Optional[str] = option(None, "folder of <repeats>_<class tokens> image folders (DreamBooth), "
-                                                 "or of images with --in_json (fine-tuning)")
-    reg_data_dir: Optional[str] = option(None, "folder of <repeats>_<class> regularization image folders")
-    in_json: Optional[str] = option(None, "fine-tuning metadata JSON for --train_data_dir")
+    dataset_config: str | None = option(None, "Kohya dataset TOML ([general], [[datasets]], [[datasets.subsets]])")
+    train_data_dir: str | None = option(None, "folder of <repeats>_<class tokens> image folders (DreamBooth), "
+                                              "or of images with --in_json (fine-tuning)")
+    reg_data_dir: str | None = option(None, "folder of <repeats>_<class> regularization image folders")
+    in_json: str | None = option(None, "fine-tuning metadata JSON for --train_data_dir")
     caption_extension: str = option(".caption", "caption file extension (with --train_data_dir)")
-    resolution: Optional[str] = option(None, "training resolution 'W,H' or 'S' (the dataset TOML may set it)")
-    enable_bucket: Optional[bool] = option(None, "aspect-ratio buckets (with --train_data_dir)")
-    min_bucket_reso: Optional[int] = option(None, "smallest bucket side")
-    max_bucket_reso: Optional[int] = option(None, "largest bucket side")
-    bucket_reso_steps: Optional[int] = option(None, "bucket sides are multiples of this")
-    bucket_no_upscale: Optional[bool] = option(None, "never enlarge images to fill a bucket")
+    resolution: str | None = option(None, "training resolution 'W,H' or 'S' (the dataset TOML may set it)")
+    enable_bucket: bool | None = option(None, "aspect-ratio buckets (with --train_data_dir)")
+    min_bucket_reso: int | None = option(None, "smallest bucket side")
+    max_bucket_reso: int | None = option(None, "largest bucket side")
+    bucket_reso_steps: int | None = option(None, "bucket sides are multiples of this")
+    bucket_no_upscale: bool | None = option(None, "never enlarge images to fill a bucket")
     train_batch_size: int = option(1, "batch size (the dataset TOML's batch_size wins)")
-    seed: Optional[int] = option(None, "seed for init, data order, noise and timesteps (default: random, saved "
-                                       "in config.toml)")
+    seed: int | None = option(None, "seed for init, data order, noise and timesteps (default: random, saved "
+                                    "in config.toml)")
     network_module: str = option(NETWORK_MODULE, "network type; networks.lora (Kohya LoRA / LoCon)")
     network_dim: int = option(4, "LoRA rank")
     network_alpha: float = option(1.0, "LoRA alpha; the update is scaled by alpha / dim")
-    network_dropout: Optional[float] = option(None, "dropout on the LoRA down projection's output")
+    network_dropout: float | None = option(None, "dropout on the LoRA down projection's output")
     network_args: list[str] = option([], "key=value: conv_dim, conv_alpha (LoCon), rank_dropout, module_dropout")
-    network_weights: Optional[str] = option(None, "continue from this LoRA file")
+    network_weights: str | None = option(None, "continue from this LoRA file")
     network_train_unet_only: bool = option(False, "LoRA on the UNet only")
     network_train_text_encoder_only: bool = option(False, "LoRA on the text encoders only")
     learning_rate: float = option(1e-4, "learning rate")
-    unet_lr: Optional[float] = option(None, "learning rate of the UNet LoRA (default: --learning_rate)")
-    text_encoder_lr: Optional[float] = option(None, "learning rate of the text-encoder LoRA (default: --learning_rate)")
+    unet_lr: float | None = option(None, "learning rate of the UNet LoRA (default: --learning_rate)")
+    text_encoder_lr: float | None = option(None, "learning rate of the text-encoder LoRA (default: --learning_rate)")
     optimizer_type: str = option("AdamW", "AdamW, AdamW8bit, Lion, Prodigy or Adafactor")
     optimizer_args: list[str] = option([], "optimizer key=value arguments, e.g. weight_decay=0.05 betas=0.9,0.98")
     lr_scheduler: SchedulerName = option("constant", "learning-rate schedule")
@@ -101,7 +121,7 @@ class SDXLLoraConfig:
     max_grad_norm: float = option(1.0, "clip the gradient norm to this (0: no clipping)")
     gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step")
     max_train_steps: int = option(1600, "optimizer steps to train")
-    max_train_epochs: Optional[int] = option(None, "epochs to train (overrides --max_train_steps)")
+    max_train_epochs: int | None = option(None, "epochs to train (overrides --max_train_steps)")
     mixed_precision: Literal["no", "fp16", "bf16"] = option("no", "frozen weights and compute in this precision")
     full_fp16: bool = option(False, "LoRA weights in fp16 too (needs --mixed_precision fp16)")
     full_bf16: bool = option(False, "LoRA weights in bf16 too (needs --mixed_precision bf16)")
@@ -111,11 +131,11 @@ class SDXLLoraConfig:
     flash_attn: bool = option(False, "flash attention: PyTorch scaled-dot-product attention picks it where it can")
     xformers: bool = option(False, "memory-efficient attention: PyTorch scaled-dot-product attention instead")
     v_parameterization: bool = option(False, "train v-prediction instead of ε-prediction")
-    min_snr_gamma: Optional[float] = option(None, "min-SNR loss weighting with this γ (5 is typical)")
-    noise_offset: Optional[float] = option(None, "offset noise strength (e.g. 0.0357)")
-    adaptive_noise_scale: Optional[float] = option(None, "raise the offset by this times |latent mean| "
-                                                         "(needs --noise_offset)")
-    multires_noise_iterations: Optional[int] = option(None, "multi-resolution noise levels (6-10 typical)")
+    min_snr_gamma: float | None = option(None, "min-SNR loss weighting with this γ (5 is typical)")
+    noise_offset: float | None = option(None, "offset noise strength (e.g. 0.0357)")
+    adaptive_noise_scale: float | None = option(None, "raise the offset by this times |latent mean| "
+                                                      "(needs --noise_offset)")
+    multires_noise_iterations: int | None = option(None, "multi-resolution noise levels (6-10 typical)")
     multires_noise_discount: float = option(0.3, "weight decay per multires noise level")
     min_timestep: int = option(0, "smallest training timestep")
     max_timestep: int = option(1000, "training timesteps are below this")
@@ -126,15 +146,15 @@ class SDXLLoraConfig:
     cache_text_encoder_outputs_to_disk: bool = option(False, "keep the text cache in OUTPUT_DIR/cache after the run")
     max_data_loader_n_workers: int = option(0, "data loading worker processes")
     save_model_as: Literal["safetensors", "ckpt", "pt"] = option("safetensors", "LoRA file format")
-    save_precision: Optional[Literal["fp32", "float", "fp16", "bf16"]] = option(
+    save_precision: Literal["fp32", "float", "fp16", "bf16"] | None = option(
         None, "dtype of saved LoRA files (default: the training dtype)")
-    save_every_n_steps: Optional[int] = option(None, "write <output_name>-stepNNNNNNNN every N steps")
-    save_every_n_epochs: Optional[int] = option(None, "write <output_name>-NNNNNN every N epochs")
+    save_every_n_steps: int | None = option(None, "write <output_name>-stepNNNNNNNN every N steps")
+    save_every_n_epochs: int | None = option(None, "write <output_name>-NNNNNN every N epochs")
     save_state: bool = option(False, "with every saved LoRA also write a resumable checkpoint-N folder")
-    resume: Optional[str] = option(None, "a checkpoint-N folder (or 'latest') to resume exactly")
-    sample_prompts: Optional[str] = option(None, "prompt file; options per line: --n --w --h --s --l --d --ss")
-    sample_every_n_steps: Optional[int] = option(None, "sample images every N steps")
-    sample_every_n_epochs: Optional[int] = option(None, "sample images every N epochs")
+    resume: str | None = option(None, "a checkpoint-N folder (or 'latest') to resume exactly")
+    sample_prompts: str | None = option(None, "prompt file; options per line: --n --w --h --s --l --d --ss")
+    sample_every_n_steps: int | None = option(None, "sample images every N steps")
+    sample_every_n_epochs: int | None = option(None, "sample images every N epochs")
     sample_at_first: bool = option(False, "sample images before training")
     sample_sampler: str = option("ddim", "sampler for samples: ddim, euler, euler_a, dpmsolver++, pndm, heun")
     log_with: Literal["tensorboard", "none"] = option("tensorboard", "where scalars are logged")
@@ -165,6 +185,9 @@ class SDXLLoraConfig:
                 raise UserError(f"--{name} must be at least 1")
         if self.min_snr_gamma is not None and self.min_snr_gamma <= 0:
             raise UserError("--min_snr_gamma must be positive")
+        if self.sample_sampler not in sdxl.SAMPLERS:
+            raise UserError(f"--sample_sampler: unknown sampler '{self.sample_sampler}'"
+                            f"{did_you_mean(self.sample_sampler, sdxl.SAMPLERS)}; choose one of {', '.join(sdxl.SAMPLERS)}")
 
 
 # ------------------------------------------------------------------------------------------- builders
