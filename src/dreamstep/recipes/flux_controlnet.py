@@ -71,7 +71,8 @@ class FluxControlNetConfig(FluxTrainingConfig):
     repeats: int = option(1, "times each pair appears per epoch")
     random_crop: bool = option(False, "crop at random (default: center crop, as diffusers' script does)")
     random_flip: bool = option(False, "flip target and control image together, at random")
-    proportion_empty_prompts: float = option(0.0, "fraction of samples trained with the empty prompt")
+    proportion_empty_prompts: float = option(0.0, "fraction of samples trained with the empty prompt (drawn per "
+                                                  "seed, epoch and sample; sets every subset's caption dropout)")
     controlnet_model_name_or_path: str | None = option(None, "start from this ControlNet (save_pretrained "
                                                                 "folder or hub id) instead of building one")
     num_double_layers: int = option(4, "double-stream blocks of a ControlNet built from the transformer")
