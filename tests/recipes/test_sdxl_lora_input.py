@@ -49,6 +49,15 @@ def test_kohya_folder_flags_make_dreambooth_subsets(tmp_path: Path) -> None:
         load_datasets(_config(train_data_dir=str(tmp_path / "train"), resolution="64"))
 
 
+def test_in_json_makes_a_fine_tuning_dataset(tmp_path: Path) -> None:
+    write_images(tmp_path / "train", count=2)
+    (tmp_path / "meta.json").write_text('{"img0": {"caption": "a red dog"}, "img1": {"caption": "a blue cat"}}')
+    datasets = load_datasets(_config(train_data_dir=str(tmp_path / "train"), in_json=str(tmp_path / "meta.json"),
+                                     resolution="64"))
+    assert datasets[0].method == "finetune"
+    assert sorted(r.caption for r in build_dataset(datasets, seed=0).records) == ["a blue cat", "a red dog"]
+
+
 def test_sample_prompt_lines_take_sd_scripts_options() -> None:
     sample = parse_sample_prompt("a cat, red --n low quality --w 512 --h 768 --s 20 --l 6.5 --d 42 --ss euler",
                                  "p.txt:1", (1024, 1024))
