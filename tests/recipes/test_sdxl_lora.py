@@ -80,7 +80,8 @@ def features_run(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
                    "rank_dropout=0.1", "module_dropout=0.1", "--v_parameterization", "--multires_noise_iterations",
                    "4", "--max_train_epochs", "2", "--save_every_n_epochs", "1", "--optimizer_type", "Adafactor",
                    "--lr_scheduler", "cosine_with_restarts", "--lr_warmup_steps", "0.25", "--learning_rate", "1e-2",
-                   "--sample_prompts", prompts, "--sample_every_n_steps", "4", "--sdpa", "--seed", "3",
+                   "--sample_prompts", prompts, "--sample_every_n_steps", "4", "--sample_at_first", "--sdpa",
+                   "--seed", "3",
                    "--cache_latents_to_disk")
     assert code == 0
     return root / "out"
@@ -90,7 +91,7 @@ def test_features_run_writes_epochs_samples_and_metadata(features_run: Path) -> 
     assert (features_run / "last-000001.safetensors").is_file() and (features_run / "last.safetensors").is_file()
     assert not (features_run / "last-000002.safetensors").exists()  # the last epoch is the final file
     samples = sorted(p.name for p in (features_run / "sample").iterdir())
-    assert samples == ["last_000004_00.png", "last_000004_01.png", "last_000008_00.png", "last_000008_01.png"]
+    assert samples == [f"last_{step:06d}_{i:02d}.png" for step in (0, 4, 8) for i in (0, 1)]
     assert list((features_run / "cache" / "latents").rglob("*.safetensors"))  # --cache_latents_to_disk keeps it
     with safe_open(features_run / "last.safetensors", "pt") as f:
         meta, keys = f.metadata(), set(f.keys())

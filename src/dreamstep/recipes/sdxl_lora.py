@@ -442,7 +442,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     saver = LoraSaver(config, network, options, network_args, datasets, dataset.records, steps_per_epoch, time.time())
     sampler = Sampler(config, pipeline, network, prompts, steps_per_epoch, run.accelerator)
     if config.sample_at_first and prompts and not run.resume_from:
-        run.logger.log_images(0, sampler(0, force=True), tag="sample")
+        sampler(0, force=True)
 
     def every_step(global_step: int) -> list:
         if run.is_main_process:
