@@ -34,6 +34,7 @@ per process, while ``TrainStep`` steps it exactly once per optimizer step.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import math
 from collections.abc import Iterator
@@ -132,7 +133,7 @@ def make_accelerator(**kwargs: Any) -> Any:
     return Accelerator(kwargs_handlers=[*handlers, GradScalerKwargs(enabled=False)], **kwargs)
 
 
-class TrainStep:
+class TrainStep(abc.ABC):
     """Base class of every recipe's train step; see the module docstring for what a call does.
 
     After each call these attributes describe it, for logging:
@@ -176,9 +177,9 @@ class TrainStep:
         self._scaled = False
         self.optimizer.zero_grad(set_to_none=True)
 
+    @abc.abstractmethod
     def forward(self, *batch: Any) -> tuple[torch.Tensor, ...]:
         """Compute the loss of one micro-batch; return ``(self.scale_loss(loss), *extras)``."""
-        raise NotImplementedError("a TrainStep subclass must implement forward(*batch)")
 
     @property
     def loss_scale(self) -> float:
