@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dreamstep.cli import hide_known_notices
+
+hide_known_notices()
+
 from dreamstep.models.tiny import SINGLE_FILE_NAME, write_tiny_model
 
 # Two cores on the CI machine, shared by two pytest-xdist workers: one thread each avoids oversubscription

@@ -62,6 +62,11 @@ class _HideTorchvisionNotice(logging.Filter):
         return "requires torchvision" not in record.getMessage()
 
 
+def hide_known_notices() -> None:
+    """Silence start-up notices from dependencies that say nothing about the user's run."""
+    logging.getLogger("transformers.utils.import_utils").addFilter(_HideTorchvisionNotice())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = _available()
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command '{typed}'{hint}; run 'dreamstep --help' for the list", file=sys.stderr)
         return 2
     module_name, summary = commands[key]
-    logging.getLogger("transformers.utils.import_utils").addFilter(_HideTorchvisionNotice())
+    hide_known_notices()
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"dreamstep {' '.join(key)}", description=summary,
                                      allow_abbrev=False)
