@@ -69,7 +69,7 @@ from dreamstep.lora.kohya_network import (
     parse_network_args,
 )
 from dreamstep.models import sdxl
-from dreamstep.models.flux import component_identity
+from dreamstep.models.flux import ConditionedBatches, component_identity
 from dreamstep.models.loading import load_sdxl
 from dreamstep.models.precision import freeze, weight_dtype_for
 
@@ -450,7 +450,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         return sampler(global_step)
 
     state_every = math.gcd(config.save_every_n_steps or 0, (config.save_every_n_epochs or 0) * steps_per_epoch)
-    result = fit(run, step, _StepInputs(loader, conditioner), max_train_steps=total_steps, num_epochs=None,
+    result = fit(run, step, ConditionedBatches(loader, conditioner), max_train_steps=total_steps, num_epochs=None,
                  weights=network.state_dict, load_weights=network.load_state_dict,
                  checkpointing_steps=state_every if config.save_state else 0, checkpoints_total_limit=None,
                  validate=every_step, validation_steps=1)
@@ -479,22 +479,6 @@ def _drop_caches(config: SDXLLoraConfig) -> None:
             shutil.rmtree(root / name)
     if root.is_dir() and not any(root.iterdir()):
         root.rmdir()
-
-
-class _StepInputs:
-    """The loader's batches as the step's inputs, keeping its epoch control and length visible to the loop."""
-
-    def __init__(self, loader: Any, conditioner: sdxl.SDXLConditioner):
-        self.loader = loader
-        self.batch_sampler = loader.batch_sampler
-        self.conditioner = conditioner
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self):
-        for batch in self.loader:
-            yield self.conditioner(batch)
 
 
 class LoraSaver:
