@@ -37,10 +37,11 @@ def test_bf16_with_bf16_network_weights(tiny_sdxl_dir: Path, tmp_path: Path) -> 
     assert run_cli("train", "sdxl-lora", "--pretrained_model_name_or_path", tiny_sdxl_dir, "--dataset_config",
                    write_method(tmp_path, "class_tokens"), "--output_dir", out, *COMMON, "--max_train_steps", "2",
                    "--mixed_precision", "bf16", "--full_bf16", "--no_half_vae", "--network_train_text_encoder_only",
-                   "--save_precision", "fp16") == 0
+                   "--save_precision", "fp16", "--logging_dir", tmp_path / "tb", "--log_with", "tensorboard") == 0
     weights = load_file(out / "last.safetensors")
     assert weights and all(k.startswith("lora_te") for k in weights)
     assert all(v.dtype == torch.float16 for v in weights.values())
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*")) and not list(out.glob("events.out.tfevents.*"))
 
 
 def test_two_processes_under_accelerate_launch(tiny_sdxl_dir: Path, tmp_path: Path) -> None:

@@ -27,13 +27,16 @@ class TrainingLogger:
     """
 
     def __init__(self, log_dir: str | Path, *, report_to: ReportTo = "tensorboard",
-                 is_main_process: bool = True) -> None:
+                 is_main_process: bool = True, tensorboard_dir: str | Path | None = None) -> None:
+        """``tensorboard_dir`` puts the event files elsewhere (Kohya's ``--logging_dir``); default ``log_dir``."""
         if report_to not in ("tensorboard", "none"):
             raise ValueError(f"report_to must be 'tensorboard' or 'none', got {report_to!r}")
         self.log_dir = Path(log_dir)
+        self.tensorboard_dir = Path(tensorboard_dir) if tensorboard_dir is not None else self.log_dir
         self.is_main_process = is_main_process
         self.history: dict[str, list[tuple[int, float]]] = {}
-        self._writer = _open_writer(self.log_dir) if report_to == "tensorboard" and is_main_process else None
+        self._writer = (_open_writer(self.tensorboard_dir) if report_to == "tensorboard" and is_main_process
+                        else None)
 
     @property
     def loss_history(self) -> list[tuple[int, float]]:

@@ -30,6 +30,7 @@ class Run:
     resume_from: Path | None
     config_toml: str
     report_to: str
+    tensorboard_dir: Path | None = None
     logger: TrainingLogger | None = None
 
     @property
@@ -53,9 +54,10 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_che
 
 
 def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report_to: str,
-              resume_from_checkpoint: str | None, config_toml: str) -> Run:
+              resume_from_checkpoint: str | None, config_toml: str, tensorboard_dir: str | Path | None = None) -> Run:
     """Set up the accelerator (devices, autocast, processes), seed everything and find the checkpoint to
-    resume from; the folder, ``config.toml`` and the logs are written when training starts."""
+    resume from; the folder, ``config.toml`` and the logs are written when training starts. TensorBoard
+    event files go to ``tensorboard_dir`` (default: ``output_dir``)."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import set_seed
 
@@ -69,7 +71,8 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
     accelerator = make_accelerator(mixed_precision=mixed_precision, cpu=cpu_processes)
     set_seed(seed)
     folder = Path(output_dir)
-    return Run(folder, accelerator, resolve_resume(folder, resume_from_checkpoint), config_toml, report_to)
+    return Run(folder, accelerator, resolve_resume(folder, resume_from_checkpoint), config_toml, report_to,
+               Path(tensorboard_dir) if tensorboard_dir is not None else None)
 
 
 def _open_output(run: Run) -> None:
@@ -77,7 +80,8 @@ def _open_output(run: Run) -> None:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "config.toml").write_text(run.config_toml)
     run.accelerator.wait_for_everyone()
-    run.logger = TrainingLogger(run.output_dir, report_to=run.report_to, is_main_process=run.is_main_process)
+    run.logger = TrainingLogger(run.output_dir, report_to=run.report_to, is_main_process=run.is_main_process,
+                                tensorboard_dir=run.tensorboard_dir)
 
 
 def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, num_epochs: int | None,
@@ -122,7 +126,8 @@ def finish(run: Run, written: Mapping[str, Path | None], validate_final: Callabl
     if validate_final is not None:
         outputs["samples"] = run.logger.log_images(final_step, validate_final(), tag="final")
     outputs["loss curve"] = run.logger.close()
-    outputs["TensorBoard logs"] = run.output_dir if run.logger.history else None
+    tensorboard = run.report_to == "tensorboard" and run.logger.history
+    outputs["TensorBoard logs"] = run.logger.tensorboard_dir if tensorboard else None
     run.accelerator.wait_for_everyone()
     if run.is_main_process:
         print("\nwrote:")

@@ -158,6 +158,7 @@ class SDXLLoraConfig:
     sample_at_first: bool = option(False, "sample images before training")
     sample_sampler: str = option("ddim", "sampler for samples: ddim, euler, euler_a, dpmsolver++, pndm, heun")
     log_with: Literal["tensorboard", "none"] = option("tensorboard", "where scalars are logged")
+    logging_dir: str | None = option(None, "folder for the TensorBoard event files (default: --output_dir)")
     overwrite_output_dir: bool = option(False, "allow writing into a non-empty --output_dir")
 
     def __post_init__(self) -> None:
@@ -395,7 +396,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     dataset = build_dataset(datasets, seed=config.seed)  # every image is read once, errors name the file
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.log_with, resume_from_checkpoint=config.resume,
-                    config_toml=config_to_toml(config))
+                    config_toml=config_to_toml(config), tensorboard_dir=config.logging_dir)
 
     # 1. Models: the base frozen in the --mixed_precision dtype; the Kohya network on top.
     base = load_frozen_base(config, run.device)
