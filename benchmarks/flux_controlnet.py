@@ -21,7 +21,8 @@ import argparse
 import contextlib
 
 import torch
-from flux_lora import build_models, time_steps
+from flux_lora import build_models
+from measure import time_steps
 
 from dreamstep.diffusion import flow_matching as fm
 from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW, trainable_state_bytes

@@ -1,0 +1,49 @@
+"""Timing and peak memory for the benchmark scripts: the same measurement for every loop they compare."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+class PeakMemory:
+    """Peak memory of a block: CUDA allocator peak on a GPU, else the process's peak RSS (Linux)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak_mib = torch.cuda.max_memory_allocated() / 2**20
+        else:
+            line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM"))
+            self.peak_mib = int(line.split()[1]) / 1024
+
+
+def time_steps(run_step: Callable[[], None], steps: int, warmup: int, device: torch.device) -> tuple[float, float]:
+    for _ in range(warmup):
+        run_step()
+    times = []
+    with PeakMemory(device) as memory:
+        for _ in range(steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            run_step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), memory.peak_mib
