@@ -9,16 +9,38 @@ Typical use (see each module for details)::
 """
 
 from dreamstep.data.buckets import BucketSpec, Placement, make_bucket_resolutions
-from dreamstep.data.cache import TensorCache, image_content_key, latents_for_batch, text_content_key
+from dreamstep.data.cache import (
+                                    TensorCache,
+                                    image_content_key,
+                                    latents_for_batch,
+                                    text_content_key,
+)
 from dreamstep.data.captions import CaptionOptions, process_caption
-from dreamstep.data.dataset import BucketBatchSampler, BucketDataset, build_dataset, collate, make_dataloader
-from dreamstep.data.dataset_config import (DatasetConfig, SubsetConfig, load_dataset_config,
-                                           parse_dataset_config, require_methods)
+from dreamstep.data.dataset import (
+                                    BucketBatchSampler,
+                                    BucketDataset,
+                                    ConditionedBatches,
+                                    build_dataset,
+                                    collate,
+                                    make_dataloader,
+)
+from dreamstep.data.dataset_config import (
+                                    DatasetConfig,
+                                    SubsetConfig,
+                                    load_dataset_config,
+                                    parse_dataset_config,
+                                    require_methods,
+)
 from dreamstep.data.images import load_rgb, validate_images
-from dreamstep.data.sources import bucket_spec, controlnet_from_flags, dreambooth_from_flags
+from dreamstep.data.sources import (
+                                    bucket_spec,
+                                    controlnet_from_flags,
+                                    dreambooth_from_flags,
+)
 
 __all__ = [
-    "BucketBatchSampler", "BucketDataset", "BucketSpec", "CaptionOptions", "DatasetConfig", "Placement",
+    "BucketBatchSampler", "BucketDataset", "BucketSpec", "CaptionOptions", "ConditionedBatches", "DatasetConfig",
+    "Placement",
     "SubsetConfig", "TensorCache", "bucket_spec", "build_dataset", "collate", "controlnet_from_flags",
     "dreambooth_from_flags", "image_content_key", "latents_for_batch", "load_dataset_config", "load_rgb",
     "make_bucket_resolutions", "make_dataloader", "parse_dataset_config", "process_caption",

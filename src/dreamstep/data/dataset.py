@@ -198,3 +198,20 @@ def make_dataloader(dataset: BucketDataset, seed: int, epoch: int = 0, skip_batc
     sampler = BucketBatchSampler(dataset, seed, epoch, skip_batches, num_replicas, rank)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
                       persistent_workers=False, pin_memory=torch.cuda.is_available())
+
+
+class ConditionedBatches:
+    """A loader's batches passed through a conditioner (cached latents and embeddings), keeping the
+    loader's length and epoch control (``batch_sampler.set_epoch``) visible to the training loop."""
+
+    def __init__(self, loader: Any, conditioner: Any):
+        self.loader = loader
+        self.batch_sampler = loader.batch_sampler
+        self.conditioner = conditioner
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        for batch in self.loader:
+            yield self.conditioner(batch)

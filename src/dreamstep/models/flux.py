@@ -12,7 +12,7 @@ from diffusers import AutoencoderKL, FluxPipeline
 from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
-from dreamstep.models.loading import load_flux
+from dreamstep.models.loading import component_identity, load_flux
 from dreamstep.models.precision import freeze, weight_dtype_for
 
 
@@ -77,20 +77,6 @@ def assemble_pipeline(components: Any, transformer: torch.nn.Module | None = Non
     return pipeline
 
 
-def component_identity(source: str | Path, subfolder: str, *, revision: str | None = None,
-                       variant: str | None = None, extra: str = "") -> str:
-    """A string naming one component's weights, for cache keys: the source, revision and variant, and for
-    a local folder the size and modification time of each weight file (so replaced weights miss)."""
-    parts = [str(source), subfolder, str(revision), str(variant), extra]
-    folder = Path(source) / subfolder
-    if folder.is_dir():
-        parts.append(str(folder.resolve()))
-        for file in sorted(folder.iterdir()):
-            stat = file.stat()
-            parts.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
-    return "|".join(parts)
-
-
 class FluxConditioner:
     """Turns a collated batch into the step's inputs: VAE posteriors from the latent cache and prompt
     embeddings from the text cache, encoding (and storing) only what is not cached yet."""
@@ -127,23 +113,6 @@ class FluxConditioner:
     def __call__(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {"latent_dist": self.latents(batch), **self.prompts(batch["captions"]),
                 "is_reg": batch["is_reg"].to(self.device)}
-
-
-class ConditionedBatches:
-    """A loader's batches passed through a conditioner (cached latents and embeddings), keeping the
-    loader's length and epoch control (``batch_sampler.set_epoch``) visible to the training loop."""
-
-    def __init__(self, loader: Any, conditioner: Any):
-        self.loader = loader
-        self.batch_sampler = loader.batch_sampler
-        self.conditioner = conditioner
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Any:
-        for batch in self.loader:
-            yield self.conditioner(batch)
 
 
 def training_caches(root: Path, source: str, *, revision: str | None, variant: str | None, mixed_precision: str,

@@ -187,3 +187,17 @@ def load_sdxl(path_or_id_or_single_file: str | Path, *, revision: str | None = N
     except _LOAD_ERRORS as e:
         raise _load_error(name, e) from e
     return _components(pipe, SDXLComponents)
+
+
+def component_identity(source: str | Path, subfolder: str, *, revision: str | None = None,
+                       variant: str | None = None, extra: str = "") -> str:
+    """A string naming one component's weights, for cache keys: the source, revision and variant, and for
+    a local folder the size and modification time of each weight file (so replaced weights miss)."""
+    parts = [str(source), subfolder, str(revision), str(variant), extra]
+    folder = Path(source) / subfolder
+    if folder.is_dir():
+        parts.append(str(folder.resolve()))
+        for file in sorted(folder.iterdir()):
+            stat = file.stat()
+            parts.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return "|".join(parts)

@@ -36,7 +36,7 @@ from PIL import Image
 
 from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
 from dreamstep.config.training import FluxTrainingConfig
-from dreamstep.data.dataset import build_dataset, make_dataloader
+from dreamstep.data.dataset import ConditionedBatches, build_dataset, make_dataloader
 from dreamstep.data.dataset_config import (
     DatasetConfig,
     load_dataset_config,
@@ -243,7 +243,7 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     dataset.latent_cache = latent_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
-    batches = flux.ConditionedBatches(loader, ControlConditioner(flux.FluxConditioner(
+    batches = ConditionedBatches(loader, ControlConditioner(flux.FluxConditioner(
         pipeline, latent_cache=latent_cache, text_cache=text_cache, max_sequence_length=config.max_sequence_length,
         device=run.device)))
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
 from dreamstep.config.training import FluxTrainingConfig
-from dreamstep.data.dataset import build_dataset, make_dataloader
+from dreamstep.data.dataset import ConditionedBatches, build_dataset, make_dataloader
 from dreamstep.data.dataset_config import load_dataset_config, require_methods
 from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
 from dreamstep.diffusion import flow_matching as fm
@@ -35,8 +35,14 @@ from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
 from dreamstep.lora.convert import convert_lora
-from dreamstep.lora.inject import (CLIP_LORA_TARGETS, add_lora, flux_lora_targets, load_trainable_state,
-                                   save_flux_lora, trainable_state)
+from dreamstep.lora.inject import (
+    CLIP_LORA_TARGETS,
+    add_lora,
+    flux_lora_targets,
+    load_trainable_state,
+    save_flux_lora,
+    trainable_state,
+)
 from dreamstep.models import flux
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 
@@ -207,7 +213,7 @@ def train(config: FluxLoraConfig) -> None:
     dataset.latent_cache = latent_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
-    batches = flux.ConditionedBatches(loader, flux.FluxConditioner(
+    batches = ConditionedBatches(loader, flux.FluxConditioner(
         pipeline, latent_cache=latent_cache, text_cache=text_cache, max_sequence_length=config.max_sequence_length,
         device=run.device, clip_ids=text_encoder is not None))
 

@@ -39,6 +39,7 @@ from torch import nn
 
 from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
 from dreamstep.data import (
+    ConditionedBatches,
     DatasetConfig,
     SubsetConfig,
     TensorCache,
@@ -69,8 +70,7 @@ from dreamstep.lora.kohya_network import (
     parse_network_args,
 )
 from dreamstep.models import sdxl
-from dreamstep.models.flux import ConditionedBatches, component_identity
-from dreamstep.models.loading import load_sdxl
+from dreamstep.models.loading import component_identity, load_sdxl
 from dreamstep.models.precision import freeze, weight_dtype_for
 
 SchedulerName = Literal[LR_SCHEDULERS]  # type: ignore[valid-type]
