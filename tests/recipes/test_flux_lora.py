@@ -144,7 +144,7 @@ def _corrupt_copy(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "empty_dir", "corrupt_image", "bad_choice", "bad_number",
-                                  "toml_typo", "unknown_flag_value"])
+                                  "toml_typo", "unknown_flag_value", "fp16_on_cpu"])
 def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_dir: Path, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
@@ -160,6 +160,7 @@ def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_dir: P
         "toml_typo": (["--instance_data_dir", ROBOT_DIR, "--config", _typo_toml(tmp_path)],
                       "did you mean 'learning_rate'"),
         "unknown_flag_value": (["--instance_data_dir", ROBOT_DIR, "--lora_layers", "to_qq"], "--lora_layers"),
+        "fp16_on_cpu": (["--instance_data_dir", ROBOT_DIR, "--mixed_precision", "fp16"], "use bf16 or no"),
     }[case]
     args += expected[0]
     code = run_cli("train", "flux-lora", *args)
@@ -174,3 +175,16 @@ def _typo_toml(tmp_path: Path) -> Path:
     path = tmp_path / "typo.toml"
     path.write_text("learning_rat = 1e-4\n")
     return path
+
+
+def test_a_later_run_reuses_the_cached_latents_and_embeddings(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    args = ("--pretrained_model_name_or_path", tiny_flux_dir, *BASE_ARGS, "--max_train_steps", "6",
+            "--cache_dir", cache)
+    assert run_cli("train", "flux-lora", *args, "--output_dir", tmp_path / "first") == 0
+    files = {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
+    # 6 images, one fixed crop each: 6 latent entries; one prompt: 1 text entry.
+    assert len([p for p in files if "latents" in p.parts]) == 6 and len([p for p in files if "text" in p.parts]) == 1
+    assert run_cli("train", "flux-lora", *args, "--output_dir", tmp_path / "second") == 0
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")} == files
+    assert not list(ROBOT_DIR.glob("*.safetensors")) and not list(ROBOT_DIR.glob("*.npz"))
