@@ -188,3 +188,20 @@ def test_a_later_run_reuses_the_cached_latents_and_embeddings(tiny_flux_dir: Pat
     assert run_cli("train", "flux-lora", *args, "--output_dir", tmp_path / "second") == 0
     assert {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")} == files
     assert not list(ROBOT_DIR.glob("*.safetensors")) and not list(ROBOT_DIR.glob("*.npz"))
+
+
+def test_kohya_dataset_toml_with_captions(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    images = tmp_path / "robot"
+    shutil.copytree(ROBOT_DIR, images)
+    for i, path in enumerate(sorted(images.glob("*.png"))):
+        path.with_suffix(".txt").write_text(f"sks robot, picture {i}")
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f"[general]\ncaption_extension = '.txt'\nshuffle_caption = true\n\n[[datasets]]\n"
+                    f"resolution = 32\nbatch_size = 2\n\n  [[datasets.subsets]]\n  image_dir = '{images}'\n"
+                    "  num_repeats = 2\n")
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dir, "--dataset_config", toml,
+                   "--output_dir", out, "--max_train_steps", "3", "--report_to", "none") == 0
+    assert (out / "pytorch_lora_weights.safetensors").is_file()
+    texts = list((out / "cache" / "text").rglob("*.safetensors"))
+    assert len(texts) >= 2  # per-image captions, shuffled: more than one prompt was encoded
