@@ -85,15 +85,18 @@ def test_seed_makes_weights_deterministic() -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_build_times_and_sizes() -> None:
-    """Not an assertion on speed: prints what building costs and how big each part is."""
-    for name, build in (("flux", build_tiny_flux),
-                        ("flux-dev", lambda: build_tiny_flux(guidance_embeds=True)),
-                        ("sdxl", build_tiny_sdxl)):
-        start = time.perf_counter()
-        pipe = build()
-        seconds = time.perf_counter() - start
-        print(f"\n{name}: built in {seconds:.2f} s, parameters {param_count(pipe)}")
+def test_tiny_yet_every_block_type_is_present() -> None:
+    flux = build_tiny_flux(guidance_embeds=True)
+    transformer = flux.transformer
+    assert len(transformer.transformer_blocks) >= 1 and len(transformer.single_transformer_blocks) >= 1
+    assert transformer.time_text_embed.guidance_embedder is not None
+    sdxl = build_tiny_sdxl()
+    unet = sdxl.unet
+    assert any(hasattr(b, "attentions") for b in unet.down_blocks)
+    assert hasattr(unet.mid_block, "attentions") and any(hasattr(b, "attentions") for b in unet.up_blocks)
+    # Small enough that every recipe test trains in seconds on two CPU cores.
+    for pipe in (flux, sdxl):
+        assert sum(param_count(pipe).values()) < 2_000_000
 
 
 def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
