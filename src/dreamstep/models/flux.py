@@ -16,6 +16,14 @@ from dreamstep.models.loading import component_identity, load_flux
 from dreamstep.models.precision import freeze, weight_dtype_for
 
 
+def training_sigmas(scheduler: Any) -> torch.Tensor:
+    """The σ table of training, (num_train_timesteps,), from a fresh scheduler of the same config: a
+    pipeline call (validation, class images) replaces a scheduler's table with its inference schedule.
+    With FLUX.1-dev's dynamic shifting this table is unshifted, as in diffusers' training scripts."""
+    fresh = type(scheduler).from_config(scheduler.config)
+    return fresh.sigmas[:fresh.config.num_train_timesteps].clone()
+
+
 def pack(latents: torch.Tensor) -> torch.Tensor:
     """(B, C, h, w) -> (B, h/2 · w/2, 4C): FLUX sees 2x2 latent patches as tokens."""
     b, c, h, w = latents.shape

@@ -128,7 +128,7 @@ class FluxControlNetStep(TrainStep):
                  guidance_scale: float | None, **engine_options: Any):
         super().__init__(controlnet, **engine_options)
         self.transformer = transformer
-        self.sigmas = sigmas  # (num_train_timesteps,): the scheduler's shifted σ table
+        self.sigmas = sigmas  # (num_train_timesteps,): the training σ table
         self.weighting_scheme = weighting_scheme
         self.sampling = dict(logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale)
         self.guidance_scale = guidance_scale
@@ -259,7 +259,7 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
         model, transformer=base.transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
         accelerator=run.accelerator, max_grad_norm=config.max_grad_norm or None,
         gradient_accumulation_steps=config.gradient_accumulation_steps, length_of_dataloader=len(loader),
-        sigmas=base.scheduler.sigmas[:base.scheduler.config.num_train_timesteps],
+        sigmas=flux.training_sigmas(base.scheduler),
         weighting_scheme=config.weighting_scheme, logit_mean=config.logit_mean, logit_std=config.logit_std,
         mode_scale=config.mode_scale,
         guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)

@@ -1,0 +1,19 @@
+import torch
+
+from dreamstep.models import flux
+from dreamstep.models.tiny import build_tiny_flux
+
+
+def test_training_sigmas_survive_a_pipeline_call():
+    scheduler = build_tiny_flux(guidance_embeds=True).scheduler
+    before = flux.training_sigmas(scheduler)
+    scheduler.set_timesteps(28, mu=1.0)  # what a validation or class-image pipeline call does
+    after = flux.training_sigmas(scheduler)
+    assert before.shape == (1000,) and torch.equal(before, after)
+
+
+def test_pack_and_unpack_are_inverse():
+    latents = torch.randn(2, 16, 6, 4)
+    tokens = flux.pack(latents)
+    assert tokens.shape == (2, 3 * 2, 64)
+    assert torch.equal(flux.unpack(tokens, 6, 4), latents)
