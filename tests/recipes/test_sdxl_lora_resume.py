@@ -50,11 +50,11 @@ def test_two_processes_under_accelerate_launch(tiny_sdxl_dir: Path, tmp_path: Pa
                "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu", "-m", "dreamstep", "train", "sdxl-lora",
                "--pretrained_model_name_or_path", str(tiny_sdxl_dir), "--dataset_config",
                str(write_method(tmp_path, "finetune")), "--output_dir", str(out), *COMMON, "--max_train_steps", "2",
-               "--save_every_n_steps", "1", "--save_state", "--network_train_unet_only", "--network_args",
-               "module_dropout=0.2"]
+               "--save_every_n_steps", "1", "--save_state", "--network_args", "module_dropout=0.2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "last.safetensors").is_file() and (out / "last-step00000001.safetensors").is_file()
     assert (out / "checkpoint-1").is_dir() and (out / "checkpoint-2").is_dir()
     assert result.stdout.count("wrote:") == 1  # one summary, from the main process
+    assert any(k.startswith("lora_te1_") for k in load_file(out / "last.safetensors"))  # text encoders trained too

@@ -49,6 +49,7 @@ from dreamstep.data import (
     make_dataloader,
     require_methods,
 )
+from dreamstep.data.dataset_config import parse_resolution
 from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.engine.checkpoint import save_checkpoint
 from dreamstep.engine.optim import (
@@ -224,8 +225,7 @@ def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
         return datasets
     if config.resolution is None:
         raise UserError("--resolution is required with --train_data_dir (e.g. --resolution 1024,1024)")
-    size = tuple(int(v) for v in config.resolution.split(","))
-    buckets = bucket_spec(size if len(size) == 2 else size[0], bool(config.enable_bucket),
+    buckets = bucket_spec(parse_resolution(config.resolution, "--resolution"), bool(config.enable_bucket),
                           **{k: v for k, v in cli.items() if k.endswith(("reso", "steps", "upscale")) and v is not None})
     if config.in_json is not None:
         subset = SubsetConfig(where="--in_json", image_dir=Path(config.train_data_dir),
@@ -309,7 +309,8 @@ def build_caches(config: SDXLLoraConfig, datasets: list[DatasetConfig], train_te
     latents = TensorCache(root / "latents", _identity(config, "vae"), image_dirs) if config.cache_latents else None
     text = None
     if config.cache_text_encoder_outputs and not train_text:
-        text = TensorCache(root / "text", _identity(config, "text_encoder_2"), image_dirs)
+        text = TensorCache(root / "text", _identity(config, "text_encoder") + "+" + _identity(config, "text_encoder_2"),
+                           image_dirs)
     return latents, text
 
 
@@ -424,7 +425,9 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     lr_scheduler = build_lr_scheduler(
         config.lr_scheduler, optimizer, warmup_steps=int(warmup * total_steps if warmup < 1 else warmup),
         total_steps=total_steps, num_cycles=config.lr_scheduler_num_cycles, power=config.lr_scheduler_power)
-    if options.module_dropout and run.accelerator.num_processes > 1:
+    # Module dropout skips whole LoRAs, and SDXL reads CLIP-L's penultimate layer, so the LoRAs on its
+    # last layer never get a gradient: DDP must then look for unused parameters.
+    if (options.module_dropout or train_text) and run.accelerator.num_processes > 1:
         from accelerate.utils import DistributedDataParallelKwargs
 
         run.accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
@@ -459,7 +462,8 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     # 5. Save the final LoRA (and with --save_state the final state), remove temporary caches, summary.
     last = result.position.global_step
     written: dict[str, Path | None] = {}
-    if config.save_state and not (Path(config.output_dir) / f"checkpoint-{last}").is_dir():
+    # Decided by arithmetic every process agrees on: save_checkpoint is collective.
+    if config.save_state and not (state_every and last % state_every == 0):
         written["state"] = save_checkpoint(config.output_dir, step, result.position, network.state_dict())
     if run.is_main_process:
         written["LoRA"] = saver.save(Path(config.output_dir) / f"{config.output_name}.{config.save_model_as}",
