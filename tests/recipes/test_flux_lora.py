@@ -180,7 +180,7 @@ def _typo_toml(tmp_path: Path) -> Path:
 def test_a_later_run_reuses_the_cached_latents_and_embeddings(tiny_flux_dir: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     args = ("--pretrained_model_name_or_path", tiny_flux_dir, *BASE_ARGS, "--max_train_steps", "6",
-            "--cache_dir", cache)
+            "--cache_dir", cache, "--center_crop")
     assert run_cli("train", "flux-lora", *args, "--output_dir", tmp_path / "first") == 0
     files = {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
     # 6 images, one fixed crop each: 6 latent entries; one prompt: 1 text entry.

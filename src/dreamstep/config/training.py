@@ -60,6 +60,8 @@ class FluxTrainingConfig:
     validation_steps: int = option(0, "run validation every N optimizer steps (0: only at the end)")
     validation_inference_steps: int = option(20, "denoising steps for validation images")
     report_to: Literal["tensorboard", "none"] = option("tensorboard", "where to log scalars")
+    on_nonfinite_loss: Literal["stop", "skip"] = option(
+        "stop", "a NaN/inf loss stops the run naming the step, or is skipped with a warning")
     dataloader_num_workers: int = option(0, "data loading worker processes")
     overwrite_output_dir: bool = option(False, "allow writing into a non-empty --output_dir")
 

@@ -139,10 +139,13 @@ def _record(step: TrainStep, loss: float, position: TrainingPosition, result: Tr
         if on_nonfinite_loss == "stop":
             raise NonFiniteLossError(
                 f"loss is {loss} at {where}; the update was not applied. Lower the learning rate, check the "
-                "data, prefer bf16 over fp16, or set on_nonfinite_loss to 'skip' to continue past such steps")
+                "data, prefer bf16 over fp16, or pass --on_nonfinite_loss skip to continue past such steps")
         _say(step, bar, f"warning: loss is {loss} at {where}; skipping this step")
     if step.step_skipped:
         result.skipped_steps.append(position.global_step)
+        if math.isfinite(loss):
+            _say(step, bar, f"note: gradients overflowed at {where}; update skipped, loss scale now "
+                            f"{step.loss_scale:g}")
     lr = step.optimizer.param_groups[0]["lr"]
     if logger is not None:
         scalars = {"loss": loss, "lr": lr, "loss_scale": step.loss_scale, "skipped": float(step.step_skipped)}

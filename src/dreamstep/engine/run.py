@@ -90,7 +90,7 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
         weights: Callable[[], Mapping[str, torch.Tensor]], load_weights: Callable[[Mapping[str, torch.Tensor]], None],
         checkpointing_steps: int, checkpoints_total_limit: int | None,
         validate: Callable[[int], list[Image.Image]] | None = None, validation_steps: int = 0,
-        extra: Mapping[str, Any] | None = None) -> TrainingResult:
+        extra: Mapping[str, Any] | None = None, on_nonfinite_loss: str = "stop") -> TrainingResult:
     """Resume if asked, then train for ``max_train_steps`` optimizer steps (when given, it overrides
     ``num_epochs``), saving ``checkpoint-N`` every ``checkpointing_steps`` and validation grids every
     ``validation_steps`` optimizer steps (0 turns either off)."""
@@ -107,10 +107,12 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
         _say(run, f"saved {path}")
 
     def validate_and_log(global_step: int) -> None:
-        images = validate(global_step)
-        path = run.logger.log_images(global_step, images)
-        if path is not None:
+        # One process generates; the others wait (validation uses its own seeded generators, so the
+        # training RNG of every process is untouched).
+        if run.is_main_process:
+            path = run.logger.log_images(global_step, validate(global_step))
             _say(run, f"validation images: {path}")
+        run.accelerator.wait_for_everyone()
 
     return run_training(
         step, data, max_train_steps=max_train_steps, num_epochs=None if max_train_steps else num_epochs,
@@ -118,14 +120,14 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
         checkpoint_every_n_steps=checkpointing_steps or None, save_checkpoint=save if checkpointing_steps else None,
         validate_every_n_steps=(validation_steps or None) if validate else None,
         validate=validate_and_log if validate else None, logger=run.logger,
-        progress=run.is_main_process)
+        on_nonfinite_loss=on_nonfinite_loss, progress=run.is_main_process)
 
 
 def finish(run: Run, written: Mapping[str, Path | None], validate_final: Callable[[], list[Image.Image]] | None = None,
            final_step: int = 0) -> None:
     """Final validation grid, loss curve, and the summary of every file written."""
     outputs = dict(written)
-    if validate_final is not None:
+    if validate_final is not None and run.is_main_process:
         outputs["samples"] = run.logger.log_images(final_step, validate_final(), tag="final")
     outputs["loss curve"] = run.logger.close()
     tensorboard = run.report_to == "tensorboard" and run.logger.history

@@ -272,7 +272,8 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
                  num_epochs=config.num_train_epochs, weights=controlnet.state_dict,
                  load_weights=controlnet.load_state_dict, checkpointing_steps=config.checkpointing_steps,
                  checkpoints_total_limit=config.checkpoints_total_limit,
-                 validate=validate if validation else None, validation_steps=config.validation_steps)
+                 validate=validate if validation else None, validation_steps=config.validation_steps,
+                 on_nonfinite_loss=config.on_nonfinite_loss)
 
     # 5. Save: the save_pretrained layout, final samples, loss curve, summary.
     written = {}

@@ -205,10 +205,15 @@ def train(config: FluxLoraConfig) -> None:
     datasets = _datasets(config, class_dir)
     if class_dir is not None:
         dataset = build_dataset(datasets, seed=config.seed)
+    # A random crop makes a new latent almost every step: caching those would only fill the disk.
+    random_crop = any(subset.random_crop for d in datasets for subset in d.subsets)
+    if config.cache_latents and random_crop and run.is_main_process:
+        print("note: random crops are on, so VAE latents are computed every step instead of cached "
+              "(pass --center_crop to cache them)")
     latent_cache, text_cache = flux.training_caches(
         Path(config.cache_dir or Path(config.output_dir) / "cache"), config.pretrained_model_name_or_path,
         revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
-        max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents,
+        max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents and not random_crop,
         image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
     dataset.latent_cache = latent_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
@@ -258,7 +263,8 @@ def train(config: FluxLoraConfig) -> None:
                  num_epochs=config.num_train_epochs, weights=weights, load_weights=load_weights,
                  checkpointing_steps=config.checkpointing_steps,
                  checkpoints_total_limit=config.checkpoints_total_limit,
-                 validate=validate if config.validation_prompt else None, validation_steps=config.validation_steps)
+                 validate=validate if config.validation_prompt else None, validation_steps=config.validation_steps,
+                 on_nonfinite_loss=config.on_nonfinite_loss)
 
     # 5. Save: diffusers layout (+ sd-scripts names), final samples, loss curve, summary.
     written = {}
