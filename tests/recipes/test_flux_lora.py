@@ -205,3 +205,16 @@ def test_kohya_dataset_toml_with_captions(tiny_flux_dir: Path, tmp_path: Path) -
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     texts = list((out / "cache" / "text").rglob("*.safetensors"))
     assert len(texts) >= 2  # per-image captions, shuffled: more than one prompt was encoded
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--class_prompt", "a robot"], "--class_prompt has no effect without --with_prior_preservation"),
+    (["--text_encoder_lr", "1e-5"], "--text_encoder_lr has no effect without --train_text_encoder"),
+    (["--dataset_config", "d.toml", "--random_flip"], "--random_flip has no effect with --dataset_config"),
+])
+def test_flags_without_effect_are_refused(flags: list[str], message: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    source = [] if "--dataset_config" in flags else ["--instance_data_dir", ROBOT_DIR, "--instance_prompt", "x"]
+    code = run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tmp_path, "--output_dir", tmp_path / "o",
+                   *source, *flags)
+    assert code == 2 and message in capsys.readouterr().err

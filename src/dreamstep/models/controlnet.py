@@ -10,11 +10,17 @@ start at zero, so at step 0 the base's prediction is unchanged.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import FluxControlNetModel, FluxControlNetPipeline, FluxTransformer2DModel
+from diffusers import (
+    FluxControlNetModel,
+    FluxControlNetPipeline,
+    FluxTransformer2DModel,
+)
 from PIL import Image
 
 from dreamstep.errors import UserError
@@ -88,9 +94,17 @@ def residuals(controlnet: torch.nn.Module, **inputs: Any) -> dict[str, list[torc
 
 
 def save(controlnet: FluxControlNetModel, output_dir: str | Path) -> Path:
-    """``config.json`` + ``diffusion_pytorch_model.safetensors`` in ``output_dir``; returns the weights path."""
-    controlnet.save_pretrained(str(output_dir), safe_serialization=True)
-    return Path(output_dir) / WEIGHTS_NAME
+    """``config.json`` + ``diffusion_pytorch_model.safetensors`` in ``output_dir``; returns the weights path.
+
+    Written into a temporary folder beside them and renamed into place, so a crash never leaves a
+    half-written model where a complete one was."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output_dir, prefix=".saving-") as tmp:
+        controlnet.save_pretrained(tmp, safe_serialization=True)
+        for file in Path(tmp).iterdir():
+            os.replace(file, output_dir / file.name)
+    return output_dir / WEIGHTS_NAME
 
 
 def assemble_pipeline(components: Any, controlnet: FluxControlNetModel) -> FluxControlNetPipeline:
