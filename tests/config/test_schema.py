@@ -69,3 +69,11 @@ def test_missing_toml_file_is_named(tmp_path):
 def test_a_repeated_list_flag_adds_to_the_list():
     config = build_config(Example, parse(["--output_dir", "o", "--layers", "a", "--layers", "b", "c"]))
     assert config.layers == ["a", "b", "c"]
+
+
+def test_refuse_unused_names_the_flag_only_when_it_was_changed():
+    from dreamstep.config.schema import refuse_unused
+
+    refuse_unused(Example(output_dir="o"), ("rank", "limit"), "here")
+    with pytest.raises(UserError, match="--rank has no effect with X; remove it"):
+        refuse_unused(Example(output_dir="o", rank=8), ("rank",), "with X")

@@ -187,3 +187,12 @@ def _toml_value(value: Any) -> str:
         return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
     text = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{text}"'
+
+
+def refuse_unused(config: Any, names: tuple[str, ...], when: str) -> None:
+    """Raise for the first of ``names`` set to a non-default value: a flag that would have no effect
+    ``when`` (e.g. "with --dataset_config") is an error, never silently ignored."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for name in names:
+        if getattr(config, name) != defaults[name]:
+            raise UserError(f"--{name} has no effect {when}; remove it")

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from PIL import Image
 
-from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
+from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option, refuse_unused
 from dreamstep.config.training import FluxTrainingConfig
 from dreamstep.data.dataset import ConditionedBatches, build_dataset, make_dataloader
 from dreamstep.data.dataset_config import (
@@ -92,6 +92,9 @@ class FluxControlNetConfig(FluxTrainingConfig):
         if self.dataset_config is not None and flags_given:
             raise UserError("give either --dataset_config or the folder flags (--train_data_dir, "
                             "--jsonl_for_train), not both")
+        if self.dataset_config is not None:
+            refuse_unused(self, ("conditioning_data_dir", "caption_extension", "default_caption", "repeats",
+                                 "random_crop", "random_flip"), "with --dataset_config (set it in the dataset TOML)")
         if not 0.0 <= self.proportion_empty_prompts <= 1.0:
             raise UserError(f"--proportion_empty_prompts must be in [0, 1] (got {self.proportion_empty_prompts})")
         if self.repeats < 1:

@@ -16,7 +16,6 @@ header), with --save_kohya_format also ``pytorch_lora_weights_kohya.safetensors`
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
+from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option, refuse_unused
 from dreamstep.config.training import FluxTrainingConfig
 from dreamstep.data.dataset import ConditionedBatches, build_dataset, make_dataloader
 from dreamstep.data.dataset_config import load_dataset_config, require_methods
@@ -84,11 +83,11 @@ class FluxLoraConfig(FluxTrainingConfig):
             if not self.class_data_dir or not self.class_prompt:
                 raise UserError("--with_prior_preservation needs --class_data_dir and --class_prompt")
         if self.dataset_config is not None:
-            _refuse_unused(self, _INSTANCE_FLAGS, "with --dataset_config (set them in the dataset TOML instead)")
+            refuse_unused(self, _INSTANCE_FLAGS, "with --dataset_config (set them in the dataset TOML instead)")
         if not self.with_prior_preservation:
-            _refuse_unused(self, _PRIOR_FLAGS, "without --with_prior_preservation")
+            refuse_unused(self, _PRIOR_FLAGS, "without --with_prior_preservation")
         if not self.train_text_encoder:
-            _refuse_unused(self, ("text_encoder_lr",), "without --train_text_encoder")
+            refuse_unused(self, ("text_encoder_lr",), "without --train_text_encoder")
         if self.rank < 1:
             raise UserError(f"--rank must be at least 1 (got {self.rank})")
         if not 0.0 <= self.lora_dropout < 1.0:
@@ -98,14 +97,6 @@ class FluxLoraConfig(FluxTrainingConfig):
 _PRIOR_FLAGS = ("class_data_dir", "class_prompt", "num_class_images", "sample_batch_size", "prior_loss_weight")
 _INSTANCE_FLAGS = ("instance_prompt", "caption_extension", "center_crop", "random_flip", "repeats",
                    "with_prior_preservation", *_PRIOR_FLAGS)
-
-
-def _refuse_unused(config: FluxLoraConfig, names: tuple[str, ...], when: str) -> None:
-    """A flag set to a non-default value where it has no effect is an error, not silently ignored."""
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
-    for name in names:
-        if getattr(config, name) != defaults[name]:
-            raise UserError(f"--{name} has no effect {when}; remove it")
 
 
 class FluxLoraModel(nn.Module):
