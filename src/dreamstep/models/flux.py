@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, FluxPipeline
+from diffusers import FluxPipeline
 from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
 from dreamstep.models.loading import component_identity, load_flux
 from dreamstep.models.precision import freeze, weight_dtype_for
+from dreamstep.models.vae import encode_posterior
 
 
 def training_sigmas(scheduler: Any) -> torch.Tensor:
@@ -39,18 +40,6 @@ def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
 def latent_image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Rotary position ids of the packed latent tokens: (h/2 · w/2, 3)."""
     return FluxPipeline._prepare_latent_image_ids(1, height // 2, width // 2, device, dtype)
-
-
-@torch.no_grad()
-def encode_posterior(vae: AutoencoderKL, pixels: torch.Tensor) -> torch.Tensor:
-    """Pixels in [-1, 1], (B, 3, H, W) -> the posterior's mean and std, shifted and scaled like FLUX's
-    latents: (B, 2C, H/f, W/f). Caching the distribution (not one sample) keeps a fresh sample per step."""
-    posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-    shift = vae.config.shift_factor or 0.0
-    scale = vae.config.scaling_factor
-    mean = (posterior.mean.float() - shift) * scale
-    std = posterior.std.float() * scale
-    return torch.cat([mean, std], dim=1)
 
 
 @torch.no_grad()

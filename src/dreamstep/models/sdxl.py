@@ -24,6 +24,7 @@ from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
 from dreamstep.errors import UserError, did_you_mean
+from dreamstep.models.vae import encode_posterior
 
 # sd-scripts' --sample_sampler names -> diffusers schedulers.
 SAMPLERS = {
@@ -58,21 +59,6 @@ def add_time_ids(original_sizes: torch.Tensor, crop_top_lefts: torch.Tensor,
     """SDXL's micro-conditioning, (B, 6): original (h, w), crop (top, left), target (h, w) of each sample
     (each (B, 2), from the data pipeline's true sizes and crops)."""
     return torch.cat([original_sizes, crop_top_lefts, target_sizes], dim=1)
-
-
-@torch.no_grad()
-def encode_posterior(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-    """Pixels in [-1, 1], (B, 3, H, W) -> the posterior's mean and std times the VAE scale (SDXL 0.13025):
-    (B, 2C, H/8, W/8). Caching the distribution keeps a fresh latent sample per step, as without a cache."""
-    posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-    scale = vae.config.scaling_factor
-    return torch.cat([posterior.mean.float() * scale, posterior.std.float() * scale], dim=1)
-
-
-def sample_latents(latent_dist: torch.Tensor) -> torch.Tensor:
-    """One latent sample x = μ + σ·n from (B, 2C, h, w) mean and std: (B, C, h, w)."""
-    mean, std = latent_dist.chunk(2, dim=1)
-    return mean + std * torch.randn_like(mean)
 
 
 class SDXLConditioner:

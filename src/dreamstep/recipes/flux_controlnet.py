@@ -37,11 +37,7 @@ from PIL import Image
 from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option, refuse_unused
 from dreamstep.config.training import FluxTrainingConfig
 from dreamstep.data.dataset import ConditionedBatches, build_dataset, make_dataloader
-from dreamstep.data.dataset_config import (
-    DatasetConfig,
-    load_dataset_config,
-    require_methods,
-)
+from dreamstep.data.dataset_config import DatasetConfig, load_dataset_config, require_methods
 from dreamstep.data.images import load_rgb
 from dreamstep.data.sources import bucket_spec, controlnet_from_flags
 from dreamstep.diffusion import flow_matching as fm
@@ -54,6 +50,7 @@ from dreamstep.errors import UserError
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
 from dreamstep.models.precision import autocast
+from dreamstep.models.vae import sample_latents
 
 
 @dataclass
@@ -138,8 +135,8 @@ class FluxControlNetStep(TrainStep):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
         # latent_dist / control_dist: (B, 2C, h, w) VAE posterior mean and std; one fresh sample of each.
-        latents = _sample(batch["latent_dist"])
-        control = _sample(batch["control_dist"])
+        latents = sample_latents(batch["latent_dist"])
+        control = sample_latents(batch["control_dist"])
         bsz, _, height, width = latents.shape
         noise = torch.randn_like(latents)
         indices = fm.sample_timestep_indices(self.weighting_scheme, bsz, len(self.sigmas),
@@ -161,12 +158,6 @@ class FluxControlNetStep(TrainStep):
         # Flow-matching target v = ε - x, each sample weighted by its own σ.
         loss = fm.weighted_mse(pred, fm.velocity_target(latents, noise), sigmas, self.weighting_scheme).mean()
         return (self.scale_loss(loss),)
-
-
-def _sample(posterior: torch.Tensor) -> torch.Tensor:
-    """(B, 2C, h, w) mean and std -> one latent sample (B, C, h, w)."""
-    mean, std = posterior.chunk(2, dim=1)
-    return mean + std * torch.randn_like(mean)
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:

@@ -45,6 +45,7 @@ from dreamstep.lora.inject import (
 )
 from dreamstep.models import flux
 from dreamstep.models.precision import cast_trainable_params_to_fp32
+from dreamstep.models.vae import sample_latents
 
 
 @dataclass
@@ -131,8 +132,7 @@ class FluxLoraStep(TrainStep):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
         # latent_dist: (B, 2C, h, w), the VAE posterior's mean and std, already shifted and scaled.
-        mean, std = batch["latent_dist"].chunk(2, dim=1)
-        latents = mean + std * torch.randn_like(mean)
+        latents = sample_latents(batch["latent_dist"])
         bsz, channels, height, width = latents.shape
         noise = torch.randn_like(latents)
         indices = fm.sample_timestep_indices(self.weighting_scheme, bsz, len(self.sigmas),

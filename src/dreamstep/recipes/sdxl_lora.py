@@ -52,12 +52,7 @@ from dreamstep.data import (
 from dreamstep.data.dataset_config import parse_resolution
 from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.engine.checkpoint import save_checkpoint
-from dreamstep.engine.optim import (
-    LR_SCHEDULERS,
-    build_lr_scheduler,
-    build_optimizer,
-    parse_optimizer_args,
-)
+from dreamstep.engine.optim import LR_SCHEDULERS, build_lr_scheduler, build_optimizer, parse_optimizer_args
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError, did_you_mean
@@ -73,6 +68,7 @@ from dreamstep.lora.kohya_network import (
 from dreamstep.models import sdxl
 from dreamstep.models.loading import component_identity, load_sdxl
 from dreamstep.models.precision import freeze, weight_dtype_for
+from dreamstep.models.vae import sample_latents
 
 SchedulerName = Literal[LR_SCHEDULERS]  # type: ignore[valid-type]
 SAVE_DTYPES = {"fp32": torch.float32, "float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -354,7 +350,7 @@ class SDXLLoraStep(TrainStep):
         self.prior_loss_weight = prior_loss_weight
 
     def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor]:
-        latents = sdxl.sample_latents(batch["latent_dist"])  # (B, 4, h, w), scaled by 0.13025
+        latents = sample_latents(batch["latent_dist"])  # (B, 4, h, w), scaled by 0.13025
         noise = torch.randn_like(latents)
         if self.noise_offset:
             noise = noise_math.offset_noise(noise, latents, self.noise_offset, self.adaptive_noise_scale)
