@@ -9,7 +9,6 @@ import argparse
 import importlib
 import logging
 import sys
-from pathlib import Path
 
 from dreamstep.errors import UserError, did_you_mean
 
@@ -24,17 +23,6 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("dataset", "from-hf"): ("dreamstep.data.from_hf", "turn a Hugging Face dataset into an image folder"),
     ("tiny-model",): ("dreamstep.models.tiny", "write a tiny random FLUX or SDXL pipeline for offline tests"),
 }
-
-
-def _available() -> dict[tuple[str, ...], tuple[str, str]]:
-    """Commands whose module is installed. Looked up as files: importing the subpackages would import torch."""
-    root = Path(__file__).parent
-    found = {}
-    for key, (module, summary) in COMMANDS.items():
-        relative = Path(*module.split(".")[1:])
-        if (root / relative.with_suffix(".py")).is_file() or (root / relative / "__init__.py").is_file():
-            found[key] = (module, summary)
-    return found
 
 
 def _top_level_help(commands: dict[tuple[str, ...], tuple[str, str]]) -> str:
@@ -69,7 +57,7 @@ def hide_known_notices() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = _available()
+    commands = COMMANDS
     key = _match(argv, commands)
     if key is None:
         if not argv or argv[0] in ("-h", "--help"):

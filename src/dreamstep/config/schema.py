@@ -138,24 +138,18 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def build_config(cls: type[T], cli: dict[str, Any] | argparse.Namespace | None = None,
-                 toml_path: str | Path | None = None, toml_values: dict[str, Any] | None = None) -> T:
+                 toml_path: str | Path | None = None) -> T:
     """Build ``cls`` from TOML values (strictly checked) overlaid by command-line values."""
     fields = _fields(cls)
     cli = vars(cli) if isinstance(cli, argparse.Namespace) else dict(cli or {})
     toml_path = toml_path or cli.pop("config", None)
     cli.pop("config", None)
     values: dict[str, Any] = {}
-    sources: list[tuple[dict[str, Any], str]] = []
-    if toml_path is not None:
-        sources.append((load_toml(toml_path), f"{toml_path}"))
-    if toml_values:
-        sources.append((toml_values, "config"))
-    for table, origin in sources:
-        for key, value in table.items():
-            if key not in fields:
-                raise UserError(f"{origin}: unknown key '{key}'{did_you_mean(key, fields)}; "
-                                f"see --help for the valid keys")
-            values[key] = convert_value(value, fields[key][1], f"{origin}: key '{key}'")
+    for key, value in (load_toml(toml_path) if toml_path is not None else {}).items():
+        if key not in fields:
+            raise UserError(f"{toml_path}: unknown key '{key}'{did_you_mean(key, fields)}; "
+                            f"see --help for the valid keys")
+        values[key] = convert_value(value, fields[key][1], f"{toml_path}: key '{key}'")
     for key, value in cli.items():
         if key in fields:
             values[key] = convert_value(value, fields[key][1], f"--{key}")

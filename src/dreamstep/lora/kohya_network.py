@@ -184,10 +184,6 @@ class LoRANetwork(nn.Module):
         for module in self.loras.values():
             module.detach()
 
-    def set_multiplier(self, multiplier: float) -> None:
-        for module in self.loras.values():
-            module.multiplier = multiplier
-
     def names(self, prefix: str) -> list[str]:
         return [name for name in self.loras if name.startswith(prefix)]
 
