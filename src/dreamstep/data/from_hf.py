@@ -274,7 +274,10 @@ def prepare_output(output_dir: Path, identity: dict[str, Any]) -> dict[str, str]
         raise UserError(f"OUT {output_dir} is not empty and was not made by 'dataset from-hf'; give a new "
                         "or empty folder")
     if images:
-        earlier = json.loads(marker.read_text(encoding="utf-8"))
+        try:
+            earlier = json.loads(marker.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{marker} is damaged; delete OUT {output_dir} and run again") from None
         changed = next((k for k in identity if earlier.get(k) != identity[k]), None)
         if changed is not None:
             raise UserError(f"OUT {output_dir} was made with {changed} = {earlier.get(changed)!r}, not "

@@ -199,7 +199,10 @@ def _read_metadata(path: Path) -> list[tuple[str, dict[str, Any]]]:
     their image in an ``image``/``file_name`` column."""
     if not path.is_file():
         raise UserError(f"{path}: metadata file not found; check metadata_file")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text; save the metadata file as UTF-8") from None
     try:
         if path.suffix.lower() == ".jsonl":
             rows: Any = [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -45,8 +45,11 @@ def _metadata_lines(metadata: dict[str, str], width: int = 76) -> list[str]:
     lines = []
     for key, value in sorted(metadata.items()):
         if key == formats.ADAPTER_METADATA_KEY:
-            components = sorted({k.partition(".")[0] for k in json.loads(value)})
-            value = f"(PEFT adapter config for {', '.join(components)})"
+            try:
+                components = sorted({k.partition(".")[0] for k in json.loads(value)})
+                value = f"(PEFT adapter config for {', '.join(components)})"
+            except (json.JSONDecodeError, AttributeError):
+                value = "(not valid JSON: loaders that read alpha from it will fail)"
         value = " ".join(str(value).split())
         lines.append(f"  {key}: {value if len(value) <= width else value[:width - 3] + '...'}")
     return lines
