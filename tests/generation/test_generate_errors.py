@@ -47,6 +47,7 @@ def test_lora_for_the_other_model(tiny_flux_dev_dir: Path, sdxl_kohya_lora: Path
     (("--prompt", "a", "--num_images", "0"), "--num_images must be at least 1"),
     (("--prompt", "a", "--dtype", "fp8"), "'fp8' is not a valid choice"),
     (("--from_file", "nope.txt"), "--from_file nope.txt: file not found"),
+    (("--prompt", "a", "--model_config", "x"), "--model_config only applies to a single-file --model"),
 ])
 def test_bad_flags(tiny_flux_dir: Path, tmp_path: Path, capsys, args: tuple[str, ...], expected: str) -> None:
     assert expected in _error_line(capsys, "generate", "flux", "--model", tiny_flux_dir, "--output_dir", tmp_path,

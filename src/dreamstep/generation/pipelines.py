@@ -124,6 +124,9 @@ def build_pipeline(model_type: str, model: str, *, model_config: str | None, dty
     """The pipeline for ``model_type`` ('flux' or 'sdxl') on ``device`` in ``dtype``; ``no_half_vae`` keeps
     the VAE in fp32 (SDXL's VAE overflows in fp16); ``cpu_offload`` moves each model to the GPU only while
     it runs."""
+    if model_config is not None and not is_single_file(model):
+        raise UserError("--model_config only applies to a single-file --model; remove it (a folder or hub id "
+                        "has its own configs)")
     if model_type == "flux":
         pipe = _flux_pipeline(model, model_config, dtype, controlnet)
     else:
