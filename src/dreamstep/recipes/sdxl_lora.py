@@ -449,17 +449,17 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
             saver.maybe_save(global_step)
         return sampler(global_step)
 
-    state_every = math.gcd(config.save_every_n_steps or 0, (config.save_every_n_epochs or 0) * steps_per_epoch)
     result = fit(run, step, ConditionedBatches(loader, conditioner), max_train_steps=total_steps, num_epochs=None,
                  weights=network.state_dict, load_weights=network.load_state_dict,
-                 checkpointing_steps=state_every if config.save_state else 0, checkpoints_total_limit=None,
+                 checkpointing_steps=1 if config.save_state else 0, checkpoints_total_limit=None,
+                 checkpoint_due=lambda global_step: saver.filename(global_step) is not None,
                  validate=every_step, validation_steps=1)
 
     # 5. Save the final LoRA (and with --save_state the final state), remove temporary caches, summary.
     last = result.position.global_step
     written: dict[str, Path | None] = {}
     # Decided by arithmetic every process agrees on: save_checkpoint is collective.
-    if config.save_state and not (state_every and last % state_every == 0):
+    if config.save_state and saver.filename(last) is None:
         written["state"] = save_checkpoint(config.output_dir, step, result.position, network.state_dict())
     if run.is_main_process:
         written["LoRA"] = saver.save(Path(config.output_dir) / f"{config.output_name}.{config.save_model_as}",
