@@ -95,6 +95,11 @@ def test_resume_equals_an_uninterrupted_run(tiny_flux_dev_dir: Path, tmp_path: P
     assert straight.keys() == resumed.keys()
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], atol=1e-6, rtol=0)
+    # The loss history (and so loss_curve.png) covers the whole run, the part before the resume included.
+    histories = [json.loads((run / "checkpoint-6" / "trainer_state.json").read_text())["extra"]["loss_history"]
+                 for run in (tmp_path / "straight", split)]
+    assert [step for step, _ in histories[1]] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose(histories[1], histories[0], atol=1e-6)
 
 
 def test_prior_preservation_text_encoder_lora_and_checkpointing(tiny_flux_dir: Path, tmp_path: Path) -> None:

@@ -90,8 +90,7 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
         weights: Callable[[], Mapping[str, torch.Tensor]], load_weights: Callable[[Mapping[str, torch.Tensor]], None],
         checkpointing_steps: int, checkpoints_total_limit: int | None,
         validate: Callable[[int], list[Image.Image]] | None = None, validation_steps: int = 0,
-        extra: Mapping[str, Any] | None = None, on_nonfinite_loss: str = "stop",
-        checkpoint_due: Callable[[int], bool] | None = None) -> TrainingResult:
+        on_nonfinite_loss: str = "stop", checkpoint_due: Callable[[int], bool] | None = None) -> TrainingResult:
     """Resume if asked, then train for ``max_train_steps`` optimizer steps (when given, it overrides
     ``num_epochs``), saving ``checkpoint-N`` every ``checkpointing_steps`` and validation grids every
     ``validation_steps`` optimizer steps (0 turns either off). ``checkpoint_due(step)`` narrows the
@@ -101,12 +100,15 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
     if run.resume_from is not None:
         resume = load_checkpoint(run.resume_from, step)
         load_weights(resume.weights)
+        # The loss curve of the whole run, not only of its resumed part.
+        run.logger.history["loss"] = [tuple(pair) for pair in resume.extra.get("loss_history", [])]
         _say(run, f"resuming from {run.resume_from} (step {resume.position.global_step})")
 
     def save(position: Any) -> None:
         if checkpoint_due is not None and not checkpoint_due(position.global_step):
             return
-        path = save_checkpoint(run.output_dir, step, position, weights(), extra=extra,
+        path = save_checkpoint(run.output_dir, step, position, weights(),
+                               extra={"loss_history": run.logger.loss_history},
                                total_limit=checkpoints_total_limit)
         _say(run, f"saved {path}")
 
