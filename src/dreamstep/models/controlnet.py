@@ -16,11 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import (
-    FluxControlNetModel,
-    FluxControlNetPipeline,
-    FluxTransformer2DModel,
-)
+from diffusers import FluxControlNetModel, FluxTransformer2DModel
 from PIL import Image
 
 from dreamstep.errors import UserError
@@ -105,15 +101,6 @@ def save(controlnet: FluxControlNetModel, output_dir: str | Path) -> Path:
         for file in Path(tmp).iterdir():
             os.replace(file, output_dir / file.name)
     return output_dir / WEIGHTS_NAME
-
-
-def assemble_pipeline(components: Any, controlnet: FluxControlNetModel) -> FluxControlNetPipeline:
-    """A ``FluxControlNetPipeline`` over already-loaded components and the ControlNet being trained."""
-    parts = {name: getattr(components, name) for name in
-             ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "transformer")}
-    pipeline = FluxControlNetPipeline(**parts, controlnet=controlnet)
-    pipeline.set_progress_bar_config(disable=True)  # the trainer shows its own progress
-    return pipeline
 
 
 def side_by_side(rows: list[list[Image.Image]]) -> Image.Image:

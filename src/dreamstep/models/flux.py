@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import FluxPipeline
+from diffusers import FluxControlNetPipeline, FluxPipeline
 from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
@@ -63,13 +63,12 @@ def text_ids(sequence_length: int, device: torch.device, dtype: torch.dtype) -> 
     return torch.zeros(sequence_length, 3, device=device, dtype=dtype)
 
 
-def assemble_pipeline(components: Any, transformer: torch.nn.Module | None = None) -> FluxPipeline:
-    """A ``FluxPipeline`` over already-loaded components (no copies); ``transformer`` overrides theirs."""
+def assemble_pipeline(components: Any, controlnet: torch.nn.Module | None = None) -> FluxPipeline:
+    """A ``FluxPipeline`` over already-loaded components (no copies), or a ``FluxControlNetPipeline``
+    when a ``controlnet`` is given."""
     parts = {name: getattr(components, name) for name in
              ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "transformer")}
-    if transformer is not None:
-        parts["transformer"] = transformer
-    pipeline = FluxPipeline(**parts)
+    pipeline = FluxPipeline(**parts) if controlnet is None else FluxControlNetPipeline(**parts, controlnet=controlnet)
     pipeline.set_progress_bar_config(disable=True)  # the trainer shows its own progress
     return pipeline
 

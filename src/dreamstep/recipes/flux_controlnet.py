@@ -224,7 +224,7 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
         controlnet.enable_gradient_checkpointing()
         base.transformer.enable_gradient_checkpointing()
     controlnet.train()
-    pipeline = cn.assemble_pipeline(base, controlnet)
+    pipeline = flux.assemble_pipeline(base, controlnet)
 
     # 2. Data: pairs; target and control posteriors cached unless augmented, prompt embeddings cached.
     latent_cache, text_cache = flux.training_caches(
