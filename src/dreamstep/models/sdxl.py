@@ -189,3 +189,41 @@ def generate_samples(pipeline: StableDiffusionXLPipeline, prompts: list[SamplePr
     finally:
         pipeline.scheduler = base_scheduler
     return images
+
+
+class SampleWriter:
+    """Sample images with a training network applied, every ``every_n_steps`` / ``every_n_epochs``, on the
+    main process; PNGs go to ``folder`` named as sd-scripts names them, and the images are returned for
+    the log's grid."""
+
+    def __init__(self, pipeline: StableDiffusionXLPipeline, network: torch.nn.Module, prompts: list | None, *,
+                 folder: Path, name: str, every_n_steps: int | None, every_n_epochs: int | None,
+                 steps_per_epoch: int, sampler: str, seed: int, v_prediction: bool, accelerator: Any):
+        self.pipeline, self.network, self.prompts = pipeline, network, prompts
+        self.folder, self.name = folder, name
+        self.every_n_steps, self.every_n_epochs, self.steps_per_epoch = every_n_steps, every_n_epochs, steps_per_epoch
+        self.sampler, self.seed, self.v_prediction = sampler, seed, v_prediction
+        self.accelerator = accelerator
+        self.written: list[Path] = []
+
+    def due(self, global_step: int) -> bool:
+        steps, epochs = self.every_n_steps, self.every_n_epochs
+        return bool(self.prompts) and bool((steps and global_step % steps == 0) or
+                                           (epochs and global_step % (epochs * self.steps_per_epoch) == 0))
+
+    def __call__(self, global_step: int, force: bool = False) -> list:
+        if not (force or self.due(global_step)) or not self.accelerator.is_main_process:
+            return []
+        self.network.eval()
+        try:
+            with self.accelerator.autocast():
+                images = generate_samples(self.pipeline, self.prompts, default_sampler=self.sampler,
+                                          seed=self.seed, v_prediction=self.v_prediction)
+        finally:
+            self.network.train()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for i, image in enumerate(images):
+            path = self.folder / f"{self.name}_{global_step:06d}_{i:02d}.png"
+            image.save(path)
+            self.written.append(path)
+        return images

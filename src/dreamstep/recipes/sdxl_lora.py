@@ -56,6 +56,7 @@ from dreamstep.engine.optim import LR_SCHEDULERS, build_lr_scheduler, build_opti
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError, did_you_mean
+from dreamstep.lora.kohya_files import KohyaLoraWriter, SaveSchedule
 from dreamstep.lora.kohya_network import (
     NETWORK_MODULE,
     LoRANetwork,
@@ -439,8 +440,17 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         timestep_range=(config.min_timestep, config.max_timestep), prior_loss_weight=config.prior_loss_weight)
 
     # 4. Loop: the engine trains and resumes; every step, our callback writes LoRA files and samples when due.
-    saver = LoraSaver(config, network, options, network_args, datasets, dataset.records, steps_per_epoch, time.time())
-    sampler = Sampler(config, pipeline, network, prompts, steps_per_epoch, run.accelerator)
+    folder = Path(config.output_dir)
+    saver = KohyaLoraWriter(
+        network, folder, config.output_name, config.save_model_as,
+        SaveSchedule(config.save_every_n_steps, config.save_every_n_epochs, steps_per_epoch, total_steps),
+        SAVE_DTYPES[config.save_precision] if config.save_precision else None,
+        ss_metadata(config, options, network_args, datasets, dataset.records, steps_per_epoch))
+    sampler = sdxl.SampleWriter(
+        pipeline, network, prompts, folder=folder / "sample", name=config.output_name,
+        every_n_steps=config.sample_every_n_steps, every_n_epochs=config.sample_every_n_epochs,
+        steps_per_epoch=steps_per_epoch, sampler=config.sample_sampler, seed=config.seed,
+        v_prediction=config.v_parameterization, accelerator=run.accelerator)
     if config.sample_at_first and prompts and not run.resume_from:
         sampler(0, force=True)
 
@@ -452,19 +462,18 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     result = fit(run, step, ConditionedBatches(loader, conditioner), max_train_steps=total_steps, num_epochs=None,
                  weights=network.state_dict, load_weights=network.load_state_dict,
                  checkpointing_steps=1 if config.save_state else 0, checkpoints_total_limit=None,
-                 checkpoint_due=lambda global_step: saver.filename(global_step) is not None,
+                 checkpoint_due=saver.due,
                  validate=every_step, validation_steps=1)
 
     # 5. Save the final LoRA (and with --save_state the final state), remove temporary caches, summary.
     last = result.position.global_step
     written: dict[str, Path | None] = {}
     # Decided by arithmetic every process agrees on: save_checkpoint is collective.
-    if config.save_state and saver.filename(last) is None:
+    if config.save_state and not saver.due(last):
         written["state"] = save_checkpoint(config.output_dir, step, result.position, network.state_dict())
     if run.is_main_process:
-        written["LoRA"] = saver.save(Path(config.output_dir) / f"{config.output_name}.{config.save_model_as}",
-                                     last)
-        written["step/epoch LoRAs"] = Path(config.output_dir) if saver.saved else None
+        written["LoRA"] = saver.save(last)
+        written["step/epoch LoRAs"] = folder if saver.saved else None
         written["samples"] = sampler.folder if sampler.written else None
         written["config"] = Path(config.output_dir) / "config.toml"
         _drop_caches(config)
@@ -482,94 +491,27 @@ def _drop_caches(config: SDXLLoraConfig) -> None:
         root.rmdir()
 
 
-class LoraSaver:
-    """Writes the network as sd-scripts does: ``<name>-step%08d`` / ``<name>-%06d`` files when due, the final
-    ``<name>``, each with the ``ss_*`` metadata of the run."""
-
-    def __init__(self, config: SDXLLoraConfig, network: LoRANetwork, options: NetworkOptions,
-                 network_args: dict[str, Any], datasets: list[DatasetConfig], records: list[Any],
-                 steps_per_epoch: int, started: float):
-        self.config, self.network, self.steps_per_epoch = config, network, steps_per_epoch
-        self.saved: list[Path] = []
-        self.base_metadata = {
-            "ss_session_id": str(random.randrange(2**31)), "ss_training_started_at": str(started),
-            "ss_output_name": config.output_name, "ss_base_model_version": "sdxl_base_v1-0",
-            "ss_sd_model_name": Path(config.pretrained_model_name_or_path).name,
-            "ss_learning_rate": str(config.learning_rate), "ss_unet_lr": str(config.unet_lr),
-            "ss_text_encoder_lr": str(config.text_encoder_lr), "ss_optimizer": config.optimizer_type,
-            "ss_lr_scheduler": config.lr_scheduler, "ss_lr_warmup_steps": str(config.lr_warmup_steps),
-            "ss_max_train_steps": str(config.max_train_steps), "ss_num_batches_per_epoch": str(steps_per_epoch),
-            "ss_gradient_accumulation_steps": str(config.gradient_accumulation_steps),
-            "ss_gradient_checkpointing": str(config.gradient_checkpointing),
-            "ss_mixed_precision": config.mixed_precision, "ss_full_fp16": str(config.full_fp16),
-            "ss_seed": str(config.seed), "ss_cache_latents": str(config.cache_latents),
-            "ss_min_snr_gamma": str(config.min_snr_gamma), "ss_noise_offset": str(config.noise_offset),
-            "ss_adaptive_noise_scale": str(config.adaptive_noise_scale),
-            "ss_multires_noise_iterations": str(config.multires_noise_iterations),
-            "ss_multires_noise_discount": str(config.multires_noise_discount),
-            "ss_v_parameterization": str(config.v_parameterization),
-            "ss_prior_loss_weight": str(config.prior_loss_weight), "ss_max_grad_norm": str(config.max_grad_norm),
-            **network_metadata(options, network_args),
-            **dataset_metadata(records, datasets[0].batch_size, datasets[0].buckets.resolution),
-        }
-
-    def filename(self, global_step: int) -> Path | None:
-        """The step or epoch file due at ``global_step``, or None."""
-        ext, name, folder = self.config.save_model_as, self.config.output_name, Path(self.config.output_dir)
-        epochs = self.config.save_every_n_epochs
-        if epochs and global_step % (epochs * self.steps_per_epoch) == 0:
-            return folder / f"{name}-{global_step // self.steps_per_epoch:06d}.{ext}"
-        if self.config.save_every_n_steps and global_step % self.config.save_every_n_steps == 0:
-            return folder / f"{name}-step{global_step:08d}.{ext}"
-        return None
-
-    def maybe_save(self, global_step: int) -> None:
-        path = self.filename(global_step)
-        if path is not None and global_step < self._total_steps():
-            self.saved.append(self.save(path, global_step))
-
-    def _total_steps(self) -> int:
-        epochs = self.config.max_train_epochs
-        return epochs * self.steps_per_epoch if epochs else self.config.max_train_steps
-
-    def save(self, path: Path, global_step: int) -> Path:
-        metadata = {**self.base_metadata, "ss_steps": str(global_step),
-                    "ss_epoch": str(math.ceil(global_step / self.steps_per_epoch)),
-                    "ss_num_epochs": str(math.ceil(self._total_steps() / self.steps_per_epoch)),
-                    "ss_training_finished_at": str(time.time())}
-        dtype = SAVE_DTYPES[self.config.save_precision] if self.config.save_precision else None
-        return self.network.save_weights(path, dtype, metadata)
-
-
-class Sampler:
-    """Sample images with the network applied, every --sample_every_n_steps / _epochs; PNGs go to
-    OUTPUT_DIR/sample as sd-scripts names them, and the grid to the log."""
-
-    def __init__(self, config: SDXLLoraConfig, pipeline: Any, network: LoRANetwork, prompts: list | None,
-                 steps_per_epoch: int, accelerator: Any):
-        self.config, self.pipeline, self.network, self.prompts = config, pipeline, network, prompts
-        self.steps_per_epoch, self.accelerator = steps_per_epoch, accelerator
-        self.folder = Path(config.output_dir) / "sample"
-        self.written: list[Path] = []
-
-    def due(self, global_step: int) -> bool:
-        steps, epochs = self.config.sample_every_n_steps, self.config.sample_every_n_epochs
-        return bool(self.prompts) and bool((steps and global_step % steps == 0) or
-                                           (epochs and global_step % (epochs * self.steps_per_epoch) == 0))
-
-    def __call__(self, global_step: int, force: bool = False) -> list:
-        if not (force or self.due(global_step)) or not self.accelerator.is_main_process:
-            return []
-        self.network.eval()
-        try:
-            with self.accelerator.autocast():
-                images = sdxl.generate_samples(self.pipeline, self.prompts, default_sampler=self.config.sample_sampler,
-                                               seed=self.config.seed, v_prediction=self.config.v_parameterization)
-        finally:
-            self.network.train()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for i, image in enumerate(images):
-            path = self.folder / f"{self.config.output_name}_{global_step:06d}_{i:02d}.png"
-            image.save(path)
-            self.written.append(path)
-        return images
+def ss_metadata(config: SDXLLoraConfig, options: NetworkOptions, network_args: dict[str, Any],
+                datasets: list[DatasetConfig], records: list[Any], steps_per_epoch: int) -> dict[str, str]:
+    """sd-scripts' ``ss_*`` metadata of this run (the flags, the network, the dataset), for every file."""
+    return {
+        "ss_session_id": str(random.randrange(2**31)), "ss_training_started_at": str(time.time()),
+        "ss_output_name": config.output_name, "ss_base_model_version": "sdxl_base_v1-0",
+        "ss_sd_model_name": Path(config.pretrained_model_name_or_path).name,
+        "ss_learning_rate": str(config.learning_rate), "ss_unet_lr": str(config.unet_lr),
+        "ss_text_encoder_lr": str(config.text_encoder_lr), "ss_optimizer": config.optimizer_type,
+        "ss_lr_scheduler": config.lr_scheduler, "ss_lr_warmup_steps": str(config.lr_warmup_steps),
+        "ss_max_train_steps": str(config.max_train_steps), "ss_num_batches_per_epoch": str(steps_per_epoch),
+        "ss_gradient_accumulation_steps": str(config.gradient_accumulation_steps),
+        "ss_gradient_checkpointing": str(config.gradient_checkpointing),
+        "ss_mixed_precision": config.mixed_precision, "ss_full_fp16": str(config.full_fp16),
+        "ss_seed": str(config.seed), "ss_cache_latents": str(config.cache_latents),
+        "ss_min_snr_gamma": str(config.min_snr_gamma), "ss_noise_offset": str(config.noise_offset),
+        "ss_adaptive_noise_scale": str(config.adaptive_noise_scale),
+        "ss_multires_noise_iterations": str(config.multires_noise_iterations),
+        "ss_multires_noise_discount": str(config.multires_noise_discount),
+        "ss_v_parameterization": str(config.v_parameterization),
+        "ss_prior_loss_weight": str(config.prior_loss_weight), "ss_max_grad_norm": str(config.max_grad_norm),
+        **network_metadata(options, network_args),
+        **dataset_metadata(records, datasets[0].batch_size, datasets[0].buckets.resolution),
+    }
