@@ -75,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     module_name, summary = commands[key]
     hide_known_notices()
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"dreamstep {' '.join(key)}", description=summary,
-                                     allow_abbrev=False)
+    prog = f"dreamstep {' '.join(key)}"
+    # The trainers have dozens of flags: list them once, under options, not again in the usage line.
+    usage = f"{prog} [--config TOML] [options]" if key[0] == "train" else None
+    parser = argparse.ArgumentParser(prog=prog, usage=usage, description=summary, allow_abbrev=False)
     module.configure_parser(parser, key)
     args = parser.parse_args(argv[len(key):])
     try:
