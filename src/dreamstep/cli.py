@@ -78,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"dreamstep {' '.join(key)}"
     # The trainers have dozens of flags: list them once, under options, not again in the usage line.
     usage = f"{prog} [--config TOML] [options]" if key[0] == "train" else None
-    parser = argparse.ArgumentParser(prog=prog, usage=usage, description=summary, allow_abbrev=False)
+    # A trainer's module docstring lists its features and outputs: the best description it has.
+    description = module.__doc__ if key[0] == "train" and module.__doc__ else summary
+    parser = argparse.ArgumentParser(prog=prog, usage=usage, description=description, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     module.configure_parser(parser, key)
     args = parser.parse_args(argv[len(key):])
     try:

@@ -10,7 +10,8 @@ resumable checkpoints; validation grids; TensorBoard; a loss curve PNG.
 
 Outputs in --output_dir: ``pytorch_lora_weights.safetensors`` (diffusers layout, adapter config in the
 header), with --save_kohya_format also ``pytorch_lora_weights_kohya.safetensors`` (sd-scripts names),
-``samples/``, ``loss_curve.png``, ``logs/``, ``checkpoint-N/`` and ``config.toml``.
+``samples/``, ``loss_curve.png``, TensorBoard event files, ``checkpoint-N/``, ``cache/`` and
+``config.toml``.
 """
 
 from __future__ import annotations
