@@ -205,8 +205,10 @@ def test_kohya_dataset_toml_with_captions(tiny_flux_dir: Path, tmp_path: Path) -
                     f"resolution = 32\nbatch_size = 2\n\n  [[datasets.subsets]]\n  image_dir = '{images}'\n"
                     "  num_repeats = 2\n")
     out = tmp_path / "out"
+    # --prior_loss_weight applies to a dataset TOML's is_reg subsets, so it is accepted here.
     assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dir, "--dataset_config", toml,
-                   "--output_dir", out, "--max_train_steps", "3", "--report_to", "none") == 0
+                   "--output_dir", out, "--max_train_steps", "3", "--report_to", "none",
+                   "--prior_loss_weight", "0.5") == 0
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     texts = list((out / "cache" / "text").rglob("*.safetensors"))
     assert len(texts) >= 2  # per-image captions, shuffled: more than one prompt was encoded
@@ -216,6 +218,7 @@ def test_kohya_dataset_toml_with_captions(tiny_flux_dir: Path, tmp_path: Path) -
     (["--class_prompt", "a robot"], "--class_prompt has no effect without --with_prior_preservation"),
     (["--text_encoder_lr", "1e-5"], "--text_encoder_lr has no effect without --train_text_encoder"),
     (["--dataset_config", "d.toml", "--random_flip"], "--random_flip has no effect with --dataset_config"),
+    (["--prior_loss_weight", "0.5"], "--prior_loss_weight has no effect without --with_prior_preservation"),
 ])
 def test_flags_without_effect_are_refused(flags: list[str], message: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:

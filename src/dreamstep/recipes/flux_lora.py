@@ -88,6 +88,8 @@ class FluxLoraConfig(FluxTrainingConfig):
             refuse_unused(self, _INSTANCE_FLAGS, "with --dataset_config (set them in the dataset TOML instead)")
         if not self.with_prior_preservation:
             refuse_unused(self, _PRIOR_FLAGS, "without --with_prior_preservation")
+            if self.dataset_config is None:  # a dataset TOML's is_reg subsets are weighted by it
+                refuse_unused(self, ("prior_loss_weight",), "without --with_prior_preservation or --dataset_config")
         if not self.train_text_encoder:
             refuse_unused(self, ("text_encoder_lr",), "without --train_text_encoder")
         if self.rank < 1:
@@ -96,7 +98,7 @@ class FluxLoraConfig(FluxTrainingConfig):
             raise UserError(f"--lora_dropout must be in [0, 1) (got {self.lora_dropout})")
 
 
-_PRIOR_FLAGS = ("class_data_dir", "class_prompt", "num_class_images", "sample_batch_size", "prior_loss_weight")
+_PRIOR_FLAGS = ("class_data_dir", "class_prompt", "num_class_images", "sample_batch_size")
 _INSTANCE_FLAGS = ("instance_prompt", "caption_extension", "center_crop", "random_flip", "repeats",
                    "with_prior_preservation", *_PRIOR_FLAGS)
 
