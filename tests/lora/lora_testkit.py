@@ -68,3 +68,15 @@ def inference_mode(pipe):
         if isinstance(component, torch.nn.Module):
             component.eval()
     return pipe
+
+
+def loaded_image(pipe, source, render: Callable[[object], torch.Tensor]) -> torch.Tensor:
+    """``render(pipe)`` with ``source`` (a file, or a state dict) loaded by diffusers, which is then unloaded."""
+    if isinstance(source, dict):
+        pipe.load_lora_weights(source)
+    else:
+        pipe.load_lora_weights(source.parent, weight_name=source.name)
+    try:
+        return render(pipe)
+    finally:
+        pipe.unload_lora_weights()

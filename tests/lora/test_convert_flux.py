@@ -9,6 +9,7 @@ from lora_testkit import (
     SCALES,
     delta,
     inference_mode,
+    loaded_image,
     merge_into,
     module_of,
     random_lora,
@@ -104,18 +105,6 @@ def _image(pipe) -> torch.Tensor:
                 output_type="pt", generator=torch.Generator().manual_seed(0)).images
 
 
-def _loaded_image(pipe, source) -> torch.Tensor:
-    """The image with ``source`` (a file, or a state dict) loaded by diffusers, which is then unloaded."""
-    if isinstance(source, dict):
-        pipe.load_lora_weights(source)
-    else:
-        pipe.load_lora_weights(source.parent, weight_name=source.name)
-    try:
-        return _image(pipe)
-    finally:
-        pipe.unload_lora_weights()
-
-
 def _reference_image(modules: dict[str, LoraModule]) -> torch.Tensor:
     reference = inference_mode(build_tiny_flux(seed=0, guidance_embeds=True))
     merge_into(reference, modules)
@@ -134,7 +123,7 @@ def test_diffusers_loads_our_files_as_the_merged_reference(flux_pipe, flux_keys,
     expected = _reference_image(ours)
     assert (expected - base).abs().max() > 1e-2  # the LoRA changes the image
     for source in (src, tmp_path / "diffusers.pt", state_dict):
-        torch.testing.assert_close(_loaded_image(flux_pipe, source), expected, atol=2e-4, rtol=0)
+        torch.testing.assert_close(loaded_image(flux_pipe, source, _image), expected, atol=2e-4, rtol=0)
     torch.testing.assert_close(_image(flux_pipe), base)
 
 
@@ -149,5 +138,5 @@ def test_diffusers_loads_our_kohya_file_as_the_merged_reference(flux_pipe, flux_
     ours = random_lora(flux_pipe, flux_keys, names, seed=4)
     src = _write_diffusers(ours, tmp_path / "diffusers.safetensors")
     convert_lora(src, tmp_path / "kohya.safetensors", "kohya")
-    torch.testing.assert_close(_loaded_image(flux_pipe, tmp_path / "kohya.safetensors"), _reference_image(ours),
+    torch.testing.assert_close(loaded_image(flux_pipe, tmp_path / "kohya.safetensors", _image), _reference_image(ours),
                                atol=2e-4, rtol=0)

@@ -4,7 +4,7 @@ exact round trips, and diffusers' loader gives the hand-merged reference image f
 from __future__ import annotations
 
 import torch
-from lora_testkit import inference_mode, merge_into, module_of, random_lora
+from lora_testkit import inference_mode, loaded_image, merge_into, module_of, random_lora
 
 from dreamstep.lora.convert import (
     convert_lora,
@@ -57,18 +57,6 @@ def test_round_trips_through_kohya_and_mindspore_are_exact(sdxl_pipe, sdxl_keys,
         assert back[name].alpha == m.alpha, name
 
 
-def _loaded_image(pipe, source) -> torch.Tensor:
-    """The image with ``source`` (a file, or a state dict) loaded by diffusers, which is then unloaded."""
-    if isinstance(source, dict):
-        pipe.load_lora_weights(source)
-    else:
-        pipe.load_lora_weights(source.parent, weight_name=source.name)
-    try:
-        return _image(pipe)
-    finally:
-        pipe.unload_lora_weights()
-
-
 def _reference_image(modules) -> torch.Tensor:
     reference = inference_mode(build_tiny_sdxl(seed=0))
     merge_into(reference, modules)
@@ -86,7 +74,7 @@ def test_diffusers_loads_our_files_as_the_merged_reference(sdxl_pipe, sdxl_keys,
     expected = _reference_image(ours)
     assert (expected - base).abs().max() > 1e-2  # the LoRA changes the image
     for source in (src, state_dict):
-        torch.testing.assert_close(_loaded_image(sdxl_pipe, source), expected, atol=2e-4, rtol=0)
+        torch.testing.assert_close(loaded_image(sdxl_pipe, source, _image), expected, atol=2e-4, rtol=0)
 
 
 def test_diffusers_loads_our_kohya_file_as_the_merged_reference(sdxl_pipe, sdxl_keys, tmp_path):
@@ -97,5 +85,5 @@ def test_diffusers_loads_our_kohya_file_as_the_merged_reference(sdxl_pipe, sdxl_
     src = tmp_path / "diffusers.safetensors"
     write_lora_file(src, diffusers_state_dict(ours), diffusers_adapter_metadata(ours), "safetensors")
     convert_lora(src, tmp_path / "kohya.safetensors", "kohya")
-    torch.testing.assert_close(_loaded_image(sdxl_pipe, tmp_path / "kohya.safetensors"), _reference_image(ours),
+    torch.testing.assert_close(loaded_image(sdxl_pipe, tmp_path / "kohya.safetensors", _image), _reference_image(ours),
                                atol=2e-4, rtol=0)
