@@ -27,6 +27,17 @@ from dreamstep.models.tiny import SINGLE_FILE_NAME, write_tiny_model
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Each test starts and ends with accelerate's per-process state unset, as a new ``dreamstep`` process
+    does: accelerate allows one mixed precision per process, and tests train in-process."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    yield
+    AcceleratorState._reset_state()
+
+
 @pytest.fixture(scope="session")
 def tiny_flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny FLUX.1 pipeline folder without guidance embedding (like FLUX.1-schnell)."""

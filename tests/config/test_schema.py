@@ -11,7 +11,7 @@ from dreamstep.errors import UserError
 @dataclass
 class Example:
     output_dir: str = option(help="where")
-    rank: int = option(4, "LoRA rank", aliases=("network_dim",))
+    rank: int = option(4, "LoRA rank")
     scale: float = option(1.0, "a float")
     flip: bool = option(False, "a bool")
     layers: list[str] = option(["attention"], "a list")
@@ -28,7 +28,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def test_command_line_beats_toml_beats_defaults(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text('output_dir = "a"\nrank = 8\nscale = 2\nlayers = ["x", "y"]\n')
-    config = build_config(Example, parse(["--config", str(toml), "--network_dim", "16", "--flip", "--limit", "3"]))
+    config = build_config(Example, parse(["--config", str(toml), "--rank", "16", "--flip", "--limit", "3"]))
     assert config == Example(output_dir="a", rank=16, scale=2.0, flip=True, layers=["x", "y"], limit=3)
     assert build_config(Example, parse(["--output_dir", "b", "--flip", "false", "--limit", "none"])).flip is False
 

@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from dreamstep import DynamicLossScaler
 from dreamstep.engine.checkpoint import save_checkpoint
-from dreamstep.engine.loop import run_training
+from dreamstep.engine.loop import Every, Hook, run_training
 from dreamstep.engine.train_step import make_accelerator
 
 ALLREDUCE_CALLS = [0]
@@ -56,7 +56,7 @@ def main(out_file: str, checkpoint_dir: str) -> None:
     assert isinstance(step.loss_scaler, DynamicLossScaler)
     save = lambda position: save_checkpoint(checkpoint_dir, step, position,
                                             accelerator.unwrap_model(model).state_dict(), total_limit=1)
-    result = run_training(step, shard, num_epochs=2, checkpoint_every_n_steps=3, save_checkpoint=save)
+    result = run_training(step, shard, num_epochs=2, hooks=[Hook(Every(steps=3), save)])
     RECORD.append((False, ALLREDUCE_CALLS[0]))
 
     params = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]

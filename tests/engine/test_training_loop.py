@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dreamstep import DynamicLossScaler, TrainStep
 from dreamstep.engine.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from dreamstep.engine.logging import TrainingLogger
-from dreamstep.engine.loop import NonFiniteLossError, epoch_generator, run_training
+from dreamstep.engine.loop import Every, Hook, NonFiniteLossError, epoch_generator, run_training
 from dreamstep.errors import UserError
 
 
@@ -72,8 +72,8 @@ def test_resume_is_exact(tmp_path, kind, stop_at):
     _seed_everything(0)
     first = _build(init_seed=0)
     save = lambda position: save_checkpoint(tmp_path, first, position, first.model.state_dict())
-    head = run_training(first, _data(kind), max_train_steps=stop_at, checkpoint_every_n_steps=stop_at,
-                        save_checkpoint=save, progress=False)
+    head = run_training(first, _data(kind), max_train_steps=stop_at, hooks=[Hook(Every(steps=stop_at), save)],
+                        progress=False)
 
     _seed_everything(123)  # a new process: different seed, different init, new optimizer and data objects
     resumed = _build(init_seed=99)
@@ -124,18 +124,22 @@ def test_non_finite_loss_can_be_skipped(capsys):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_callbacks_run_on_schedule_and_logger_gets_scalars(tmp_path):
+def test_hooks_run_on_their_cadence_in_order_and_logger_gets_scalars(tmp_path):
     model = tiny_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     step = RegressionStep(model, opt, gradient_accumulation_steps=2, length_of_dataloader=7)
-    validated, saved = [], []
+    calls = []
     logger = TrainingLogger(tmp_path, report_to="none")
-    result = run_training(step, regression_batches(7, 2), num_epochs=2, validate_every_n_steps=3,
-                          validate=validated.append, checkpoint_every_n_steps=4, save_checkpoint=saved.append,
-                          logger=logger, progress=False)
-    assert len(result.losses) == 8  # 4 groups per epoch (2, 2, 2, 1)
-    assert validated == [3, 6]
-    assert [(p.global_step, p.epoch, p.batch_in_epoch) for p in saved] == [(4, 0, 7), (8, 1, 7)]
+    hooks = [Hook(Every(steps=3), lambda p: calls.append(("sample", p.global_step))),
+             Hook(Every(epochs=1), lambda p: calls.append(("save", p.global_step))),
+             Hook(Every(steps=4), lambda p: calls.append(("checkpoint", (p.global_step, p.epoch, p.batch_in_epoch)))),
+             Hook(Every(), lambda p: calls.append(("never", p.global_step)))]
+    result = run_training(step, regression_batches(7, 2), num_epochs=3, hooks=hooks, logger=logger, progress=False)
+    assert len(result.losses) == 12  # 4 groups per epoch (2, 2, 2, 1)
+    # Epoch ends are steps 4, 8, 12; at a step where several are due they run in the list's order.
+    assert calls == [("sample", 3), ("save", 4), ("checkpoint", (4, 0, 7)), ("sample", 6), ("save", 8),
+                     ("checkpoint", (8, 1, 7)), ("sample", 9), ("sample", 12), ("save", 12),
+                     ("checkpoint", (12, 2, 7))]
     assert [v for _, v in logger.loss_history] == result.losses
     assert set(logger.history) == {"loss", "lr", "grad_norm", "loss_scale", "skipped"}
     assert result.losses[-1] < result.losses[0]
@@ -150,3 +154,62 @@ def test_max_train_steps_stops_mid_epoch_and_progress_shows_rate(capsys):
     assert (position.global_step, position.epoch, position.batch_in_epoch) == (5, 1, 2)
     err = capsys.readouterr().err
     assert "5/5" in err and "step/s" in err
+
+
+class PixelStep(TrainStep):
+    """Regresses a scalar onto each batch's mean pixel, with noise drawn in forward."""
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor]:
+        target = batch["pixel_values"].mean() + 0.01 * torch.randn(())
+        return (self.scale_loss((self.model.weight.sum() - target) ** 2),)
+
+
+def _bucketed_batches(tmp_path, encoded: list):
+    """6 images in batches of 1 through a conditioner that records each batch it encodes."""
+    from PIL import Image
+
+    from dreamstep.data import ConditionedBatches, build_dataset, dreambooth_from_flags, make_dataloader
+    from dreamstep.data.sources import bucket_spec
+
+    folder = tmp_path / "images"
+    folder.mkdir(exist_ok=True)
+    for i in range(6):
+        Image.new("RGB", (32, 32), (40 * i, 0, 0)).save(folder / f"{i}.png")
+    dataset = build_dataset([dreambooth_from_flags(folder, "a photo", buckets=bucket_spec(32), random_flip=True)],
+                            seed=0)
+
+    def conditioner(batch: dict) -> dict:
+        encoded.extend(batch["image_paths"])
+        return batch
+
+    return ConditionedBatches(make_dataloader(dataset, seed=0), conditioner)
+
+
+def _pixel_step() -> PixelStep:
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    return PixelStep(model, torch.optim.SGD(model.parameters(), lr=0.1), length_of_dataloader=6)
+
+
+def test_resume_leaves_trained_batches_unread_and_unencoded(tmp_path):
+    """The bucket sampler skips the batches a checkpoint already trained on: the conditioner (VAE and text
+    encoders in a recipe) never sees them, and the resumed run equals the straight one."""
+    _seed_everything(0)
+    straight_encoded: list = []
+    straight = run_training(_pixel_step(), _bucketed_batches(tmp_path, straight_encoded), max_train_steps=4,
+                            progress=False)
+
+    _seed_everything(0)
+    first = _pixel_step()
+    save = lambda position: save_checkpoint(tmp_path / "ckpt", first, position, first.model.state_dict())
+    head = run_training(first, _bucketed_batches(tmp_path, []), max_train_steps=2, hooks=[Hook(Every(steps=2), save)],
+                        progress=False)
+    _seed_everything(1)
+    resumed = _pixel_step()
+    loaded = load_checkpoint(resolve_resume(tmp_path / "ckpt", "latest"), resumed)
+    resumed.model.load_state_dict(loaded.weights)
+    encoded: list = []
+    tail = run_training(resumed, _bucketed_batches(tmp_path, encoded), max_train_steps=4, resume=loaded,
+                        progress=False)
+    assert encoded == straight_encoded[2:4]  # only the batches it trains on, in the straight run's order
+    assert head.losses + tail.losses == pytest.approx(straight.losses, abs=1e-7)

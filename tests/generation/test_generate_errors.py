@@ -68,4 +68,3 @@ def test_lora_spec_keeps_colons_of_existing_files(tmp_path: Path) -> None:
     odd.write_bytes(b"")
     assert parse_lora_spec(str(odd)) == LoraSpec(odd, 1.0)
     assert parse_lora_spec(f"{odd}:0.25") == LoraSpec(odd, 0.25)
-    assert LoraSpec(odd, 0.25).label == "style:v2:0.25"

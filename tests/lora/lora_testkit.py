@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dreamstep.lora.convert import LoraModule
+from dreamstep.lora.convert import LoraWeights
 from dreamstep.lora.formats import ModelKeys
 
 # Two small checkpoints written by the MindSpore port (mindone), fp32 and fp16, shipped with the tests.
@@ -29,7 +29,7 @@ def module_of(pipe, name: str) -> torch.nn.Module:
 
 
 def random_lora(pipe, keys: ModelKeys, names: list[str], seed: int,
-                scale_of: Callable[[int, int], float] | None = None, rank: int | None = None) -> dict[str, LoraModule]:
+                scale_of: Callable[[int, int], float] | None = None, rank: int | None = None) -> dict[str, LoraWeights]:
     """Random diffusers-named LoRA modules for ``names``; ``scale_of(kohya index, part index)``; one
     ``rank`` for all, or ranks 2, 3, 4 in turn."""
     g = torch.Generator().manual_seed(seed)
@@ -43,18 +43,18 @@ def random_lora(pipe, keys: ModelKeys, names: list[str], seed: int,
         up = torch.randn(weight.shape[0], r, *([1] * (weight.dim() - 2)), generator=g) * 0.2
         part = keys.by_diffusers[name].diffusers.index(name)
         scale = scale_of(kohya_index[name], part) if scale_of else SCALES[kohya_index[name] % 3]
-        out[name] = LoraModule(down, up, r * scale)
+        out[name] = LoraWeights(down, up, r * scale)
     return out
 
 
-def delta(m: LoraModule) -> torch.Tensor:
+def delta(m: LoraWeights) -> torch.Tensor:
     """The merged weight change alpha / rank * up @ down, in float64, shaped like the weight."""
     down = m.down.double().flatten(1)
     up = m.up.double().flatten(1)
     return (m.scale * (up @ down)).reshape(m.up.shape[0], *m.down.shape[1:])
 
 
-def merge_into(pipe, modules: dict[str, LoraModule]) -> None:
+def merge_into(pipe, modules: dict[str, LoraWeights]) -> None:
     """Add each module's delta to its weight: the reference a LoRA loader must reproduce."""
     with torch.no_grad():
         for name, m in modules.items():

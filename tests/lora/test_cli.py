@@ -9,7 +9,7 @@ from lora_testkit import MINDSPORE_DIR
 from safetensors.torch import save_file
 
 from dreamstep.cli import main
-from dreamstep.lora.convert import LoraModule, kohya_state_dict, read_lora
+from dreamstep.lora.convert import LoraWeights, kohya_state_dict, read_lora
 from dreamstep.lora.io import write_lora_file
 
 MS_FP32 = MINDSPORE_DIR / "mindspore_lora_fp32.ckpt"
@@ -30,9 +30,9 @@ def _error(capsys, *argv) -> str:
 
 def _kohya_flux(path, block: int = 0):
     g = torch.Generator().manual_seed(0)
-    modules = {f"lora_unet_double_blocks_{block}_img_attn_proj": LoraModule(torch.randn(4, 32, generator=g),
+    modules = {f"lora_unet_double_blocks_{block}_img_attn_proj": LoraWeights(torch.randn(4, 32, generator=g),
                                                                             torch.randn(32, 4, generator=g), 2.0),
-               "lora_unet_single_blocks_0_linear1": LoraModule(torch.randn(8, 32, generator=g),
+               "lora_unet_single_blocks_0_linear1": LoraWeights(torch.randn(8, 32, generator=g),
                                                                torch.randn(224, 8, generator=g), 8.0)}
     write_lora_file(path, kohya_state_dict(modules), {"ss_network_dim": "4", "ss_base_model_version": "flux1"},
                     "safetensors")

@@ -16,7 +16,7 @@ from lora_testkit import (
 )
 
 from dreamstep.lora.convert import (
-    LoraModule,
+    LoraWeights,
     convert_lora,
     diffusers_adapter_metadata,
     diffusers_state_dict,
@@ -35,7 +35,7 @@ def _write_diffusers(modules, path):
     return path
 
 
-def _assert_same(a: dict[str, LoraModule], b: dict[str, LoraModule]) -> None:
+def _assert_same(a: dict[str, LoraWeights], b: dict[str, LoraWeights]) -> None:
     assert sorted(a) == sorted(b)
     for name, m in a.items():
         assert torch.equal(m.down, b[name].down), name
@@ -43,7 +43,7 @@ def _assert_same(a: dict[str, LoraModule], b: dict[str, LoraModule]) -> None:
         assert m.alpha == b[name].alpha, name
 
 
-def _assert_fused_deltas(kohya: dict[str, LoraModule], ours: dict[str, LoraModule], keys, rtol: float) -> None:
+def _assert_fused_deltas(kohya: dict[str, LoraWeights], ours: dict[str, LoraWeights], keys, rtol: float) -> None:
     """Each Kohya module's delta, split by rows, is the delta of its diffusers parts."""
     for entry in keys.maps:
         if entry.kohya not in kohya:
@@ -77,7 +77,7 @@ def test_kohya_to_diffusers_and_back_is_exact(flux_pipe, flux_keys, tmp_path):
     for i, entry in enumerate(flux_keys.maps):
         layers = [module_of(flux_pipe, n) for n in entry.diffusers]
         rank = 2 + i % 3
-        kohya[entry.kohya] = LoraModule(torch.randn(rank, layers[0].in_features, generator=g),
+        kohya[entry.kohya] = LoraWeights(torch.randn(rank, layers[0].in_features, generator=g),
                                         torch.randn(sum(layer.out_features for layer in layers), rank, generator=g),
                                         rank * SCALES[i % 3])
     write_lora_file(tmp_path / "kohya.safetensors", kohya_state_dict(kohya), {"ss_network_dim": "4"},
@@ -105,7 +105,7 @@ def _image(pipe) -> torch.Tensor:
                 output_type="pt", generator=torch.Generator().manual_seed(0)).images
 
 
-def _reference_image(modules: dict[str, LoraModule]) -> torch.Tensor:
+def _reference_image(modules: dict[str, LoraWeights]) -> torch.Tensor:
     reference = inference_mode(build_tiny_flux(seed=0, guidance_embeds=True))
     merge_into(reference, modules)
     return _image(reference)

@@ -84,7 +84,7 @@ def test_resume_equals_an_uninterrupted_run(tiny_flux_dev_dir: Path, tmp_path: P
               "--instance_prompt", ROBOT_PROMPT, "--resolution", "32", "--report_to", "none",
               "--train_batch_size", "2", "--gradient_accumulation_steps", "2", "--random_flip",
               "--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "2", "--learning_rate", "1e-3",
-              "--weighting_scheme", "logit_normal", "--checkpointing_steps", "3")
+              "--weighting_scheme", "logit_normal", "--checkpointing_steps", "3", "--train_text_encoder")
     assert run_cli("train", "flux-lora", *common, "--output_dir", tmp_path / "straight", "--max_train_steps", "6") == 0
     split = tmp_path / "split"
     assert run_cli("train", "flux-lora", *common, "--output_dir", split, "--max_train_steps", "3") == 0
@@ -92,7 +92,7 @@ def test_resume_equals_an_uninterrupted_run(tiny_flux_dev_dir: Path, tmp_path: P
                    "--resume_from_checkpoint", "latest") == 0
     straight = load_file(tmp_path / "straight" / "pytorch_lora_weights.safetensors")
     resumed = load_file(split / "pytorch_lora_weights.safetensors")
-    assert straight.keys() == resumed.keys()
+    assert straight.keys() == resumed.keys() and any(k.startswith("text_encoder.") for k in straight)
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], atol=1e-6, rtol=0)
     # The loss history (and so loss_curve.png) covers the whole run, the part before the resume included.

@@ -1,14 +1,17 @@
 """Exact resume with --save_state / --resume (and .ckpt and .safetensors holding the same weights), half
-precision, and two processes under `accelerate launch`."""
+precision, and two processes under `accelerate launch` whose run one process continues."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from sdxl_testkit import run_cli, write_method
 
@@ -44,17 +47,34 @@ def test_bf16_with_bf16_network_weights(tiny_sdxl_dir: Path, tmp_path: Path) -> 
     assert list((tmp_path / "tb").glob("events.out.tfevents.*")) and not list(out.glob("events.out.tfevents.*"))
 
 
-def test_two_processes_under_accelerate_launch(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_then_resume_in_one(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu", "-m", "dreamstep", "train", "sdxl-lora",
-               "--pretrained_model_name_or_path", str(tiny_sdxl_dir), "--dataset_config",
-               str(write_method(tmp_path, "finetune")), "--output_dir", str(out), *COMMON, "--max_train_steps", "2",
-               "--save_every_n_steps", "1", "--save_state", "--network_args", "module_dropout=0.2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
+    args = ["train", "sdxl-lora", "--pretrained_model_name_or_path", str(tiny_sdxl_dir), "--dataset_config",
+            str(write_method(tmp_path, "finetune")), "--output_dir", str(out), *COMMON,
+            "--save_every_n_steps", "1", "--save_state", "--network_args", "module_dropout=0.2"]
+    # --multi_gpu picks the torchrun launcher; without GPUs the processes talk over gloo on the CPU.
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(_free_port()), "-m", "dreamstep", *args, "--max_train_steps", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "last.safetensors").is_file() and (out / "last-step00000001.safetensors").is_file()
-    assert (out / "checkpoint-1").is_dir() and (out / "checkpoint-2").is_dir()
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    # 8 samples in batches of 2 are 4 batches: 2 per process, so 2 steps are one epoch of two processes.
+    assert (state["num_processes"], state["epoch"], state["batch_in_epoch"]) == (2, 1, 0)
     assert result.stdout.count("wrote:") == 1  # one summary, from the main process
     assert any(k.startswith("lora_te1_") for k in load_file(out / "last.safetensors"))  # text encoders trained too
+    # One process continues the two-process run from its checkpoint.
+    assert run_cli(*args, "--max_train_steps", "4", "--resume", "latest") == 0
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert (state["global_step"], state["num_processes"]) == (4, 1)
+    assert (out / "last-step00000003.safetensors").is_file()
+    with safe_open(out / "last.safetensors", "pt") as f:
+        assert f.metadata()["ss_steps"] == "4"

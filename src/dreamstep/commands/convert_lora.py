@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from dreamstep.lora.convert import DTYPES, LAYOUTS, convert_lora
+from dreamstep.lora.convert import LAYOUTS, convert_lora
 from dreamstep.lora.formats import folder_configs
+from dreamstep.models.precision import DTYPES
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import sys
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
@@ -26,12 +27,24 @@ T = TypeVar("T")
 _MISSING = dataclasses.MISSING
 
 
-def option(default: Any = _MISSING, help: str = "", *, aliases: tuple[str, ...] = (), **kwargs: Any) -> Any:
-    """A dataclass field with a help text and optional extra flag names (e.g. Kohya's spellings)."""
-    metadata = {"help": help, "aliases": aliases}
+def option(default: Any = _MISSING, help: str = "", **kwargs: Any) -> Any:
+    """A dataclass field with a help text."""
+    metadata = {"help": help}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def parse_key_values(items: Iterable[str], flag: str, example: str) -> dict[str, str]:
+    """sd-scripts' list of ``key=value`` words (``--optimizer_args weight_decay=0.05``) as a dict of the
+    stripped texts; a word without ``=`` or key is an error naming ``flag`` and showing ``example``."""
+    parsed: dict[str, str] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"{flag}: '{item}' is not key=value (e.g. {example})")
+        parsed[key.strip()] = text.strip()
+    return parsed
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -114,12 +127,11 @@ def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add ``--config`` and one ``--<field>`` flag per dataclass field (plus its aliases)."""
+    """Add ``--config`` and one ``--<field>`` flag per dataclass field."""
     parser.add_argument("--config", metavar="TOML", default=argparse.SUPPRESS,
                         help="TOML file with any of the flags below as keys (command-line flags win)")
     for name, (f, tp) in _fields(cls).items():
         base, _ = _unwrap_optional(tp)
-        flags = [f"--{name}", *(f"--{a}" for a in f.metadata.get("aliases", ()))]
         default = f.default if f.default is not _MISSING else (
             f.default_factory() if f.default_factory is not _MISSING else None)
         help_text = f.metadata.get("help", "")
@@ -134,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs.update(nargs="*", action="extend", metavar="VALUE")
         else:
             kwargs.update(metavar=name.upper())
-        parser.add_argument(*flags, **kwargs)
+        parser.add_argument(f"--{name}", **kwargs)
 
 
 def build_config(cls: type[T], cli: dict[str, Any] | argparse.Namespace | None = None,

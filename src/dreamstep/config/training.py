@@ -7,7 +7,7 @@ combinations before any model is loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from dreamstep.config.schema import option
 from dreamstep.errors import UserError
@@ -64,6 +64,12 @@ class FluxTrainingConfig:
         "stop", "a NaN/inf loss stops the run naming the step, or is skipped with a warning")
     dataloader_num_workers: int = option(0, "data loading worker processes")
     overwrite_output_dir: bool = option(False, "allow writing into a non-empty --output_dir")
+
+    def optimization(self) -> dict[str, Any]:
+        """The optimizer and schedule flags as :func:`dreamstep.engine.plan.check_optimization` takes them."""
+        return {"optimizer": self.optimizer, "learning_rate": self.learning_rate, "lr_scheduler": self.lr_scheduler,
+                "num_cycles": self.lr_num_cycles, "power": self.lr_power, "betas": (self.adam_beta1, self.adam_beta2),
+                "weight_decay": self.adam_weight_decay, "eps": self.adam_epsilon}
 
     def __post_init__(self) -> None:
         positive = {"resolution": self.resolution, "train_batch_size": self.train_batch_size,

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from dreamstep.data.buckets import Placement
 from dreamstep.errors import UserError
+from dreamstep.files import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +72,9 @@ class TensorCache:
         """Store tensors atomically; a crash leaves either the old entry or the new one, never half."""
         path = self.path(content_key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        try:
-            contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-            save_file(contiguous, tmp, metadata={"model_id": self.model_id, "content": content_key[:4096]})
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        with atomic_path(path) as tmp:
+            save_file(contiguous, str(tmp), metadata={"model_id": self.model_id, "content": content_key[:4096]})
 
     def get_or_compute(self, content_keys: Sequence[str],
                        compute: Callable[[list[int]], dict[str, torch.Tensor]],
@@ -119,3 +113,13 @@ def latents_for_batch(batch: dict[str, Any], encode: Callable[[torch.Tensor], to
         return {"latents": encode(pixels[rows])}
 
     return cache.get_or_compute(keys, compute, known)["latents"]
+
+
+def remove_caches(root: Path, names: Iterable[str]) -> None:
+    """Delete the named cache folders under ``root`` (a run's temporary caches), and ``root`` when that
+    leaves it empty."""
+    for name in names:
+        if (root / name).is_dir():
+            shutil.rmtree(root / name)
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()

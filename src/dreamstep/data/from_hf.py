@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from tqdm.auto import tqdm
 
 from dreamstep.data.images import IMAGE_EXTENSIONS, to_rgb
 from dreamstep.errors import UserError, did_you_mean
+from dreamstep.files import write_bytes_atomic
 
 METADATA_NAME = "metadata.json"
 TOML_NAME = "dataset.toml"
@@ -35,7 +35,6 @@ KEPT_FORMATS = {"PNG": ".png", "JPEG": ".jpg", "WEBP": ".webp", "BMP": ".bmp", "
 _BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 _SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what Dataset(Dict).save_to_disk writes
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-_PART = ".part-"
 SAVE_EVERY = 500  # rows between metadata.json rewrites
 
 
@@ -237,12 +236,6 @@ def caption_text(value: Any) -> str | None:
 
 # ------------------------------------------------------------------------------ the output folder
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{_PART}{path.name}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def prepare_output(output_dir: Path, identity: dict[str, Any]) -> dict[str, str]:
     """Create or reopen ``output_dir``; return the images already there by stem. A non-empty folder must be
     an earlier run's on the same data: nothing else of the user's is written into or over."""
@@ -264,15 +257,15 @@ def prepare_output(output_dir: Path, identity: dict[str, Any]) -> dict[str, str]
             raise UserError(f"OUT {output_dir} was made with {changed} = {earlier.get(changed)!r}, not "
                             f"{identity[changed]!r}; give the same source and columns to continue, or a new folder")
     output_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(marker, json.dumps(identity, indent=1).encode())
-    for stale in output_dir.glob(f"{_PART}*"):  # an interrupted write; its row is converted again
+    write_bytes_atomic(marker, json.dumps(identity, indent=1).encode())
+    for stale in output_dir.glob(".*.tmp"):  # an interrupted write; its row is converted again
         stale.unlink()
     return images
 
 
 def write_metadata(output_dir: Path, captions: dict[str, dict[str, str]]) -> Path:
     path = output_dir / METADATA_NAME
-    _write_atomic(path, json.dumps(captions, ensure_ascii=False, indent=1).encode("utf-8"))
+    write_bytes_atomic(path, json.dumps(captions, ensure_ascii=False, indent=1).encode("utf-8"))
     return path
 
 
@@ -284,7 +277,7 @@ def write_dataset_toml(output_dir: Path, resolution: int) -> Path:
             f"[[datasets]]\n\n[[datasets.subsets]]\nimage_dir = {json.dumps(str(folder))}\n"
             f"metadata_file = {json.dumps(str(folder / METADATA_NAME))}\n")
     path = output_dir / TOML_NAME
-    _write_atomic(path, text.encode("utf-8"))
+    write_bytes_atomic(path, text.encode("utf-8"))
     return path
 
 
@@ -336,7 +329,7 @@ def _write_row_image(value: Any, stem: str, output_dir: Path, base: Path | None,
     except _Unreadable as e:
         result.unreadable.append((index, str(e)))
         return None
-    _write_atomic(output_dir / f"{stem}{ext}", data)
+    write_bytes_atomic(output_dir / f"{stem}{ext}", data)
     result.written += 1
     return f"{stem}{ext}"
 

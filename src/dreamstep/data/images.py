@@ -22,6 +22,7 @@ from dreamstep.errors import UserError
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 _ORIENTATION_TAG = 0x0112
 _SWAPPED_ORIENTATIONS = (5, 6, 7, 8)
+DECODE_THREADS = 8  # images decoded at once when checking a dataset (Pillow decodes without the GIL)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def _inspect(path: Path) -> ImageInfo | str:
     return ImageInfo(path=path, size=(width, height), sha256=hashlib.sha256(data).hexdigest())
 
 
-def validate_images(paths: list[Path], workers: int = 8) -> dict[Path, ImageInfo]:
+def validate_images(paths: list[Path], workers: int = DECODE_THREADS) -> dict[Path, ImageInfo]:
     """Decode every image before training. Any failure is one UserError naming the first bad file
     (and how many more there are), so a run never trains on fewer images than it was given."""
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:

@@ -10,12 +10,13 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
+from tqdm.auto import tqdm
 
-__all__ = ["TrainingLogger", "draw_loss_curve", "save_image_grid", "smooth"]
+__all__ = ["TrainingLogger", "draw_loss_curve", "image_grid", "save_image_grid", "say", "smooth"]
 
 ReportTo = Literal["tensorboard", "none"]
 
@@ -72,6 +73,12 @@ class TrainingLogger:
         return draw_loss_curve(steps, losses, self.log_dir / "loss_curve.png")
 
 
+def say(message: str, *, is_main_process: bool = True, file: TextIO | None = None) -> None:
+    """Print a line once (from the main process) without breaking a progress bar's line."""
+    if is_main_process:
+        tqdm.write(message, file=file)
+
+
 def _open_writer(log_dir: Path) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -82,20 +89,26 @@ def _open_writer(log_dir: Path) -> Any:
     return SummaryWriter(log_dir=str(log_dir))
 
 
+def image_grid(rows: Sequence[Sequence[Image.Image]]) -> Image.Image:
+    """One image: each row left to right, rows top to bottom, every cell the size of the largest image
+    (smaller ones are resized to it), empty cells white."""
+    cell_w = max(im.width for row in rows for im in row)
+    cell_h = max(im.height for row in rows for im in row)
+    grid = Image.new("RGB", (max(len(r) for r in rows) * cell_w, len(rows) * cell_h), "white")
+    for y, row in enumerate(rows):
+        for x, image in enumerate(row):
+            grid.paste(image.convert("RGB").resize((cell_w, cell_h)), (x * cell_w, y * cell_h))
+    return grid
+
+
 def save_image_grid(images: Sequence[Image.Image], path: str | Path, columns: int | None = None) -> Path:
-    """Paste ``images`` row by row into one PNG (cells sized to the largest image); return ``path``."""
+    """``images`` in rows of ``columns`` (default: a square) as one PNG; return ``path``."""
     if not images:
         raise ValueError("save_image_grid needs at least one image")
     columns = columns or math.ceil(math.sqrt(len(images)))
-    rows = math.ceil(len(images) / columns)
-    cell_w = max(im.width for im in images)
-    cell_h = max(im.height for im in images)
-    grid = Image.new("RGB", (columns * cell_w, rows * cell_h), "white")
-    for i, im in enumerate(images):
-        grid.paste(im.convert("RGB"), ((i % columns) * cell_w, (i // columns) * cell_h))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
+    image_grid([images[i:i + columns] for i in range(0, len(images), columns)]).save(path)
     return path
 
 

@@ -1,5 +1,6 @@
 """The training loop every recipe uses: epochs of micro-batches through a :class:`TrainStep`, with progress,
-logging, validation and checkpoint callbacks, non-finite loss detection, and exact resume.
+logging, hooks on a step or epoch cadence (save, sample, checkpoint), non-finite loss detection, and exact
+resume.
 
 Exact resume means: N optimizer steps straight give the same weights, optimizer and scheduler state, random
 numbers and data order as k steps, a checkpoint, a new process and N-k more steps. The loop gets there by
@@ -7,8 +8,10 @@ owning the RNG timeline of an epoch:
 
 1. just before an epoch's batches are created it records the RNG state (``epoch_start_rng``);
 2. on resume it restores that state, creates the epoch's batches again (same shuffled order, whether the
-   order comes from a seeded generator, ``set_epoch`` or the global RNG), and consumes the batches already
-   trained on by iterating over them (so worker-side random augmentation advances identically too);
+   order comes from a seeded generator, ``set_epoch`` or the global RNG), and skips the batches already
+   trained on: a batch sampler whose ``set_epoch(epoch, skip_batches)`` takes a skip count (dreamstep's
+   bucket sampler, whose augmentation depends only on seed, epoch and sample) leaves them out unread and
+   unencoded; other data is iterated over (so worker-side random augmentation advances identically);
 3. then it restores the RNG state saved with the checkpoint, so ``forward`` draws the same noise.
 
 A step's loss is checked once per optimizer step; under several processes it is averaged over them first,
@@ -18,9 +21,11 @@ so every process sees the same value and takes the same stop/continue decision.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import itertools
 import math
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,13 +38,14 @@ from dreamstep.engine.checkpoint import (
     capture_rng_state,
     restore_rng_state,
 )
-from dreamstep.engine.logging import TrainingLogger
+from dreamstep.engine.logging import TrainingLogger, say
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
 
-__all__ = ["NonFiniteLossError", "TrainingResult", "epoch_generator", "run_training"]
+__all__ = ["Every", "Hook", "NonFiniteLossError", "TrainingResult", "epoch_generator", "run_training"]
 
 DataSource = Iterable[Any] | Callable[[int], Iterable[Any]]
+_END = object()
 
 
 class NonFiniteLossError(UserError):
@@ -57,6 +63,27 @@ class TrainingResult:
     skipped_steps: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Every:
+    """A cadence: every ``steps`` optimizer steps and at the end of every ``epochs``-th epoch (None: never)."""
+
+    steps: int | None = None
+    epochs: int | None = None
+
+    def due(self, global_step: int, steps_per_epoch: int) -> bool:
+        by_steps = bool(self.steps) and global_step % self.steps == 0
+        by_epochs = bool(self.epochs) and global_step % (self.epochs * steps_per_epoch) == 0
+        return by_steps or by_epochs
+
+
+@dataclass(frozen=True)
+class Hook:
+    """``action(position)`` after each optimizer step at which ``every`` is due (``position`` is a copy)."""
+
+    every: Every
+    action: Callable[[TrainingPosition], Any]
+
+
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
     """A generator for an epoch's shuffling that depends only on (seed, epoch): pass it as a DataLoader's
     ``generator`` in a ``make_dataloader(epoch)`` factory."""
@@ -64,10 +91,7 @@ def epoch_generator(seed: int, epoch: int) -> torch.Generator:
 
 
 def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | None = None,
-                 num_epochs: int | None = None, resume: LoadedCheckpoint | None = None,
-                 checkpoint_every_n_steps: int | None = None,
-                 save_checkpoint: Callable[[TrainingPosition], Any] | None = None,
-                 validate_every_n_steps: int | None = None, validate: Callable[[int], Any] | None = None,
+                 num_epochs: int | None = None, resume: LoadedCheckpoint | None = None, hooks: Sequence[Hook] = (),
                  logger: TrainingLogger | None = None,
                  on_nonfinite_loss: Literal["stop", "skip"] = "stop", progress: bool = True) -> TrainingResult:
     """Train until ``max_train_steps`` optimizer steps or ``num_epochs`` epochs, whichever comes first.
@@ -75,14 +99,13 @@ def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | No
     ``data`` is either a function ``epoch -> iterable of batches`` or an iterable with a deterministic
     order per epoch (``set_epoch(epoch)`` is called on it, or on its ``batch_sampler``/``sampler``, when
     present). A tuple/list batch is passed to the step as ``step(*batch)``, anything else as ``step(batch)``.
-    ``save_checkpoint(position)`` runs every ``checkpoint_every_n_steps`` steps and ``validate(global_step)``
-    every ``validate_every_n_steps`` steps (after logging; validation first, so a checkpoint taken at the
-    same step holds the RNG state after validation). ``resume`` is what ``load_checkpoint`` returned.
+    After each optimizer step (and its logging) the due ``hooks`` run in their order: put sampling before
+    checkpointing, so a checkpoint taken at the same step holds the RNG state after sampling. ``resume`` is
+    what ``load_checkpoint`` returned.
     ``on_nonfinite_loss``: ``"stop"`` raises :class:`NonFiniteLossError` naming the step; ``"skip"`` reports
     it and goes on (TrainStep has already skipped the update, as the gradients are then non-finite too).
     """
-    _check_arguments(max_train_steps, num_epochs, checkpoint_every_n_steps, save_checkpoint,
-                     validate_every_n_steps, validate, on_nonfinite_loss)
+    _check_arguments(max_train_steps, num_epochs, on_nonfinite_loss)
     position = dataclasses.replace(resume.position) if resume is not None else TrainingPosition()
     resume_rng = resume.rng_state if resume is not None else None
     result = TrainingResult(position=position)
@@ -95,13 +118,13 @@ def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | No
                 max_train_steps = num_epochs * steps_per_epoch
             if bar is None:
                 bar = _progress_bar(step, position.global_step, max_train_steps, progress)
-            iterator = _skip(iter(batches), position.batch_in_epoch)
+            iterator = _skip(data, batches, position)
             if resume_rng is not None:
                 restore_rng_state(resume_rng)
                 resume_rng = None
             _check_alignment(step, position.batch_in_epoch)
-            if _train_epoch(step, iterator, position, result, max_train_steps, bar, logger, on_nonfinite_loss,
-                            (checkpoint_every_n_steps, save_checkpoint), (validate_every_n_steps, validate)):
+            if _train_epoch(step, iterator, position, result, max_train_steps, steps_per_epoch, bar, logger,
+                            on_nonfinite_loss, hooks):
                 position.epoch += 1
                 position.batch_in_epoch = 0
     finally:
@@ -111,9 +134,8 @@ def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | No
 
 
 def _train_epoch(step: TrainStep, iterator: Iterator[Any], position: TrainingPosition, result: TrainingResult,
-                 max_train_steps: int, bar: Any, logger: TrainingLogger | None, on_nonfinite_loss: str,
-                 checkpointing: tuple[int | None, Callable | None],
-                 validation: tuple[int | None, Callable | None]) -> bool:
+                 max_train_steps: int, steps_per_epoch: int, bar: Any, logger: TrainingLogger | None,
+                 on_nonfinite_loss: str, hooks: Sequence[Hook]) -> bool:
     """Run the rest of an epoch; return True when the epoch's data ran out (False: max steps reached)."""
     for batch in iterator:
         outputs = step(*batch) if isinstance(batch, (tuple, list)) else step(batch)
@@ -123,8 +145,9 @@ def _train_epoch(step: TrainStep, iterator: Iterator[Any], position: TrainingPos
         position.global_step += 1
         loss = _global_loss(step, outputs[0])
         _record(step, loss, position, result, bar, logger, on_nonfinite_loss)
-        _every(validation, position.global_step, position.global_step)
-        _every(checkpointing, position.global_step, dataclasses.replace(position))
+        for hook in hooks:
+            if hook.every.due(position.global_step, steps_per_epoch):
+                hook.action(dataclasses.replace(position))
         if position.global_step >= max_train_steps:
             return False
     return True
@@ -140,11 +163,11 @@ def _record(step: TrainStep, loss: float, position: TrainingPosition, result: Tr
             raise NonFiniteLossError(
                 f"loss is {loss} at {where}; the update was not applied. Lower the learning rate, check the "
                 "data, prefer bf16 over fp16, or pass --on_nonfinite_loss skip to continue past such steps")
-        _say(step, bar, f"warning: loss is {loss} at {where}; skipping this step")
+        _warn(step, f"warning: loss is {loss} at {where}; skipping this step")
     if step.step_skipped:
         result.skipped_steps.append(position.global_step)
         if math.isfinite(loss):
-            _say(step, bar, f"note: gradients overflowed at {where}; update skipped, loss scale now "
+            _warn(step, f"note: gradients overflowed at {where}; update skipped, loss scale now "
                             f"{step.loss_scale:g}")
     lr = step.optimizer.param_groups[0]["lr"]
     if logger is not None:
@@ -164,16 +187,18 @@ def _global_loss(step: TrainStep, loss: torch.Tensor) -> float:
     return float(loss)
 
 
-def _every(schedule: tuple[int | None, Callable | None], global_step: int, argument: Any) -> None:
-    every, callback = schedule
-    if every and callback is not None and global_step % every == 0:
-        callback(argument)
-
-
 def _finished(position: TrainingPosition, max_train_steps: int | None, num_epochs: int | None) -> bool:
     if max_train_steps is not None and position.global_step >= max_train_steps:
         return True
     return num_epochs is not None and position.epoch >= num_epochs
+
+
+def _epoch_target(data: DataSource) -> Any:
+    """What takes ``set_epoch``: the data itself, its batch sampler or its sampler (None: nothing)."""
+    for target in (data, getattr(data, "batch_sampler", None), getattr(data, "sampler", None)):
+        if hasattr(target, "set_epoch"):
+            return target
+    return None
 
 
 def _open_epoch(data: DataSource, position: TrainingPosition, resuming: bool) -> Iterable[Any]:
@@ -183,21 +208,36 @@ def _open_epoch(data: DataSource, position: TrainingPosition, resuming: bool) ->
     position.epoch_start_rng = capture_rng_state()
     if callable(data) and not hasattr(data, "__iter__"):
         return data(position.epoch)
-    for target in (data, getattr(data, "batch_sampler", None), getattr(data, "sampler", None)):
-        if hasattr(target, "set_epoch"):
-            target.set_epoch(position.epoch)
-            break
+    target = _epoch_target(data)
+    if target is not None:
+        target.set_epoch(position.epoch)
     return data
 
 
-def _skip(iterator: Iterator[Any], count: int) -> Iterator[Any]:
-    """Consume ``count`` batches that a resumed run already trained on."""
-    end = object()
+def _skip(data: DataSource, batches: Iterable[Any], position: TrainingPosition) -> Iterator[Any]:
+    """The epoch's batches after the ``position.batch_in_epoch`` a resumed run already trained on: left out
+    by the batch sampler where it can, else consumed."""
+    count = position.batch_in_epoch
+    target = None if callable(data) and not hasattr(data, "__iter__") else _epoch_target(data)
+    if count and target is not None and "skip_batches" in inspect.signature(target.set_epoch).parameters:
+        _check_skippable(count, len(batches))  # type: ignore[arg-type]
+        target.set_epoch(position.epoch, skip_batches=count)
+        iterator = iter(batches)
+        # Start the loader now, as consuming would have: it draws its seed from the RNG that the loop
+        # then sets to the checkpoint's state.
+        first = next(iterator, _END)
+        return iterator if first is _END else itertools.chain([first], iterator)
+    iterator = iter(batches)
     for consumed in range(count):
-        if next(iterator, end) is end:
-            raise UserError(f"the checkpoint is {count} batches into its epoch but the data now has only "
-                            f"{consumed}; resume with the same dataset and batch size")
+        if next(iterator, _END) is _END:
+            _check_skippable(count, consumed)
     return iterator
+
+
+def _check_skippable(count: int, available: int) -> None:
+    if count > available:
+        raise UserError(f"the checkpoint is {count} batches into its epoch but the data now has only "
+                        f"{available}; resume with the same dataset and batch size")
 
 
 def _steps_per_epoch(step: TrainStep, batches: Iterable[Any]) -> int:
@@ -228,24 +268,12 @@ def _progress_bar(step: TrainStep, initial: int, total: int, enabled: bool) -> A
                 disable=not (enabled and is_main))
 
 
-def _say(step: TrainStep, bar: Any, message: str) -> None:
-    """Print a warning once (main process), without breaking the progress bar's line."""
-    if step.accelerator is not None and not step.accelerator.is_main_process:
-        return
-    if bar.disable:
-        print(message, file=sys.stderr)
-    else:
-        bar.write(message, file=sys.stderr)
+def _warn(step: TrainStep, message: str) -> None:
+    say(message, is_main_process=step.accelerator is None or step.accelerator.is_main_process, file=sys.stderr)
 
 
-def _check_arguments(max_train_steps: int | None, num_epochs: int | None, checkpoint_every: int | None,
-                     save_checkpoint: Callable | None, validate_every: int | None, validate: Callable | None,
-                     on_nonfinite_loss: str) -> None:
+def _check_arguments(max_train_steps: int | None, num_epochs: int | None, on_nonfinite_loss: str) -> None:
     if max_train_steps is None and num_epochs is None:
         raise ValueError("give max_train_steps or num_epochs")
     if on_nonfinite_loss not in ("stop", "skip"):
         raise ValueError(f"on_nonfinite_loss must be 'stop' or 'skip', got {on_nonfinite_loss!r}")
-    if checkpoint_every and save_checkpoint is None:
-        raise ValueError("checkpoint_every_n_steps needs a save_checkpoint callback")
-    if validate_every and validate is None:
-        raise ValueError("validate_every_n_steps needs a validate callback")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from diffusers.optimization import SchedulerType, get_scheduler
 
+from dreamstep.config.schema import parse_key_values
 from dreamstep.errors import UserError, did_you_mean
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy", "Lion", "Adafactor")
@@ -23,15 +24,11 @@ LR_SCHEDULERS = tuple(s.value for s in SchedulerType if s is not SchedulerType.P
 def parse_optimizer_args(items: Iterable[str], flag: str = "--optimizer_args") -> dict[str, Any]:
     """Kohya's ``key=value`` list (``weight_decay=0.05 betas=0.9,0.98``) as a dict of Python values."""
     parsed: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"{flag}: '{item}' is not key=value (e.g. weight_decay=0.05 betas=0.9,0.98)")
+    for key, text in parse_key_values(items, flag, "weight_decay=0.05 betas=0.9,0.98").items():
         try:
-            value = ast.literal_eval(text)
+            parsed[key] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
-            value = text
-        parsed[key.strip()] = value
+            parsed[key] = text
     return parsed
 
 

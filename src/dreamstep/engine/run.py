@@ -1,21 +1,22 @@
 """What every trainer does around the loop: claim the output folder, set up devices and logging, resume,
-train with checkpoints and validation, and end with a summary of what was written where.
+train with its hooks (sample, save, checkpoint), and end with a summary of what was written where.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 
-from dreamstep.engine.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from dreamstep.engine.logging import TrainingLogger
-from dreamstep.engine.loop import TrainingResult, run_training
+from dreamstep.engine.checkpoint import TrainingPosition, load_checkpoint, resolve_resume, save_checkpoint
+from dreamstep.engine.logging import TrainingLogger, say
+from dreamstep.engine.loop import Every, Hook, TrainingResult, run_training
 from dreamstep.engine.train_step import TrainStep, make_accelerator
 from dreamstep.errors import UserError
 
@@ -54,21 +55,25 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_che
 
 
 def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report_to: str,
-              resume_from_checkpoint: str | None, config_toml: str, tensorboard_dir: str | Path | None = None) -> Run:
+              resume_from_checkpoint: str | None, config_toml: str, tensorboard_dir: str | Path | None = None,
+              find_unused_parameters: bool = False) -> Run:
     """Set up the accelerator (devices, autocast, processes), seed everything and find the checkpoint to
     resume from; the folder, ``config.toml`` and the logs are written when training starts. TensorBoard
-    event files go to ``tensorboard_dir`` (default: ``output_dir``)."""
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import set_seed
+    event files go to ``tensorboard_dir`` (default: ``output_dir``). ``find_unused_parameters``: DDP looks
+    for trainable parameters that got no gradient in a step (slower; needed when some may not)."""
+    from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
-        # accelerate keeps its state per process; a second run in one process (tests, notebooks) may
-        # ask for another precision.
-        AcceleratorState._reset_state()
     # Several processes without GPUs (accelerate launch on CPUs) need accelerate's CPU mode for gloo.
-    cpu_processes = world_size > 1 and not torch.cuda.is_available()
-    accelerator = make_accelerator(mixed_precision=mixed_precision, cpu=cpu_processes)
+    cpu_processes = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if find_unused_parameters else []
+    try:
+        accelerator = make_accelerator(mixed_precision=mixed_precision, cpu=cpu_processes, kwargs_handlers=ddp)
+    except ValueError as e:
+        if "already been initialized" not in str(e):
+            raise
+        # accelerate keeps one precision per process (a notebook that trains twice).
+        raise UserError(f"--mixed_precision {mixed_precision}: this process already trained in another precision; "
+                        "run this training in a new process (in a notebook: restart the kernel)") from None
     if mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError("--mixed_precision fp16 needs a GPU (CPUs have no fp16 autocast); use bf16 or no")
     set_seed(seed)
@@ -86,55 +91,83 @@ def _open_output(run: Run) -> None:
                                 tensorboard_dir=run.tensorboard_dir)
 
 
-def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, num_epochs: int | None,
-        weights: Callable[[], Mapping[str, torch.Tensor]], load_weights: Callable[[Mapping[str, torch.Tensor]], None],
-        checkpointing_steps: int, checkpoints_total_limit: int | None,
-        validate: Callable[[int], list[Image.Image]] | None = None, validation_steps: int = 0,
-        on_nonfinite_loss: str = "stop", checkpoint_due: Callable[[int], bool] | None = None) -> TrainingResult:
-    """Resume if asked, then train for ``max_train_steps`` optimizer steps (when given, it overrides
-    ``num_epochs``), saving ``checkpoint-N`` every ``checkpointing_steps`` and validation grids every
-    ``validation_steps`` optimizer steps (0 turns either off). ``checkpoint_due(step)`` narrows the
-    checkpoints to the steps it accepts; it must give the same answer on every process."""
+@dataclass
+class RunHooks:
+    """What a run does besides training, each on its own cadence; at a step where several are due they run
+    in this order. ``sample(global_step)``: images from the model as it trains (main process), logged as a
+    grid. ``save(global_step)``: write the trained weights (main process), not at the last step, whose
+    weights the recipe writes itself. Checkpoints (every process): ``checkpoint-N`` folders, at most
+    ``checkpoints_total_limit`` of them, and with ``checkpoint_at_end`` one at the last step too."""
+
+    sample: Callable[[int], list[Image.Image]] | None = None
+    sample_every: Every = field(default_factory=Every)
+    save: Callable[[int], Path] | None = None
+    save_every: Every = field(default_factory=Every)
+    checkpoint_every: Every = field(default_factory=Every)
+    checkpoints_total_limit: int | None = None
+    checkpoint_at_end: bool = False
+
+
+@dataclass
+class FinishedRun:
+    """What a trainer returns: every file it wrote (by what it is), and the loop's result."""
+
+    written: dict[str, Path | None]
+    result: TrainingResult
+
+
+def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any, hooks: RunHooks | None = None,
+        on_nonfinite_loss: str = "stop") -> TrainingResult:
+    """Resume if asked, then train for ``total_steps`` optimizer steps, running ``hooks`` when due.
+    ``trained`` is what the run trains and checkpoints (its ``state_dict`` and ``load_state_dict``)."""
+    hooks = hooks or RunHooks()
     _open_output(run)
     resume = None
     if run.resume_from is not None:
         resume = load_checkpoint(run.resume_from, step)
-        load_weights(resume.weights)
+        trained.load_state_dict(resume.weights)
         # The loss curve of the whole run, not only of its resumed part.
         run.logger.history["loss"] = [tuple(pair) for pair in resume.extra.get("loss_history", [])]
         _say(run, f"resuming from {run.resume_from} (step {resume.position.global_step})")
 
-    def save(position: Any) -> None:
-        if checkpoint_due is not None and not checkpoint_due(position.global_step):
-            return
-        path = save_checkpoint(run.output_dir, step, position, weights(),
+    checkpointed: list[int] = []
+
+    def checkpoint(position: TrainingPosition) -> None:
+        checkpointed.append(position.global_step)
+        path = save_checkpoint(run.output_dir, step, position, trained.state_dict(),
                                extra={"loss_history": run.logger.loss_history},
-                               total_limit=checkpoints_total_limit)
+                               total_limit=hooks.checkpoints_total_limit)
         _say(run, f"saved {path}")
 
-    def validate_and_log(global_step: int) -> None:
-        # One process generates; the others wait (validation uses its own seeded generators, so the
+    def sample(position: TrainingPosition) -> None:
+        # One process generates; the others wait (sampling uses its own seeded generators, so the
         # training RNG of every process is untouched).
         if run.is_main_process:
-            path = run.logger.log_images(global_step, validate(global_step))
-            _say(run, f"validation images: {path}")
+            path = run.logger.log_images(position.global_step, hooks.sample(position.global_step))
+            _say(run, f"samples: {path}")
         run.accelerator.wait_for_everyone()
 
-    return run_training(
-        step, data, max_train_steps=max_train_steps, num_epochs=None if max_train_steps else num_epochs,
-        resume=resume,
-        checkpoint_every_n_steps=checkpointing_steps or None, save_checkpoint=save if checkpointing_steps else None,
-        validate_every_n_steps=(validation_steps or None) if validate else None,
-        validate=validate_and_log if validate else None, logger=run.logger,
-        on_nonfinite_loss=on_nonfinite_loss, progress=run.is_main_process)
+    def save(position: TrainingPosition) -> None:
+        if run.is_main_process and position.global_step < total_steps:
+            _say(run, f"saved {hooks.save(position.global_step)}")
+
+    scheduled = [Hook(hooks.sample_every, sample)] if hooks.sample is not None else []
+    scheduled += [Hook(hooks.save_every, save)] if hooks.save is not None else []
+    scheduled.append(Hook(hooks.checkpoint_every, checkpoint))
+    result = run_training(step, data, max_train_steps=total_steps, resume=resume, hooks=scheduled,
+                          logger=run.logger, on_nonfinite_loss=on_nonfinite_loss, progress=run.is_main_process)
+    position = result.position
+    if hooks.checkpoint_at_end and result.losses and position.global_step not in checkpointed[-1:]:
+        checkpoint(dataclasses.replace(position))
+    return result
 
 
-def finish(run: Run, written: Mapping[str, Path | None], validate_final: Callable[[], list[Image.Image]] | None = None,
-           final_step: int = 0) -> None:
-    """Final validation grid, loss curve, and the summary of every file written."""
+def finish(run: Run, written: Mapping[str, Path | None], result: TrainingResult,
+           sample_final: Callable[[], list[Image.Image]] | None = None) -> FinishedRun:
+    """Final sample grid, loss curve, and the summary of every file written."""
     outputs = dict(written)
-    if validate_final is not None and run.is_main_process:
-        outputs["samples"] = run.logger.log_images(final_step, validate_final(), tag="final")
+    if sample_final is not None and run.is_main_process:
+        outputs["samples"] = run.logger.log_images(result.position.global_step, sample_final(), tag="final")
     outputs["loss curve"] = run.logger.close()
     tensorboard = run.report_to == "tensorboard" and run.logger.history
     outputs["TensorBoard logs"] = run.logger.tensorboard_dir if tensorboard else None
@@ -144,10 +177,8 @@ def finish(run: Run, written: Mapping[str, Path | None], validate_final: Callabl
         for what, path in outputs.items():
             if path is not None:
                 print(f"  {what:<18} {path}")
+    return FinishedRun(outputs, result)
 
 
 def _say(run: Run, message: str) -> None:
-    if run.is_main_process:
-        from tqdm.auto import tqdm
-
-        tqdm.write(message)
+    say(message, is_main_process=run.is_main_process)

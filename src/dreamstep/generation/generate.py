@@ -36,10 +36,13 @@ from dreamstep.generation.pipelines import (
     choose_dtype,
     default_size,
 )
+from dreamstep.models.flux import FLUX_DEV_SAMPLING
 
 # Both models' VAEs downsample 8x; FLUX packs 2x2 latent patches on top.
 SIZE_MULTIPLE = {"flux": 16, "sdxl": 8}
 SDXL_DEFAULTS = {"steps": 50, "guidance_scale": 7.0}
+# A model without guidance embedding (FLUX.1-schnell) is distilled to a few steps and no guidance.
+FLUX_UNGUIDED_DEFAULTS = {"steps": 4, "guidance_scale": 0.0}
 
 
 @dataclass
@@ -145,8 +148,8 @@ def resolve_settings(config: GenerateConfig, model_type: str, pipe: Any,
     if model_type == "sdxl":
         steps, guidance = SDXL_DEFAULTS["steps"], SDXL_DEFAULTS["guidance_scale"]
     else:
-        distilled = pipe.transformer.config.guidance_embeds
-        steps, guidance = (28, 3.5) if distilled else (4, 0.0)
+        defaults = FLUX_DEV_SAMPLING if pipe.transformer.config.guidance_embeds else FLUX_UNGUIDED_DEFAULTS
+        steps, guidance = defaults["steps"], defaults["guidance_scale"]
     if control is not None:
         multiple = SIZE_MULTIPLE[model_type]
         native = (control.width // multiple * multiple, control.height // multiple * multiple)

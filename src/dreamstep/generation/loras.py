@@ -22,11 +22,6 @@ class LoraSpec:
     path: Path
     weight: float = 1.0
 
-    @property
-    def label(self) -> str:
-        """``name:weight`` as written into the PNG parameters."""
-        return f"{self.path.stem}:{self.weight:g}"
-
 
 def parse_lora_spec(text: str) -> LoraSpec:
     """``FILE`` or ``FILE:WEIGHT``. A path that exists as given wins, so a file name with a colon (or a

@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
+
+from dreamstep.files import atomic_path
 
 _NAME = re.compile(r"^(\d+)-")
 PARAMETERS_KEY = "parameters"
@@ -63,9 +64,8 @@ def next_index(output_dir: Path) -> int:
 def save_png(image: Image.Image, output_dir: Path, index: int, params: dict[str, Any]) -> Path:
     """Write ``<index:05d>-<seed>.png`` atomically (a temporary file renamed into place)."""
     path = output_dir / f"{index:05d}-{params['seed']}.png"
-    tmp = path.with_name(f".{path.name}.tmp")
-    image.save(tmp, format="PNG", pnginfo=png_info(params))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        image.save(tmp, format="PNG", pnginfo=png_info(params))
     return path
 
 

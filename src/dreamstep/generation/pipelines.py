@@ -17,10 +17,10 @@ from diffusers import (
     StableDiffusionXLPipeline,
 )
 
-from dreamstep.errors import UserError, did_you_mean
+from dreamstep.errors import UserError
 from dreamstep.models.loading import CHECKPOINT_SUFFIXES, load_flux, load_sdxl
+from dreamstep.models.precision import dtype_named
 
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Where a single-file --model takes its other components and configs when --model_config is not given.
 DEFAULT_BASES = {"flux": "black-forest-labs/FLUX.1-dev", "sdxl": "stabilityai/stable-diffusion-xl-base-1.0"}
 
@@ -45,10 +45,7 @@ def choose_device(name: str | None) -> torch.device:
 def choose_dtype(precision: str, device: torch.device) -> torch.dtype:
     """``auto``: fp32 on the CPU (half precision is slow there), bf16 on GPUs that have it, else fp16."""
     if precision != "auto":
-        if precision not in PRECISIONS:
-            raise UserError(f"--dtype {precision}: use auto, {', '.join(PRECISIONS)}"
-                            f"{did_you_mean(precision, PRECISIONS)}")
-        return PRECISIONS[precision]
+        return dtype_named(precision, "--dtype")
     if device.type == "cpu":
         return torch.float32
     if device.type == "cuda" and torch.cuda.is_bf16_supported():

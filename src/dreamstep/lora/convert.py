@@ -1,9 +1,10 @@
 """LoRA conversion between the Kohya, diffusers/PEFT and MindSpore layouts, for FLUX.1 and SDXL.
 
-A LoRA is read into :class:`LoraModule` s (down, up, alpha) named in its own layout, moved to the diffusers
-names (the hub every conversion passes through) and from there to the target layout. The module tables
-come from :mod:`dreamstep.lora.formats` expanded for one concrete model (:class:`ModelKeys`), so a module
-the target model does not have is an error that names it, never a silent drop.
+A LoRA is read into :class:`~dreamstep.lora.layouts.LoraWeights` (down, up, alpha) named in its own
+layout, moved to the diffusers names (the hub every conversion passes through) and from there to the target
+layout. The module tables come from :mod:`dreamstep.lora.formats` expanded for one concrete model
+(:class:`ModelKeys`), so a module the target model does not have is an error that names it, never a
+silent drop.
 
 Exactness: the merged weight ``W + alpha / rank * up @ down`` of every module is kept. Kohya's fused FLUX
 modules (``img_attn.qkv``, ``single_blocks.N.linear1``) split into diffusers' q, k, v (, mlp) by rows of
@@ -14,201 +15,29 @@ scales are folded into ``up`` and the fused alpha equals its rank; that is repor
 
 from __future__ import annotations
 
-import collections
 import itertools
-import json
-import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft.utils.other import get_pattern_key
 
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.lora import formats
 from dreamstep.lora.formats import ModelKeys, model_keys
-from dreamstep.lora.io import (
-    LoraFile,
-    adapter_metadata,
-    container_for,
-    read_lora_file,
-    write_lora_file,
+from dreamstep.lora.io import container_for, read_lora_file, write_lora_file
+from dreamstep.lora.layouts import (
+    LAYOUTS,
+    LoraWeights,
+    detect_layout,
+    diffusers_adapter_metadata,
+    diffusers_state_dict,
+    fold_alpha,
+    guess_model,
+    kohya_state_dict,
+    modules_from_file,
 )
-
-LAYOUTS = ("kohya", "diffusers", "mindspore")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class LoraModule:
-    """One adapted module: ``down`` (rank, in[, kh, kw]) = PEFT lora_A, ``up`` (out, rank[, 1, 1]) = lora_B."""
-
-    down: torch.Tensor
-    up: torch.Tensor
-    alpha: float
-
-    @property
-    def rank(self) -> int:
-        return self.down.shape[0]
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-
-# ------------------------------------------------------------------------------------- layouts and models
-
-
-def _layout_of_key(key: str) -> str | None:
-    if re.match(r"lora_(unet|te\d?)_\w+\.(lora_down\.weight|lora_up\.weight|alpha)$", key):
-        return "kohya"
-    if re.match(r"lora_(unet|te\d)\.\S+\.(lora_down\.weight|lora_up\.weight|alpha)$", key):
-        return "mindspore"
-    if re.match(r"[a-z_0-9]+\.\S+\.(lora_A\.weight|lora_B\.weight|alpha)$", key):
-        return "diffusers"
-    return None
-
-
-def detect_layout(keys: list[str], source: str) -> str:
-    """'kohya', 'diffusers' or 'mindspore'; a key in none of them, or a mix, is a UserError naming it."""
-    if not keys:
-        raise UserError(f"{source}: the file holds no tensors")
-    layouts = {}
-    for key in keys:
-        layout = _layout_of_key(key)
-        if layout is None:
-            raise UserError(f"{source}: key '{key}' is not a LoRA key in any layout dreamstep reads (Kohya "
-                            f"'lora_unet_….lora_down.weight', diffusers '<component>.….lora_A.weight', "
-                            f"MindSpore 'lora_unet.….lora_down.weight'; LoHa, LoKr and DoRA are not supported)")
-        layouts.setdefault(layout, key)
-    if len(layouts) > 1:
-        (a, ka), (b, kb) = list(layouts.items())[:2]
-        raise UserError(f"{source}: mixes LoRA layouts: '{ka}' is {a}, '{kb}' is {b}")
-    return next(iter(layouts))
-
-
-def guess_model(names: list[str]) -> tuple[str | None, str | None]:
-    """(model, the first name that tells) from module or key names, by :data:`formats.MODEL_HINTS`."""
-    for hint, model in formats.MODEL_HINTS:
-        for name in names:
-            if hint in name:
-                return model, name
-    return None, None
-
-
-# ------------------------------------------------------------------------------ state dict <-> modules
-
-
-def _alpha_from_adapter(cfg: Mapping, module: str, rank: int) -> float:
-    """PEFT's effective alpha for ``module``: alpha_pattern over lora_alpha; rsLoRA's alpha/sqrt(r) scale
-    expressed as the alpha that gives the same scale with alpha/r."""
-    pattern = cfg.get("alpha_pattern") or {}
-    alpha = float(pattern.get(get_pattern_key(list(pattern), module), cfg.get("lora_alpha", rank)))
-    return alpha * math.sqrt(rank) if cfg.get("use_rslora") else alpha
-
-
-def modules_from_file(lora: LoraFile, layout: str) -> dict[str, LoraModule]:
-    """Group a file's tensors into modules named in its layout (Kohya/MindSpore names keep their prefix,
-    diffusers names keep their component). A module's alpha defaults to its rank (scale 1)."""
-    source = str(lora.path)
-    down_s, up_s = formats.DIFFUSERS_SUFFIXES if layout == "diffusers" else formats.KOHYA_SUFFIXES
-    parts: dict[str, dict[str, torch.Tensor]] = collections.defaultdict(dict)
-    for key, tensor in lora.tensors.items():
-        for role, suffix in (("down", down_s), ("up", up_s), ("alpha", formats.ALPHA_SUFFIX)):
-            if key.endswith(suffix):
-                parts[key[: -len(suffix)]][role] = tensor
-    adapters = adapter_metadata(lora) if layout == "diffusers" else None
-    if adapters and any(k.endswith(".use_dora") and v for k, v in adapters.items()):
-        raise UserError(f"{source}: a DoRA adapter (use_dora in its header); dreamstep converts plain LoRA only")
-    modules = {}
-    for name, p in parts.items():
-        if "down" not in p or "up" not in p:
-            missing = down_s if "down" not in p else up_s
-            raise UserError(f"{source}: module '{name}' has no '{name}{missing}' tensor")
-        rank = p["down"].shape[0]
-        if p["up"].shape[1] != rank:
-            raise UserError(f"{source}: module '{name}' has rank {rank} in down but {p['up'].shape[1]} in up")
-        if "alpha" in p:
-            alpha = float(p["alpha"].item())
-        elif adapters:
-            component, _, module = name.partition(".")
-            cfg = {k.removeprefix(f"{component}."): v for k, v in adapters.items() if k.startswith(f"{component}.")}
-            alpha = _alpha_from_adapter(cfg, module, rank)
-        else:
-            alpha = float(rank)
-        modules[name] = LoraModule(p["down"], p["up"], alpha)
-    return modules
-
-
-def _alpha_tensor(alpha: float) -> torch.Tensor:
-    """alpha as a scalar tensor: float32 as sd-scripts stores it, float64 when float32 would round it."""
-    as32 = torch.tensor(alpha, dtype=torch.float32)
-    return as32 if float(as32) == alpha else torch.tensor(alpha, dtype=torch.float64)
-
-
-def kohya_state_dict(modules: Mapping[str, LoraModule]) -> dict[str, torch.Tensor]:
-    """Kohya (or MindSpore) tensors: ``<name>.lora_down.weight``, ``.lora_up.weight``, ``.alpha``."""
-    down_s, up_s = formats.KOHYA_SUFFIXES
-    out = {}
-    for name, m in modules.items():
-        out |= {name + down_s: m.down, name + up_s: m.up, name + formats.ALPHA_SUFFIX: _alpha_tensor(m.alpha)}
-    return out
-
-
-def diffusers_state_dict(modules: Mapping[str, LoraModule]) -> dict[str, torch.Tensor]:
-    """diffusers/PEFT tensors ``<component>.<module>.lora_A.weight`` / ``.lora_B.weight``; no alphas."""
-    down_s, up_s = formats.DIFFUSERS_SUFFIXES
-    out = {}
-    for name, m in modules.items():
-        out |= {name + down_s: m.down, name + up_s: m.up}
-    return out
-
-
-def _peft_pattern(module: str) -> str:
-    """A PEFT name pattern matching exactly ``module``. Patterns are regexes matched against module-path
-    suffixes; '^' anchors them (diffusers' own convention), so 'proj_out' cannot also catch
-    'single_transformer_blocks.0.proj_out'. transformers >= 5 flattened CLIPTextModel (no 'text_model.'),
-    so that prefix is optional and the file loads under old and new transformers alike."""
-    if module.startswith("text_model."):
-        return r"^(text_model\.)?" + re.escape(module.removeprefix("text_model."))
-    return "^" + re.escape(module)
-
-
-def diffusers_adapter_metadata(modules: Mapping[str, LoraModule]) -> dict[str, str]:
-    """The ``lora_adapter_metadata`` header diffusers' ``save_lora_weights`` writes: per component a PEFT
-    LoraConfig, flattened as ``<component>.<field>``, with the most common rank and alpha as ``r`` and
-    ``lora_alpha``, every other module's in ``rank_pattern`` / ``alpha_pattern``, and ``target_modules`` one
-    regex that matches the adapted modules and nothing else."""
-    by_component: dict[str, dict[str, LoraModule]] = collections.defaultdict(dict)
-    for name, m in modules.items():
-        component, _, module = name.partition(".")
-        by_component[component][module] = m
-    flat = {}
-    for component, mods in sorted(by_component.items()):
-        r = collections.Counter(m.rank for m in mods.values()).most_common(1)[0][0]
-        alpha = collections.Counter(m.alpha for m in mods.values()).most_common(1)[0][0]
-        config = {
-            "r": r,
-            "lora_alpha": alpha,
-            "rank_pattern": {_peft_pattern(k): m.rank for k, m in mods.items() if m.rank != r},
-            "alpha_pattern": {_peft_pattern(k): m.alpha for k, m in mods.items() if m.alpha != alpha},
-            "target_modules": "|".join(_peft_pattern(k)[1:] for k in sorted(mods)),
-        }
-        flat |= {f"{component}.{k}": v for k, v in config.items()}
-    return {formats.ADAPTER_METADATA_KEY: json.dumps(flat, indent=2, sort_keys=True)}
-
-
-def fold_alpha(modules: Mapping[str, LoraModule]) -> dict[str, LoraModule]:
-    """Every module with alpha == rank (scale 1), its scale multiplied into ``up``: for loaders that read
-    no alpha (diffusers given an in-memory dict or a torch file). Exact when the scale is a power of two."""
-    out = {}
-    for name, m in modules.items():
-        up = m.up if m.alpha == m.rank else (m.up.float() * m.scale).to(m.up.dtype)
-        out[name] = LoraModule(m.down, up, float(m.rank))
-    return out
-
+from dreamstep.models.precision import dtype_named
 
 # --------------------------------------------------------------------------- one function per direction
 
@@ -234,7 +63,7 @@ def _used_columns(up: torch.Tensor) -> tuple[int, int] | None:
     return (int(used[0]), int(used[-1]) + 1) if len(used) else None
 
 
-def _split(fused: LoraModule, rows: tuple[int, ...], name: str, source: str) -> list[LoraModule | None]:
+def _split(fused: LoraWeights, rows: tuple[int, ...], name: str, source: str) -> list[LoraWeights | None]:
     """A fused Kohya module as its parts. Each part's up is its rows of the fused up; when the fused up is
     block-diagonal (it came from separate modules), each part keeps only its own columns and down rows,
     and a part whose rows are all zero is dropped (None)."""
@@ -248,13 +77,13 @@ def _split(fused: LoraModule, rows: tuple[int, ...], name: str, source: str) -> 
     if used and all(a[1] <= b[0] for a, b in itertools.pairwise(used)):
         alphas = [_exact_alpha(fused.scale, s[1] - s[0]) if s else None for s in spans]
         if all(a is not None for a, s in zip(alphas, spans) if s is not None):
-            return [LoraModule(fused.down[s[0]:s[1]], up[:, s[0]:s[1]], a) if s else None
+            return [LoraWeights(fused.down[s[0]:s[1]], up[:, s[0]:s[1]], a) if s else None
                     for up, s, a in zip(ups, spans, alphas)]
-    return [LoraModule(fused.down, up, fused.alpha) for up in ups]
+    return [LoraWeights(fused.down, up, fused.alpha) for up in ups]
 
 
-def _fuse(parts: list[LoraModule | None], rows: tuple[int, ...], name: str, source: str,
-          notes: list[str]) -> LoraModule:
+def _fuse(parts: list[LoraWeights | None], rows: tuple[int, ...], name: str, source: str,
+          notes: list[str]) -> LoraWeights:
     """Separate diffusers modules as one fused Kohya module (inverse of :func:`_split`)."""
     present = [p for p in parts if p is not None]
     width = present[0].down.shape[1]
@@ -266,7 +95,7 @@ def _fuse(parts: list[LoraModule | None], rows: tuple[int, ...], name: str, sour
     scales = {p.scale for p in present}
     if len(present) == len(parts) and len(scales) == 1 and all(torch.equal(p.down, present[0].down) for p in present):
         # Parts that share one down (a split Kohya module): stack the ups back, same rank and alpha.
-        return LoraModule(present[0].down, torch.cat([p.up for p in parts]), present[0].alpha)
+        return LoraWeights(present[0].down, torch.cat([p.up for p in parts]), present[0].alpha)
     rank = sum(p.rank for p in present)
     alpha = _exact_alpha(scales.pop(), rank) if len(scales) == 1 else None
     fold = alpha is None
@@ -283,10 +112,10 @@ def _fuse(parts: list[LoraModule | None], rows: tuple[int, ...], name: str, sour
             up[row:row + size, col:col + p.rank] = block
             col += p.rank
         row += size
-    return LoraModule(torch.cat([p.down for p in present]), up, alpha)
+    return LoraWeights(torch.cat([p.down for p in present]), up, alpha)
 
 
-def kohya_to_diffusers(modules: Mapping[str, LoraModule], keys: ModelKeys, source: str) -> dict[str, LoraModule]:
+def kohya_to_diffusers(modules: Mapping[str, LoraWeights], keys: ModelKeys, source: str) -> dict[str, LoraWeights]:
     """Kohya-named modules -> diffusers-named modules (fused FLUX modules split into their parts)."""
     out = {}
     for name, m in modules.items():
@@ -302,8 +131,8 @@ def kohya_to_diffusers(modules: Mapping[str, LoraModule], keys: ModelKeys, sourc
     return out
 
 
-def diffusers_to_kohya(modules: Mapping[str, LoraModule], keys: ModelKeys, source: str,
-                       notes: list[str]) -> dict[str, LoraModule]:
+def diffusers_to_kohya(modules: Mapping[str, LoraWeights], keys: ModelKeys, source: str,
+                       notes: list[str]) -> dict[str, LoraWeights]:
     """diffusers-named modules -> Kohya-named modules (FLUX q, k, v (, mlp) fused); folds go to ``notes``."""
     out = {}
     for name in modules:
@@ -317,7 +146,7 @@ def diffusers_to_kohya(modules: Mapping[str, LoraModule], keys: ModelKeys, sourc
     return out
 
 
-def mindspore_to_diffusers(modules: Mapping[str, LoraModule], keys: ModelKeys, source: str) -> dict[str, LoraModule]:
+def mindspore_to_diffusers(modules: Mapping[str, LoraWeights], keys: ModelKeys, source: str) -> dict[str, LoraWeights]:
     """MindSpore port names (``lora_unet.<diffusers module>``) -> diffusers names (``unet.<module>``)."""
     prefixes = formats.KOHYA_PREFIXES[keys.model]
     out = {}
@@ -330,7 +159,7 @@ def mindspore_to_diffusers(modules: Mapping[str, LoraModule], keys: ModelKeys, s
     return out
 
 
-def diffusers_to_mindspore(modules: Mapping[str, LoraModule], keys: ModelKeys, source: str) -> dict[str, LoraModule]:
+def diffusers_to_mindspore(modules: Mapping[str, LoraWeights], keys: ModelKeys, source: str) -> dict[str, LoraWeights]:
     """diffusers names -> MindSpore port names (inverse of :func:`mindspore_to_diffusers`)."""
     prefixes = {v: k for k, v in formats.KOHYA_PREFIXES[keys.model].items()}
     out = {}
@@ -342,7 +171,7 @@ def diffusers_to_mindspore(modules: Mapping[str, LoraModule], keys: ModelKeys, s
     return out
 
 
-def diffusers_check(modules: Mapping[str, LoraModule], keys: ModelKeys, source: str) -> dict[str, LoraModule]:
+def diffusers_check(modules: Mapping[str, LoraWeights], keys: ModelKeys, source: str) -> dict[str, LoraWeights]:
     """diffusers names, each checked to exist in the target model."""
     for name in modules:
         if name not in keys.by_diffusers:
@@ -361,7 +190,7 @@ class Lora:
     container: str
     layout: str
     model: str | None
-    modules: dict[str, LoraModule]
+    modules: dict[str, LoraWeights]
     metadata: dict[str, str]
 
     @property
@@ -388,7 +217,7 @@ def read_lora(path: str | Path, model: str | None = None) -> Lora:
     return Lora(lora_file.path, lora_file.container, layout, model or guessed, modules, lora_file.metadata)
 
 
-def to_diffusers(lora: Lora, keys: ModelKeys) -> dict[str, LoraModule]:
+def to_diffusers(lora: Lora, keys: ModelKeys) -> dict[str, LoraWeights]:
     """A read LoRA's modules under diffusers names, each checked to exist in ``keys``' model."""
     source = str(lora.path)
     if lora.layout == "kohya":
@@ -434,8 +263,7 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
     file, which has no header, alpha is folded into lora_B."""
     if to not in LAYOUTS:
         raise UserError(f"--to {to}: unknown layout; use one of {', '.join(LAYOUTS)}{did_you_mean(to, LAYOUTS)}")
-    if dtype is not None and dtype not in DTYPES:
-        raise UserError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}{did_you_mean(dtype, DTYPES)}")
+    cast_to = dtype_named(dtype, "--dtype") if dtype is not None else None
     src, dst = Path(src), Path(dst)
     if dst.exists() and not overwrite:
         raise UserError(f"{dst} exists; choose another output path or pass --overwrite")
@@ -462,7 +290,7 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
         if any(m.alpha != m.rank for m in ours.values()):
             notes.append("a torch file has no header for the adapter config: alpha/rank is folded into lora_B")
     if dtype is not None:
-        out = {k: LoraModule(m.down.to(DTYPES[dtype]), m.up.to(DTYPES[dtype]), m.alpha) for k, m in out.items()}
+        out = {k: LoraWeights(m.down.to(cast_to), m.up.to(cast_to), m.alpha) for k, m in out.items()}
     if to == "diffusers":
         tensors = diffusers_state_dict(out)
         metadata = diffusers_adapter_metadata(out) if container == "safetensors" else {}

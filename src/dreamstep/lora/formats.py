@@ -186,12 +186,13 @@ class ModelKeys:
         return {name: m for m in self.maps for name in m.diffusers}
 
 
-def _kohya_name(prefix: str, module: str) -> str:
+def _underscored(prefix: str, module: str) -> str:
+    """sd-scripts' name of a module: its dotted path with underscores, after ``prefix``."""
     return f"{prefix}_{module.replace('.', '_')}"
 
 
 def _text_encoder_maps(prefix: str, component: str, templates: tuple[str, ...], layers: int) -> list[ModuleMap]:
-    return [ModuleMap(_kohya_name(prefix, t.format(i=i)), (f"{component}.{t.format(i=i)}",))
+    return [ModuleMap(_underscored(prefix, t.format(i=i)), (f"{component}.{t.format(i=i)}",))
             for i in range(layers) for t in templates]
 
 
@@ -205,11 +206,11 @@ def flux_keys(transformer: Mapping | None = None, clip_layers: int = FLUX_DEFAUL
         table = FLUX_DOUBLE_BLOCK if kind == "double_blocks" else FLUX_SINGLE_BLOCK
         for i in range(count):
             for bfl, parts in table.items():
-                maps.append(ModuleMap(_kohya_name("lora_unet", f"{kind}.{i}.{bfl}"),
+                maps.append(ModuleMap(_underscored("lora_unet", f"{kind}.{i}.{bfl}"),
                                       tuple(f"transformer.{ours}.{i}.{p}" for p in parts),
                                       FLUX_FUSED_ROWS.get(bfl, (1,))))
     globals_ = {**FLUX_GLOBAL, **(FLUX_GUIDANCE if cfg["guidance_embeds"] else {})}
-    maps += [ModuleMap(_kohya_name("lora_unet", bfl), (f"transformer.{ours}",)) for bfl, ours in globals_.items()]
+    maps += [ModuleMap(_underscored("lora_unet", bfl), (f"transformer.{ours}",)) for bfl, ours in globals_.items()]
     maps += _text_encoder_maps("lora_te1", "text_encoder", CLIP_LAYER, clip_layers)
     maps += _text_encoder_maps("lora_te3", "text_encoder_2", T5_LAYER, t5_layers)
     desc = f"FLUX.1 transformer with {cfg['num_layers']} double and {cfg['num_single_layers']} single blocks"
@@ -220,7 +221,7 @@ def sdxl_keys(unet: Mapping | None = None, clip_layers: int = SDXL_CLIP_LAYERS["
               clip_g_layers: int = SDXL_CLIP_LAYERS["text_encoder_2"]) -> ModelKeys:
     """The SDXL tables for a UNet config (default: stable-diffusion-xl-base-1.0)."""
     cfg = dict(unet or SDXL_UNET_CONFIG)
-    maps = [ModuleMap(_kohya_name("lora_unet", sgm), (f"unet.{ours}",))
+    maps = [ModuleMap(_underscored("lora_unet", sgm), (f"unet.{ours}",))
             for ours, sgm in unet_module_map(cfg).items()]
     maps += _text_encoder_maps("lora_te1", "text_encoder", CLIP_LAYER, clip_layers)
     maps += _text_encoder_maps("lora_te2", "text_encoder_2", CLIP_LAYER, clip_g_layers)

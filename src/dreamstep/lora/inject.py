@@ -4,8 +4,6 @@ them in the diffusers/PEFT layout that ``FluxPipeline.load_lora_weights`` reads.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -14,6 +12,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
 from dreamstep.errors import UserError
+from dreamstep.files import atomic_files
 
 # Module-name suffixes per preset, matched against the transformer blocks' nn.Linear layers.
 # "attention" is the seed's default set; "attention+ff" follows diffusers' wider FLUX example set.
@@ -77,6 +76,22 @@ def load_trainable_state(model: nn.Module, state: dict[str, torch.Tensor]) -> No
                         f"resume with the same --lora_layers and --rank as the checkpoint")
 
 
+class TrainableState:
+    """The LoRA weights of several models as one state dict, keyed ``<name>.<peft key>`` (what checkpoints
+    hold); ``None`` models are left out."""
+
+    def __init__(self, models: dict[str, nn.Module | None]):
+        self.models = {name: model for name, model in models.items() if model is not None}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{name}.{k}": v for name, model in self.models.items() for k, v in trainable_state(model).items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, model in self.models.items():
+            prefix = f"{name}."
+            load_trainable_state(model, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
+
 def save_flux_lora(out_dir: str | Path, transformer: nn.Module, text_encoder: nn.Module | None = None,
                    weight_name: str = "pytorch_lora_weights.safetensors",
                    dtype: torch.dtype = torch.float32) -> Path:
@@ -94,10 +109,6 @@ def save_flux_lora(out_dir: str | Path, transformer: nn.Module, text_encoder: nn
     if text_encoder is not None:
         kwargs["text_encoder_lora_layers"] = cast(get_peft_model_state_dict(text_encoder))
         kwargs["text_encoder_lora_adapter_metadata"] = text_encoder.peft_config["default"].to_dict()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Written beside the target and renamed into place, so a crash never leaves half a file.
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".saving-") as tmp:
+    with atomic_files(out_dir) as tmp:
         FluxPipeline.save_lora_weights(tmp, weight_name=weight_name, **kwargs)
-        os.replace(Path(tmp) / weight_name, out_dir / weight_name)
-    return out_dir / weight_name
+    return Path(out_dir) / weight_name

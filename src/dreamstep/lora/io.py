@@ -6,7 +6,6 @@ because sd-scripts and MindSpore both call theirs ``.ckpt``.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import struct
 import zipfile
@@ -18,6 +17,7 @@ import safetensors.torch
 import torch
 
 from dreamstep.errors import UserError
+from dreamstep.files import atomic_path
 from dreamstep.lora.formats import ADAPTER_METADATA_KEY
 from dreamstep.lora.mindspore_ckpt import load_mindspore_ckpt, save_mindspore_ckpt
 
@@ -102,19 +102,18 @@ def write_lora_file(path: str | Path, tensors: dict[str, torch.Tensor], metadata
                     container: str) -> None:
     """Write atomically (a temporary file renamed into place). Only safetensors keeps ``metadata``."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
     # Own copies: split or shared tensors (one down behind q, k and v) are views of one storage,
     # which safetensors refuses to write.
     tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
-    if container == "safetensors":
-        safetensors.torch.save_file(tensors, str(tmp), metadata={"format": "pt", **metadata})
-    elif container == "torch":
-        torch.save(tensors, tmp)
-    elif container == "mindspore":
-        save_mindspore_ckpt(tensors, tmp)
-    else:
+    if container not in CONTAINERS:
         raise ValueError(f"unknown container {container!r}; expected one of {CONTAINERS}")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        if container == "safetensors":
+            safetensors.torch.save_file(tensors, str(tmp), metadata={"format": "pt", **metadata})
+        elif container == "torch":
+            torch.save(tensors, tmp)
+        else:
+            save_mindspore_ckpt(tensors, tmp)
 
 
 def adapter_metadata(lora_file: LoraFile) -> dict | None:

@@ -32,6 +32,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from dreamstep.config.schema import parse_key_values
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.lora.formats import ModelKeys, sdxl_keys
 from dreamstep.lora.io import container_for, read_lora_file, write_lora_file
@@ -73,22 +74,28 @@ class NetworkOptions:
                 flag = "--network_dropout" if name == "dropout" else f"--network_args {name}"
                 raise UserError(f"{flag} must be in [0, 1) (got {value})")
 
+    @classmethod
+    def from_flags(cls, dim: int, alpha: float, dropout: float | None, network_args: Iterable[str]
+                   ) -> tuple[NetworkOptions, dict[str, Any]]:
+        """sd-scripts' --network_dim/alpha/dropout and --network_args as checked options, and the parsed args."""
+        args = parse_network_args(network_args)
+        options = cls(dim=dim, alpha=alpha, dropout=dropout or args.get("dropout"), conv_dim=args.get("conv_dim"),
+                      conv_alpha=args.get("conv_alpha"), rank_dropout=args.get("rank_dropout"),
+                      module_dropout=args.get("module_dropout"))
+        return options, args
+
 
 def parse_network_args(items: Iterable[str]) -> dict[str, Any]:
     """sd-scripts' ``--network_args conv_dim=4 conv_alpha=1 rank_dropout=0.1`` as typed values."""
     parsed: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise UserError(f"--network_args: '{item}' is not key=value (e.g. conv_dim=4 conv_alpha=1)")
+    for key, text in parse_key_values(items, "--network_args", "conv_dim=4 conv_alpha=1").items():
         if key in UNSUPPORTED_NETWORK_ARGS:
             raise UserError(f"--network_args: '{key}' is an sd-scripts option dreamstep does not support; remove it")
         if key not in NETWORK_ARGS:
             raise UserError(f"--network_args: unknown key '{key}'{did_you_mean(key, NETWORK_ARGS)}; "
                             f"valid keys: {', '.join(NETWORK_ARGS)}")
         try:
-            parsed[key] = NETWORK_ARGS[key](text.strip())
+            parsed[key] = NETWORK_ARGS[key](text)
         except ValueError:
             raise UserError(f"--network_args: {key}={text} is not a number") from None
     return parsed
@@ -240,7 +247,8 @@ def _unet_targets(unet: nn.Module, options: NetworkOptions) -> Iterable[tuple[st
                 yield f"{name}.{child_name}", layer, options.conv_dim, conv_alpha
 
 
-def _kohya_name(keys: ModelKeys, component: str, path: str) -> str:
+def _table_name(keys: ModelKeys, component: str, path: str) -> str:
+    """sd-scripts' name of ``component.path`` from the model's key table."""
     entry = keys.by_diffusers.get(f"{component}.{path}")
     if entry is None:
         raise ValueError(f"no Kohya name for {component}.{path}; the key table does not cover this model")
@@ -258,7 +266,7 @@ def create_network(unet: nn.Module, text_encoders: Mapping[str, nn.Module], opti
     modules: dict[str, LoRAModule] = {}
     if train_unet:
         for path, layer, dim, alpha in _unet_targets(unet, options):
-            modules[_kohya_name(keys, "unet", path)] = LoRAModule(layer, dim, alpha, **common)
+            modules[_table_name(keys, "unet", path)] = LoRAModule(layer, dim, alpha, **common)
     if train_text_encoder:
         for component, encoder in text_encoders.items():
             for path, layer in encoder.named_modules():

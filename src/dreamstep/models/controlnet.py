@@ -10,16 +10,14 @@ start at zero, so at step 0 the base's prediction is unchanged.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import FluxControlNetModel, FluxTransformer2DModel
-from PIL import Image
 
 from dreamstep.errors import UserError
+from dreamstep.files import atomic_files
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -94,21 +92,6 @@ def save(controlnet: FluxControlNetModel, output_dir: str | Path) -> Path:
 
     Written into a temporary folder beside them and renamed into place, so a crash never leaves a
     half-written model where a complete one was."""
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=output_dir, prefix=".saving-") as tmp:
+    with atomic_files(output_dir) as tmp:
         controlnet.save_pretrained(tmp, safe_serialization=True)
-        for file in Path(tmp).iterdir():
-            os.replace(file, output_dir / file.name)
-    return output_dir / WEIGHTS_NAME
-
-
-def side_by_side(rows: list[list[Image.Image]]) -> Image.Image:
-    """One image: each row (a control image, then its results) left to right, rows top to bottom."""
-    cell_w = max(im.width for row in rows for im in row)
-    cell_h = max(im.height for row in rows for im in row)
-    grid = Image.new("RGB", (max(len(r) for r in rows) * cell_w, len(rows) * cell_h), "white")
-    for y, row in enumerate(rows):
-        for x, image in enumerate(row):
-            grid.paste(image.convert("RGB").resize((cell_w, cell_h)), (x * cell_w, y * cell_h))
-    return grid
+    return Path(output_dir) / WEIGHTS_NAME

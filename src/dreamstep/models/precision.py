@@ -20,15 +20,23 @@ import torch
 
 from dreamstep.errors import UserError, did_you_mean
 
-_DTYPES = {"no": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# --mixed_precision "no" and sd-scripts' --save_precision "float" both mean fp32.
+_ALIASES = {"no": "fp32", "float": "fp32"}
+
+
+def dtype_named(name: str, flag: str) -> torch.dtype:
+    """The dtype of a precision name: fp32 (also "no" and "float"), fp16 or bf16; another name is an
+    error that names ``flag``."""
+    if _ALIASES.get(name, name) not in DTYPES:
+        names = [*DTYPES, *_ALIASES]
+        raise UserError(f"{flag} '{name}' is not one of {', '.join(names)}{did_you_mean(name, names)}")
+    return DTYPES[_ALIASES.get(name, name)]
 
 
 def weight_dtype_for(mixed_precision: str) -> torch.dtype:
     """dtype of the frozen weights for ``--mixed_precision`` ("no", "fp32", "fp16" or "bf16")."""
-    if mixed_precision not in _DTYPES:
-        raise UserError(f"--mixed_precision '{mixed_precision}' is not one of "
-                        f"{', '.join(_DTYPES)}{did_you_mean(mixed_precision, _DTYPES)}")
-    return _DTYPES[mixed_precision]
+    return dtype_named(mixed_precision, "--mixed_precision")
 
 
 def freeze(*modules: torch.nn.Module | None) -> None:

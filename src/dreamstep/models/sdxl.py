@@ -37,6 +37,14 @@ SAMPLERS = {
 }
 
 
+def check_sampler(name: str, where: str) -> str:
+    """``name`` when it is one of :data:`SAMPLERS`, else an error naming ``where`` and the choices."""
+    if name not in SAMPLERS:
+        raise UserError(f"{where}: unknown sampler '{name}'{did_you_mean(name, SAMPLERS)}; "
+                        f"choose one of {', '.join(SAMPLERS)}")
+    return name
+
+
 def assemble_pipeline(components: Any, unet: torch.nn.Module | None = None) -> StableDiffusionXLPipeline:
     """A ``StableDiffusionXLPipeline`` over already-loaded components (no copies)."""
     parts = {name: getattr(components, name) for name in
@@ -188,9 +196,8 @@ def parse_sample_prompt(line: str, where: str, default_size: tuple[int, int]) ->
             setattr(sample, attribute, kind(match.group(2).strip()))
         except ValueError:
             raise UserError(f"{where}: --{match.group(1)} '{match.group(2).strip()}' is not a number") from None
-    if sample.sampler is not None and sample.sampler not in SAMPLERS:
-        raise UserError(f"{where}: --ss: unknown sampler '{sample.sampler}'{did_you_mean(sample.sampler, SAMPLERS)}; "
-                        f"choose one of {', '.join(SAMPLERS)}")
+    if sample.sampler is not None:
+        check_sampler(sample.sampler, f"{where}: --ss")
     if sample.width % 8 or sample.height % 8:
         raise UserError(f"{where}: --w and --h must be multiples of 8 (got {sample.width}x{sample.height})")
     return sample
@@ -211,10 +218,7 @@ def read_sample_prompts(path: str, default_size: tuple[int, int]) -> list[Sample
 
 def sampler_for(name: str, scheduler_config: Any, where: str = "--sample_sampler") -> Any:
     """The diffusers scheduler for an sd-scripts sampler name, built from the model's schedule."""
-    if name not in SAMPLERS:
-        raise UserError(f"{where}: unknown sampler '{name}'{did_you_mean(name, SAMPLERS)}; "
-                        f"choose one of {', '.join(SAMPLERS)}")
-    return SAMPLERS[name].from_config(scheduler_config)
+    return SAMPLERS[check_sampler(name, where)].from_config(scheduler_config)
 
 
 @torch.no_grad()
@@ -239,31 +243,21 @@ def generate_samples(pipeline: StableDiffusionXLPipeline, prompts: list[SamplePr
 
 
 class SampleWriter:
-    """Sample images with a training network applied, every ``every_n_steps`` / ``every_n_epochs``, on the
-    main process; PNGs go to ``folder`` named as sd-scripts names them, and the images are returned for
-    the log's grid."""
+    """Sample images with a training network applied, on the calling process; PNGs go to ``folder`` named as
+    sd-scripts names them, and the images are returned for the log's grid."""
 
-    def __init__(self, pipeline: StableDiffusionXLPipeline, network: torch.nn.Module, prompts: list | None, *,
-                 folder: Path, name: str, every_n_steps: int | None, every_n_epochs: int | None,
-                 steps_per_epoch: int, sampler: str, seed: int, v_prediction: bool, accelerator: Any):
+    def __init__(self, pipeline: StableDiffusionXLPipeline, network: torch.nn.Module, prompts: list[SamplePrompt], *,
+                 folder: Path, name: str, sampler: str, seed: int, v_prediction: bool, autocast: Any):
         self.pipeline, self.network, self.prompts = pipeline, network, prompts
         self.folder, self.name = folder, name
-        self.every_n_steps, self.every_n_epochs, self.steps_per_epoch = every_n_steps, every_n_epochs, steps_per_epoch
         self.sampler, self.seed, self.v_prediction = sampler, seed, v_prediction
-        self.accelerator = accelerator
+        self.autocast = autocast
         self.written: list[Path] = []
 
-    def due(self, global_step: int) -> bool:
-        steps, epochs = self.every_n_steps, self.every_n_epochs
-        return bool(self.prompts) and bool((steps and global_step % steps == 0) or
-                                           (epochs and global_step % (epochs * self.steps_per_epoch) == 0))
-
-    def __call__(self, global_step: int, force: bool = False) -> list:
-        if not (force or self.due(global_step)) or not self.accelerator.is_main_process:
-            return []
+    def __call__(self, global_step: int) -> list[Image.Image]:
         self.network.eval()
         try:
-            with self.accelerator.autocast():
+            with self.autocast():
                 images = generate_samples(self.pipeline, self.prompts, default_sampler=self.sampler,
                                           seed=self.seed, v_prediction=self.v_prediction)
         finally:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -42,9 +41,11 @@ from dreamstep.data.images import load_rgb
 from dreamstep.data.sources import bucket_spec, controlnet_from_flags
 from dreamstep.diffusion import flow_matching as fm
 from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW
-from dreamstep.engine.loop import TrainingResult
+from dreamstep.engine.logging import image_grid
+from dreamstep.engine.loop import Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
-from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
+from dreamstep.engine.plan import check_optimization, plan_steps
+from dreamstep.engine.run import FinishedRun, RunHooks, claim_output_dir, finish, fit, start_run
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
 from dreamstep.models import controlnet as cn
@@ -197,18 +198,26 @@ def _randomly_augmented(datasets: list[DatasetConfig]) -> bool:
     return any(s.random_crop or s.flip_aug for d in datasets for s in d.subsets)
 
 
-def train(config: FluxControlNetConfig) -> TrainingResult:
+def train(config: FluxControlNetConfig) -> FinishedRun:
+    """Train as configured; return what was written where."""
+    # 1. Check and plan: every flag, folder, pair and image (validation images too) and the optimizer,
+    # before a model loads.
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
                      resume_from_checkpoint=config.resume_from_checkpoint)
-    # Every flag, folder, pair and image (validation images too) is checked before a model loads.
+    check_optimization(**config.optimization())
     datasets = _datasets(config)
     dataset = build_dataset(datasets, seed=config.seed)
     validation = [(load_rgb(Path(image)), prompt) for image, prompt in config.validation_pairs()]
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
                     config_toml=config_to_toml(config))
+    loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
+                             num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
+    plan = plan_steps(len(loader), gradient_accumulation_steps=config.gradient_accumulation_steps,
+                      max_train_steps=config.max_train_steps, num_epochs=config.num_train_epochs,
+                      warmup=config.lr_warmup_steps)
 
-    # 1. Models: the base frozen in --mixed_precision; the ControlNet built or loaded, in its weight dtype.
+    # 2. Load: the base frozen in --mixed_precision; the ControlNet built or loaded, in its weight dtype.
     base = flux.load_frozen_for_training(
         config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
         transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
@@ -226,7 +235,7 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     controlnet.train()
     pipeline = flux.assemble_pipeline(base, controlnet)
 
-    # 2. Data: pairs; target and control posteriors cached unless augmented, prompt embeddings cached.
+    # 3. Data: pairs; target and control posteriors cached unless augmented, prompt embeddings cached.
     latent_cache, text_cache = flux.training_caches(
         Path(config.cache_dir or Path(config.output_dir) / "cache"), config.pretrained_model_name_or_path,
         revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
@@ -235,18 +244,14 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
         image_dirs=[d for ds in datasets for s in ds.subsets for d in (s.image_dir, s.conditioning_data_dir)
                     if d is not None])
     dataset.latent_cache = latent_cache
-    loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
-                             num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     batches = ConditionedBatches(loader, ControlConditioner(flux.FluxConditioner(
         pipeline, latent_cache=latent_cache, text_cache=text_cache, max_sequence_length=config.max_sequence_length,
         device=run.device)))
 
-    # 3. The step: the optimizer over every ControlNet weight, the LR schedule, clipping, accumulation.
+    # 4. Step: the optimizer over every ControlNet weight, the LR schedule, clipping, accumulation.
     optimizer = _optimizer(config, list(controlnet.parameters()))
-    steps_per_epoch = math.ceil(len(loader) / config.gradient_accumulation_steps)
-    total_steps = config.max_train_steps or config.num_train_epochs * steps_per_epoch
-    lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=config.lr_warmup_steps,
-                                      total_steps=total_steps, num_cycles=config.lr_num_cycles,
+    lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
+                                      total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
     model, optimizer = run.accelerator.prepare(controlnet, optimizer)
     step = FluxControlNetStep(
@@ -258,24 +263,19 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
         mode_scale=config.mode_scale,
         guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)
 
-    # 4. Loop: the engine trains, checkpoints and validates.
-    def validate(_: int) -> list[Image.Image]:
-        return _validation_grid(config, pipeline, validation, run.device.type)
-
-    result = fit(run, step, batches, max_train_steps=config.max_train_steps,
-                 num_epochs=config.num_train_epochs, weights=controlnet.state_dict,
-                 load_weights=controlnet.load_state_dict, checkpointing_steps=config.checkpointing_steps,
-                 checkpoints_total_limit=config.checkpoints_total_limit,
-                 validate=validate if validation else None, validation_steps=config.validation_steps,
+    # 5. Loop: the engine trains, samples and checkpoints.
+    sample = (lambda _: _validation_grid(config, pipeline, validation, run.device.type)) if validation else None
+    hooks = RunHooks(sample=sample, sample_every=Every(config.validation_steps or None),
+                     checkpoint_every=Every(config.checkpointing_steps or None),
+                     checkpoints_total_limit=config.checkpoints_total_limit)
+    result = fit(run, step, batches, total_steps=plan.total_steps, trained=controlnet, hooks=hooks,
                  on_nonfinite_loss=config.on_nonfinite_loss)
 
-    # 5. Save: the save_pretrained layout, final samples, loss curve, summary.
+    # 6. Save: the save_pretrained layout, final samples, loss curve, summary.
     written = {}
     if run.is_main_process:
         written["ControlNet"] = cn.save(controlnet, config.output_dir)
-    finish(run, written, validate_final=(lambda: validate(0)) if validation else None,
-           final_step=result.position.global_step)
-    return result
+    return finish(run, written, result, sample_final=(lambda: sample(0)) if sample else None)
 
 
 def _optimizer(config: FluxControlNetConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -314,4 +314,4 @@ def _validation_grid(config: FluxControlNetConfig, pipeline, validation: list[tu
                                    max_sequence_length=config.max_sequence_length, control_image=control)
             rows.append([control, *images])
     pipeline.controlnet.train(was_training)
-    return [cn.side_by_side(rows)]
+    return [image_grid(rows)]

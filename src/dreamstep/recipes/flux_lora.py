@@ -17,7 +17,6 @@ header), with --save_kohya_format also ``pytorch_lora_weights_kohya.safetensors`
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -31,18 +30,19 @@ from dreamstep.data.dataset import ConditionedBatches, build_dataset, make_datal
 from dreamstep.data.dataset_config import load_dataset_config, require_methods
 from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
 from dreamstep.diffusion import flow_matching as fm
+from dreamstep.engine.loop import Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
-from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
+from dreamstep.engine.plan import check_optimization, plan_steps
+from dreamstep.engine.run import FinishedRun, RunHooks, claim_output_dir, finish, fit, start_run
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
 from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import (
     CLIP_LORA_TARGETS,
+    TrainableState,
     add_lora,
     flux_lora_targets,
-    load_trainable_state,
     save_flux_lora,
-    trainable_state,
 )
 from dreamstep.models import flux
 from dreamstep.models.precision import cast_trainable_params_to_fp32
@@ -179,29 +179,33 @@ def _datasets(config: FluxLoraConfig, class_dir: str | None) -> list:
         random_flip=config.random_flip, repeats=config.repeats, batch_size=config.train_batch_size)]
 
 
-def train(config: FluxLoraConfig) -> None:
+def train(config: FluxLoraConfig) -> FinishedRun:
+    """Train as configured; return what was written where."""
+    # 1. Check and plan: every flag, folder and image (each decoded once) and the optimizer, before a model loads.
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
                      resume_from_checkpoint=config.resume_from_checkpoint)
-    # Every flag, folder and image is checked (each image decoded once) before a model loads.
-    dataset = build_dataset(_datasets(config, None), seed=config.seed)
+    check_optimization(**config.optimization())
+    class_dir = config.class_data_dir if config.with_prior_preservation and config.dataset_config is None else None
+    datasets = _datasets(config, None)
+    dataset = build_dataset(datasets, seed=config.seed)
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
                     config_toml=config_to_toml(config))
 
-    # 1. Models: frozen, in the --mixed_precision dtype; LoRA weights added in fp32.
+    # 2. Load: the base frozen in the --mixed_precision dtype; class images made where missing; LoRA in fp32.
     base = flux.load_frozen_for_training(
         config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
         transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
         device=run.device)
     pipeline = flux.assemble_pipeline(base)
-    class_dir = None
-    if config.with_prior_preservation and config.dataset_config is None:
-        class_dir = config.class_data_dir
+    if class_dir is not None:
         if run.is_main_process:
             flux.generate_class_images(pipeline, class_dir, config.class_prompt, config.num_class_images,
                                        batch_size=config.sample_batch_size, resolution=config.resolution,
                                        seed=config.seed, guidance_scale=config.guidance_scale)
         run.accelerator.wait_for_everyone()
+        datasets = _datasets(config, class_dir)
+        dataset = build_dataset(datasets, seed=config.seed)
     alpha = config.lora_alpha if config.lora_alpha is not None else config.rank
     add_lora(base.transformer, flux_lora_targets(base.transformer, config.lora_layers), config.rank, alpha,
              config.lora_dropout)
@@ -214,11 +218,9 @@ def train(config: FluxLoraConfig) -> None:
         base.transformer.enable_gradient_checkpointing()
     base.transformer.train()
     model = FluxLoraModel(base.transformer, text_encoder)
+    trained = TrainableState({"transformer": base.transformer, "text_encoder": text_encoder})
 
-    # 2. Data: bucketed samples; posteriors and prompt embeddings from content-keyed caches.
-    datasets = _datasets(config, class_dir)
-    if class_dir is not None:
-        dataset = build_dataset(datasets, seed=config.seed)
+    # 3. Data: bucketed samples; posteriors and prompt embeddings from content-keyed caches.
     # A random crop makes a new latent almost every step: caching those would only fill the disk.
     random_crop = any(subset.random_crop for d in datasets for subset in d.subsets)
     if config.cache_latents and random_crop and run.is_main_process:
@@ -232,11 +234,15 @@ def train(config: FluxLoraConfig) -> None:
     dataset.latent_cache = latent_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
+    # With class images made in step 2 the epoch is known only now, so the plan is made here.
+    plan = plan_steps(len(loader), gradient_accumulation_steps=config.gradient_accumulation_steps,
+                      max_train_steps=config.max_train_steps, num_epochs=config.num_train_epochs,
+                      warmup=config.lr_warmup_steps)
     batches = ConditionedBatches(loader, flux.FluxConditioner(
         pipeline, latent_cache=latent_cache, text_cache=text_cache, max_sequence_length=config.max_sequence_length,
         device=run.device, clip_ids=text_encoder is not None))
 
-    # 3. The step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
+    # 4. Step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
     groups = [{"params": [p for p in base.transformer.parameters() if p.requires_grad], "lr": config.learning_rate}]
     if text_encoder is not None:
         groups.append({"params": [p for p in text_encoder.parameters() if p.requires_grad],
@@ -244,10 +250,8 @@ def train(config: FluxLoraConfig) -> None:
     optimizer = build_optimizer(config.optimizer, groups, config.learning_rate,
                                 betas=(config.adam_beta1, config.adam_beta2),
                                 weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
-    steps_per_epoch = math.ceil(len(loader) / config.gradient_accumulation_steps)
-    total_steps = config.max_train_steps or config.num_train_epochs * steps_per_epoch
-    lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=config.lr_warmup_steps,
-                                      total_steps=total_steps, num_cycles=config.lr_num_cycles,
+    lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
+                                      total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
     model, optimizer = run.accelerator.prepare(model, optimizer)
     step = FluxLoraStep(
@@ -258,29 +262,15 @@ def train(config: FluxLoraConfig) -> None:
         mode_scale=config.mode_scale, prior_loss_weight=config.prior_loss_weight,
         guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)
 
-    # 4. Loop: the engine trains, checkpoints and validates.
-    def validate(_: int) -> list:
-        return _validation_images(config, pipeline)
-
-    def weights() -> dict:
-        state = {f"transformer.{k}": v for k, v in trainable_state(base.transformer).items()}
-        if text_encoder is not None:
-            state |= {f"text_encoder.{k}": v for k, v in trainable_state(text_encoder).items()}
-        return state
-
-    def load_weights(state: dict) -> None:
-        for prefix, module in (("transformer.", base.transformer), ("text_encoder.", text_encoder)):
-            if module is not None:
-                load_trainable_state(module, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-
-    result = fit(run, step, batches, max_train_steps=config.max_train_steps,
-                 num_epochs=config.num_train_epochs, weights=weights, load_weights=load_weights,
-                 checkpointing_steps=config.checkpointing_steps,
-                 checkpoints_total_limit=config.checkpoints_total_limit,
-                 validate=validate if config.validation_prompt else None, validation_steps=config.validation_steps,
+    # 5. Loop: the engine trains, samples and checkpoints.
+    sample = (lambda _: _validation_images(config, pipeline)) if config.validation_prompt else None
+    hooks = RunHooks(sample=sample, sample_every=Every(config.validation_steps or None),
+                     checkpoint_every=Every(config.checkpointing_steps or None),
+                     checkpoints_total_limit=config.checkpoints_total_limit)
+    result = fit(run, step, batches, total_steps=plan.total_steps, trained=trained, hooks=hooks,
                  on_nonfinite_loss=config.on_nonfinite_loss)
 
-    # 5. Save: diffusers layout (+ sd-scripts names), final samples, loss curve, summary.
+    # 6. Save: diffusers layout (+ sd-scripts names), final samples, loss curve, summary.
     written = {}
     if run.is_main_process:
         written["LoRA (diffusers)"] = save_flux_lora(config.output_dir, base.transformer, text_encoder)
@@ -288,8 +278,7 @@ def train(config: FluxLoraConfig) -> None:
             kohya_path = Path(config.output_dir) / KOHYA_WEIGHT_NAME
             convert_lora(written["LoRA (diffusers)"], kohya_path, to="kohya", model="flux", overwrite=True)
             written["LoRA (Kohya)"] = kohya_path
-    final_samples = (lambda: _validation_images(config, pipeline)) if config.validation_prompt else None
-    finish(run, written, validate_final=final_samples, final_step=result.position.global_step)
+    return finish(run, written, result, sample_final=(lambda: sample(0)) if sample else None)
 
 
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import random
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -45,33 +43,29 @@ from dreamstep.data import (
     make_dataloader,
     require_methods,
 )
+from dreamstep.data.cache import remove_caches
 from dreamstep.data.dataset_config import parse_resolution
 from dreamstep.data.sources import kohya_folders_from_flags
 from dreamstep.diffusion import noise_prediction as noise_math
-from dreamstep.engine.checkpoint import save_checkpoint
+from dreamstep.engine.loop import Every
 from dreamstep.engine.optim import LR_SCHEDULERS, build_lr_scheduler, build_optimizer, parse_optimizer_args
-from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
+from dreamstep.engine.plan import check_optimization, plan_steps
+from dreamstep.engine.run import FinishedRun, RunHooks, claim_output_dir, finish, fit, start_run
 from dreamstep.engine.train_step import TrainStep
-from dreamstep.errors import UserError, did_you_mean
-from dreamstep.lora.kohya_files import (
-    KohyaLoraWriter,
-    SaveSchedule,
-    dataset_metadata,
-    network_metadata,
-    training_metadata,
-)
+from dreamstep.errors import UserError
+from dreamstep.lora.kohya_files import KohyaLoraWriter, dataset_metadata, network_metadata, training_metadata
 from dreamstep.lora.kohya_network import (
     NETWORK_MODULE,
     LoRANetwork,
     NetworkOptions,
     create_network,
-    parse_network_args,
 )
 from dreamstep.models import sdxl
+from dreamstep.models.precision import dtype_named, weight_dtype_for
 from dreamstep.models.vae import sample_latents
 
 SchedulerName = Literal[LR_SCHEDULERS]  # type: ignore[valid-type]
-SAVE_DTYPES = {"fp32": torch.float32, "float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ADAMW_WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default, which sd-scripts leaves in place
 
 
 @dataclass
@@ -183,9 +177,7 @@ class SDXLLoraConfig:
                 raise UserError(f"--{name} must be at least 1")
         if self.min_snr_gamma is not None and self.min_snr_gamma <= 0:
             raise UserError("--min_snr_gamma must be positive")
-        if self.sample_sampler not in sdxl.SAMPLERS:
-            raise UserError(f"--sample_sampler: unknown sampler '{self.sample_sampler}'"
-                            f"{did_you_mean(self.sample_sampler, sdxl.SAMPLERS)}; choose one of {', '.join(sdxl.SAMPLERS)}")
+        sdxl.check_sampler(self.sample_sampler, "--sample_sampler")
 
 
 # ------------------------------------------------------------------------------------------- builders
@@ -207,24 +199,6 @@ def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
                                      batch_size=config.train_batch_size)]
 
 
-def check_optimizer(config: SDXLLoraConfig) -> dict[str, Any]:
-    """Name and arguments of the optimizer, checked on a dummy parameter before any model loads."""
-    extra = parse_optimizer_args(config.optimizer_args)
-    build_optimizer(config.optimizer_type, [nn.Parameter(torch.zeros(1))], config.learning_rate, weight_decay=0.01,
-                    extra=extra, flag="--optimizer_type")
-    return extra
-
-
-def network_options(config: SDXLLoraConfig) -> tuple[NetworkOptions, dict[str, Any]]:
-    """--network_dim/alpha/dropout and --network_args as checked options, and the parsed args."""
-    args = parse_network_args(config.network_args)
-    options = NetworkOptions(dim=config.network_dim, alpha=config.network_alpha,
-                             dropout=config.network_dropout or args.get("dropout"),
-                             conv_dim=args.get("conv_dim"), conv_alpha=args.get("conv_alpha"),
-                             rank_dropout=args.get("rank_dropout"), module_dropout=args.get("module_dropout"))
-    return options, args
-
-
 def build_network(config: SDXLLoraConfig, base: Any, options: NetworkOptions) -> LoRANetwork:
     """The Kohya network, its trainable dtype set (fp32, or half with --full_fp16/--full_bf16)."""
     network = create_network(base.unet, {"text_encoder": base.text_encoder, "text_encoder_2": base.text_encoder_2},
@@ -232,8 +206,8 @@ def build_network(config: SDXLLoraConfig, base: Any, options: NetworkOptions) ->
                              train_text_encoder=not config.network_train_unet_only)
     if config.network_weights is not None:
         network.load_weights(config.network_weights)
-    trainable_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[config.mixed_precision] \
-        if config.full_fp16 or config.full_bf16 else torch.float32
+    half = config.full_fp16 or config.full_bf16
+    trainable_dtype = weight_dtype_for(config.mixed_precision) if half else torch.float32
     network.to(trainable_dtype)
     if config.gradient_checkpointing and not config.network_train_unet_only:
         for encoder in (base.text_encoder, base.text_encoder_2):
@@ -311,22 +285,36 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     train(build_config(SDXLLoraConfig, args))
 
 
-def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
+def train(config: SDXLLoraConfig) -> FinishedRun:
     """Train as configured; return what was written where."""
+    # 1. Check and plan: every flag, key, folder, image and the optimizer, before a model loads.
     if config.seed is None:
         config = dataclasses.replace(config, seed=random.randrange(2**31))
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume)
-    datasets = load_datasets(config)  # every flag, key and folder is checked before a model loads
-    optimizer_extra = check_optimizer(config)
-    options, network_args = network_options(config)
+    datasets = load_datasets(config)
+    optimizer_args = parse_optimizer_args(config.optimizer_args)
+    check_optimization(config.optimizer_type, config.learning_rate, lr_scheduler=config.lr_scheduler,
+                       num_cycles=config.lr_scheduler_num_cycles, power=config.lr_scheduler_power,
+                       optimizer_flag="--optimizer_type", weight_decay=ADAMW_WEIGHT_DECAY, extra=optimizer_args)
+    options, network_args = NetworkOptions.from_flags(config.network_dim, config.network_alpha,
+                                                      config.network_dropout, config.network_args)
     prompts = (sdxl.read_sample_prompts(config.sample_prompts, datasets[0].buckets.resolution)
                if config.sample_prompts else None)
     dataset = build_dataset(datasets, seed=config.seed)  # every image is read once, errors name the file
+    train_text = not config.network_train_unet_only
+    # Module dropout skips whole LoRAs, and SDXL reads CLIP-L's penultimate layer, so the LoRAs on its
+    # last layer never get a gradient: DDP must then look for unused parameters.
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.log_with, resume_from_checkpoint=config.resume,
-                    config_toml=config_to_toml(config), tensorboard_dir=config.logging_dir)
+                    config_toml=config_to_toml(config), tensorboard_dir=config.logging_dir,
+                    find_unused_parameters=bool(options.module_dropout) or train_text)
+    loader = make_dataloader(dataset, seed=config.seed, num_workers=config.max_data_loader_n_workers,
+                             num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
+    plan = plan_steps(len(loader), gradient_accumulation_steps=config.gradient_accumulation_steps,
+                      max_train_steps=None if config.max_train_epochs else config.max_train_steps,
+                      num_epochs=config.max_train_epochs, warmup=config.lr_warmup_steps)
 
-    # 1. Models: the base frozen in the --mixed_precision dtype; the Kohya network on top.
+    # 2. Load: the base frozen in the --mixed_precision dtype; the Kohya network on top.
     base = sdxl.load_frozen_for_training(
         config.pretrained_model_name_or_path, model_config=config.model_config,
         mixed_precision=config.mixed_precision, device=run.device, vae_fp32=config.no_half_vae,
@@ -335,36 +323,24 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     pipeline = sdxl.assemble_pipeline(base)
     model = SDXLLoraModel(base.unet, network, pipeline).train()
 
-    # 2. Data: bucketed samples; VAE posteriors and prompt embeddings from the content-keyed caches.
-    train_text = not config.network_train_unet_only
+    # 3. Data: bucketed samples; VAE posteriors and prompt embeddings from the content-keyed caches.
     latent_cache, text_cache = sdxl.training_caches(
         Path(config.output_dir) / "cache", config.pretrained_model_name_or_path,
         mixed_precision=config.mixed_precision, vae_fp32=config.no_half_vae, cache_latents=config.cache_latents,
         cache_text=config.cache_text_encoder_outputs and not train_text,
         image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
     dataset.latent_cache = latent_cache
-    loader = make_dataloader(dataset, seed=config.seed, num_workers=config.max_data_loader_n_workers,
-                             num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
-    conditioner = sdxl.SDXLConditioner(pipeline, device=run.device, latent_cache=latent_cache, text_cache=text_cache,
-                                       encode_text=not train_text)
-    steps_per_epoch = math.ceil(len(loader) / config.gradient_accumulation_steps)
-    total_steps = config.max_train_epochs * steps_per_epoch if config.max_train_epochs else config.max_train_steps
+    batches = ConditionedBatches(loader, sdxl.SDXLConditioner(
+        pipeline, device=run.device, latent_cache=latent_cache, text_cache=text_cache, encode_text=not train_text))
 
-    # 3. The step: optimizer over the network (UNet and text-encoder groups), schedule, scaler, clipping.
+    # 4. Step: optimizer over the network (UNet and text-encoder groups), schedule, scaler, clipping.
     optimizer = build_optimizer(
         config.optimizer_type, network.param_groups(config.unet_lr or config.learning_rate,
                                                     config.text_encoder_lr or config.learning_rate),
-        config.learning_rate, weight_decay=0.01, extra=optimizer_extra, flag="--optimizer_type")
-    warmup = config.lr_warmup_steps
-    lr_scheduler = build_lr_scheduler(
-        config.lr_scheduler, optimizer, warmup_steps=int(warmup * total_steps if warmup < 1 else warmup),
-        total_steps=total_steps, num_cycles=config.lr_scheduler_num_cycles, power=config.lr_scheduler_power)
-    # Module dropout skips whole LoRAs, and SDXL reads CLIP-L's penultimate layer, so the LoRAs on its
-    # last layer never get a gradient: DDP must then look for unused parameters.
-    if (options.module_dropout or train_text) and run.accelerator.num_processes > 1:
-        from accelerate.utils import DistributedDataParallelKwargs
-
-        run.accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+        config.learning_rate, weight_decay=ADAMW_WEIGHT_DECAY, extra=optimizer_args, flag="--optimizer_type")
+    lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
+                                      total_steps=plan.total_steps, num_cycles=config.lr_scheduler_num_cycles,
+                                      power=config.lr_scheduler_power)
     model, optimizer = run.accelerator.prepare(model, optimizer)
     step = SDXLLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
@@ -376,56 +352,36 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
         timestep_range=(config.min_timestep, config.max_timestep), prior_loss_weight=config.prior_loss_weight)
 
-    # 4. Loop: the engine trains and resumes; every step, our callback writes LoRA files and samples when due.
+    # 5. Loop: the engine trains and resumes; LoRA files, samples and states on sd-scripts' cadences.
     folder = Path(config.output_dir)
-    saver = KohyaLoraWriter(
-        network, folder, config.output_name, config.save_model_as,
-        SaveSchedule(config.save_every_n_steps, config.save_every_n_epochs, steps_per_epoch, total_steps),
-        SAVE_DTYPES[config.save_precision] if config.save_precision else None,
-        {**training_metadata(dataclasses.asdict(config), base_model=config.pretrained_model_name_or_path,
-                             steps_per_epoch=steps_per_epoch),
-         **network_metadata(options, network_args),
-         **dataset_metadata(dataset.records, datasets[0].batch_size, datasets[0].buckets.resolution)})
-    sampler = sdxl.SampleWriter(
-        pipeline, network, prompts, folder=folder / "sample", name=config.output_name,
-        every_n_steps=config.sample_every_n_steps, every_n_epochs=config.sample_every_n_epochs,
-        steps_per_epoch=steps_per_epoch, sampler=config.sample_sampler, seed=config.seed,
-        v_prediction=config.v_parameterization, accelerator=run.accelerator)
-    if config.sample_at_first and prompts and not run.resume_from:
-        sampler(0, force=True)
+    metadata = {**training_metadata(dataclasses.asdict(config), base_model=config.pretrained_model_name_or_path,
+                                    steps_per_epoch=plan.steps_per_epoch),
+                **network_metadata(options, network_args),
+                **dataset_metadata(dataset.records, datasets[0].batch_size, datasets[0].buckets.resolution)}
+    save_dtype = dtype_named(config.save_precision, "--save_precision") if config.save_precision else None
+    writer = KohyaLoraWriter(network, folder, config.output_name, config.save_model_as, config.save_every_n_epochs,
+                             plan.steps_per_epoch, plan.total_steps, save_dtype, metadata)
+    sampler = (sdxl.SampleWriter(pipeline, network, prompts, folder=folder / "sample", name=config.output_name,
+                                 sampler=config.sample_sampler, seed=config.seed,
+                                 v_prediction=config.v_parameterization, autocast=run.accelerator.autocast)
+               if prompts else None)
+    if config.sample_at_first and sampler is not None and not run.resume_from and run.is_main_process:
+        sampler(0)
+    save_every = Every(config.save_every_n_steps, config.save_every_n_epochs)
+    sample_every = Every(config.sample_every_n_steps, config.sample_every_n_epochs)
+    hooks = RunHooks(sample=sampler, sample_every=sample_every, save=writer.save, save_every=save_every,
+                     checkpoint_every=save_every if config.save_state else Every(), checkpoint_at_end=config.save_state)
+    result = fit(run, step, batches, total_steps=plan.total_steps, trained=network, hooks=hooks)
 
-    def every_step(global_step: int) -> list:
-        if run.is_main_process:
-            saver.maybe_save(global_step)
-        return sampler(global_step)
-
-    result = fit(run, step, ConditionedBatches(loader, conditioner), max_train_steps=total_steps, num_epochs=None,
-                 weights=network.state_dict, load_weights=network.load_state_dict,
-                 checkpointing_steps=1 if config.save_state else 0, checkpoints_total_limit=None,
-                 checkpoint_due=saver.due,
-                 validate=every_step, validation_steps=1)
-
-    # 5. Save the final LoRA (and with --save_state the final state), remove temporary caches, summary.
+    # 6. Save: the final LoRA, final samples; temporary caches removed; the summary.
     last = result.position.global_step
     written: dict[str, Path | None] = {}
-    # Decided by arithmetic every process agrees on: save_checkpoint is collective.
-    if config.save_state and not saver.due(last):
-        written["state"] = save_checkpoint(config.output_dir, step, result.position, network.state_dict())
     if run.is_main_process:
-        written["LoRA"] = saver.save(last)
-        written["step/epoch LoRAs"] = folder if saver.saved else None
-        written["samples"] = sampler.folder if sampler.written else None
-        written["config"] = Path(config.output_dir) / "config.toml"
-        _drop_caches(config)
-    final = (lambda: sampler(last, force=True)) if prompts and not sampler.due(last) else None
-    finish(run, written, validate_final=final, final_step=last)
-    return written
-
-
-def _drop_caches(config: SDXLLoraConfig) -> None:
-    root = Path(config.output_dir) / "cache"
-    for name, keep in (("latents", config.cache_latents_to_disk), ("text", config.cache_text_encoder_outputs_to_disk)):
-        if not keep and (root / name).is_dir():
-            shutil.rmtree(root / name)
-    if root.is_dir() and not any(root.iterdir()):
-        root.rmdir()
+        written["LoRA"] = writer.save(last, final=True)
+        written["step/epoch LoRAs"] = folder if writer.saved else None
+        written["samples"] = sampler.folder if sampler is not None and sampler.written else None
+        written["config"] = folder / "config.toml"
+        kept = {"latents": config.cache_latents_to_disk, "text": config.cache_text_encoder_outputs_to_disk}
+        remove_caches(folder / "cache", [name for name, keep in kept.items() if not keep])
+    final = sampler if sampler is not None and not sample_every.due(last, plan.steps_per_epoch) else None
+    return finish(run, written, result, sample_final=(lambda: final(last)) if final else None)
