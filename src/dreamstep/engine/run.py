@@ -90,11 +90,14 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
         weights: Callable[[], Mapping[str, torch.Tensor]], load_weights: Callable[[Mapping[str, torch.Tensor]], None],
         checkpointing_steps: int, checkpoints_total_limit: int | None,
         validate: Callable[[int], list[Image.Image]] | None = None, validation_steps: int = 0,
-        on_nonfinite_loss: str = "stop", checkpoint_due: Callable[[int], bool] | None = None) -> TrainingResult:
+        on_nonfinite_loss: str = "stop", checkpoint_due: Callable[[int], bool] | None = None,
+        validate_on_every_process: bool = False) -> TrainingResult:
     """Resume if asked, then train for ``max_train_steps`` optimizer steps (when given, it overrides
     ``num_epochs``), saving ``checkpoint-N`` every ``checkpointing_steps`` and validation grids every
     ``validation_steps`` optimizer steps (0 turns either off). ``checkpoint_due(step)`` narrows the
-    checkpoints to the steps it accepts; it must give the same answer on every process."""
+    checkpoints to the steps it accepts; it must give the same answer on every process. A sharded model
+    can only run forward on all processes at once: ``validate_on_every_process`` then has every process
+    generate (the main one saves)."""
     _open_output(run)
     resume = None
     if run.resume_from is not None:
@@ -113,10 +116,11 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
         _say(run, f"saved {path}")
 
     def validate_and_log(global_step: int) -> None:
-        # One process generates; the others wait (validation uses its own seeded generators, so the
-        # training RNG of every process is untouched).
+        # One process generates (all, for a sharded model); the others wait. Validation uses its own seeded
+        # generators, so the training RNG of every process is untouched.
+        images = validate(global_step) if run.is_main_process or validate_on_every_process else None
         if run.is_main_process:
-            path = run.logger.log_images(global_step, validate(global_step))
+            path = run.logger.log_images(global_step, images)
             _say(run, f"validation images: {path}")
         run.accelerator.wait_for_everyone()
 
@@ -130,11 +134,13 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
 
 
 def finish(run: Run, written: Mapping[str, Path | None], validate_final: Callable[[], list[Image.Image]] | None = None,
-           final_step: int = 0) -> None:
+           final_step: int = 0, validate_on_every_process: bool = False) -> None:
     """Final validation grid, loss curve, and the summary of every file written."""
     outputs = dict(written)
-    if validate_final is not None and run.is_main_process:
-        outputs["samples"] = run.logger.log_images(final_step, validate_final(), tag="final")
+    if validate_final is not None and (run.is_main_process or validate_on_every_process):
+        images = validate_final()
+        if run.is_main_process:
+            outputs["samples"] = run.logger.log_images(final_step, images, tag="final")
     outputs["loss curve"] = run.logger.close()
     tensorboard = run.report_to == "tensorboard" and run.logger.history
     outputs["TensorBoard logs"] = run.logger.tensorboard_dir if tensorboard else None
