@@ -69,6 +69,10 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
     # Several processes without GPUs (accelerate launch on CPUs) need accelerate's CPU mode for gloo.
     cpu_processes = world_size > 1 and not torch.cuda.is_available()
     accelerator = make_accelerator(mixed_precision=mixed_precision, cpu=cpu_processes)
+    if accelerator.distributed_type == "DEEPSPEED":
+        raise UserError("accelerate launch --use_deepspeed: DeepSpeed would take over accumulation, loss scaling and "
+                        "clipping from dreamstep's engine; launch without it (DDP), or shard with --zero_stage 2|3 "
+                        "(flux-controlnet)")
     if mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError("--mixed_precision fp16 needs a GPU (CPUs have no fp16 autocast); use bf16 or no")
     set_seed(seed)

@@ -45,7 +45,8 @@ from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW
 from dreamstep.engine.loop import TrainingResult
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
-from dreamstep.engine.sharding import full_model_state, is_sharded, load_model_state, shard_model
+from dreamstep.engine.sharding import (describe_processes, full_model_state, is_sharded, load_model_state,
+                                      shard_model)
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
 from dreamstep.models import controlnet as cn
@@ -242,6 +243,8 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     if config.shard_base:
         shard_model(base.transformer, config.zero_stage, cn.BLOCK_CLASSES, run.device)
     sharded = is_sharded(controlnet)
+    if run.is_main_process:
+        print(describe_processes(run.accelerator, config.zero_stage if sharded else 0))
     pipeline = flux.assemble_pipeline(base, controlnet)
 
     # 2. Data: pairs; target and control posteriors cached unless augmented, prompt embeddings cached.
