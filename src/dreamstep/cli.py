@@ -18,6 +18,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("train", "flux-controlnet"): ("dreamstep.recipes.flux_controlnet", "ControlNet for FLUX.1"),
     ("generate", "flux"): ("dreamstep.generate", "generate images with FLUX.1 (+ LoRAs, ControlNet)"),
     ("generate", "sdxl"): ("dreamstep.generate", "generate images with SDXL (+ LoRAs)"),
+    ("eval", "flux"): ("dreamstep.evaluate", "score FLUX LoRAs / ControlNets / checkpoints against the base model"),
+    ("eval", "sdxl"): ("dreamstep.evaluate", "score SDXL LoRAs / checkpoints against the base model"),
     ("convert", "lora"): ("dreamstep.lora.convert_cli", "convert a LoRA between Kohya, diffusers and MindSpore"),
     ("lora", "info"): ("dreamstep.lora.info", "show a LoRA file's format, target, ranks and metadata"),
     ("dataset", "from-hf"): ("dreamstep.data.from_hf", "turn a Hugging Face dataset into an image folder"),

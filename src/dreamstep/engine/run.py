@@ -196,7 +196,7 @@ def evaluation_report(run: Run, best_by: str | None, final_step: int,
     best = table.best(best_by) if best_by else None
     if best is not None:
         step, row = best
-        where = saved_at(step)
+        where = saved_at(step) or (run.output_dir if step == final_step else None)
         kept = f" -> {where}" if where is not None else " (nothing was saved at that step; align the " \
                                                           "checkpoint/save cadence with the validation steps)"
         lines.append(f"  best by {best_by}: step {step}: {_scores(row)}{kept}")
