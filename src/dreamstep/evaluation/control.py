@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+_FLAT = 1e-3  # gradient magnitudes below this are flat image, not edges
 _SOBEL_X = torch.tensor([[-1.0, 0.0, 1.0], [-2.0, 0.0, 2.0], [-1.0, 0.0, 1.0]])
 
 
@@ -25,9 +26,10 @@ def _grey(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
 
 
 def sobel_magnitude(grey: torch.Tensor) -> torch.Tensor:
-    """Gradient magnitude of an (H, W) image, same shape (zero border)."""
+    """Gradient magnitude of an (H, W) image, same shape (the border replicated, so the frame is no edge)."""
     kernels = torch.stack([_SOBEL_X, _SOBEL_X.T]).unsqueeze(1)  # (2, 1, 3, 3)
-    gradients = F.conv2d(grey[None, None], kernels, padding=1)[0]  # (2, H, W)
+    padded = F.pad(grey[None, None], (1, 1, 1, 1), mode="replicate")
+    gradients = F.conv2d(padded, kernels)[0]  # (2, H, W)
     return gradients.pow(2).sum(0).sqrt()
 
 
@@ -41,11 +43,11 @@ def edge_agreement(sample: Image.Image, control: Image.Image) -> float:
     wanted = int(control_edges.sum())
     if wanted == 0:
         return float("nan")
-    magnitude = sobel_magnitude(_grey(sample, sample.size)).flatten()
-    if float(magnitude.max()) == 0.0:
+    magnitude = sobel_magnitude(_grey(sample, sample.size))
+    threshold = torch.topk(magnitude.flatten(), wanted).values[-1]
+    sample_edges = (magnitude >= threshold) & (magnitude > _FLAT)
+    if not sample_edges.any():
         return 0.0
-    threshold = torch.topk(magnitude, wanted).values[-1]
-    sample_edges = (magnitude >= threshold).reshape(control_edges.shape) & (magnitude.reshape(control_edges.shape) > 0)
     precision = float((sample_edges & _dilate(control_edges)).sum()) / max(1, int(sample_edges.sum()))
     recall = float((control_edges & _dilate(sample_edges)).sum()) / wanted
     return 0.0 if precision + recall == 0 else 2 * precision * recall / (precision + recall)
