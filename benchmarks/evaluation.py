@@ -65,7 +65,8 @@ def main_benchmark() -> None:
           "DINO + CLIP-I + CLIP-T)")
     print(f"  without evaluation: {plain:8.1f} s  ({plain / args.steps:.3f} s per step)")
     print(f"  with evaluation:    {evaluated:8.1f} s  ({(evaluated - plain) / points:.1f} s more per validation point)")
-    print(f"  overhead:           {evaluated - plain:8.1f} s  = {100 * (evaluated - plain) / evaluated:.1f}% of the run")
+    share = 100 * (evaluated - plain) / evaluated
+    print(f"  overhead:           {evaluated - plain:8.1f} s  = {share:.1f}% of the run")
     if match:
         seconds, total = float(match.group(1)), float(match.group(2))
         print(f"  the trainer's own count: validation {seconds:.1f} s of {total:.1f} s ({100 * seconds / total:.1f}%), "

@@ -199,8 +199,9 @@ def evaluate(config: EvalConfig, model_type: str) -> dict[str, Any]:
             scores["edge"] = mean_edge_agreement(images, [c for c in controls for _ in range(config.num_images)])
         sample = save_image_grid(images, out / "samples" / f"{index:02d}-{_slug(candidate)}.png",
                                  columns=config.num_images)
-        rows.append({"label": candidate.label if candidate else BASELINE, "path": str(candidate.source or candidate.path)
-                     if candidate else config.model, "step": candidate.step if candidate else 0, "samples": str(sample), **scores})
+        rows.append({"label": candidate.label if candidate else BASELINE,
+                     "path": str(candidate.source or candidate.path) if candidate else config.model,
+                     "step": candidate.step if candidate else 0, "samples": str(sample), **scores})
     return write_results(rows, config.metrics, config.best_by, out)
 
 

@@ -23,7 +23,8 @@ def _order_key(record: ImageRecord, seed: int) -> str:
     return hashlib.sha256(f"{seed}:{record.image.sha256}".encode()).hexdigest()
 
 
-def split_records(records: list[ImageRecord], fraction: float, seed: int) -> tuple[list[ImageRecord], list[ImageRecord]]:
+def split_records(records: list[ImageRecord], fraction: float, seed: int
+                  ) -> tuple[list[ImageRecord], list[ImageRecord]]:
     """(training records, held-out records): the validation subsets' records, plus ``fraction`` of the other
     non-regularization records (at least one when ``fraction`` > 0, and never all of them)."""
     held = [r for r in records if r.subset.is_validation]

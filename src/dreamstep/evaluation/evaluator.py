@@ -1,10 +1,9 @@
 """What a trainer scores at each validation point: the held-out validation loss, the DreamBooth fidelity
 scores of the validation samples, and for ControlNet the samples' agreement with their control images.
-Built once per run from the evaluation options; time spent scoring is counted for the run's summary."""
+Built once per run from the evaluation options."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,11 +28,9 @@ class RunEvaluator:
         self.scorer = scorer
         self.identifier = identifier
         self.edge = edge
-        self.seconds = 0.0  # wall time spent scoring (generation of the samples not included)
 
     def __call__(self, images: Sequence[Image.Image], prompts: Sequence[str],
                  controls: Sequence[Image.Image] = ()) -> dict[str, float]:
-        start = time.perf_counter()
         scores: dict[str, float] = {}
         if self.validation_loss is not None:
             scores["val_loss"] = self.validation_loss()
@@ -41,7 +38,6 @@ class RunEvaluator:
             scores |= self.scorer.score(images, prompts, self.identifier)
         if self.edge and images:
             scores["edge"] = mean_edge_agreement(images, controls)
-        self.seconds += time.perf_counter() - start
         return scores
 
 

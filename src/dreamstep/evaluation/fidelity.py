@@ -104,8 +104,11 @@ class FidelityScorer:
     def clip_image_embeddings(self, images: Sequence[Image.Image]) -> torch.Tensor:
         """(N, P) CLIP image embeddings (pooled vision output through the visual projection)."""
         model, processor, _ = self.clip
-        return self._batched(images, processor,
-                             lambda pixels: model.visual_projection(model.vision_model(pixel_values=pixels).pooler_output))
+
+        def embed(pixels: torch.Tensor) -> torch.Tensor:
+            return model.visual_projection(model.vision_model(pixel_values=pixels).pooler_output)
+
+        return self._batched(images, processor, embed)
 
     @torch.no_grad()
     def clip_text_embeddings(self, prompts: Sequence[str]) -> torch.Tensor:
