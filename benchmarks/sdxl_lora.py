@@ -31,7 +31,8 @@ from dreamstep.lora.kohya_network import NetworkOptions, create_network
 from dreamstep.models import sdxl
 from dreamstep.models.precision import freeze
 from dreamstep.models.tiny import build_clip_tokenizer, build_tiny_sdxl
-from dreamstep.recipes.sdxl_lora import SDXLLoraModel, SDXLLoraStep
+from dreamstep.models.sdxl import SDXLLoraModel
+from dreamstep.recipes.sdxl_lora import SDXLLoraStep
 
 # stabilityai/stable-diffusion-xl-base-1.0: vae/, text_encoder/ (CLIP-L), text_encoder_2/ (OpenCLIP bigG).
 FULL_VAE = dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),

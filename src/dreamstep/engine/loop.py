@@ -42,7 +42,7 @@ from dreamstep.engine.logging import TrainingLogger, say
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
 
-__all__ = ["Every", "Hook", "NonFiniteLossError", "TrainingResult", "epoch_generator", "run_training"]
+__all__ = ["AnyOf", "Every", "Hook", "NonFiniteLossError", "TrainingResult", "epoch_generator", "run_training"]
 
 DataSource = Iterable[Any] | Callable[[int], Iterable[Any]]
 _END = object()
@@ -77,10 +77,23 @@ class Every:
 
 
 @dataclass(frozen=True)
+class AnyOf:
+    """Due when any of ``cadences`` is."""
+
+    cadences: tuple[Every, ...]
+
+    def __init__(self, *cadences: Every):
+        object.__setattr__(self, "cadences", cadences)
+
+    def due(self, global_step: int, steps_per_epoch: int) -> bool:
+        return any(c.due(global_step, steps_per_epoch) for c in self.cadences)
+
+
+@dataclass(frozen=True)
 class Hook:
     """``action(position)`` after each optimizer step at which ``every`` is due (``position`` is a copy)."""
 
-    every: Every
+    every: Every | AnyOf
     action: Callable[[TrainingPosition], Any]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from PIL import Image
 from dreamstep.engine.checkpoint import TrainingPosition, load_checkpoint, resolve_resume, save_checkpoint
 from dreamstep.engine.logging import TrainingLogger, say
 from dreamstep.engine.loop import Every, Hook, TrainingResult, run_training
+from dreamstep.engine.metrics import MetricsTable
 from dreamstep.engine.train_step import TrainStep, make_accelerator
 from dreamstep.errors import UserError
 
@@ -33,6 +35,8 @@ class Run:
     report_to: str
     tensorboard_dir: Path | None = None
     logger: TrainingLogger | None = None
+    started_at: float | None = None  # perf_counter when training started
+    validation_seconds: float = 0.0  # wall time spent in validation (samples and scores)
 
     @property
     def device(self) -> torch.device:
@@ -74,6 +78,10 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
         # accelerate keeps one precision per process (a notebook that trains twice).
         raise UserError(f"--mixed_precision {mixed_precision}: this process already trained in another precision; "
                         "run this training in a new process (in a notebook: restart the kernel)") from None
+    if accelerator.distributed_type == "DEEPSPEED":
+        raise UserError("accelerate launch --use_deepspeed: DeepSpeed would take over accumulation, loss scaling and "
+                        "clipping from dreamstep's engine; launch without it (DDP), or shard with --zero_stage 2|3 "
+                        "(flux-controlnet)")
     if mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError("--mixed_precision fp16 needs a GPU (CPUs have no fp16 autocast); use bf16 or no")
     set_seed(seed)
@@ -94,13 +102,18 @@ def _open_output(run: Run) -> None:
 @dataclass
 class RunHooks:
     """What a run does besides training, each on its own cadence; at a step where several are due they run
-    in this order. ``sample(global_step)``: images from the model as it trains (main process), logged as a
-    grid. ``save(global_step)``: write the trained weights (main process), not at the last step, whose
-    weights the recipe writes itself. Checkpoints (every process): ``checkpoint-N`` folders, at most
-    ``checkpoints_total_limit`` of them, and with ``checkpoint_at_end`` one at the last step too."""
+    in this order. ``sample(global_step)``: images from the model as it trains (main process; every
+    process with ``sample_on_every_process``, for a sharded model that runs forward only on all at once),
+    logged as a grid; evaluation scores it logs with ``run.logger.log_metrics`` are reported with them;
+    ``sample_first`` samples the untrained model too (step 0 of a run that does not resume: the baseline
+    of the scores). ``save(global_step)``: write the trained weights (main process), not at the last
+    step, whose weights the recipe writes itself. Checkpoints (every process): ``checkpoint-N`` folders,
+    at most ``checkpoints_total_limit`` of them, and with ``checkpoint_at_end`` one at the last step too."""
 
     sample: Callable[[int], list[Image.Image]] | None = None
     sample_every: Every = field(default_factory=Every)
+    sample_first: bool = False
+    sample_on_every_process: bool = False
     save: Callable[[int], Path] | None = None
     save_every: Every = field(default_factory=Every)
     checkpoint_every: Every = field(default_factory=Every)
@@ -126,8 +139,9 @@ def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any,
     if run.resume_from is not None:
         resume = load_checkpoint(run.resume_from, step)
         trained.load_state_dict(resume.weights)
-        # The loss curve of the whole run, not only of its resumed part.
+        # The loss curve and the scores of the whole run, not only of its resumed part.
         run.logger.history["loss"] = [tuple(pair) for pair in resume.extra.get("loss_history", [])]
+        run.logger.metrics = MetricsTable.from_state(resume.extra.get("metrics", []))
         _say(run, f"resuming from {run.resume_from} (step {resume.position.global_step})")
 
     checkpointed: list[int] = []
@@ -135,22 +149,31 @@ def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any,
     def checkpoint(position: TrainingPosition) -> None:
         checkpointed.append(position.global_step)
         path = save_checkpoint(run.output_dir, step, position, trained.state_dict(),
-                               extra={"loss_history": run.logger.loss_history},
+                               extra={"loss_history": run.logger.loss_history,
+                                      "metrics": run.logger.metrics.state()},
                                total_limit=hooks.checkpoints_total_limit)
         _say(run, f"saved {path}")
 
     def sample(position: TrainingPosition) -> None:
-        # One process generates; the others wait (sampling uses its own seeded generators, so the
-        # training RNG of every process is untouched).
+        # One process generates (all, for a sharded model); the others wait. Sampling uses its own seeded
+        # generators, so the training RNG of every process is untouched.
+        global_step = position.global_step
+        images = _timed_sample(run, hooks.sample, global_step, hooks.sample_on_every_process)
         if run.is_main_process:
-            path = run.logger.log_images(position.global_step, hooks.sample(position.global_step))
-            _say(run, f"samples: {path}")
+            path = run.logger.log_images(global_step, images)
+            scores = run.logger.metrics.rows.get(global_step)
+            if path is not None or scores:
+                _say(run, f"validation at step {global_step}: " + ", ".join(
+                    [f"{k} {v:.4g}" for k, v in (scores or {}).items()] + ([f"images {path}"] if path else [])))
         run.accelerator.wait_for_everyone()
 
     def save(position: TrainingPosition) -> None:
         if run.is_main_process and position.global_step < total_steps:
             _say(run, f"saved {hooks.save(position.global_step)}")
 
+    run.started_at = time.perf_counter()
+    if hooks.sample_first and hooks.sample is not None and resume is None:
+        sample(TrainingPosition())
     scheduled = [Hook(hooks.sample_every, sample)] if hooks.sample is not None else []
     scheduled += [Hook(hooks.save_every, save)] if hooks.save is not None else []
     scheduled.append(Hook(hooks.checkpoint_every, checkpoint))
@@ -162,12 +185,35 @@ def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any,
     return result
 
 
+def _timed_sample(run: Run, sample: Callable[[int], list[Image.Image]], global_step: int,
+                  on_every_process: bool) -> list[Image.Image] | None:
+    """``sample(global_step)`` on the processes that take part, its wall time added to the run's."""
+    if not (run.is_main_process or on_every_process):
+        return None
+    start = time.perf_counter()
+    images = sample(global_step)
+    run.validation_seconds += time.perf_counter() - start
+    return images
+
+
 def finish(run: Run, written: Mapping[str, Path | None], result: TrainingResult,
-           sample_final: Callable[[], list[Image.Image]] | None = None) -> FinishedRun:
-    """Final sample grid, loss curve, and the summary of every file written."""
+           sample_final: Callable[[], list[Image.Image]] | None = None, *, best_by: str | None = None,
+           saved_at: Callable[[int], Path | None] | None = None,
+           sample_on_every_process: bool = False) -> FinishedRun:
+    """Final sample grid, evaluation scores (``metrics.csv``, ``metrics.png``, the best step by ``best_by``
+    next to the final one), loss curve, and the summary of every file written. ``saved_at(step)`` names
+    what was saved at a step (default: its ``checkpoint-N`` folder, if any)."""
     outputs = dict(written)
-    if sample_final is not None and run.is_main_process:
-        outputs["samples"] = run.logger.log_images(result.position.global_step, sample_final(), tag="final")
+    final_step = result.position.global_step
+    if sample_final is not None:
+        images = _timed_sample(run, lambda _: sample_final(), final_step, sample_on_every_process)
+        if run.is_main_process:
+            outputs["samples"] = run.logger.log_images(final_step, images, tag="final")
+    report = []
+    if run.is_main_process and run.logger.metrics.rows:
+        best = run.logger.metrics.best(best_by) if best_by else None
+        outputs.update(run.logger.write_metrics(marks={best_by: best[0]} if best else None))
+        report = evaluation_report(run, best_by, final_step, saved_at or _checkpoint_at(run.output_dir))
     outputs["loss curve"] = run.logger.close()
     tensorboard = run.report_to == "tensorboard" and run.logger.history
     outputs["TensorBoard logs"] = run.logger.tensorboard_dir if tensorboard else None
@@ -177,7 +223,43 @@ def finish(run: Run, written: Mapping[str, Path | None], result: TrainingResult,
         for what, path in outputs.items():
             if path is not None:
                 print(f"  {what:<18} {path}")
+        for line in report:
+            print(line)
     return FinishedRun(outputs, result)
+
+
+def _checkpoint_at(output_dir: Path) -> Callable[[int], Path | None]:
+    def find(step: int) -> Path | None:
+        folder = output_dir / f"checkpoint-{step}"
+        return folder if folder.is_dir() else None
+
+    return find
+
+
+def _scores(row: Mapping[str, float]) -> str:
+    return ", ".join(f"{name} {value:.4g}" for name, value in row.items())
+
+
+def evaluation_report(run: Run, best_by: str | None, final_step: int,
+                      saved_at: Callable[[int], Path | None]) -> list[str]:
+    """Lines naming the best step by ``best_by`` and its scores next to the final step's, and what
+    validation cost as a share of the run's wall time."""
+    table = run.logger.metrics
+    lines = ["", "evaluation:"]
+    best = table.best(best_by) if best_by else None
+    if best is not None:
+        step, row = best
+        where = saved_at(step) or (run.output_dir if step == final_step else None)
+        kept = f" -> {where}" if where is not None else " (nothing was saved at that step; align the " \
+                                                          "checkpoint/save cadence with the validation steps)"
+        lines.append(f"  best by {best_by}: step {step}: {_scores(row)}{kept}")
+    if final_step in table.rows:
+        lines.append(f"  final: step {final_step}: {_scores(table.rows[final_step])}")
+    if run.started_at is not None:
+        total = time.perf_counter() - run.started_at
+        lines.append(f"  validation (samples and scores) took {run.validation_seconds:.1f} s of the run's "
+                     f"{total:.1f} s ({100 * run.validation_seconds / max(total, 1e-9):.1f}%)")
+    return lines
 
 
 def _say(run: Run, message: str) -> None:

@@ -94,8 +94,8 @@ class KohyaLoraWriter:
     metadata: dict[str, str]
     saved: list[Path] = field(default_factory=list)
 
-    def save(self, global_step: int, final: bool = False) -> Path:
-        """The intermediate file of ``global_step``, or with ``final`` the run's file."""
+    def path(self, global_step: int, final: bool = False) -> Path:
+        """Where the intermediate file of ``global_step`` goes, or with ``final`` the run's file."""
         epochs = self.every_n_epochs
         if final:
             suffix = ""
@@ -103,11 +103,15 @@ class KohyaLoraWriter:
             suffix = f"-{global_step // self.steps_per_epoch:06d}"
         else:
             suffix = f"-step{global_step:08d}"
+        return self.folder / f"{self.name}{suffix}.{self.extension}"
+
+    def save(self, global_step: int, final: bool = False) -> Path:
+        """Write the file of ``global_step`` (see :meth:`path`)."""
         metadata = {**self.metadata, "ss_steps": str(global_step),
                     "ss_epoch": str(math.ceil(global_step / self.steps_per_epoch)),
                     "ss_num_epochs": str(math.ceil(self.total_steps / self.steps_per_epoch)),
                     "ss_training_finished_at": str(time.time())}
-        path = self.network.save_weights(self.folder / f"{self.name}{suffix}.{self.extension}", self.dtype, metadata)
-        if suffix:
+        path = self.network.save_weights(self.path(global_step, final), self.dtype, metadata)
+        if not final:
             self.saved.append(path)
         return path

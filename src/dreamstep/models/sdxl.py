@@ -116,6 +116,27 @@ def add_time_ids(original_sizes: torch.Tensor, crop_top_lefts: torch.Tensor,
     return torch.cat([original_sizes, crop_top_lefts, target_sizes], dim=1)
 
 
+class SDXLLoraModel(torch.nn.Module):
+    """What DDP wraps: the UNet with the network's hooks; prompts are encoded here when the text encoders
+    train (``captions``), else they come cached (``prompt_embeds``, ``pooled``)."""
+
+    def __init__(self, unet: torch.nn.Module, network: torch.nn.Module, pipeline: Any):
+        super().__init__()
+        self.unet = unet
+        self.network = network
+        self._pipeline = (pipeline,)  # not a module: its parts are the UNet and frozen encoders
+
+    def forward(self, noisy: torch.Tensor, timesteps: torch.Tensor, add_time_ids: torch.Tensor,
+                prompt_embeds: torch.Tensor | None = None, pooled: torch.Tensor | None = None,
+                captions: list[str] | None = None) -> torch.Tensor:
+        if captions is not None:
+            encoded = encode_prompts(self._pipeline[0], captions)
+            prompt_embeds, pooled = encoded["prompt_embeds"], encoded["pooled"]
+        conditions = {"text_embeds": pooled, "time_ids": add_time_ids}
+        return self.unet(noisy, timesteps, encoder_hidden_states=prompt_embeds, added_cond_kwargs=conditions,
+                         return_dict=False)[0]
+
+
 class SDXLConditioner:
     """A collated batch -> the step's inputs: VAE posteriors (from the latent cache when given), size
     conditioning, and prompt embeddings from the text cache; with ``text_cache=None`` the captions are

@@ -33,26 +33,28 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
 from dreamstep.data import (
     ConditionedBatches,
     DatasetConfig,
     bucket_spec,
-    build_dataset,
     load_dataset_config,
     make_dataloader,
     require_methods,
 )
 from dreamstep.data.cache import remove_caches
 from dreamstep.data.dataset_config import parse_resolution
+from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import kohya_folders_from_flags
 from dreamstep.diffusion import noise_prediction as noise_math
-from dreamstep.engine.loop import Every
+from dreamstep.engine.loop import AnyOf, Every
 from dreamstep.engine.optim import LR_SCHEDULERS, build_lr_scheduler, build_optimizer, parse_optimizer_args
 from dreamstep.engine.plan import check_optimization, plan_steps
 from dreamstep.engine.run import FinishedRun, RunHooks, claim_output_dir, finish, fit, start_run
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
+from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.kohya_files import KohyaLoraWriter, dataset_metadata, network_metadata, training_metadata
 from dreamstep.lora.kohya_network import (
     NETWORK_MODULE,
@@ -69,7 +71,7 @@ ADAMW_WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default, which sd-scripts leave
 
 
 @dataclass
-class SDXLLoraConfig:
+class SDXLLoraConfig(EvaluationOptions):
     pretrained_model_name_or_path: str = option(
         help="base SDXL: a diffusers folder, a hub id, or a single file such as sd_xl_base_1.0.safetensors")
     output_dir: str = option(help="where the LoRA, step files, states, samples and logs are written")
@@ -147,6 +149,9 @@ class SDXLLoraConfig:
     sample_every_n_steps: int | None = option(None, "sample images every N steps")
     sample_every_n_epochs: int | None = option(None, "sample images every N epochs")
     sample_at_first: bool = option(False, "sample images before training")
+    validate_every_n_steps: int | None = option(
+        None, "score the validation loss (and --eval_metrics on the --sample_prompts) every N steps; "
+              "evaluation also runs before training and at the end")
     sample_sampler: str = option("ddim", "sampler for samples: ddim, euler, euler_a, dpmsolver++, pndm, heun")
     log_with: Literal["tensorboard", "none"] = option("tensorboard", "where scalars are logged")
     logging_dir: str | None = option(None, "folder for the TensorBoard event files (default: --output_dir)")
@@ -172,11 +177,14 @@ class SDXLLoraConfig:
         if self.max_train_steps < 1 or self.gradient_accumulation_steps < 1 or self.train_batch_size < 1:
             raise UserError("--max_train_steps, --gradient_accumulation_steps and --train_batch_size must be >= 1")
         for name in ("save_every_n_steps", "save_every_n_epochs", "sample_every_n_steps", "sample_every_n_epochs",
-                     "max_train_epochs"):
+                     "max_train_epochs", "validate_every_n_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1")
         if self.min_snr_gamma is not None and self.min_snr_gamma <= 0:
             raise UserError("--min_snr_gamma must be positive")
+        self.check_evaluation()
+        if self.eval_metrics and not self.sample_prompts:
+            raise UserError("--eval_metrics scores samples of the --sample_prompts: give a prompt file too")
         sdxl.check_sampler(self.sample_sampler, "--sample_sampler")
 
 
@@ -217,27 +225,6 @@ def build_network(config: SDXLLoraConfig, base: Any, options: NetworkOptions) ->
 
 # ----------------------------------------------------------------------------------------- the step
 
-class SDXLLoraModel(nn.Module):
-    """What DDP wraps: the UNet with the network's hooks; prompts are encoded here when the text encoders
-    train (``captions``), else they come cached (``prompt_embeds``, ``pooled``)."""
-
-    def __init__(self, unet: nn.Module, network: LoRANetwork, pipeline: Any):
-        super().__init__()
-        self.unet = unet
-        self.network = network
-        self._pipeline = (pipeline,)  # not a module: its parts are the UNet and frozen encoders
-
-    def forward(self, noisy: torch.Tensor, timesteps: torch.Tensor, add_time_ids: torch.Tensor,
-                prompt_embeds: torch.Tensor | None = None, pooled: torch.Tensor | None = None,
-                captions: list[str] | None = None) -> torch.Tensor:
-        if captions is not None:
-            encoded = sdxl.encode_prompts(self._pipeline[0], captions)
-            prompt_embeds, pooled = encoded["prompt_embeds"], encoded["pooled"]
-        conditions = {"text_embeds": pooled, "time_ids": add_time_ids}
-        return self.unet(noisy, timesteps, encoder_hidden_states=prompt_embeds, added_cond_kwargs=conditions,
-                         return_dict=False)[0]
-
-
 class SDXLLoraStep(TrainStep):
     """One DDPM step: noise the latents at a random timestep, predict ε (or v), weighted MSE."""
 
@@ -262,17 +249,30 @@ class SDXLLoraStep(TrainStep):
         if self.multires[0]:
             noise = noise_math.pyramid_noise(noise, *self.multires)
         timesteps = noise_math.sample_timesteps(latents.shape[0], *self.timestep_range, device=latents.device)
-        # x_t = √ᾱ_t·x₀ + √(1-ᾱ_t)·ε
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        prediction = self.model(noisy, timesteps, batch["add_time_ids"], prompt_embeds=batch.get("prompt_embeds"),
-                                pooled=batch.get("pooled"), captions=batch.get("captions"))
-        target = noise_math.prediction_target(self.noise_scheduler, latents, noise, timesteps, self.prediction_type)
-        loss = noise_math.per_sample_mse(prediction, target)  # (B,)
+        loss = self.per_sample_loss(self.model, batch, latents, noise, timesteps)  # (B,)
         if self.min_snr_gamma:
             snr = noise_math.snr(self.noise_scheduler.alphas_cumprod, timesteps)
             loss = loss * noise_math.min_snr_weight(snr, self.min_snr_gamma, self.prediction_type == "v_prediction")
         weights = torch.where(batch["is_reg"], self.prior_loss_weight, 1.0)
         return (self.scale_loss((loss * weights).mean()),)
+
+    def per_sample_loss(self, model: nn.Module, batch: dict[str, Any], latents: torch.Tensor, noise: torch.Tensor,
+                        timesteps: torch.Tensor) -> torch.Tensor:
+        """Unweighted MSE of the prediction target per sample, (B,), at the given noise and timesteps."""
+        # x_t = √ᾱ_t·x₀ + √(1-ᾱ_t)·ε
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        prediction = model(noisy, timesteps, batch["add_time_ids"], prompt_embeds=batch.get("prompt_embeds"),
+                           pooled=batch.get("pooled"), captions=batch.get("captions"))
+        target = noise_math.prediction_target(self.noise_scheduler, latents, noise, timesteps, self.prediction_type)
+        return noise_math.per_sample_mse(prediction, target)
+
+    def validation_loss_at(self, batch: dict[str, Any], latents: torch.Tensor, noise: torch.Tensor,
+                           fraction: float) -> torch.Tensor:
+        """Unweighted loss at the fixed timestep ``fraction`` of the way through the training range."""
+        low, high = self.timestep_range
+        timesteps = torch.full((len(latents),), low + int(fraction * (high - low)), device=latents.device)
+        with self.autocast():
+            return self.per_sample_loss(self.unwrapped_model, batch, latents, noise, timesteps)
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -300,7 +300,9 @@ def train(config: SDXLLoraConfig) -> FinishedRun:
                                                       config.network_dropout, config.network_args)
     prompts = (sdxl.read_sample_prompts(config.sample_prompts, datasets[0].buckets.resolution)
                if config.sample_prompts else None)
-    dataset = build_dataset(datasets, seed=config.seed)  # every image is read once, errors name the file
+    # Every image is read once (errors name the file); held-out images are split off for the validation loss.
+    dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
+    scorer = load_scorer(config)
     train_text = not config.network_train_unet_only
     # Module dropout skips whole LoRAs, and SDXL reads CLIP-L's penultimate layer, so the LoRAs on its
     # last layer never get a gradient: DDP must then look for unused parameters.
@@ -321,7 +323,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun:
         sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing)
     network = build_network(config, base, options)
     pipeline = sdxl.assemble_pipeline(base)
-    model = SDXLLoraModel(base.unet, network, pipeline).train()
+    model = sdxl.SDXLLoraModel(base.unet, network, pipeline).train()
 
     # 3. Data: bucketed samples; VAE posteriors and prompt embeddings from the content-keyed caches.
     latent_cache, text_cache = sdxl.training_caches(
@@ -329,9 +331,11 @@ def train(config: SDXLLoraConfig) -> FinishedRun:
         mixed_precision=config.mixed_precision, vae_fp32=config.no_half_vae, cache_latents=config.cache_latents,
         cache_text=config.cache_text_encoder_outputs and not train_text,
         image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
-    dataset.latent_cache = latent_cache
-    batches = ConditionedBatches(loader, sdxl.SDXLConditioner(
-        pipeline, device=run.device, latent_cache=latent_cache, text_cache=text_cache, encode_text=not train_text))
+    for part in (dataset, held_out):
+        if part is not None:
+            part.latent_cache = latent_cache
+    conditioner = sdxl.SDXLConditioner(pipeline, device=run.device, latent_cache=latent_cache, text_cache=text_cache,
+                                       encode_text=not train_text)
 
     # 4. Step: optimizer over the network (UNet and text-encoder groups), schedule, scaler, clipping.
     optimizer = build_optimizer(
@@ -352,7 +356,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun:
         multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
         timestep_range=(config.min_timestep, config.max_timestep), prior_loss_weight=config.prior_loss_weight)
 
-    # 5. Loop: the engine trains and resumes; LoRA files, samples and states on sd-scripts' cadences.
+    # 5. Loop: the engine trains and resumes; LoRA files, samples, scores and states on their cadences.
     folder = Path(config.output_dir)
     metadata = {**training_metadata(dataclasses.asdict(config), base_model=config.pretrained_model_name_or_path,
                                     steps_per_epoch=plan.steps_per_epoch),
@@ -367,13 +371,37 @@ def train(config: SDXLLoraConfig) -> FinishedRun:
                if prompts else None)
     if config.sample_at_first and sampler is not None and not run.resume_from and run.is_main_process:
         sampler(0)
-    save_every = Every(config.save_every_n_steps, config.save_every_n_epochs)
+    evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
+                                loss_at=step.validation_loss_at, modules=[model], seed=config.seed,
+                                subject_images=subject_image_paths(dataset, held_out), device=run.device)
     sample_every = Every(config.sample_every_n_steps, config.sample_every_n_epochs)
-    hooks = RunHooks(sample=sampler, sample_every=sample_every, save=writer.save, save_every=save_every,
-                     checkpoint_every=save_every if config.save_state else Every(), checkpoint_at_end=config.save_state)
-    result = fit(run, step, batches, total_steps=plan.total_steps, trained=network, hooks=hooks)
+    validate_every = Every(config.validate_every_n_steps)
 
-    # 6. Save: the final LoRA, final samples; temporary caches removed; the summary.
+    def score(global_step: int, images: list) -> list:
+        """Scores at a validation point; the sample prompts are generated for them when not taken yet."""
+        if evaluator is None or global_step in run.logger.metrics.rows:
+            return images
+        if config.eval_metrics and not images:
+            images = sampler(global_step)  # --eval_metrics needs --sample_prompts
+        run.logger.log_metrics(global_step, evaluator(images, [p.prompt for p in prompts or []]))
+        return images
+
+    def sample_and_score(global_step: int) -> list:
+        if global_step == 0:  # the baseline before training: scores only
+            return score(0, [])
+        due = sampler is not None and sample_every.due(global_step, plan.steps_per_epoch)
+        images = sampler(global_step) if due else []
+        return score(global_step, images) if validate_every.due(global_step, plan.steps_per_epoch) else images
+
+    save_every = Every(config.save_every_n_steps, config.save_every_n_epochs)
+    hooks = RunHooks(sample=sample_and_score if sampler is not None or evaluator is not None else None,
+                     sample_every=AnyOf(sample_every, validate_every), sample_first=evaluator is not None,
+                     save=writer.save, save_every=save_every, checkpoint_at_end=config.save_state,
+                     checkpoint_every=save_every if config.save_state else Every())
+    result = fit(run, step, ConditionedBatches(loader, conditioner), total_steps=plan.total_steps, trained=network,
+                 hooks=hooks)
+
+    # 6. Save: the final LoRA, final samples and scores; temporary caches removed; the summary.
     last = result.position.global_step
     written: dict[str, Path | None] = {}
     if run.is_main_process:
@@ -383,5 +411,12 @@ def train(config: SDXLLoraConfig) -> FinishedRun:
         written["config"] = folder / "config.toml"
         kept = {"latents": config.cache_latents_to_disk, "text": config.cache_text_encoder_outputs_to_disk}
         remove_caches(folder / "cache", [name for name, keep in kept.items() if not keep])
-    final = sampler if sampler is not None and not sample_every.due(last, plan.steps_per_epoch) else None
-    return finish(run, written, result, sample_final=(lambda: final(last)) if final else None)
+    sample_last = sampler is not None and not sample_every.due(last, plan.steps_per_epoch)
+
+    def saved_at(global_step: int) -> Path | None:
+        path = written.get("LoRA") if global_step == last else writer.path(global_step)
+        return path if path is not None and path.is_file() else None
+
+    final = (lambda: score(last, sampler(last) if sample_last else [])) if evaluator or sample_last else None
+    return finish(run, written, result, sample_final=final,
+                  best_by=config.best_metric(held_out is not None), saved_at=saved_at)
