@@ -19,7 +19,7 @@ from engine_testkit import RegressionStep, regression_batches, tiny_mlp
 
 from dreamstep import StaticLossScaler
 from dreamstep.engine.checkpoint import load_checkpoint, save_checkpoint
-from dreamstep.engine.loop import run_training
+from dreamstep.engine.loop import Every, Hook, run_training
 from dreamstep.engine.sharding import full_model_state, load_model_state, local_state_bytes, shard_model
 from dreamstep.engine.train_step import make_accelerator
 
@@ -60,7 +60,7 @@ def main(out_file: str, checkpoint_dir: str, zero_stage: int, phase: str) -> Non
     save = lambda position: save_checkpoint(checkpoint_dir, step, position, full_model_state(model))
     result = run_training(step, shard, max_train_steps=3 if phase == "first" else None,
                           num_epochs=None if phase == "first" else 2, resume=resume,
-                          checkpoint_every_n_steps=3, save_checkpoint=save)
+                          hooks=[Hook(Every(steps=3), save)])
     state_bytes = local_state_bytes(model, optimizer)
     everyone = [None] * world
     dist.all_gather_object(everyone, state_bytes) if world > 1 else everyone.__setitem__(0, state_bytes)
