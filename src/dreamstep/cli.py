@@ -22,6 +22,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("lora", "info"): ("dreamstep.lora.info", "show a LoRA file's format, target, ranks and metadata"),
     ("dataset", "from-hf"): ("dreamstep.data.from_hf", "turn a Hugging Face dataset into an image folder"),
     ("tiny-model",): ("dreamstep.models.tiny", "write a tiny random FLUX or SDXL pipeline for offline tests"),
+    ("dashboard",): ("dreamstep.dashboard_command", "a local web page: watch runs, compare them, check a dataset"),
 }
 
 

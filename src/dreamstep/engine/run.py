@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from dreamstep.engine.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from dreamstep.engine.logging import TrainingLogger
+from dreamstep.engine.logging import TrainingLogger, log_time
 from dreamstep.engine.loop import TrainingResult, run_training
 from dreamstep.engine.train_step import TrainStep, make_accelerator
 from dreamstep.errors import UserError
@@ -140,10 +140,10 @@ def finish(run: Run, written: Mapping[str, Path | None], validate_final: Callabl
     outputs["TensorBoard logs"] = run.logger.tensorboard_dir if tensorboard else None
     run.accelerator.wait_for_everyone()
     if run.is_main_process:
-        print("\nwrote:")
-        for what, path in outputs.items():
-            if path is not None:
-                print(f"  {what:<18} {path}")
+        lines = [f"  {what:<18} {path}" for what, path in outputs.items() if path is not None]
+        print("\nwrote:\n" + "\n".join(lines))
+        with open(run.output_dir / "train.log", "a", encoding="utf-8") as log:
+            log.write(f"{log_time()} finished; wrote:\n" + "\n".join(lines) + "\n")
 
 
 def _say(run: Run, message: str) -> None:
@@ -151,3 +151,5 @@ def _say(run: Run, message: str) -> None:
         from tqdm.auto import tqdm
 
         tqdm.write(message)
+        if run.logger is not None:
+            run.logger.note(message)
