@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hmac
 import io
+import json
+import math
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -38,6 +40,23 @@ _HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
                                "frame-ancestors 'none'; form-action 'none'",
 }
+
+
+class _JSON(JSONResponse):
+    """JSON with NaN and infinities as ``null`` (a diverged loss is NaN; browsers reject NaN in JSON)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(_finite(content), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 class _Guard(BaseHTTPMiddleware):
@@ -99,22 +118,22 @@ def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_chec
         return FileResponse(STATIC / "index.html")
 
     def info(request: Request) -> Response:
-        return JSONResponse({"roots": [str(r) for r in index.roots], "dataset": state.source})
+        return _JSON({"roots": [str(r) for r in index.roots], "dataset": state.source})
 
     def runs(request: Request) -> Response:
-        return JSONResponse({"runs": [read_section(run.summary) for run in index.runs().values()]})
+        return _JSON({"runs": [read_section(run.summary) for run in index.runs().values()]})
 
     def run_detail(request: Request) -> Response:
         run = index.get(request.path_params["run_id"])
         if run is None:
-            return JSONResponse({"error": "no such run"}, 404)
-        return JSONResponse(run.detail())
+            return _JSON({"error": "no such run"}, 404)
+        return _JSON(run.detail())
 
     def run_loras(request: Request) -> Response:
         run = index.get(request.path_params["run_id"])
         if run is None:
-            return JSONResponse({"error": "no such run"}, 404)
-        return JSONResponse({"loras": read_section(run.loras)})
+            return _JSON({"error": "no such run"}, 404)
+        return _JSON({"loras": read_section(run.loras)})
 
     def run_file(request: Request) -> Response:
         run = index.get(request.path_params["run_id"])
@@ -128,13 +147,13 @@ def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_chec
 
     def dataset_summary(request: Request) -> Response:
         if state.source is None:
-            return JSONResponse({"error": "no dataset: start with 'dreamstep dashboard --dataset TOML_OR_FOLDER'"},
+            return _JSON({"error": "no dataset: start with 'dreamstep dashboard --dataset TOML_OR_FOLDER'"},
                                 404)
         with state.lock:
             if request.query_params.get("rescan") == "1":
                 state.rescan()
             epoch = _int(request.query_params.get("epoch"), 0)
-            return JSONResponse(summary(state.check, epoch))
+            return _JSON(summary(state.check, epoch))
 
     def dataset_image(request: Request) -> Response:
         check = state.check
