@@ -2,11 +2,12 @@
 // drawChart(canvas, {series: [{x, y, color, width, axis: "left"|"right", dash, label}], yLabel, y2Label})
 "use strict";
 
-function niceTicks(lo, hi, count) {
+function niceTicks(lo, hi, count, integer) {
   if (!(hi > lo)) { hi = lo + 1; }
   const raw = (hi - lo) / count;
   const magnitude = Math.pow(10, Math.floor(Math.log10(raw)));
-  const step = [1, 2, 2.5, 5, 10].map((m) => m * magnitude).find((s) => s >= raw) || raw;
+  let step = [1, 2, 2.5, 5, 10].map((m) => m * magnitude).find((s) => s >= raw) || raw;
+  if (integer) { step = Math.max(1, Math.round(step)); }
   const ticks = [];
   for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) { ticks.push(t); }
   return ticks;
@@ -59,7 +60,7 @@ function drawChart(canvas, spec) {
   // grid and axes
   ctx.strokeStyle = "#e3e6ec"; ctx.fillStyle = "#6b7280"; ctx.lineWidth = 1;
   ctx.textAlign = "center";
-  for (const t of niceTicks(xlo, xhi, 6)) {
+  for (const t of niceTicks(xlo, xhi, 6, true)) {  // steps are whole numbers
     const x = px(t);
     ctx.beginPath(); ctx.moveTo(x, m.top); ctx.lineTo(x, m.top + ph); ctx.stroke();
     ctx.fillText(formatNumber(t), x, height - 12);
