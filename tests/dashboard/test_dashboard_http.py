@@ -252,3 +252,20 @@ def test_new_runs_appear_and_a_folder_that_is_itself_a_run_is_shown(finished_run
     assert set(_runs(c)) == {"robot"}
     GrowingRun(root / "later").add_steps(1)
     assert set(_runs(c)) == {"robot", "later"}
+
+
+def test_a_run_with_a_thousand_samples_sends_the_latest_and_the_rest_on_request(growing_run: GrowingRun):
+    from PIL import Image
+
+    growing_run.add_steps(2)
+    samples = growing_run.folder / "samples"
+    samples.mkdir()
+    tiny = Image.new("RGB", (4, 4))
+    for step in range(1, 1001):
+        tiny.save(samples / f"validation-{step:06d}.png")
+    c = client(growing_run.folder.parent)
+    detail = c.get("/api/runs/0.live").json()
+    assert detail["samples_total"] == 1000
+    assert [s["step"] for s in detail["samples"]] == list(range(953, 1001))
+    every = c.get("/api/runs/0.live/samples").json()["samples"]
+    assert [s["step"] for s in every] == list(range(1, 1001))

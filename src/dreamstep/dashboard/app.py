@@ -129,6 +129,12 @@ def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_chec
             return _JSON({"error": "no such run"}, 404)
         return _JSON(run.detail())
 
+    def run_samples(request: Request) -> Response:
+        run = index.get(request.path_params["run_id"])
+        if run is None:
+            return _JSON({"error": "no such run"}, 404)
+        return _JSON({"samples": read_section(run.samples)})
+
     def run_loras(request: Request) -> Response:
         run = index.get(request.path_params["run_id"])
         if run is None:
@@ -180,6 +186,7 @@ def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_chec
         Route("/api/runs", runs),
         Route("/api/runs/{run_id}", run_detail),
         Route("/api/runs/{run_id}/loras", run_loras),
+        Route("/api/runs/{run_id}/samples", run_samples),
         Route("/files/{run_id}/{path:path}", run_file),
         Route("/api/dataset", dataset_summary),
         Route("/api/dataset/image/{number}", dataset_image),

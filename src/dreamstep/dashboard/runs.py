@@ -33,6 +33,7 @@ STATUS_FILE = "run_status.json"
 LOCK_FILES = (".dreamstep.lock", "dreamstep.lock", ".lock")
 STALE_AFTER_S = 300  # no new step for this long, and no live process: the run is not running
 MAX_POINTS = 2000
+LATEST_SAMPLES = 48  # sent with every refresh; the page asks for the rest (thousands, for long runs) once
 _STEP_IN_NAME = re.compile(r"(?:^|[-_])(\d{4,})(?=[-_.])")
 _FINISHED = " finished; wrote:"
 
@@ -245,7 +246,13 @@ class Run:
 
     def detail(self) -> dict[str, Any]:
         """Everything the run page shows but the LoRA reports; each section fails on its own."""
-        return {"summary": self.summary(), "curves": read_section(self.curves), "samples": read_section(self.samples),
+        samples = read_section(self.samples)
+        if isinstance(samples, list):
+            samples, total = samples[-LATEST_SAMPLES:], len(samples)
+        else:
+            total = 0
+        return {"summary": self.summary(), "curves": read_section(self.curves), "samples": samples,
+                "samples_total": total,
                 "metrics": read_section(self.metrics), "config": read_section(self.config_text),
                 "lora_files": read_section(self.lora_files), "log": read_section(self.log_tail)}
 

@@ -3,6 +3,7 @@
 "use strict";
 
 const POLL_MS = 2000;
+const SAMPLES_SHOWN = 24;
 const COLORS = ["#1446aa", "#c2410c", "#15803d", "#7e22ce", "#0e7490", "#be123c", "#4d7c0f", "#a16207"];
 let current = null;  // {refresh(): Promise} of the view on screen
 
@@ -140,7 +141,7 @@ function runView(runId) {
   const config = section("config", "Resolved config.toml");
   const loras = section("loras", "Output LoRA files");
   const log = section("log", "Log (train.log, last lines)");
-  let sampleLimit = 24;
+  let showAll = false;  // all samples (fetched once) instead of the latest ones
   let lastDetail = null;
   const root = el("div", {}, title, status, chart.card.node, samples.node, metrics.card.node,
     el("div", { class: "two" }, config.node, loras.node), log.node);
@@ -172,12 +173,20 @@ function runView(runId) {
   }
 
   function renderSamples() {
-    samples.update({ list: lastDetail.samples, limit: sampleLimit }, (body, { list }) => {
+    const total = lastDetail.samples_total;
+    samples.update({ list: lastDetail.samples, total, all: showAll }, (body, { list }) => {
       if (!list.length) { body.append(el("p", { class: "muted", text: "No sample images yet." })); return; }
-      body.append(samplesGrid(runId, list, sampleLimit));
-      if (list.length > sampleLimit) {
-        body.append(el("p", {}, el("button", { onclick: () => { sampleLimit = list.length; renderSamples(); } }, `Show all ${list.length}`)));
+      if (!showAll) {
+        body.append(samplesGrid(runId, list, SAMPLES_SHOWN));
+        if (total > SAMPLES_SHOWN) {
+          body.append(el("p", {}, el("button", { onclick: () => { showAll = true; renderSamples(); } }, `Show all ${total}`)));
+        }
+        return;
       }
+      body.append(el("p", { class: "muted", text: `loading ${total} samples…` }));
+      getJSON(`/api/runs/${encodeURIComponent(runId)}/samples`).then(({ samples: all }) => {
+        body.replaceChildren(all.error ? el("p", { class: "error", text: all.error }) : samplesGrid(runId, all, all.length));
+      }).catch((e) => body.replaceChildren(el("p", { class: "error", text: String(e) })));
     });
   }
 
