@@ -36,6 +36,7 @@ MAX_POINTS = 2000
 LATEST_SAMPLES = 48  # sent with every refresh; the page asks for the rest (thousands, for long runs) once
 _STEP_IN_NAME = re.compile(r"(?:^|[-_])(\d{4,})(?=[-_.])")
 _FINISHED = " finished; wrote:"
+_TIMESTAMPED = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 
 
 def is_run_folder(folder: Path) -> bool:
@@ -171,12 +172,15 @@ class Run:
         return None
 
     def _log_says_finished(self) -> bool:
+        """The last timestamped line of train.log is the end-of-run summary (the lines after it, the
+        written files and evaluation report, carry no timestamp)."""
         path = self.folder / TEXT_LOG
         if not path.is_file():
             return False
-        tail = read_tail(path, 4096)
-        last_step = tail.rfind(" step ")
-        return tail.rfind(_FINISHED) > last_step
+        for line in reversed(read_tail(path, 16384).splitlines()):
+            if _TIMESTAMPED.match(line):
+                return _FINISHED in line
+        return False
 
     def _last_change(self) -> float:
         candidates = [self.folder / TEXT_LOG, self.folder / STATUS_FILE, *find_event_files(self.folder, depth=1)]
