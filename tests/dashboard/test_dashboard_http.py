@@ -31,7 +31,8 @@ def _runs(c: TestClient) -> dict[str, dict]:
 
 def test_finished_run_is_listed_with_status_steps_and_last_loss(finished_run):
     run = _runs(client(finished_run.parent))["robot"]
-    log_steps = [line for line in (finished_run / "train.log").read_text().splitlines() if " step " in line]
+    log_steps = [line for line in (finished_run / "train.log").read_text().splitlines()
+                 if line.split(" ")[2:3] == ["step"]]
     last_loss = float(log_steps[-1].split("loss=")[1].split()[0])
     assert run["state"] == "finished"
     assert (run["step"], run["total"]) == (FINISHED_STEPS, FINISHED_STEPS)
