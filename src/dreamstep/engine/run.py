@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from dreamstep.engine.checkpoint import TrainingPosition, load_checkpoint, resolve_resume, save_checkpoint
-from dreamstep.engine.logging import TrainingLogger, say
+from dreamstep.engine.logging import TrainingLogger, log_time, say
 from dreamstep.engine.loop import Every, Hook, TrainingResult, run_training
 from dreamstep.engine.metrics import MetricsTable
 from dreamstep.engine.train_step import TrainStep, make_accelerator
@@ -219,12 +219,10 @@ def finish(run: Run, written: Mapping[str, Path | None], result: TrainingResult,
     outputs["TensorBoard logs"] = run.logger.tensorboard_dir if tensorboard else None
     run.accelerator.wait_for_everyone()
     if run.is_main_process:
-        print("\nwrote:")
-        for what, path in outputs.items():
-            if path is not None:
-                print(f"  {what:<18} {path}")
-        for line in report:
-            print(line)
+        lines = [f"  {what:<18} {path}" for what, path in outputs.items() if path is not None] + list(report)
+        print("\nwrote:\n" + "\n".join(lines))
+        with open(run.output_dir / "train.log", "a", encoding="utf-8") as log:
+            log.write(f"{log_time()} finished; wrote:\n" + "\n".join(lines) + "\n")
     return FinishedRun(outputs, result)
 
 
@@ -264,3 +262,5 @@ def evaluation_report(run: Run, best_by: str | None, final_step: int,
 
 def _say(run: Run, message: str) -> None:
     say(message, is_main_process=run.is_main_process)
+    if run.is_main_process and run.logger is not None:
+        run.logger.note(message)
