@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from dreamstep.config.flux_controlnet import FluxControlNetConfig
+from dreamstep.config.flux_lora import FluxLoraConfig
 from dreamstep.config.schema import build_config, load_toml
+from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data.dataset_config import parse_dataset_config
-from dreamstep.recipes.flux_controlnet import FluxControlNetConfig
-from dreamstep.recipes.flux_lora import FluxLoraConfig
-from dreamstep.recipes.sdxl_lora import SDXLLoraConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TRAINING_SCHEMAS = {"demo_flux_lora": FluxLoraConfig, "flux_controlnet": FluxControlNetConfig,

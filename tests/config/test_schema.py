@@ -62,7 +62,7 @@ def test_bad_values_name_the_flag_or_key(tmp_path, argv, toml, message):
 
 
 def test_missing_toml_file_is_named(tmp_path):
-    with pytest.raises(UserError, match="nope.toml: config file not found"):
+    with pytest.raises(UserError, match="--config .*nope.toml: file not found"):
         load_toml(tmp_path / "nope.toml")
 
 

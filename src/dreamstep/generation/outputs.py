@@ -62,6 +62,7 @@ def next_index(output_dir: Path) -> int:
 
 def save_png(image: Image.Image, output_dir: Path, index: int, params: dict[str, Any]) -> Path:
     """Write ``<index:05d>-<seed>.png`` atomically (a temporary file renamed into place)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / f"{index:05d}-{params['seed']}.png"
     tmp = path.with_name(f".{path.name}.tmp")
     image.save(tmp, format="PNG", pnginfo=png_info(params))

@@ -33,11 +33,11 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from dreamstep.config.sdxl_lora import NETWORK_MODULE
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.lora.formats import ModelKeys, sdxl_keys
 from dreamstep.lora.io import container_for, read_lora_file, write_lora_file
 
-NETWORK_MODULE = "networks.lora"
 UNET_TARGETS = ("Transformer2DModel",)
 UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
 TEXT_ENCODER_PREFIXES = {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
