@@ -79,7 +79,8 @@ def test_kohya_file_has_sd_scripts_names_and_gives_the_same_image(trained: Path,
     np.testing.assert_allclose(generate(pipe), reference, atol=2e-4)
 
 
-def test_resume_equals_an_uninterrupted_run(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+def test_resume_equals_an_uninterrupted_run(tiny_flux_dev_dir: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
     common = ("--pretrained_model_name_or_path", tiny_flux_dev_dir, "--instance_data_dir", ROBOT_DIR,
               "--instance_prompt", ROBOT_PROMPT, "--resolution", "32", "--report_to", "none",
               "--train_batch_size", "2", "--gradient_accumulation_steps", "2", "--random_flip",
@@ -100,6 +101,19 @@ def test_resume_equals_an_uninterrupted_run(tiny_flux_dev_dir: Path, tmp_path: P
                  for run in (tmp_path / "straight", split)]
     assert [step for step, _ in histories[1]] == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose(histories[1], histories[0], atol=1e-6)
+
+    # Resuming with a flag that shapes the weights changed is refused before anything loads, naming the flag.
+    lora_before = (split / "pytorch_lora_weights.safetensors").read_bytes()
+    for flag, value, was in [("--rank", "8", "4"), ("--lora_layers", "all-linear", "attention"),
+                             ("--train_text_encoder", "true", "false"),
+                             ("--pretrained_model_name_or_path", tmp_path / "other", tiny_flux_dev_dir)]:
+        capsys.readouterr()
+        assert run_cli("train", "flux-lora", *common, "--output_dir", split, "--max_train_steps", "9",
+                       "--resume_from_checkpoint", "latest", flag, value) == 2
+        assert capsys.readouterr().err == (f"error: {flag} is {value} but {split / 'checkpoint-6'} was trained with "
+                                           f"{was}; resume with {flag} {was}, or start a new run in another "
+                                           "--output_dir\n")
+    assert (split / "pytorch_lora_weights.safetensors").read_bytes() == lora_before
 
 
 def test_prior_preservation_text_encoder_lora_and_checkpointing(tiny_flux_dir: Path, tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ on top of the FLUX options every trainer shares.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from dreamstep.config.schema import option, refuse_unused
 from dreamstep.config.training import FluxTrainingConfig
@@ -14,6 +14,11 @@ from dreamstep.errors import UserError
 
 @dataclass
 class FluxControlNetConfig(FluxTrainingConfig):
+    # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
+    resume_must_match: ClassVar[tuple[str, ...]] = (
+        "pretrained_model_name_or_path", "transformer_single_file", "controlnet_model_name_or_path",
+        "num_double_layers", "num_single_layers", "controlnet_weights_dtype")
+
     train_data_dir: str | None = option(None, "folder of target images (paired with --conditioning_data_dir, "
                                                  "or holding a metadata.jsonl)")
     conditioning_data_dir: str | None = option(None, "folder of control images, each named like its target")

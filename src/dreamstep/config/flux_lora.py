@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from dreamstep.config.schema import option, refuse_unused
 from dreamstep.config.training import FluxTrainingConfig
@@ -14,6 +14,11 @@ from dreamstep.errors import UserError
 
 @dataclass
 class FluxLoraConfig(FluxTrainingConfig):
+    # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
+    resume_must_match: ClassVar[tuple[str, ...]] = (
+        "pretrained_model_name_or_path", "transformer_single_file", "rank", "lora_alpha", "lora_layers",
+        "train_text_encoder")
+
     instance_data_dir: Optional[str] = option(None, "folder of the subject's images")
     instance_prompt: Optional[str] = option(None, "prompt with the identifier, e.g. 'a photo of sks dog'")
     caption_extension: Optional[str] = option(None, "read per-image captions from files with this extension "

@@ -119,13 +119,18 @@ def _parse_bool(text: str, where: str) -> bool:
     raise UserError(f"{where}: '{text}' is not a boolean; use true or false")
 
 
-def convert_value(value: Any, tp: Any, where: str) -> Any:
-    """Convert a CLI string or TOML value to ``tp``; ``where`` names the flag or key in errors."""
+def convert_value(value: Any, tp: Any, where: str, *, typed: bool = False) -> Any:
+    """Convert a CLI string or TOML value to ``tp``; ``where`` names the flag or key in errors. A ``typed``
+    value (from TOML, which has booleans and numbers) must already be a boolean or a number where one is
+    expected: ``enable_bucket = "yes"`` is a mistake to point at, not a string to interpret."""
     tp, optional = _unwrap_optional(tp)
     if value is None or (optional and isinstance(value, str) and value.strip().lower() == "none"):
         if optional:
             return None
         raise UserError(f"{where}: a value is required")
+    if typed and isinstance(value, str) and (tp is bool or tp in (int, float)):
+        example = "true or false" if tp is bool else "a number"
+        raise UserError(f"{where}: \"{value}\" is a string; write {example} without quotes")
     origin = typing.get_origin(tp)
     if origin is Literal:
         choices = typing.get_args(tp)
@@ -207,7 +212,7 @@ def build_config(cls: type[T], cli: dict[str, Any] | argparse.Namespace | None =
             raise UserError(f"{toml_path}: unknown key '{key}'{did_you_mean(key, fields)}; "
                             f"see --help for the valid keys")
         where = f"{toml_path}: key '{key}'"
-        values[key] = convert_value(value, fields[key][1], where)
+        values[key] = convert_value(value, fields[key][1], where, typed=True)
         check_bounds(values[key], fields[key][0].metadata.get("bounds"), where)
     for key, value in cli.items():
         if key in fields:

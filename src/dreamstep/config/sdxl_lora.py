@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.config.training import LR_SCHEDULERS
@@ -17,6 +17,11 @@ SAMPLERS = ("ddim", "pndm", "euler", "k_euler", "euler_a", "k_euler_a", "dpmsolv
 
 @dataclass
 class SDXLLoraConfig:
+    # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
+    resume_must_match: ClassVar[tuple[str, ...]] = (
+        "pretrained_model_name_or_path", "network_dim", "network_alpha", "network_args", "network_train_unet_only",
+        "network_train_text_encoder_only")
+
     pretrained_model_name_or_path: str = option(
         help="base SDXL: a diffusers folder, a hub id, or a single file such as sd_xl_base_1.0.safetensors")
     output_dir: str = option(help="where the LoRA, step files, states, samples and logs are written")

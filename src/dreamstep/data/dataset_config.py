@@ -225,7 +225,7 @@ class _Resolver:
         spec = KEYS[key]
         for table, place in self.layers:
             if key in table:
-                return convert_value(table[key], spec.type, f"{self.source}: {place}: key '{key}'")
+                return convert_value(table[key], spec.type, f"{self.source}: {place}: key '{key}'", typed=True)
         return spec.default
 
     def resolution(self, place: str) -> tuple[int, int]:

@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
+from dreamstep.files import honour_umask
 
 __all__ = [
     "LoadedCheckpoint",
@@ -44,6 +45,7 @@ __all__ = [
     "capture_rng_state",
     "list_checkpoints",
     "load_checkpoint",
+    "read_checkpoint_extra",
     "prune_checkpoints",
     "resolve_resume",
     "restore_rng_state",
@@ -164,6 +166,7 @@ def _write_contents(folder: Path, train_step: TrainStep, position: TrainingPosit
                     rng: list[dict[str, Any]]) -> None:
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    honour_umask(folder / WEIGHTS_FILE)
     torch.save(train_step.optimizer.state_dict(), folder / OPTIMIZER_FILE)
     if train_step.lr_scheduler is not None:
         torch.save(train_step.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
@@ -251,6 +254,11 @@ def load_checkpoint(path: str | Path, train_step: TrainStep) -> LoadedCheckpoint
                                 epoch_start_rng=rng["epoch_start"] if rng else None)
     return LoadedCheckpoint(path=path, weights=weights, position=position,
                             rng_state=rng["current"] if rng else None, extra=state["extra"])
+
+
+def read_checkpoint_extra(path: str | Path) -> dict[str, Any]:
+    """The ``extra`` a checkpoint was saved with, read without loading any tensor."""
+    return _read_state(Path(path)).get("extra", {})
 
 
 def _read_state(path: Path) -> dict[str, Any]:

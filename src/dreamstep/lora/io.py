@@ -18,6 +18,7 @@ import safetensors.torch
 import torch
 
 from dreamstep.errors import UserError
+from dreamstep.files import honour_umask
 from dreamstep.lora.formats import ADAPTER_METADATA_KEY
 from dreamstep.lora.mindspore_ckpt import load_mindspore_ckpt, save_mindspore_ckpt
 
@@ -117,6 +118,7 @@ def write_lora_file(path: str | Path, tensors: dict[str, torch.Tensor], metadata
         save_mindspore_ckpt(tensors, tmp)
     else:
         raise ValueError(f"unknown container {container!r}; expected one of {CONTAINERS}")
+    honour_umask(tmp)
     os.replace(tmp, path)
 
 

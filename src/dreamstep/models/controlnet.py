@@ -20,6 +20,7 @@ from diffusers import FluxControlNetModel, FluxTransformer2DModel
 from PIL import Image
 
 from dreamstep.errors import UserError
+from dreamstep.files import honour_umask
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -98,6 +99,7 @@ def save(controlnet: FluxControlNetModel, output_dir: str | Path) -> Path:
     output_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output_dir, prefix=".saving-") as tmp:
         controlnet.save_pretrained(tmp, safe_serialization=True)
+        honour_umask(tmp)
         for file in Path(tmp).iterdir():
             os.replace(file, output_dir / file.name)
     return output_dir / WEIGHTS_NAME

@@ -43,6 +43,7 @@ from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW
 from dreamstep.engine.loop import TrainingResult
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
+from dreamstep.engine.summary import print_run_summary
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
@@ -129,7 +130,7 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     validation = [(load_rgb(Path(image)), prompt) for image, prompt in config.validation_pairs()]
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config))
+                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match)
 
     # 1. Models: the base frozen in --mixed_precision; the ControlNet built or loaded, in its weight dtype.
     base = flux.load_frozen_for_training(
@@ -180,6 +181,12 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
         weighting_scheme=config.weighting_scheme, logit_mean=config.logit_mean, logit_std=config.logit_std,
         mode_scale=config.mode_scale,
         guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)
+
+    print_run_summary(run, dataset, epochs=math.ceil(total_steps / steps_per_epoch), total_steps=total_steps,
+                      steps_per_epoch=steps_per_epoch, batch_size=config.train_batch_size,
+                      gradient_accumulation_steps=config.gradient_accumulation_steps,
+                      mixed_precision=config.mixed_precision, trainable=(controlnet,),
+                      caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir)
 
     # 4. Loop: the engine trains, checkpoints and validates.
     def validate(_: int) -> list[Image.Image]:

@@ -31,6 +31,7 @@ from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
 from dreamstep.diffusion import flow_matching as fm
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
+from dreamstep.engine.summary import print_run_summary
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import (
@@ -121,7 +122,7 @@ def train(config: FluxLoraConfig) -> None:
     dataset = build_dataset(_datasets(config, None), seed=config.seed)
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config))
+                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match)
 
     # 1. Models: frozen, in the --mixed_precision dtype; LoRA weights added in fp32.
     base = flux.load_frozen_for_training(
@@ -192,6 +193,13 @@ def train(config: FluxLoraConfig) -> None:
         weighting_scheme=config.weighting_scheme, logit_mean=config.logit_mean, logit_std=config.logit_std,
         mode_scale=config.mode_scale, prior_loss_weight=config.prior_loss_weight,
         guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)
+
+    print_run_summary(run, dataset, epochs=math.ceil(total_steps / steps_per_epoch), total_steps=total_steps,
+                      steps_per_epoch=steps_per_epoch, batch_size=config.train_batch_size,
+                      gradient_accumulation_steps=config.gradient_accumulation_steps,
+                      mixed_precision=config.mixed_precision,
+                      trainable=(base.transformer, *([text_encoder] if text_encoder is not None else [])),
+                      caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir)
 
     # 4. Loop: the engine trains, checkpoints and validates.
     def validate(_: int) -> list:

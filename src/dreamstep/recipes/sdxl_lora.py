@@ -53,6 +53,7 @@ from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.engine.checkpoint import save_checkpoint
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer, parse_optimizer_args
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
+from dreamstep.engine.summary import print_run_summary
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
 from dreamstep.lora.kohya_files import KohyaLoraWriter, SaveSchedule
@@ -270,7 +271,8 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     dataset = build_dataset(datasets, seed=config.seed)  # every image is read once, errors name the file
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.log_with, resume_from_checkpoint=config.resume,
-                    config_toml=config_to_toml(config), tensorboard_dir=config.logging_dir)
+                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    tensorboard_dir=config.logging_dir)
 
     # 1. Models: the base frozen in the --mixed_precision dtype; the Kohya network on top.
     base = load_frozen_base(config, run.device)
@@ -314,6 +316,12 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         noise_offset=config.noise_offset, adaptive_noise_scale=config.adaptive_noise_scale,
         multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
         timestep_range=(config.min_timestep, config.max_timestep), prior_loss_weight=config.prior_loss_weight)
+
+    print_run_summary(run, dataset, epochs=math.ceil(total_steps / steps_per_epoch), total_steps=total_steps,
+                      steps_per_epoch=steps_per_epoch, batch_size=config.train_batch_size,
+                      gradient_accumulation_steps=config.gradient_accumulation_steps,
+                      mixed_precision=config.mixed_precision, trainable=(network,),
+                      caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir)
 
     # 4. Loop: the engine trains and resumes; every step, our callback writes LoRA files and samples when due.
     folder = Path(config.output_dir)
