@@ -31,20 +31,29 @@ class Command:
 
 
 COMMANDS: dict[tuple[str, ...], Command] = {
-    ("train", "flux-lora"): Command("DreamBooth / captioned LoRA for FLUX.1", "dreamstep.recipes.flux_lora:train",
-                                    "dreamstep.config.flux_lora:FluxLoraConfig"),
-    ("train", "sdxl-lora"): Command("Kohya-compatible LoRA for SDXL", "dreamstep.recipes.sdxl_lora:train",
-                                    "dreamstep.config.sdxl_lora:SDXLLoraConfig"),
-    ("train", "flux-controlnet"): Command("ControlNet for FLUX.1", "dreamstep.recipes.flux_controlnet:train",
-                                          "dreamstep.config.flux_controlnet:FluxControlNetConfig"),
-    ("generate", "flux"): Command("generate images with FLUX.1 (+ LoRAs, ControlNet)", "dreamstep.generate:run",
-                                  "dreamstep.config.generate:FluxGenerateConfig"),
-    ("generate", "sdxl"): Command("generate images with SDXL (+ LoRAs)", "dreamstep.generate:run",
-                                  "dreamstep.config.generate:SdxlGenerateConfig"),
-    ("convert", "lora"): Command("convert a LoRA between Kohya, diffusers and MindSpore", "dreamstep.lora.convert_cli"),
-    ("lora", "info"): Command("show a LoRA file's format, target, ranks and metadata", "dreamstep.lora.info"),
-    ("dataset", "from-hf"): Command("turn a Hugging Face dataset into an image folder", "dreamstep.data.from_hf"),
-    ("tiny-model",): Command("write a tiny random FLUX or SDXL pipeline for offline tests", "dreamstep.models.tiny"),
+    ("train", "flux-lora"): Command(
+        "DreamBooth / captioned LoRA for FLUX.1", "dreamstep.recipes.flux_lora:train",
+        "dreamstep.config.flux_lora:FluxLoraConfig"),
+    ("train", "sdxl-lora"): Command(
+        "Kohya-compatible LoRA for SDXL", "dreamstep.recipes.sdxl_lora:train",
+        "dreamstep.config.sdxl_lora:SDXLLoraConfig"),
+    ("train", "flux-controlnet"): Command(
+        "ControlNet for FLUX.1", "dreamstep.recipes.flux_controlnet:train",
+        "dreamstep.config.flux_controlnet:FluxControlNetConfig"),
+    ("generate", "flux"): Command(
+        "generate images with FLUX.1 (+ LoRAs, ControlNet)", "dreamstep.commands.generate:run",
+        "dreamstep.config.generate:FluxGenerateConfig"),
+    ("generate", "sdxl"): Command(
+        "generate images with SDXL (+ LoRAs)", "dreamstep.commands.generate:run",
+        "dreamstep.config.generate:SdxlGenerateConfig"),
+    ("convert", "lora"): Command(
+        "convert a LoRA between Kohya, diffusers and MindSpore", "dreamstep.commands.convert_lora"),
+    ("lora", "info"): Command(
+        "show a LoRA file's format, target, ranks and metadata", "dreamstep.commands.lora_info"),
+    ("dataset", "from-hf"): Command(
+        "turn a Hugging Face dataset into an image folder", "dreamstep.commands.dataset_from_hf"),
+    ("tiny-model",): Command(
+        "write a tiny random FLUX or SDXL pipeline for offline tests", "dreamstep.commands.tiny_model"),
 }
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from dreamstep.cli import COMMANDS
 from dreamstep.config.schema import Bounds, _fields, _unwrap_optional, build_config
-from dreamstep.data.from_hf import FromHfConfig
+from dreamstep.commands.dataset_from_hf import FromHfConfig
 from dreamstep.errors import UserError
 
 

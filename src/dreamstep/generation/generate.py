@@ -168,11 +168,3 @@ def generate_images(config: GenerateConfig) -> list[Path]:
                 written.append(save_png(image, output_dir, index, params))
                 index += 1
     return written
-
-
-def run(config: GenerateConfig) -> None:
-    written = generate_images(config)
-    folder = written[0].parent
-    names = ", ".join(p.name for p in written[:3]) + (", ..." if len(written) > 3 else "")
-    print(f"wrote {len(written)} image{'s' * (len(written) != 1)} to {folder}: {names} "
-          f"(generation parameters in each PNG's 'parameters' and 'dreamstep' text chunks)")
