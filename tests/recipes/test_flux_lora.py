@@ -12,9 +12,12 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, fixed_noise_loss, generate, load_images, run_cli
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from dreamstep.files import default_file_mode
+from dreamstep.generation.outputs import read_parameters
 from dreamstep.lora.convert import load_lora_as_diffusers
 
 BASE_ARGS = ("--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--resolution", "64",
@@ -240,3 +243,22 @@ def test_flags_without_effect_are_refused(flags: list[str], message: str, tmp_pa
     code = run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tmp_path, "--output_dir", tmp_path / "o",
                    *source, *flags)
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_sample_grids_carry_prompt_seed_and_step(trained: Path) -> None:
+    """The grids are labelled in the image and carry their parameters as `generate`'s PNGs do."""
+    grid_path = trained / "samples" / "validation-000100.png"
+    text, params = read_parameters(grid_path)
+    assert params["step"] == 100
+    assert [(cell["prompt"], cell["seed"]) for cell in params["images"]] == [(ROBOT_PROMPT, 0), (ROBOT_PROMPT, 1)]
+    assert text.startswith(ROBOT_PROMPT) and "Seed: 1" in text
+    with Image.open(grid_path) as grid:
+        assert grid.size[1] > 64  # the label band under the 64-pixel cells
+
+
+def test_every_file_written_honours_the_umask(trained: Path) -> None:
+    """safetensors writes 0600; a ComfyUI server account must be able to read what a run wrote."""
+    wanted = default_file_mode()
+    modes = {p.relative_to(trained): p.stat().st_mode & 0o777 for p in trained.rglob("*") if p.is_file()}
+    assert Path("pytorch_lora_weights.safetensors") in modes
+    assert {path: mode for path, mode in modes.items() if mode != wanted} == {}

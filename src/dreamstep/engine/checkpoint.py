@@ -46,6 +46,7 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "read_checkpoint_extra",
+    "read_checkpoint_step",
     "prune_checkpoints",
     "resolve_resume",
     "restore_rng_state",
@@ -259,6 +260,11 @@ def load_checkpoint(path: str | Path, train_step: TrainStep) -> LoadedCheckpoint
 def read_checkpoint_extra(path: str | Path) -> dict[str, Any]:
     """The ``extra`` a checkpoint was saved with, read without loading any tensor."""
     return _read_state(Path(path)).get("extra", {})
+
+
+def read_checkpoint_step(path: str | Path) -> int:
+    """The optimizer step a checkpoint was saved at, read without loading any tensor."""
+    return int(_read_state(Path(path))["global_step"])
 
 
 def _read_state(path: Path) -> dict[str, Any]:

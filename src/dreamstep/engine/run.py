@@ -14,7 +14,13 @@ from typing import Any
 import torch
 from PIL import Image
 
-from dreamstep.engine.checkpoint import load_checkpoint, read_checkpoint_extra, resolve_resume, save_checkpoint
+from dreamstep.engine.checkpoint import (
+    load_checkpoint,
+    read_checkpoint_extra,
+    read_checkpoint_step,
+    resolve_resume,
+    save_checkpoint,
+)
 from dreamstep.engine.logging import TrainingLogger
 from dreamstep.engine.loop import TrainingResult, run_training
 from dreamstep.engine.train_step import TrainStep, make_accelerator
@@ -37,6 +43,7 @@ class Run:
     config_toml: str
     report_to: str
     tensorboard_dir: Path | None = None
+    samples_dir: Path | None = None
     logger: TrainingLogger | None = None
 
     @property
@@ -61,11 +68,12 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_che
 
 def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report_to: str,
               resume_from_checkpoint: str | None, config_toml: str, tensorboard_dir: str | Path | None = None,
-              resume_must_match: tuple[str, ...] = ()) -> Run:
+              resume_must_match: tuple[str, ...] = (), samples_dir: str | Path | None = None) -> Run:
     """Set up the accelerator (devices, autocast, processes), seed everything and find the checkpoint to
     resume from, which must have been trained with the same ``resume_must_match`` settings (the flags that
     shape the trained weights); the folder, ``config.toml`` and the logs are written when training starts.
-    TensorBoard event files go to ``tensorboard_dir`` (default: ``output_dir``)."""
+    TensorBoard event files go to ``tensorboard_dir`` (default: ``output_dir``), sample grids to
+    ``samples_dir`` (default: ``output_dir/samples``)."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import set_seed
 
@@ -85,7 +93,8 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
     if resume_from is not None:
         check_resume_settings(resume_from, config_toml, resume_must_match)
     return Run(folder, accelerator, resume_from, config_toml, report_to,
-               Path(tensorboard_dir) if tensorboard_dir is not None else None)
+               Path(tensorboard_dir) if tensorboard_dir is not None else None,
+               Path(samples_dir) if samples_dir is not None else None)
 
 
 def check_resume_settings(checkpoint: Path, config_toml: str, keys: tuple[str, ...]) -> None:
@@ -118,8 +127,11 @@ def _open_output(run: Run) -> None:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "config.toml").write_text(run.config_toml)
     run.accelerator.wait_for_everyone()
+    # After a resume from step N, TensorBoard drops what the interrupted run logged after N.
+    purge_step = read_checkpoint_step(run.resume_from) + 1 if run.resume_from is not None else None
     run.logger = TrainingLogger(run.output_dir, report_to=run.report_to, is_main_process=run.is_main_process,
-                                tensorboard_dir=run.tensorboard_dir)
+                                tensorboard_dir=run.tensorboard_dir, samples_dir=run.samples_dir,
+                                purge_step=purge_step)
 
 
 def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, num_epochs: int | None,

@@ -106,11 +106,14 @@ def save(controlnet: FluxControlNetModel, output_dir: str | Path) -> Path:
 
 
 def side_by_side(rows: list[list[Image.Image]]) -> Image.Image:
-    """One image: each row (a control image, then its results) left to right, rows top to bottom."""
+    """One image: each row (a control image, then its results) left to right, rows top to bottom. The
+    results' generation parameters (``info["dreamstep"]``) are carried over as a list."""
     cell_w = max(im.width for row in rows for im in row)
     cell_h = max(im.height for row in rows for im in row)
     grid = Image.new("RGB", (max(len(r) for r in rows) * cell_w, len(rows) * cell_h), "white")
     for y, row in enumerate(rows):
         for x, image in enumerate(row):
             grid.paste(image.convert("RGB").resize((cell_w, cell_h)), (x * cell_w, y * cell_h))
+    grid.info["dreamstep"] = [im.info["dreamstep"] for row in rows for im in row
+                              if isinstance(im.info.get("dreamstep"), dict)]
     return grid

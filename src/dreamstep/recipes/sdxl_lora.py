@@ -202,7 +202,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.log_with, resume_from_checkpoint=config.resume,
                     config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
-                    tensorboard_dir=config.logging_dir)
+                    tensorboard_dir=config.logging_dir, samples_dir=Path(config.output_dir) / "sample")
 
     # 1. Models: the base frozen in the --mixed_precision dtype; the Kohya network on top.
     base = sdxl.load_frozen_for_training(
