@@ -1,7 +1,9 @@
 """The `dreamstep` command: help everywhere, unknown commands suggested, errors as one line."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +44,7 @@ def test_a_group_lists_its_subcommands(group, capsys):
 HEAVY = ("torch", "diffusers", "peft", "transformers", "accelerate")
 _PROBE = """
 import sys
+from pathlib import Path
 from dreamstep.cli import main
 try:
     code = main(sys.argv[1:])
@@ -80,3 +83,19 @@ def test_an_unknown_flag_gets_one_line_with_a_suggestion(key, flag, hint, capsys
 def test_a_negative_number_after_a_space_is_a_value(capsys):
     assert main(["train", "flux-lora", "--learning_rate", "-1e-4"]) == 2
     assert capsys.readouterr().err == "error: --learning_rate must be positive (got -0.0001)\n"
+
+
+@pytest.mark.parametrize("key", [k for k, c in COMMANDS.items() if c.options], ids=" ".join)
+def test_help_is_written_for_users(key, capsys):
+    """No docstring markup, no references to our design documents, each default said once."""
+    with pytest.raises(SystemExit):
+        main([*key, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "``" not in text and not re.search(r":(mod|func|class|meth):`", text)
+    assert not re.search(r"seed[- ]?0\d\d", text, re.IGNORECASE)
+    assert not re.search(r"\(default: [^)]*\) \(default:", text)
+
+
+def test_shipped_configs_do_not_cite_design_documents():
+    for path in (Path(__file__).resolve().parents[1] / "configs").glob("*.toml"):
+        assert not re.search(r"seed[- ]?0\d\d", path.read_text(), re.IGNORECASE), path.name

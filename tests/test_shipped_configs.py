@@ -14,7 +14,7 @@ from dreamstep.data.dataset_config import parse_dataset_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TRAINING_SCHEMAS = {"demo_flux_lora": FluxLoraConfig, "flux_controlnet": FluxControlNetConfig,
-                    "sdxl_lora_seed004": SDXLLoraConfig}
+                    "sdxl_lora": SDXLLoraConfig}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)

@@ -16,6 +16,7 @@ import importlib.util
 import logging
 import re
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -76,17 +77,40 @@ def _match(argv: list[str], commands: dict[tuple[str, ...], Command]) -> tuple[s
     return None
 
 
-class _HideTorchvisionNotice(logging.Filter):
-    """transformers announces on every start that image processors fall back to PIL without torchvision;
-    dreamstep uses no transformers image processor, so the notice only hides the output that matters."""
+class _HideMessages(logging.Filter):
+    """Drops log records whose message contains one of ``fragments``."""
+
+    def __init__(self, *fragments: str):
+        super().__init__()
+        self.fragments = fragments
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "requires torchvision" not in record.getMessage()
+        message = record.getMessage()
+        return not any(fragment in message for fragment in self.fragments)
+
+
+# Start-up and loading notices of dependencies that say nothing about the user's run, by logger.
+_KNOWN_NOTICES = {
+    # dreamstep uses no transformers image processor, so the missing torchvision does not matter.
+    "transformers.utils.import_utils": ("requires torchvision",),
+    # torchao's optional GPU kernels and its enum registration, when torchao is installed at all.
+    "torchao": ("Failed to load",),
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+    "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
+    # A LoRA for the transformer (or UNet) alone has no text-encoder keys: nothing is missing.
+    "diffusers.loaders.peft": ("No LoRA keys associated to",),
+    "diffusers.loaders.lora_pipeline": ("No LoRA keys associated to",),
+}
+# The same, for notices given as Python warnings (diffusers' own modules use a deprecated import path).
+_KNOWN_WARNINGS = ("Importing and using `FluxPosEmbed`", "Already found a `peft_config` attribute")
 
 
 def hide_known_notices() -> None:
-    """Silence start-up notices from dependencies that say nothing about the user's run."""
-    logging.getLogger("transformers.utils.import_utils").addFilter(_HideTorchvisionNotice())
+    """Silence notices from dependencies that say nothing about the user's run."""
+    for name, fragments in _KNOWN_NOTICES.items():
+        logging.getLogger(name).addFilter(_HideMessages(*fragments))
+    for message in _KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message))
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -132,7 +156,13 @@ def _docstring(module: str) -> str | None:
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         return None
-    return ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8")), clean=False)
+    text = ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8")), clean=False)
+    return plain_text(text) if text else None
+
+
+def plain_text(text: str) -> str:
+    """Docstring markup as a terminal shows it: ``--flag`` and :mod:`x` become --flag and x."""
+    return re.sub(r":\w+:`~?([^`]+)`", r"\1", text).replace("``", "")
 
 
 def _parser(key: tuple[str, ...], command: Command) -> argparse.ArgumentParser:

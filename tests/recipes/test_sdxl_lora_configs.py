@@ -23,7 +23,7 @@ def test_seed_toml_equals_the_seed_command() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser, SDXLLoraConfig)
     from_flags = build_config(SDXLLoraConfig, parser.parse_args(SEED_COMMAND))
-    from_toml = build_config(SDXLLoraConfig, toml_path=CONFIGS / "sdxl_lora_seed004.toml")
+    from_toml = build_config(SDXLLoraConfig, toml_path=CONFIGS / "sdxl_lora.toml")
     assert from_toml == from_flags
     assert from_flags.optimizer_args == ["weight_decay=0.05", "betas=0.9,0.98"]
     assert (from_flags.network_dim, from_flags.network_alpha, from_flags.network_dropout) == (256, 256.0, 0.1)

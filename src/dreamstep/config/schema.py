@@ -187,7 +187,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = f.metadata.get("help", "")
         if typing.get_origin(base) is Literal:
             help_text += f" {{{', '.join(str(c) for c in typing.get_args(base))}}}"
-        help_text += f" (default: {default})" if default not in (None, [], "") else ""
+        if default not in (None, [], "") and "(default" not in help_text:
+            help_text += f" (default: {default})"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.strip()}
         if base is bool:
             kwargs.update(nargs="?", const="true", metavar="BOOL")

@@ -1,4 +1,4 @@
-"""FLUX.1 ControlNet (seed 003): built from the base transformer or loaded, checked against the base,
+"""FLUX.1 ControlNet: built from the base transformer or loaded, checked against the base,
 run beside it, and saved in the ``save_pretrained`` layout that ``FluxControlNetModel.from_pretrained``
 and ``FluxControlNetPipeline`` read.
 
@@ -10,6 +10,8 @@ start at zero, so at step 0 the base's prediction is unchanged.
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -99,10 +101,20 @@ def save(controlnet: FluxControlNetModel, output_dir: str | Path) -> Path:
     output_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output_dir, prefix=".saving-") as tmp:
         controlnet.save_pretrained(tmp, safe_serialization=True)
+        _drop_foreign_config_keys(Path(tmp) / CONFIG_NAME)
         honour_umask(tmp)
         for file in Path(tmp).iterdir():
             os.replace(file, output_dir / file.name)
     return output_dir / WEIGHTS_NAME
+
+
+def _drop_foreign_config_keys(config_file: Path) -> None:
+    """A ControlNet built from a transformer inherits its config keys, some of which (``out_channels``)
+    FluxControlNetModel does not take: every later load would warn that they are ignored. Keep only its own."""
+    accepted = set(inspect.signature(FluxControlNetModel.__init__).parameters)
+    config = json.loads(config_file.read_text())
+    config = {k: v for k, v in config.items() if k.startswith("_") or k in accepted}
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def side_by_side(rows: list[list[Image.Image]]) -> Image.Image:

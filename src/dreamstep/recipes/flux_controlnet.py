@@ -11,7 +11,7 @@ frozen transformer into the ControlNet. Data: a folder of pairs (``--train_data_
 in ``--train_data_dir``), or a Kohya dataset TOML whose subsets have ``conditioning_data_dir``; every
 pair is checked before a model loads. Text embeddings cached; target and control latents cached when no
 random crop or flip is on; ``--proportion_empty_prompts``; SD3 timestep sampling / weighting; guidance for
-guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. Precision (seed 003):
+guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. Precision:
 frozen weights in ``--mixed_precision``, ControlNet weights fp32 with half-precision compute, or with
 ``--controlnet_weights_dtype bf16`` bf16 weights and an AdamW whose math is fp32 with stochastic rounding
 (12 instead of 16 bytes of trainable state per parameter). Resumable checkpoints, validation grids through
