@@ -55,6 +55,10 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "turn a Hugging Face dataset into an image folder", "dreamstep.commands.dataset_from_hf"),
     ("tiny-model",): Command(
         "write a tiny random FLUX or SDXL pipeline for offline tests", "dreamstep.commands.tiny_model"),
+    ("eval", "flux"): Command(
+        "score FLUX LoRAs / ControlNets / checkpoints against the base model", "dreamstep.commands.evaluate"),
+    ("eval", "sdxl"): Command(
+        "score SDXL LoRAs / checkpoints against the base model", "dreamstep.commands.evaluate"),
 }
 
 

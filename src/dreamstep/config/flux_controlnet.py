@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from dreamstep.config.evaluation import CONTROL_METRICS, FIDELITY_METRICS
 from dreamstep.config.schema import option, refuse_unused
 from dreamstep.config.training import FluxTrainingConfig
 from dreamstep.errors import UserError
@@ -47,6 +48,8 @@ class FluxControlNetConfig(FluxTrainingConfig):
     validation_prompt: list[str] = option([], "prompts for validation images (one, or one per --validation_image)")
     validation_image: list[str] = option([], "control images for validation (one, or one per --validation_prompt)")
 
+    metrics_allowed = FIDELITY_METRICS + CONTROL_METRICS
+
     def __post_init__(self) -> None:
         super().__post_init__()
         flags_given = any(v is not None for v in (self.train_data_dir, self.jsonl_for_train))
@@ -64,6 +67,9 @@ class FluxControlNetConfig(FluxTrainingConfig):
         if self.controlnet_weights_dtype == "bf16" and self.optimizer.lower() != "adamw":
             raise UserError(f"--controlnet_weights_dtype bf16 trains with AdamW (fp32 math, stochastic rounding); "
                             f"drop --optimizer {self.optimizer} or use --controlnet_weights_dtype fp32")
+        if self.eval_metrics and not self.validation_prompt:
+            raise UserError("--eval_metrics scores the validation samples: give --validation_prompt and "
+                            "--validation_image too")
         self._check_validation_pairs()
 
     def _check_validation_pairs(self) -> None:

@@ -43,6 +43,8 @@ class FluxLoraConfig(FluxTrainingConfig):
     text_encoder_lr: Optional[float] = option(None, "learning rate of the text-encoder LoRA "
                                                     "(default: --learning_rate)", bounds="(0, inf)")
     save_kohya_format: bool = option(False, "also write the LoRA with sd-scripts' key names")
+    validation_data_dir: Optional[str] = option(None, "folder of held-out images of the subject for the validation "
+                                                      "loss (captioned like the instance images)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,8 +63,10 @@ class FluxLoraConfig(FluxTrainingConfig):
                 refuse_unused(self, ("prior_loss_weight",), "without --with_prior_preservation or --dataset_config")
         if not self.train_text_encoder:
             refuse_unused(self, ("text_encoder_lr",), "without --train_text_encoder")
+        if self.eval_metrics and not self.validation_prompt:
+            raise UserError("--eval_metrics scores the validation samples: give --validation_prompt too")
 
 
 _PRIOR_FLAGS = ("class_data_dir", "class_prompt", "num_class_images", "sample_batch_size")
 _INSTANCE_FLAGS = ("instance_prompt", "caption_extension", "center_crop", "random_flip", "repeats",
-                   "with_prior_preservation", *_PRIOR_FLAGS)
+                   "with_prior_preservation", "validation_data_dir", *_PRIOR_FLAGS)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
+from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
@@ -16,7 +17,7 @@ SAMPLERS = ("ddim", "pndm", "euler", "k_euler", "euler_a", "k_euler_a", "dpmsolv
 
 
 @dataclass
-class SDXLLoraConfig:
+class SDXLLoraConfig(EvaluationOptions):
     # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
     resume_must_match: ClassVar[tuple[str, ...]] = (
         "pretrained_model_name_or_path", "network_dim", "network_alpha", "network_args", "network_train_unet_only",
@@ -102,6 +103,9 @@ class SDXLLoraConfig:
     sample_every_n_steps: int | None = option(None, "sample images every N steps", bounds="[1, inf)")
     sample_every_n_epochs: int | None = option(None, "sample images every N epochs", bounds="[1, inf)")
     sample_at_first: bool = option(False, "sample images before training")
+    validate_every_n_steps: int | None = option(
+        None, "score the validation loss (and --eval_metrics on the --sample_prompts) every N steps; "
+              "evaluation also runs before training and at the end", bounds="[1, inf)")
     sample_sampler: Literal[SAMPLERS] = option("ddim", "sampler of the sample images")  # type: ignore[valid-type]
     log_with: Literal["tensorboard", "none"] = option("tensorboard", "where scalars are logged")
     logging_dir: str | None = option(None, "folder for the TensorBoard event files (default: --output_dir)")
@@ -124,6 +128,9 @@ class SDXLLoraConfig:
                             f"{self.max_timestep})")
         if (self.dataset_config is None) == (self.train_data_dir is None):
             raise UserError("give the data with --dataset_config, or with --train_data_dir (not both)")
+        self.check_evaluation()
+        if self.eval_metrics and not self.sample_prompts:
+            raise UserError("--eval_metrics scores samples of the --sample_prompts: give a prompt file too")
         if self.output_name != Path(self.output_name).name or self.output_name in ("", ".", ".."):
             raise UserError(f"--output_name {self.output_name}: give a file name without folders (files go "
                             f"into --output_dir), e.g. --output_name {Path(self.output_name).name or 'last'}")

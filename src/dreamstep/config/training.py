@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.errors import UserError
 
@@ -17,7 +18,7 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
 
 
 @dataclass
-class FluxTrainingConfig:
+class FluxTrainingConfig(EvaluationOptions):
     pretrained_model_name_or_path: str = option(help="base FLUX.1 model: a diffusers folder or a hub id")
     output_dir: str = option(help="where weights, checkpoints, samples and logs are written")
     revision: Optional[str] = option(None, "hub revision of the base model")
@@ -75,3 +76,6 @@ class FluxTrainingConfig:
         if self.resolution % 16:
             raise UserError(f"--resolution must be a multiple of 16 for FLUX's 2x2 latent packing "
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
+        self.check_evaluation(self.metrics_allowed)
+
+    metrics_allowed = FIDELITY_METRICS
