@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import re
 import io
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -134,7 +135,9 @@ def _inspect(path: Path) -> ImageInfo | str:
             image.load()
             orientation = image.getexif().get(_ORIENTATION_TAG, 1)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        return f"cannot read image ({e})"
+        # Pillow names its input in the message, here an in-memory buffer; the caller names the file.
+        reason = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(e)).strip() or type(e).__name__
+        return f"cannot read image ({reason})"
     if orientation in _SWAPPED_ORIENTATIONS:
         width, height = height, width
     return ImageInfo(path=path, size=(width, height), sha256=hashlib.sha256(data).hexdigest())
