@@ -59,6 +59,8 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "score FLUX LoRAs / ControlNets / checkpoints against the base model", "dreamstep.commands.evaluate"),
     ("eval", "sdxl"): Command(
         "score SDXL LoRAs / checkpoints against the base model", "dreamstep.commands.evaluate"),
+    ("dashboard",): Command(
+        "a local web page: watch runs, compare them, check a dataset", "dreamstep.commands.dashboard"),
 }
 
 

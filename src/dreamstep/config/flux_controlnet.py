@@ -47,6 +47,12 @@ class FluxControlNetConfig(FluxTrainingConfig):
                 "math and stochastic rounding (less memory)")
     validation_prompt: list[str] = option([], "prompts for validation images (one, or one per --validation_image)")
     validation_image: list[str] = option([], "control images for validation (one, or one per --validation_prompt)")
+    zero_stage: Literal[0, 2, 3] = option(
+        0, "with several processes: 0 = DDP (each holds the whole ControlNet); 2 = FSDP2 shards its weights, "
+           "gradients and optimizer state, gathering the weights once per step; 3 = the same, re-gathering each "
+           "block's weights in backward (least memory)")
+    shard_base: bool = option(False, "with --zero_stage 2 or 3: shard the frozen transformer's blocks too "
+                                     "(for a base too large for one device)")
 
     metrics_allowed = FIDELITY_METRICS + CONTROL_METRICS
 
@@ -70,6 +76,11 @@ class FluxControlNetConfig(FluxTrainingConfig):
         if self.eval_metrics and not self.validation_prompt:
             raise UserError("--eval_metrics scores the validation samples: give --validation_prompt and "
                             "--validation_image too")
+        if self.zero_stage and self.controlnet_weights_dtype == "bf16":
+            raise UserError("--controlnet_weights_dtype bf16 (stochastic-rounding AdamW) cannot train sharded "
+                            "weights; use --controlnet_weights_dtype fp32 with --zero_stage")
+        if self.shard_base and not self.zero_stage:
+            raise UserError("--shard_base needs --zero_stage 2 or 3")
         self._check_validation_pairs()
 
     def _check_validation_pairs(self) -> None:
