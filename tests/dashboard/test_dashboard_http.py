@@ -185,6 +185,10 @@ def test_run_ids_are_looked_up_never_joined_into_paths(live_server):
         for target in [f"/files/{run_id}/secret.txt", f"/api/runs/{run_id}"]:
             status, body = raw_get(live_server, target)
             assert status in (400, 404) and b"SECRET" not in body, target
+    for target in ["/static/../../../secret.txt", "/static/%2e%2e/%2e%2e/secret.txt", "/static/..%2f..%2fsecret.txt",
+                   "/static//etc/passwd", "/api/dataset/image/..%2f..%2fsecret.txt"]:
+        status, body = raw_get(live_server, target)
+        assert status in (400, 404) and b"SECRET" not in body and b"root:" not in body, target
 
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH"])
