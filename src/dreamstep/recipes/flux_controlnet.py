@@ -15,10 +15,13 @@ guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. P
 frozen weights in ``--mixed_precision``, ControlNet weights fp32 with half-precision compute, or with
 ``--controlnet_weights_dtype bf16`` bf16 weights and an AdamW whose math is fp32 with stochastic rounding
 (12 instead of 16 bytes of trainable state per parameter). Resumable checkpoints, validation grids through
-diffusers' ``FluxControlNetPipeline`` (control image beside the results), TensorBoard, a loss curve PNG.
+diffusers' ``FluxControlNetPipeline`` (control image beside the results), TensorBoard, a loss curve PNG;
+evaluation at the validation points (validation loss on held-out pairs: --validation_split or a TOML subset
+with is_validation; --eval_metrics edge,clip_t,...: the samples' edge agreement with edge-map controls).
 
 Outputs in --output_dir: ``config.json`` + ``diffusion_pytorch_model.safetensors`` (what
-``FluxControlNetModel.from_pretrained`` loads), ``samples/``, ``loss_curve.png``, ``logs``,
+``FluxControlNetModel.from_pretrained`` loads), ``samples/``, ``loss_curve.png``, ``metrics.csv`` and
+``metrics.png`` with evaluation, ``logs``,
 ``checkpoint-N/`` and the run's ``config.toml``.
 """
 
