@@ -106,6 +106,7 @@ _KNOWN_NOTICES = {
     # A LoRA for the transformer (or UNet) alone has no text-encoder keys: nothing is missing.
     "diffusers.loaders.peft": ("No LoRA keys associated to",),
     "diffusers.loaders.lora_pipeline": ("No LoRA keys associated to",),
+    "diffusers.loaders.lora_base": ("No LoRA keys associated to",),
 }
 # The same, for notices given as Python warnings (diffusers' own modules use a deprecated import path).
 _KNOWN_WARNINGS = ("Importing and using `FluxPosEmbed`", "Already found a `peft_config` attribute")
