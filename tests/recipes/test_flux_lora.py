@@ -166,7 +166,7 @@ def _corrupt_copy(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "empty_dir", "corrupt_image", "bad_choice", "bad_number",
-                                  "toml_typo", "unknown_flag_value", "fp16_on_cpu"])
+                                  "toml_typo", "unknown_flag_value", "fp16_on_cpu", "bad_optimizer"])
 def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_dir: Path, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
@@ -183,6 +183,8 @@ def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_dir: P
                       "did you mean 'learning_rate'"),
         "unknown_flag_value": (["--instance_data_dir", ROBOT_DIR, "--lora_layers", "to_qq"], "--lora_layers"),
         "fp16_on_cpu": (["--instance_data_dir", ROBOT_DIR, "--mixed_precision", "fp16"], "use bf16 or no"),
+        # Found after the model loads: the cache folder must not be left behind either.
+        "bad_optimizer": (["--instance_data_dir", ROBOT_DIR, "--optimizer", "Adamm"], "did you mean 'AdamW'"),
     }[case]
     args += expected[0]
     code = run_cli("train", "flux-lora", *args)

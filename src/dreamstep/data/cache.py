@@ -51,7 +51,7 @@ class TensorCache:
             if self.root == folder or folder in self.root.parents:
                 raise UserError(f"cache directory {root} is inside the image folder {folder}; choose a cache "
                                 "directory outside your data (e.g. under the output directory)")
-        self.root.mkdir(parents=True, exist_ok=True)
+        # The folder is made by the first put(): a run that stops at a later input check leaves nothing.
 
     def path(self, content_key: str) -> Path:
         """Where an entry lives: sha256(model identity, content key), fanned out over 256 folders."""

@@ -34,6 +34,31 @@ def describe_data(dataset: BucketDataset) -> list[str]:
     return lines
 
 
+def caption_source(record: Any) -> str:
+    """The file a record's caption came from: its caption file when there is one, else the image."""
+    subset = record.subset
+    if subset.caption_extension and subset.metadata_file is None:
+        caption_file = record.image.path.with_suffix(subset.caption_extension)
+        if caption_file.is_file():
+            return str(caption_file)
+    return f"{record.image.path} (its caption)"
+
+
+def describe_truncation(dataset: BucketDataset, tokenizers: Mapping[str, tuple[Any, int]]) -> list[str]:
+    """One line per caption longer than a text encoder reads (``tokenizers``: name -> (tokenizer, limit)),
+    naming the file and the token count; the words past the limit do not reach the model."""
+    lines = []
+    for name, (tokenizer, limit) in tokenizers.items():
+        lengths: dict[str, int] = {}
+        for record in dataset.records:
+            if record.caption not in lengths:
+                lengths[record.caption] = len(tokenizer(record.caption).input_ids)
+            if lengths[record.caption] > limit:
+                lines.append(f"truncated   {caption_source(record)}: {lengths[record.caption]} tokens, "
+                             f"{name} reads {limit}")
+    return lines
+
+
 def requested_processes() -> int | None:
     """How many processes ``accelerate launch --num_processes N`` asked for, read from the launcher's
     command line (Linux); None when unknown. Without --multi_gpu accelerate starts one process regardless."""
@@ -84,14 +109,16 @@ def describe_caches(caches: Mapping[str, TensorCache | None]) -> str:
 def print_run_summary(run: Any, dataset: BucketDataset, *, epochs: int, total_steps: int, steps_per_epoch: int,
                       batch_size: int, gradient_accumulation_steps: int, mixed_precision: str,
                       trainable: tuple[torch.nn.Module, ...], caches: Mapping[str, TensorCache | None],
-                      outputs: str) -> None:
-    """Print the summary on the main process (the others print nothing)."""
+                      outputs: str, tokenizers: Mapping[str, tuple[Any, int]] | None = None) -> None:
+    """Print the summary on the main process (the others print nothing). ``tokenizers`` (name ->
+    (tokenizer, tokens the encoder reads)) name the captions that get cut."""
     if not run.is_main_process:
         return
     processes = run.accelerator.num_processes
     count, dtype = trainable_parameters(*trainable)
     lines = [
         *describe_data(dataset),
+        *describe_truncation(dataset, tokenizers or {}),
         f"schedule    {epochs} epoch{'s' * (epochs != 1)}, {total_steps} optimizer steps ({steps_per_epoch} per "
         f"epoch), effective batch {batch_size * gradient_accumulation_steps * processes} = {batch_size} per "
         f"process x {gradient_accumulation_steps} accumulated x {processes} process{'es' * (processes != 1)}",

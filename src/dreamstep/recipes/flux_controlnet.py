@@ -221,7 +221,9 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
                       steps_per_epoch=steps_per_epoch, batch_size=config.train_batch_size,
                       gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(controlnet,),
-                      caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir)
+                      caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
+                      tokenizers={"CLIP": (pipeline.tokenizer, pipeline.tokenizer.model_max_length),
+                                  "T5": (pipeline.tokenizer_2, config.max_sequence_length)})
 
     # 4. Loop: the engine trains, checkpoints and validates (samples, validation loss, scores).
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,

@@ -222,7 +222,9 @@ def train(config: FluxLoraConfig) -> None:
                       gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision,
                       trainable=(base.transformer, *([text_encoder] if text_encoder is not None else [])),
-                      caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir)
+                      caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
+                      tokenizers={"CLIP": (pipeline.tokenizer, pipeline.tokenizer.model_max_length),
+                                  "T5": (pipeline.tokenizer_2, config.max_sequence_length)})
 
     # 4. Loop: the engine trains, checkpoints and validates (samples, validation loss, fidelity scores).
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,

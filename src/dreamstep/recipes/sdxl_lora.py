@@ -279,7 +279,8 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
                       steps_per_epoch=steps_per_epoch, batch_size=config.train_batch_size,
                       gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(network,),
-                      caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir)
+                      caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
+                      tokenizers={"CLIP": (pipeline.tokenizer, pipeline.tokenizer.model_max_length)})
 
     # 4. Loop: the engine trains and resumes; every step, our callback writes LoRA files and samples when due.
     folder = Path(config.output_dir)
