@@ -62,6 +62,8 @@ class FluxTrainingConfig:
     report_to: Literal["tensorboard", "none"] = option("tensorboard", "where to log scalars")
     on_nonfinite_loss: Literal["stop", "skip"] = option(
         "stop", "a NaN/inf loss stops the run naming the step, or is skipped with a warning")
+    max_skipped_steps_fraction: float = option(
+        0.1, "with --on_nonfinite_loss skip: stop with an error once more than this share of the steps is skipped")
     dataloader_num_workers: int = option(0, "data loading worker processes")
     overwrite_output_dir: bool = option(False, "allow writing into a non-empty --output_dir")
 
@@ -80,5 +82,7 @@ class FluxTrainingConfig:
         if self.resolution % 16:
             raise UserError(f"--resolution must be a multiple of 16 for FLUX's 2x2 latent packing "
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
+        if not 0.0 <= self.max_skipped_steps_fraction <= 1.0:
+            raise UserError(f"--max_skipped_steps_fraction must be between 0 and 1 (got {self.max_skipped_steps_fraction})")
         if self.checkpoints_total_limit is not None and self.checkpoints_total_limit < 1:
             raise UserError("--checkpoints_total_limit must be at least 1")

@@ -206,7 +206,8 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     validation = [(load_rgb(Path(image)), prompt) for image, prompt in config.validation_pairs()]
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config))
+                    config_toml=config_to_toml(config), command="dreamstep train flux-controlnet",
+                    overwrite=config.overwrite_output_dir)
 
     # 1. Models: the base frozen in --mixed_precision; the ControlNet built or loaded, in its weight dtype.
     base = flux.load_frozen_for_training(
@@ -267,7 +268,8 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
                  load_weights=controlnet.load_state_dict, checkpointing_steps=config.checkpointing_steps,
                  checkpoints_total_limit=config.checkpoints_total_limit,
                  validate=validate if validation else None, validation_steps=config.validation_steps,
-                 on_nonfinite_loss=config.on_nonfinite_loss)
+                 on_nonfinite_loss=config.on_nonfinite_loss,
+                 max_skipped_steps_fraction=config.max_skipped_steps_fraction)
 
     # 5. Save: the save_pretrained layout, final samples, loss curve, summary.
     written = {}

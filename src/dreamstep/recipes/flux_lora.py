@@ -186,7 +186,8 @@ def train(config: FluxLoraConfig) -> None:
     dataset = build_dataset(_datasets(config, None), seed=config.seed)
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config))
+                    config_toml=config_to_toml(config), command="dreamstep train flux-lora",
+                    overwrite=config.overwrite_output_dir)
 
     # 1. Models: frozen, in the --mixed_precision dtype; LoRA weights added in fp32.
     base = flux.load_frozen_for_training(
@@ -278,7 +279,8 @@ def train(config: FluxLoraConfig) -> None:
                  checkpointing_steps=config.checkpointing_steps,
                  checkpoints_total_limit=config.checkpoints_total_limit,
                  validate=validate if config.validation_prompt else None, validation_steps=config.validation_steps,
-                 on_nonfinite_loss=config.on_nonfinite_loss)
+                 on_nonfinite_loss=config.on_nonfinite_loss,
+                 max_skipped_steps_fraction=config.max_skipped_steps_fraction)
 
     # 5. Save: diffusers layout (+ sd-scripts names), final samples, loss curve, summary.
     written = {}
