@@ -181,9 +181,9 @@ def _write_checkpoint(final: Path, train_step: TrainStep, position: TrainingPosi
     tmp.mkdir(parents=True)
     try:
         _write_contents(tmp, train_step, position, weights, extra, rng)
-    except Exception as e:
+    except BaseException as e:  # a second Ctrl-C too: no half-written folder stays behind
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(e) or free_bytes(final.parent) < needed:
+        if isinstance(e, Exception) and (is_disk_full(e) or free_bytes(final.parent) < needed):
             raise DiskFullError(disk_full_message(final.parent, needed, final.name, keeps)) from None
         raise
     _replace_dir(tmp, final)
