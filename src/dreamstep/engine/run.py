@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import shlex
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from dreamstep.engine.disk import DiskFullError, disk_full_message, is_disk_full
 from dreamstep.engine.interrupt import RunInterrupted, StopSignals
 from dreamstep.engine.logging import TrainingLogger
 from dreamstep.engine.loop import TrainingPosition, TrainingResult, run_training
+from dreamstep.engine.metrics import MetricsTable
 from dreamstep.engine.run_folder import OutputLock, RunStatus, check_output_dir, write_text_atomically
 from dreamstep.engine.train_step import TrainStep, make_accelerator
 from dreamstep.errors import UserError
@@ -58,6 +60,8 @@ class Run:
     signals: StopSignals = field(default_factory=StopSignals)
     result: TrainingResult | None = None
     lock: OutputLock | None = None
+    started_at: float | None = None  # perf_counter when training started
+    validation_seconds: float = 0.0  # wall time spent in validation (samples and scores)
 
     @property
     def device(self) -> torch.device:
@@ -194,12 +198,15 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
         checkpointing_steps: int, checkpoints_total_limit: int | None,
         validate: Callable[[int], list[Image.Image]] | None = None, validation_steps: int = 0,
         on_nonfinite_loss: str = "stop", max_skipped_steps_fraction: float = 1.0,
-        checkpoint_due: Callable[[int], bool] | None = None) -> TrainingResult:
+        checkpoint_due: Callable[[int], bool] | None = None, validate_first: bool = False) -> TrainingResult:
     """Resume if asked, then train for ``max_train_steps`` optimizer steps (when given, it overrides
     ``num_epochs``), saving ``checkpoint-N`` every ``checkpointing_steps`` and validation grids every
     ``validation_steps`` optimizer steps (0 turns either off). ``checkpoint_due(step)`` narrows the
-    checkpoints to the steps it accepts; it must give the same answer on every process. A signal ends the
-    run after the current step with a checkpoint (:class:`RunInterrupted`); any error marks it failed."""
+    checkpoints to the steps it accepts; it must give the same answer on every process.
+    ``validate_first`` also validates the untrained model (step 0) of a run that does not resume: the
+    baseline of its evaluation scores, which ``validate`` logs with ``run.logger.log_metrics``. A signal
+    ends the run after the current step with a checkpoint (:class:`RunInterrupted`); any error marks it
+    failed."""
     run.signals.hint = ""  # an abort in the loop gets the checkpoint hint from _interrupted
     try:
         _open_output(run)
@@ -210,7 +217,8 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
             if not always and checkpoint_due is not None and not checkpoint_due(position.global_step):
                 return
             path = save_checkpoint(run.output_dir, step, position, weights(),
-                                   extra={"loss_history": run.logger.loss_history},
+                                   extra={"loss_history": run.logger.loss_history,
+                                          "metrics": run.logger.metrics.state()},
                                    total_limit=checkpoints_total_limit)
             saved_at.add(position.global_step)
             run.status.update(checkpoint=path.name)
@@ -220,16 +228,24 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
             # One process generates; the others wait (validation uses its own seeded generators, so the
             # training RNG of every process is untouched).
             if run.is_main_process:
+                start = time.perf_counter()
                 path = run.logger.log_images(global_step, validate(global_step))
-                _say(run, f"validation images: {path}")
+                run.validation_seconds += time.perf_counter() - start
+                scores = run.logger.metrics.rows.get(global_step)
+                if path is not None or scores:
+                    _say(run, f"validation at step {global_step}: " + ", ".join(
+                        [f"{k} {v:.4g}" for k, v in (scores or {}).items()] + ([f"images {path}"] if path else [])))
             run.accelerator.wait_for_everyone()
 
         def step_done(position: TrainingPosition, loss: float, total_steps: int) -> bool:
             run.status.update(step=position.global_step, total_steps=total_steps, loss=loss)
             return run.signals.stop_requested()
 
+        run.started_at = time.perf_counter()
         run.signals.graceful = True
         try:
+            if validate_first and validate is not None and resume is None:
+                validate_and_log(0)
             result = run_training(
                 step, data, max_train_steps=max_train_steps, num_epochs=None if max_train_steps else num_epochs,
                 resume=resume, checkpoint_every_n_steps=checkpointing_steps or None,
@@ -281,8 +297,9 @@ def _resume(run: Run, step: TrainStep, load_weights: Callable[[Mapping[str, torc
             _say(run, f"warning: {', '.join(damaged)} cannot be read; resuming from {path.name}, the newest "
                       "checkpoint that loads")
         load_weights(resume.weights)
-        # The loss curve of the whole run, not only of its resumed part.
+        # The loss curve and the scores of the whole run, not only of its resumed part.
         run.logger.history["loss"] = [tuple(pair) for pair in resume.extra.get("loss_history", [])]
+        run.logger.metrics = MetricsTable.from_state(resume.extra.get("metrics", []))
         run.status.update(step=resume.position.global_step, checkpoint=path.name)
         _say(run, f"resuming from {path} (step {resume.position.global_step})")
         return resume
@@ -306,11 +323,21 @@ def _interrupted(run: Run, error: KeyboardInterrupt) -> RunInterrupted:
 
 
 def finish(run: Run, written: Mapping[str, Path | None], validate_final: Callable[[], list[Image.Image]] | None = None,
-           final_step: int = 0) -> None:
-    """Final validation grid, loss curve, the summary of every file written; the run is marked finished."""
+           final_step: int = 0, best_by: str | None = None,
+           saved_at: Callable[[int], Path | None] | None = None) -> None:
+    """Final validation grid, evaluation scores (``metrics.csv``, ``metrics.png``, the best step by
+    ``best_by`` next to the final one), loss curve, and the summary of every file written.
+    ``saved_at(step)`` names what was saved at a step (default: its ``checkpoint-N`` folder, if any)."""
     outputs = dict(written)
     if validate_final is not None and run.is_main_process:
+        start = time.perf_counter()
         outputs["samples"] = run.logger.log_images(final_step, validate_final(), tag="final")
+        run.validation_seconds += time.perf_counter() - start
+    report = []
+    if run.is_main_process and run.logger.metrics.rows:
+        best = run.logger.metrics.best(best_by) if best_by else None
+        outputs.update(run.logger.write_metrics(marks={best_by: best[0]} if best else None))
+        report = evaluation_report(run, best_by, final_step, saved_at or _checkpoint_at(run.output_dir))
     outputs["loss curve"] = run.logger.close()
     tensorboard = run.report_to == "tensorboard" and run.logger.history
     outputs["TensorBoard logs"] = run.logger.tensorboard_dir if tensorboard else None
@@ -324,7 +351,43 @@ def finish(run: Run, written: Mapping[str, Path | None], validate_final: Callabl
         for what, path in outputs.items():
             if path is not None:
                 print(f"  {what:<18} {path}")
+        for line in report:
+            print(line)
     run.close("finished", f"{len(skipped)} steps skipped (non-finite loss)" if skipped else None)
+
+
+def _checkpoint_at(output_dir: Path) -> Callable[[int], Path | None]:
+    def find(step: int) -> Path | None:
+        folder = output_dir / f"checkpoint-{step}"
+        return folder if folder.is_dir() else None
+
+    return find
+
+
+def _scores(row: Mapping[str, float]) -> str:
+    return ", ".join(f"{name} {value:.4g}" for name, value in row.items())
+
+
+def evaluation_report(run: Run, best_by: str | None, final_step: int,
+                      saved_at: Callable[[int], Path | None]) -> list[str]:
+    """Lines naming the best step by ``best_by`` and its scores next to the final step's, and what
+    validation cost as a share of the run's wall time."""
+    table = run.logger.metrics
+    lines = ["", "evaluation:"]
+    best = table.best(best_by) if best_by else None
+    if best is not None:
+        step, row = best
+        where = saved_at(step) or (run.output_dir if step == final_step else None)
+        kept = f" -> {where}" if where is not None else " (nothing was saved at that step; align the " \
+                                                          "checkpoint/save cadence with the validation steps)"
+        lines.append(f"  best by {best_by}: step {step}: {_scores(row)}{kept}")
+    if final_step in table.rows:
+        lines.append(f"  final: step {final_step}: {_scores(table.rows[final_step])}")
+    if run.started_at is not None:
+        total = time.perf_counter() - run.started_at
+        lines.append(f"  validation (samples and scores) took {run.validation_seconds:.1f} s of the run's "
+                     f"{total:.1f} s ({100 * run.validation_seconds / max(total, 1e-9):.1f}%)")
+    return lines
 
 
 def _say(run: Run, message: str) -> None:
