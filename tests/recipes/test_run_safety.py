@@ -217,3 +217,14 @@ def test_a_second_run_in_a_busy_folder_gets_one_line_naming_the_first_and_a_dead
     finally:
         first.process.kill()
         first.finish()
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "nan"])
+def test_a_skipped_steps_share_outside_0_to_1_is_refused_in_one_line(value: str, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    assert run_cli(*_flux(tmp_path / "model", out, "--on_nonfinite_loss", "skip",
+                          f"--max_skipped_steps_fraction={value}")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --max_skipped_steps_fraction") and "\n" not in err
+    assert not out.exists()
