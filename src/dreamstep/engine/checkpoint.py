@@ -3,7 +3,7 @@
 ``checkpoint-<step>/`` holds::
 
     trainable_weights.safetensors   the tensors the caller passes (e.g. the LoRA state dict)
-    optimizer.pt                    optimizer.state_dict()
+    optimizer.pt                    optimizer.state_dict() (sharded runs: the full state, by parameter name)
     lr_scheduler.pt                 lr_scheduler.state_dict() (when there is a scheduler)
     random_states.pt                per process: python, numpy, torch CPU (and CUDA) RNG, now and at the
                                     start of the current epoch
@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dreamstep.engine.disk import DiskFullError, disk_full_message, free_bytes, is_disk_full, require_space
+from dreamstep.engine.sharding import load_optimizer_state, optimizer_state
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
 
@@ -137,7 +138,8 @@ def save_checkpoint(output_dir: str | Path, train_step: TrainStep, position: Tra
                     total_limit: int | None = None) -> Path:
     """Write ``output_dir/checkpoint-<global_step>`` atomically and prune to ``total_limit`` checkpoints.
 
-    Call it on every process (RNG states are gathered collectively); only the main process writes.
+    Call it on every process (RNG states, and sharded optimizer state, are gathered collectively); only the
+    main process writes.
     ``weights`` are the trainable tensors (e.g. ``get_peft_model_state_dict(model)``); ``extra`` is any
     JSON-able dict (e.g. the resolved config). Returns the checkpoint's path. When the disk cannot take
     the checkpoint (checked before writing, or found while writing) every process raises
@@ -145,11 +147,12 @@ def save_checkpoint(output_dir: str | Path, train_step: TrainStep, position: Tra
     """
     accelerator = train_step.accelerator
     rng = _gather({"current": capture_rng_state(), "epoch_start": position.epoch_start_rng}, accelerator)
+    optimizer = optimizer_state(train_step.model, train_step.optimizer)
     final = Path(output_dir) / f"checkpoint-{position.global_step}"
     disk_full = None
     if _is_main(accelerator):
         try:
-            _write_checkpoint(final, train_step, position, weights, extra, rng)
+            _write_checkpoint(final, train_step, position, weights, optimizer, extra, rng)
         except DiskFullError as e:
             disk_full = str(e)
         if disk_full is None and total_limit is not None:
@@ -160,27 +163,27 @@ def save_checkpoint(output_dir: str | Path, train_step: TrainStep, position: Tra
     return final
 
 
-def checkpoint_bytes(train_step: TrainStep, weights: Mapping[str, torch.Tensor]) -> int:
-    """About what a checkpoint of this run takes on disk: the weights and the optimizer's tensors."""
+def checkpoint_bytes(optimizer: Mapping[str, Any], weights: Mapping[str, torch.Tensor]) -> int:
+    """About what a checkpoint takes on disk: the weights and the tensors of the optimizer's state dict."""
     tensors = list(weights.values())
-    for state in train_step.optimizer.state_dict()["state"].values():
+    for state in optimizer.get("state", {}).values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return sum(t.numel() * t.element_size() for t in tensors) + 2**20  # + RNG states, JSON, headers
 
 
 def _write_checkpoint(final: Path, train_step: TrainStep, position: TrainingPosition,
-                      weights: Mapping[str, torch.Tensor], extra: Mapping[str, Any] | None,
-                      rng: list[dict[str, Any]]) -> None:
+                      weights: Mapping[str, torch.Tensor], optimizer: dict[str, Any],
+                      extra: Mapping[str, Any] | None, rng: list[dict[str, Any]]) -> None:
     """Check the free space, write into a hidden folder, rename it into place."""
     earlier = list_checkpoints(final.parent)
-    needed = max([checkpoint_bytes(train_step, weights)] + [_tree_bytes(p) for p in earlier[-1:]])
+    needed = max([checkpoint_bytes(optimizer, weights)] + [_tree_bytes(p) for p in earlier[-1:]])
     keeps = (f"the last good checkpoint, {earlier[-1]}, is kept" if earlier else "no checkpoint was written yet")
     require_space(final.parent, needed, final.name, keeps)
     _remove_leftovers(final.parent)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir(parents=True)
     try:
-        _write_contents(tmp, train_step, position, weights, extra, rng)
+        _write_contents(tmp, train_step, position, weights, optimizer, extra, rng)
     except BaseException as e:  # a second Ctrl-C too: no half-written folder stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and (is_disk_full(e) or free_bytes(final.parent) < needed):
@@ -217,11 +220,11 @@ def _gone_or_self(pid: int) -> bool:
 
 
 def _write_contents(folder: Path, train_step: TrainStep, position: TrainingPosition,
-                    weights: Mapping[str, torch.Tensor], extra: Mapping[str, Any] | None,
-                    rng: list[dict[str, Any]]) -> None:
+                    weights: Mapping[str, torch.Tensor], optimizer: dict[str, Any],
+                    extra: Mapping[str, Any] | None, rng: list[dict[str, Any]]) -> None:
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    torch.save(train_step.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+    torch.save(optimizer, folder / OPTIMIZER_FILE)
     if train_step.lr_scheduler is not None:
         torch.save(train_step.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
     torch.save(rng, folder / RNG_FILE)
@@ -302,10 +305,10 @@ def load_checkpoint(path: str | Path, train_step: TrainStep) -> LoadedCheckpoint
         raise UserError(f"{path}: checkpoint folder not found; check the resume flag")
     state = _read(path, STATE_FILE, _read_state)
     weights = _read(path, WEIGHTS_FILE, lambda file: load_file(str(file), device="cpu"))
-    optimizer_state = _read(path, OPTIMIZER_FILE, _torch_load)
+    optimizer = _read(path, OPTIMIZER_FILE, _torch_load)
     scheduler_state = _read(path, SCHEDULER_FILE, _torch_load) if train_step.lr_scheduler is not None else None
     rng = _this_process_rng(_read(path, RNG_FILE, _torch_load), train_step.accelerator)
-    train_step.optimizer.load_state_dict(optimizer_state)
+    load_optimizer_state(train_step.model, train_step.optimizer, optimizer)
     if scheduler_state is not None:
         train_step.lr_scheduler.load_state_dict(scheduler_state)
     try:

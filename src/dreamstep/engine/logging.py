@@ -1,4 +1,5 @@
-"""Training logs: TensorBoard scalars, the loss history, a loss-curve PNG and image grids, all with Pillow.
+"""Training logs: TensorBoard scalars, the loss history, a plain-text ``train.log``, a loss-curve PNG and
+image grids, all with Pillow.
 
 TensorBoard is optional: with ``report_to="none"``, or when the ``tensorboard`` package is missing (one
 warning), scalars are still kept in memory and the loss curve is still drawn. Only the main process writes.
@@ -9,23 +10,27 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from dreamstep.engine.metrics import MetricsTable, draw_metrics
 
-__all__ = ["TrainingLogger", "draw_loss_curve", "save_image_grid", "smooth"]
+__all__ = ["TrainingLogger", "draw_loss_curve", "log_time", "save_image_grid", "smooth"]
 
 ReportTo = Literal["tensorboard", "none"]
 
 
 class TrainingLogger:
-    """Scalars to TensorBoard and memory; validation image grids; ``loss_curve.png`` on :meth:`close`.
+    """Scalars to TensorBoard, memory and ``train.log``; validation image grids; ``loss_curve.png`` on
+    :meth:`close`.
 
-    ``log_dir`` receives the TensorBoard event files, ``samples/`` and ``loss_curve.png``.
+    ``log_dir`` receives the TensorBoard event files, ``samples/``, ``train.log`` (one line per step and
+    every message of the run, appended across resumes, so a dashboard or ``tail -f`` can follow it) and
+    ``loss_curve.png``.
     """
 
     def __init__(self, log_dir: str | Path, *, report_to: ReportTo = "tensorboard",
@@ -40,6 +45,7 @@ class TrainingLogger:
         self.metrics = MetricsTable()  # evaluation scores at validation points (validation loss, DINO, ...)
         self._writer = (_open_writer(self.tensorboard_dir) if report_to == "tensorboard" and is_main_process
                         else None)
+        self._text: TextIO | None = None
 
     @property
     def loss_history(self) -> list[tuple[int, float]]:
@@ -53,10 +59,21 @@ class TrainingLogger:
             self.history.setdefault(name, []).append((step, value))
             if self._writer is not None:
                 self._writer.add_scalar(f"train/{name}", value, step)
+        self.note(f"step {step} " + " ".join(f"{name}={float(value):.6g}" for name, value in scalars.items()))
+
+    def note(self, message: str) -> None:
+        """Append a timestamped line to ``train.log`` (main process only)."""
+        if not self.is_main_process:
+            return
+        if self._text is None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._text = open(self.log_dir / "train.log", "a", encoding="utf-8", buffering=1)  # line-buffered
+        self._text.write(f"{log_time()} {message}\n")
 
     def log_metrics(self, step: int, scores: Mapping[str, float]) -> None:
         """Record evaluation scores at ``step`` (TensorBoard tag ``eval/<name>``; ``metrics.csv`` on close)."""
         self.metrics.add(step, scores)
+        self.note(f"eval {step} " + " ".join(f"{name}={float(value):.6g}" for name, value in scores.items()))
         if self._writer is not None:
             for name, value in scores.items():
                 self._writer.add_scalar(f"eval/{name}", float(value), step)
@@ -84,11 +101,19 @@ class TrainingLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._text is not None:
+            self._text.close()
+            self._text = None
         if not self.is_main_process or not self.loss_history:
             return None
         steps, losses = zip(*self.loss_history)
         return draw_loss_curve(steps, losses, self.log_dir / "loss_curve.png",
                                validation=self.metrics.series("val_loss"))
+
+
+def log_time() -> str:
+    """The local time that starts every ``train.log`` line, to the millisecond (for seconds per step)."""
+    return datetime.now().isoformat(sep=" ", timespec="milliseconds")
 
 
 def _open_writer(log_dir: Path) -> Any:

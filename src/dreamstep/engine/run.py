@@ -33,7 +33,7 @@ from dreamstep.engine.checkpoint import (
 )
 from dreamstep.engine.disk import DiskFullError, disk_full_message, is_disk_full
 from dreamstep.engine.interrupt import RunInterrupted, StopSignals
-from dreamstep.engine.logging import TrainingLogger
+from dreamstep.engine.logging import TrainingLogger, log_time
 from dreamstep.engine.loop import TrainingPosition, TrainingResult, run_training
 from dreamstep.engine.metrics import MetricsTable
 from dreamstep.engine.run_folder import OutputLock, RunStatus, check_output_dir, write_text_atomically
@@ -128,6 +128,10 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
     # Several processes without GPUs (accelerate launch on CPUs) need accelerate's CPU mode for gloo.
     cpu_processes = world_size > 1 and not torch.cuda.is_available()
     accelerator = make_accelerator(mixed_precision=mixed_precision, cpu=cpu_processes)
+    if accelerator.distributed_type == "DEEPSPEED":
+        raise UserError("accelerate launch --use_deepspeed: DeepSpeed would take over accumulation, loss scaling and "
+                        "clipping from dreamstep's engine; launch without it (DDP), or shard with --zero_stage 2|3 "
+                        "(flux-controlnet)")
     if mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError("--mixed_precision fp16 needs a GPU (CPUs have no fp16 autocast); use bf16 or no")
     set_seed(seed)
@@ -198,15 +202,17 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
         checkpointing_steps: int, checkpoints_total_limit: int | None,
         validate: Callable[[int], list[Image.Image]] | None = None, validation_steps: int = 0,
         on_nonfinite_loss: str = "stop", max_skipped_steps_fraction: float = 1.0,
-        checkpoint_due: Callable[[int], bool] | None = None, validate_first: bool = False) -> TrainingResult:
+        checkpoint_due: Callable[[int], bool] | None = None, validate_first: bool = False,
+        validate_on_every_process: bool = False) -> TrainingResult:
     """Resume if asked, then train for ``max_train_steps`` optimizer steps (when given, it overrides
     ``num_epochs``), saving ``checkpoint-N`` every ``checkpointing_steps`` and validation grids every
     ``validation_steps`` optimizer steps (0 turns either off). ``checkpoint_due(step)`` narrows the
     checkpoints to the steps it accepts; it must give the same answer on every process.
     ``validate_first`` also validates the untrained model (step 0) of a run that does not resume: the
-    baseline of its evaluation scores, which ``validate`` logs with ``run.logger.log_metrics``. A signal
-    ends the run after the current step with a checkpoint (:class:`RunInterrupted`); any error marks it
-    failed."""
+    baseline of its evaluation scores, which ``validate`` logs with ``run.logger.log_metrics``. A sharded
+    model can only run forward on all processes at once: ``validate_on_every_process`` then has every
+    process generate (the main one saves). A signal ends the run after the current step with a checkpoint
+    (:class:`RunInterrupted`); any error marks it failed."""
     run.signals.hint = ""  # an abort in the loop gets the checkpoint hint from _interrupted
     try:
         _open_output(run)
@@ -225,12 +231,15 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
             _say(run, f"saved {path}")
 
         def validate_and_log(global_step: int) -> None:
-            # One process generates; the others wait (validation uses its own seeded generators, so the
-            # training RNG of every process is untouched).
-            if run.is_main_process:
+            # One process generates (all, for a sharded model); the others wait. Validation uses its own seeded
+            # generators, so the training RNG of every process is untouched.
+            images = None
+            if run.is_main_process or validate_on_every_process:
                 start = time.perf_counter()
-                path = run.logger.log_images(global_step, validate(global_step))
+                images = validate(global_step)
                 run.validation_seconds += time.perf_counter() - start
+            if run.is_main_process:
+                path = run.logger.log_images(global_step, images)
                 scores = run.logger.metrics.rows.get(global_step)
                 if path is not None or scores:
                     _say(run, f"validation at step {global_step}: " + ", ".join(
@@ -324,15 +333,18 @@ def _interrupted(run: Run, error: KeyboardInterrupt) -> RunInterrupted:
 
 def finish(run: Run, written: Mapping[str, Path | None], validate_final: Callable[[], list[Image.Image]] | None = None,
            final_step: int = 0, best_by: str | None = None,
-           saved_at: Callable[[int], Path | None] | None = None) -> None:
+           saved_at: Callable[[int], Path | None] | None = None, validate_on_every_process: bool = False) -> None:
     """Final validation grid, evaluation scores (``metrics.csv``, ``metrics.png``, the best step by
     ``best_by`` next to the final one), loss curve, and the summary of every file written.
-    ``saved_at(step)`` names what was saved at a step (default: its ``checkpoint-N`` folder, if any)."""
+    ``saved_at(step)`` names what was saved at a step (default: its ``checkpoint-N`` folder, if any).
+    The run is then marked finished."""
     outputs = dict(written)
-    if validate_final is not None and run.is_main_process:
+    if validate_final is not None and (run.is_main_process or validate_on_every_process):
         start = time.perf_counter()
-        outputs["samples"] = run.logger.log_images(final_step, validate_final(), tag="final")
+        images = validate_final()
         run.validation_seconds += time.perf_counter() - start
+        if run.is_main_process:
+            outputs["samples"] = run.logger.log_images(final_step, images, tag="final")
     report = []
     if run.is_main_process and run.logger.metrics.rows:
         best = run.logger.metrics.best(best_by) if best_by else None
@@ -344,15 +356,13 @@ def finish(run: Run, written: Mapping[str, Path | None], validate_final: Callabl
     run.accelerator.wait_for_everyone()
     skipped = run.result.nonfinite_steps if run.result is not None else []
     if run.is_main_process:
+        lines = [f"  {what:<18} {path}" for what, path in outputs.items() if path is not None] + list(report)
         if skipped:
             print(f"\nnote: {len(skipped)} of {run.result.total_steps} steps were skipped because the loss was "
                   f"not finite (steps {', '.join(map(str, skipped[:8]))}{' ...' if len(skipped) > 8 else ''})")
-        print("\nwrote:")
-        for what, path in outputs.items():
-            if path is not None:
-                print(f"  {what:<18} {path}")
-        for line in report:
-            print(line)
+        print("\nwrote:\n" + "\n".join(lines))
+        with open(run.output_dir / "train.log", "a", encoding="utf-8") as log:
+            log.write(f"{log_time()} finished; wrote:\n" + "\n".join(lines) + "\n")
     run.close("finished", f"{len(skipped)} steps skipped (non-finite loss)" if skipped else None)
 
 
@@ -395,3 +405,5 @@ def _say(run: Run, message: str) -> None:
         from tqdm.auto import tqdm
 
         tqdm.write(message)
+        if run.logger is not None:
+            run.logger.note(message)

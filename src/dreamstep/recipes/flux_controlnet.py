@@ -15,10 +15,13 @@ guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. P
 frozen weights in ``--mixed_precision``, ControlNet weights fp32 with half-precision compute, or with
 ``--controlnet_weights_dtype bf16`` bf16 weights and an AdamW whose math is fp32 with stochastic rounding
 (12 instead of 16 bytes of trainable state per parameter). Resumable checkpoints, validation grids through
-diffusers' ``FluxControlNetPipeline`` (control image beside the results), TensorBoard, a loss curve PNG.
+diffusers' ``FluxControlNetPipeline`` (control image beside the results), TensorBoard, a loss curve PNG;
+evaluation at the validation points (validation loss on held-out pairs: --validation_split or a TOML subset
+with is_validation; --eval_metrics edge,clip_t,...: the samples' edge agreement with edge-map controls).
 
 Outputs in --output_dir: ``config.json`` + ``diffusion_pytorch_model.safetensors`` (what
-``FluxControlNetModel.from_pretrained`` loads), ``samples/``, ``loss_curve.png``, ``logs``,
+``FluxControlNetModel.from_pretrained`` loads), ``samples/``, ``loss_curve.png``, ``metrics.csv`` and
+``metrics.png`` with evaluation, ``logs``,
 ``checkpoint-N/`` and the run's ``config.toml``.
 """
 
@@ -47,6 +50,8 @@ from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW
 from dreamstep.engine.loop import TrainingResult
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
+from dreamstep.engine.sharding import (describe_processes, full_model_state, is_sharded, load_model_state,
+                                      shard_model)
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
@@ -80,6 +85,12 @@ class FluxControlNetConfig(FluxTrainingConfig):
     controlnet_weights_dtype: Literal["fp32", "bf16"] = option(
         "fp32", "ControlNet weight dtype; bf16 needs --mixed_precision bf16 and uses AdamW with fp32 update "
                 "math and stochastic rounding (less memory)")
+    zero_stage: Literal[0, 2, 3] = option(
+        0, "with several processes: 0 = DDP (each holds the whole ControlNet); 2 = FSDP2 shards its weights, "
+           "gradients and optimizer state, gathering the weights once per step; 3 = the same, re-gathering each "
+           "block's weights in backward (least memory)")
+    shard_base: bool = option(False, "with --zero_stage 2 or 3: shard the frozen transformer's blocks too "
+                                     "(for a base too large for one device)")
     validation_prompt: list[str] = option([], "prompts for validation images (one, or one per --validation_image)")
     validation_image: list[str] = option([], "control images for validation (one, or one per --validation_prompt)")
 
@@ -109,6 +120,11 @@ class FluxControlNetConfig(FluxTrainingConfig):
         if self.controlnet_weights_dtype == "bf16" and self.optimizer.lower() != "adamw":
             raise UserError(f"--controlnet_weights_dtype bf16 trains with AdamW (fp32 math, stochastic rounding); "
                             f"drop --optimizer {self.optimizer} or use --controlnet_weights_dtype fp32")
+        if self.zero_stage and self.controlnet_weights_dtype == "bf16":
+            raise UserError("--controlnet_weights_dtype bf16 (stochastic-rounding AdamW) cannot train sharded "
+                            "weights; use --controlnet_weights_dtype fp32 with --zero_stage")
+        if self.shard_base and not self.zero_stage:
+            raise UserError("--shard_base needs --zero_stage 2 or 3")
         self._check_validation_pairs()
 
     def _check_validation_pairs(self) -> None:
@@ -250,6 +266,14 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
         controlnet.enable_gradient_checkpointing()
         base.transformer.enable_gradient_checkpointing()
     controlnet.train()
+    # --zero_stage: the ControlNet's weights, gradients and optimizer state (and with --shard_base the frozen
+    # blocks) are spread over the processes, one FSDP unit per block.
+    shard_model(controlnet, config.zero_stage, cn.BLOCK_CLASSES, run.device)
+    if config.shard_base:
+        shard_model(base.transformer, config.zero_stage, cn.BLOCK_CLASSES, run.device)
+    sharded = is_sharded(controlnet)
+    if run.is_main_process:
+        print(describe_processes(run.accelerator, config.zero_stage if sharded else 0))
     pipeline = flux.assemble_pipeline(base, controlnet)
 
     # 2. Data: pairs; target and control posteriors cached unless augmented, prompt embeddings cached.
@@ -277,7 +301,8 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=config.lr_warmup_steps,
                                       total_steps=total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
-    model, optimizer = run.accelerator.prepare(controlnet, optimizer)
+    # A sharded model talks to its peers itself; DDP comes from accelerate.
+    model, optimizer = (controlnet, optimizer) if sharded else run.accelerator.prepare(controlnet, optimizer)
     step = FluxControlNetStep(
         model, transformer=base.transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
         accelerator=run.accelerator, max_grad_norm=config.max_grad_norm or None,
@@ -301,20 +326,22 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
         return [cn.side_by_side([[control, *images] for control, _, images in rows])] if rows else []
 
     result = fit(run, step, batches, max_train_steps=config.max_train_steps,
-                 num_epochs=config.num_train_epochs, weights=controlnet.state_dict,
-                 load_weights=controlnet.load_state_dict, checkpointing_steps=config.checkpointing_steps,
+                 num_epochs=config.num_train_epochs, weights=lambda: full_model_state(controlnet),
+                 load_weights=lambda state: load_model_state(controlnet, state),
+                 checkpointing_steps=config.checkpointing_steps,
                  checkpoints_total_limit=config.checkpoints_total_limit,
                  validate=validate if validation or evaluator else None, validation_steps=config.validation_steps,
                  on_nonfinite_loss=config.on_nonfinite_loss, validate_first=evaluator is not None,
-                 max_skipped_steps_fraction=config.max_skipped_steps_fraction)
+                 max_skipped_steps_fraction=config.max_skipped_steps_fraction, validate_on_every_process=sharded)
 
     # 5. Save: the save_pretrained layout, final samples, loss curve, summary.
     written = {}
+    state = full_model_state(controlnet) if sharded else None  # every process helps gather it
     if run.is_main_process:
-        written["ControlNet"] = cn.save(controlnet, config.output_dir)
+        written["ControlNet"] = cn.save(controlnet, config.output_dir, state)
     final_step = result.position.global_step
     finish(run, written, validate_final=(lambda: validate(final_step)) if validation or evaluator else None,
-           final_step=final_step, best_by=config.best_metric(held_out is not None))
+           final_step=final_step, best_by=config.best_metric(held_out is not None), validate_on_every_process=sharded)
     return result
 
 

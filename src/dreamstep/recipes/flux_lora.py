@@ -6,12 +6,14 @@ when missing; LoRA on the transformer (``--lora_layers``: attention (default), a
 or module names) and optionally on the CLIP text encoder; flow-matching loss with the SD3 timestep
 samplers / weightings; guidance for guidance-distilled bases; the seed-001 precision policy (frozen
 weights in --mixed_precision, LoRA weights fp32); latents and text embeddings cached by content;
-resumable checkpoints; validation grids; TensorBoard; a loss curve PNG.
+resumable checkpoints; validation grids; TensorBoard; a loss curve PNG; evaluation at the validation points
+(a deterministic validation loss on held-out images: --validation_split, --validation_data_dir; DreamBooth's
+DINO / CLIP-I / CLIP-T of the validation samples: --eval_metrics) with the best step named at the end.
 
 Outputs in --output_dir: ``pytorch_lora_weights.safetensors`` (diffusers layout, adapter config in the
 header), with --save_kohya_format also ``pytorch_lora_weights_kohya.safetensors`` (sd-scripts names),
-``samples/``, ``loss_curve.png``, TensorBoard event files, ``checkpoint-N/``, ``cache/`` and
-``config.toml``.
+``samples/``, ``loss_curve.png``, with evaluation ``metrics.csv`` and ``metrics.png``, TensorBoard event
+files, ``checkpoint-N/``, ``cache/`` and ``config.toml``.
 """
 
 from __future__ import annotations

@@ -14,11 +14,14 @@ module_dropout=``, ``--network_train_unet_only``, ``--network_train_text_encoder
 :mod:`dreamstep.engine.optim` with ``--optimizer_args``; LR schedules with warm-up; latents and text
 embeddings cached by content (exactly what encoding every step gives: the VAE posterior is cached and
 sampled each step); ``--save_every_n_steps``/``--save_every_n_epochs``; ``--save_state`` + ``--resume``
-(exact); ``--sample_prompts`` with sd-scripts' per-line options; TensorBoard and a loss curve.
+(exact); ``--sample_prompts`` with sd-scripts' per-line options; TensorBoard and a loss curve; evaluation
+every ``--validate_every_n_steps`` (validation loss on held-out images: ``--validation_split`` or a TOML
+subset with ``is_validation = true``; ``--eval_metrics`` scores of the sample prompts' images).
 
 Outputs in --output_dir: ``<output_name>.safetensors`` (or ``.ckpt``) with sd-scripts' ``ss_*`` metadata,
 ``<output_name>-step00000500.*`` and ``<output_name>-000001.*`` along the way, ``checkpoint-N/`` with
---save_state, ``sample/`` PNGs, ``config.toml``, TensorBoard logs and ``loss_curve.png``.
+--save_state, ``sample/`` PNGs, ``config.toml``, TensorBoard logs, ``loss_curve.png`` and with evaluation
+``metrics.csv`` and ``metrics.png``.
 """
 
 from __future__ import annotations
