@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import shlex
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from dreamstep.engine.checkpoint import (
     broadcast_from_main,
     list_checkpoints,
     load_checkpoint,
+    read_checkpoint_extra,
+    read_checkpoint_step,
     resolve_resume,
     save_checkpoint,
 )
@@ -39,6 +42,11 @@ from dreamstep.engine.metrics import MetricsTable
 from dreamstep.engine.run_folder import OutputLock, RunStatus, check_output_dir, write_text_atomically
 from dreamstep.engine.train_step import TrainStep, make_accelerator
 from dreamstep.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 
 @dataclass
@@ -53,6 +61,7 @@ class Run:
     config_toml: str
     report_to: str
     tensorboard_dir: Path | None = None
+    samples_dir: Path | None = None
     logger: TrainingLogger | None = None
     resume_request: str | None = None  # what the user asked for, e.g. "latest"
     resume_command: str = ""  # the command that continues this run from its newest checkpoint
@@ -110,11 +119,14 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_che
 def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report_to: str,
               resume_from_checkpoint: str | None, config_toml: str, tensorboard_dir: str | Path | None = None,
               command: str = "dreamstep train", resume_flag: str = "--resume_from_checkpoint",
-              overwrite: bool = False) -> Run:
+              overwrite: bool = False, resume_must_match: tuple[str, ...] = (),
+              samples_dir: str | Path | None = None) -> Run:
     """Set up the accelerator (devices, autocast, processes), seed everything, find the checkpoint to
-    resume from, and take the output folder: its lock and ``run_status.json`` (main process). ``config.toml``
-    and the logs are written when training starts. TensorBoard event files go to ``tensorboard_dir``
-    (default: ``output_dir``). ``command`` (e.g. ``dreamstep train flux-lora``) and ``resume_flag`` make
+    resume from, which must have been trained with the same ``resume_must_match`` settings (the flags that
+    shape the trained weights), and take the output folder: its lock and ``run_status.json`` (main
+    process). ``config.toml`` and the logs are written when training starts. TensorBoard event files go to
+    ``tensorboard_dir`` (default: ``output_dir``), sample grids to ``samples_dir`` (default:
+    ``output_dir/samples``). ``command`` (e.g. ``dreamstep train flux-lora``) and ``resume_flag`` make
     the command printed to continue an interrupted run."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import set_seed
@@ -136,9 +148,12 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
         raise UserError("--mixed_precision fp16 needs a GPU (CPUs have no fp16 autocast); use bf16 or no")
     set_seed(seed)
     folder = Path(output_dir)
-    run = Run(folder, accelerator, resolve_resume(folder, resume_from_checkpoint, resume_flag), config_toml,
-              report_to, Path(tensorboard_dir) if tensorboard_dir is not None else None,
-              resume_request=resume_from_checkpoint,
+    resume_from = resolve_resume(folder, resume_from_checkpoint, resume_flag)
+    if resume_from is not None:
+        check_resume_settings(resume_from, config_toml, resume_must_match)
+    run = Run(folder, accelerator, resume_from, config_toml, report_to,
+              Path(tensorboard_dir) if tensorboard_dir is not None else None,
+              Path(samples_dir) if samples_dir is not None else None, resume_request=resume_from_checkpoint,
               resume_command=_resume_command(command, folder, resume_flag, accelerator.num_processes))
     refusal = None
     if run.is_main_process:
@@ -156,6 +171,35 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
     if resume_from_checkpoint and run.resume_from is None:
         _say(run, f"note: {folder} has no checkpoint yet, so this is a fresh run")
     return run
+
+
+def check_resume_settings(checkpoint: Path, config_toml: str, keys: tuple[str, ...]) -> None:
+    """Refuse to resume ``checkpoint`` when one of ``keys`` differs from the run that saved it (a
+    different rank or set of target layers cannot load its weights), naming the flag and both values.
+    The saved settings come from the checkpoint, or for older checkpoints from the run's config.toml.
+    A damaged checkpoint is left to the resume, which names the file (or, with latest, skips it)."""
+    try:
+        saved_toml = read_checkpoint_extra(checkpoint).get("config")
+    except DamagedCheckpointError:
+        return
+    if saved_toml is None and (checkpoint.parent / "config.toml").is_file():
+        saved_toml = (checkpoint.parent / "config.toml").read_text(encoding="utf-8")
+    if saved_toml is None:
+        return
+    saved, current = tomllib.loads(saved_toml), tomllib.loads(config_toml)
+    for key in keys:
+        if saved.get(key) != current.get(key):
+            was = _flag_value(saved.get(key))
+            raise UserError(f"--{key} is {_flag_value(current.get(key))} but {checkpoint} was trained with {was}; "
+                            f"resume with --{key} {was}, or start a new run in another --output_dir")
+
+
+def _flag_value(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value) or "(none)"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _take_folder(run: Run, overwrite: bool, resume_flag: str) -> None:
@@ -193,8 +237,14 @@ def _open_output(run: Run) -> None:
             raise DiskFullError(disk_full_message(run.output_dir, len(run.config_toml), "config.toml",
                                                   "nothing was trained yet")) from None
     run.accelerator.wait_for_everyone()
+    # After a resume from step N, TensorBoard drops what the interrupted run logged after N.
+    try:
+        purge_step = read_checkpoint_step(run.resume_from) + 1 if run.resume_from is not None else None
+    except DamagedCheckpointError:
+        purge_step = None  # the resume names the file, or falls back to an older checkpoint
     run.logger = TrainingLogger(run.output_dir, report_to=run.report_to, is_main_process=run.is_main_process,
-                                tensorboard_dir=run.tensorboard_dir)
+                                tensorboard_dir=run.tensorboard_dir, samples_dir=run.samples_dir,
+                                purge_step=purge_step)
 
 
 def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, num_epochs: int | None,
@@ -223,7 +273,7 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
             if not always and checkpoint_due is not None and not checkpoint_due(position.global_step):
                 return
             path = save_checkpoint(run.output_dir, step, position, weights(),
-                                   extra={"loss_history": run.logger.loss_history,
+                                   extra={"loss_history": run.logger.loss_history, "config": run.config_toml,
                                           "metrics": run.logger.metrics.state()},
                                    total_limit=checkpoints_total_limit)
             saved_at.add(position.global_step)
