@@ -222,9 +222,17 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        # A trainer's message says what was saved and the command that continues the run.
+        print(str(e) or "interrupted", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
+    except Exception as e:
+        from dreamstep.engine.disk import is_disk_full
+
+        if not is_disk_full(e):
+            raise
+        print(f"error: the disk is full ({str(e).splitlines()[0]}); free some space and run again", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -69,6 +69,9 @@ class FluxTrainingConfig(EvaluationOptions):
     report_to: Literal["tensorboard", "none"] = option("tensorboard", "where to log scalars")
     on_nonfinite_loss: Literal["stop", "skip"] = option(
         "stop", "a NaN/inf loss stops the run naming the step, or is skipped with a warning")
+    max_skipped_steps_fraction: float = option(
+        0.1, "with --on_nonfinite_loss skip: stop with an error once more than this share of the steps is skipped",
+        bounds="[0, 1]")
     dataloader_num_workers: int = option(0, "data loading worker processes", bounds="[0, inf)")
     overwrite_output_dir: bool = option(False, "allow writing into a non-empty --output_dir")
 

@@ -9,6 +9,7 @@ exactly the batches the interrupted run would have seen next.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -208,7 +209,15 @@ def make_dataloader(dataset: BucketDataset, seed: int, epoch: int = 0, skip_batc
     """A DataLoader over bucketed batches; call ``loader.batch_sampler.set_epoch(e)`` before each epoch."""
     sampler = BucketBatchSampler(dataset, seed, epoch, skip_batches, num_replicas, rank)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                      persistent_workers=False, pin_memory=torch.cuda.is_available())
+                      persistent_workers=False, pin_memory=torch.cuda.is_available(),
+                      worker_init_fn=_leave_signals_to_the_trainer)
+
+
+def _leave_signals_to_the_trainer(worker_id: int) -> None:
+    """Ctrl-C reaches every process of the terminal's group, and a scheduler's SIGTERM every process of
+    the job: workers ignore both, so the trainer can finish its step and save (the loader ends them)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class ConditionedBatches:

@@ -153,7 +153,8 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     scorer = load_scorer(config)
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match)
+                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    command="dreamstep train flux-controlnet", overwrite=config.overwrite_output_dir)
 
     # 1. Models: the base frozen in --mixed_precision; the ControlNet built or loaded, in its weight dtype.
     base = flux.load_frozen_for_training(
@@ -245,7 +246,7 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
                  checkpoints_total_limit=config.checkpoints_total_limit,
                  validate=validate if validation or evaluator else None, validation_steps=config.validation_steps,
                  on_nonfinite_loss=config.on_nonfinite_loss, validate_first=evaluator is not None,
-                 validate_on_every_process=sharded)
+                 max_skipped_steps_fraction=config.max_skipped_steps_fraction, validate_on_every_process=sharded)
 
     # 5. Save: the save_pretrained layout, final samples, loss curve, summary.
     written = {}

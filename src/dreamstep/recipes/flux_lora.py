@@ -142,7 +142,8 @@ def train(config: FluxLoraConfig) -> None:
     scorer = load_scorer(config)
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match)
+                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    command="dreamstep train flux-lora", overwrite=config.overwrite_output_dir)
 
     # 1. Models: frozen, in the --mixed_precision dtype; LoRA weights added in fp32.
     base = flux.load_frozen_for_training(
@@ -254,7 +255,8 @@ def train(config: FluxLoraConfig) -> None:
                  checkpointing_steps=config.checkpointing_steps,
                  checkpoints_total_limit=config.checkpoints_total_limit,
                  validate=validate if prompts or evaluator else None, validation_steps=config.validation_steps,
-                 on_nonfinite_loss=config.on_nonfinite_loss, validate_first=evaluator is not None)
+                 on_nonfinite_loss=config.on_nonfinite_loss, validate_first=evaluator is not None,
+                 max_skipped_steps_fraction=config.max_skipped_steps_fraction)
 
     # 5. Save: diffusers layout (+ sd-scripts names), final samples, loss curve, summary.
     written = {}

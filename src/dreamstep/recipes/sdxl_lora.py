@@ -209,7 +209,8 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     """Train as configured; return what was written where."""
     if config.seed is None:
         config = dataclasses.replace(config, seed=random.randrange(2**31))
-    claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume)
+    claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume,
+                     resume_flag="--resume")
     datasets = load_datasets(config)  # every flag, key and folder is checked before a model loads
     optimizer_extra = check_optimizer(config)
     options, network_args = network_options(config)
@@ -221,7 +222,8 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.log_with, resume_from_checkpoint=config.resume,
                     config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
-                    tensorboard_dir=config.logging_dir, samples_dir=Path(config.output_dir) / "sample")
+                    tensorboard_dir=config.logging_dir, samples_dir=Path(config.output_dir) / "sample",
+                    command="dreamstep train sdxl-lora", resume_flag="--resume", overwrite=config.overwrite_output_dir)
 
     # 1. Models: the base frozen in the --mixed_precision dtype; the Kohya network on top.
     base = sdxl.load_frozen_for_training(
