@@ -49,6 +49,10 @@ class FluxTrainingConfig:
     guidance_scale: float = option(3.5, "guidance value fed to guidance-distilled models (FLUX.1-dev)")
     max_sequence_length: int = option(512, "T5 tokens per prompt")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    blocks_to_swap: int = option(0, "keep the last N transformer blocks in host memory and bring each to the "
+                                    "device only while it runs (for small cards; needs --gradient_checkpointing)")
+    compile: bool = option(False, "torch.compile each transformer block (regional compilation; the first "
+                                  "steps are slower while it compiles)")
     cache_latents: bool = option(True, "encode each image with the VAE once and reuse the latents")
     cache_dir: Optional[str] = option(None, "where cached latents and text embeddings live "
                                             "(default: OUTPUT_DIR/cache)")
@@ -80,5 +84,10 @@ class FluxTrainingConfig:
         if self.resolution % 16:
             raise UserError(f"--resolution must be a multiple of 16 for FLUX's 2x2 latent packing "
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
+        if self.blocks_to_swap < 0:
+            raise UserError(f"--blocks_to_swap must be 0 (off) or more (got {self.blocks_to_swap})")
+        if self.blocks_to_swap and not self.gradient_checkpointing:
+            raise UserError("--blocks_to_swap needs --gradient_checkpointing: without it backward holds every "
+                            "block's weights on the device and swapping saves no memory")
         if self.checkpoints_total_limit is not None and self.checkpoints_total_limit < 1:
             raise UserError("--checkpoints_total_limit must be at least 1")
