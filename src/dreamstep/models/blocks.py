@@ -85,17 +85,15 @@ class BlockSwapper:
 
     @classmethod
     def for_model(cls, model: nn.Module, blocks_to_swap: int, device: torch.device,
-                  flag: str = "--blocks_to_swap") -> BlockSwapper:
-        """Swap the last ``blocks_to_swap`` repeated blocks of ``model`` (sd-scripts' meaning of the flag)."""
+                  place: nn.Module | None = None, flag: str = "--blocks_to_swap") -> BlockSwapper:
+        """Swap the last ``blocks_to_swap`` repeated blocks of ``model`` (sd-scripts' meaning of the flag);
+        the rest of ``place`` (default: ``model``; give the module that holds it with its adapters when
+        those live outside it) is moved to ``device``."""
         blocks = repeated_blocks(model)
         if not 1 <= blocks_to_swap <= len(blocks):
             raise UserError(f"{flag} {blocks_to_swap}: this {type(model).__name__} has {len(blocks)} blocks; "
                             f"give 1 to {len(blocks)}")
-        return cls(model, blocks[len(blocks) - blocks_to_swap:], device)
-
-    def resident(self) -> list[int]:
-        """Indices (into ``blocks``) of the swapped blocks whose weights are on the device now."""
-        return sorted(self._loaded)
+        return cls(place if place is not None else model, blocks[len(blocks) - blocks_to_swap:], device)
 
     def _take_to_host(self, block: nn.Module) -> dict[_Slot, torch.Tensor]:
         host = {}
@@ -178,16 +176,16 @@ def _move_rest(model: nn.Module, swapped: set[_Slot], device: torch.device) -> N
 
 
 def prepare_blocks(model: nn.Module, *, blocks_to_swap: int, compile: bool, device: torch.device,
-                   num_processes: int = 1) -> BlockSwapper | None:
+                   num_processes: int = 1, place: nn.Module | None = None) -> BlockSwapper | None:
     """Apply ``--blocks_to_swap`` and ``--compile`` to ``model`` once its adapters are in place; return
-    the swapper (``None`` without swapping). With a swapper the model is placed on ``device`` already:
-    pass ``device_placement=False`` for it to ``accelerator.prepare``."""
+    the swapper (``None`` without swapping). With a swapper, ``place`` (default ``model``) is on
+    ``device`` already: pass ``device_placement=False`` for it to ``accelerator.prepare``."""
     swapper = None
     if blocks_to_swap:
         if num_processes > 1:
             raise UserError("--blocks_to_swap is for one small card; with several processes give each a card "
                             "that holds the model, or train on one process")
-        swapper = BlockSwapper.for_model(model, blocks_to_swap, device)
+        swapper = BlockSwapper.for_model(model, blocks_to_swap, device, place)
     if compile:
         compile_blocks(model)
     return swapper

@@ -68,6 +68,7 @@ from dreamstep.lora.kohya_network import (
     parse_network_args,
 )
 from dreamstep.models import sdxl
+from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.vae import sample_latents
 
 SchedulerName = Literal[LR_SCHEDULERS]  # type: ignore[valid-type]
@@ -124,6 +125,9 @@ class SDXLLoraConfig:
     full_bf16: bool = option(False, "LoRA weights in bf16 too (needs --mixed_precision bf16)")
     no_half_vae: bool = option(False, "keep the VAE in fp32 (SDXL's VAE overflows in fp16)")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    blocks_to_swap: int = option(0, "keep the last N UNet transformer blocks in host memory and bring each to "
+                                    "the device only while it runs (small cards; needs --gradient_checkpointing)")
+    compile: bool = option(False, "torch.compile each UNet transformer block (regional compilation)")
     sdpa: bool = option(False, "PyTorch scaled-dot-product attention (the default attention)")
     flash_attn: bool = option(False, "flash attention: PyTorch scaled-dot-product attention picks it where it can")
     xformers: bool = option(False, "memory-efficient attention: PyTorch scaled-dot-product attention instead")
@@ -168,6 +172,11 @@ class SDXLLoraConfig:
             raise UserError("--full_fp16 needs --mixed_precision fp16")
         if self.full_bf16 and self.mixed_precision != "bf16":
             raise UserError("--full_bf16 needs --mixed_precision bf16")
+        if self.blocks_to_swap < 0:
+            raise UserError(f"--blocks_to_swap must be 0 (off) or more (got {self.blocks_to_swap})")
+        if self.blocks_to_swap and not self.gradient_checkpointing:
+            raise UserError("--blocks_to_swap needs --gradient_checkpointing: without it backward holds every "
+                            "block's weights on the device and swapping saves no memory")
         if self.adaptive_noise_scale is not None and self.noise_offset is None:
             raise UserError("--adaptive_noise_scale needs --noise_offset")
         if not 0 <= self.min_timestep < self.max_timestep <= 1000:
@@ -330,10 +339,13 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     base = sdxl.load_frozen_for_training(
         config.pretrained_model_name_or_path, model_config=config.model_config,
         mixed_precision=config.mixed_precision, device=run.device, vae_fp32=config.no_half_vae,
-        sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing)
+        sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing,
+        unet_on_host=config.blocks_to_swap > 0)
     network = build_network(config, base, options)
     pipeline = sdxl.assemble_pipeline(base)
     model = SDXLLoraModel(base.unet, network, pipeline).train()
+    swapper = prepare_blocks(base.unet, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
+                             device=run.device, num_processes=run.accelerator.num_processes, place=model)
 
     # 2. Data: bucketed samples; VAE posteriors and prompt embeddings from the content-keyed caches.
     train_text = not config.network_train_unet_only
@@ -365,7 +377,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         from accelerate.utils import DistributedDataParallelKwargs
 
         run.accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
-    model, optimizer = run.accelerator.prepare(model, optimizer)
+    model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = SDXLLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
