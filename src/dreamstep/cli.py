@@ -22,6 +22,9 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("lora", "info"): ("dreamstep.commands.lora_info", "show a LoRA file's format, target, ranks and metadata"),
     ("dataset", "from-hf"): ("dreamstep.commands.dataset_from_hf", "turn a Hugging Face dataset into an image folder"),
     ("tiny-model",): ("dreamstep.commands.tiny_model", "write a tiny random FLUX or SDXL pipeline for offline tests"),
+    ("eval", "flux"): ("dreamstep.commands.evaluate", "score FLUX LoRAs / ControlNets / checkpoints against the base model"),
+    ("eval", "sdxl"): ("dreamstep.commands.evaluate", "score SDXL LoRAs / checkpoints against the base model"),
+    ("dashboard",): ("dreamstep.commands.dashboard", "a local web page: watch runs, compare them, check a dataset"),
 }
 
 

@@ -101,3 +101,23 @@ def test_loss_curve_handles_one_point_flat_and_non_finite_values(tmp_path):
     for name, losses in (("one", [0.3]), ("flat", [0.2] * 5), ("nan", [0.5, math.nan, 0.4, math.inf, 0.3])):
         path = draw_loss_curve(range(1, len(losses) + 1), losses, tmp_path / f"{name}.png")
         assert _has_color(_pixels(path), _SMOOTH_BLUE), name
+
+
+def test_train_log_has_a_line_per_step_and_the_run_messages(tmp_path):
+    from dreamstep.dashboard.scalars import RunScalars
+
+    logger = TrainingLogger(tmp_path, report_to="none")
+    for step in (1, 2, 3):
+        logger.log(step, {"loss": 1.0 / step, "lr": 1e-4})
+    logger.note("saved checkpoint-3")
+    logger.close()
+    lines = (tmp_path / "train.log").read_text().splitlines()
+    assert [line.split(" ", 2)[2] for line in lines] == [
+        "step 1 loss=1 lr=0.0001", "step 2 loss=0.5 lr=0.0001", "step 3 loss=0.333333 lr=0.0001",
+        "saved checkpoint-3"]
+    # appended, not replaced, by a resumed run; the repeated step replaces the old one when read back
+    resumed = TrainingLogger(tmp_path, report_to="none")
+    resumed.log(3, {"loss": 0.25, "lr": 1e-4})
+    resumed.close()
+    loss = RunScalars(tmp_path).refresh()["loss"]
+    assert loss.steps == [1, 2, 3] and loss.values[-1] == 0.25

@@ -65,13 +65,20 @@ class BucketDataset(Dataset):
         flip = bool(record.subset.flip_aug and rng.random() < 0.5)
         return place(record.bucket, record.resized, record.subset.random_crop, flip, rng), rng
 
+    def caption(self, index: int, epoch: int) -> tuple[str, Placement]:
+        """The caption sample ``index`` is trained with in ``epoch`` (shuffle, keep_tokens and dropout
+        applied), and its placement: exactly what :meth:`__getitem__` uses, without decoding the image."""
+        record = self.records[self.samples[index]]
+        placement, rng = self.placement(index, epoch)
+        return process_caption(record.caption, record.subset.captions, epoch, rng), placement
+
     def __getitem__(self, key: int | SampleKey) -> dict[str, Any]:
         index, epoch = (key, 0) if isinstance(key, int) else key
         record = self.records[self.samples[index]]
-        placement, rng = self.placement(index, epoch)
+        caption, placement = self.caption(index, epoch)
         (width, height), (bucket_w, bucket_h) = record.image.size, record.bucket
         item: dict[str, Any] = {
-            "caption": process_caption(record.caption, record.subset.captions, epoch, rng),
+            "caption": caption,
             "original_size": (height, width),
             "crop_top_left": placement.crop_top_left(),
             "target_size": (bucket_h, bucket_w),

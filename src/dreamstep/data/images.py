@@ -94,7 +94,7 @@ def load_rgb(path: Path) -> Image.Image:
         raise UserError(f"{path}: cannot read image ({e}); replace or remove the file") from None
 
 
-def _inspect(path: Path) -> ImageInfo | str:
+def inspect_image(path: Path) -> ImageInfo | str:
     """Hash and fully decode one file; return its info, or the reason it cannot be used."""
     try:
         data = path.read_bytes()
@@ -115,7 +115,7 @@ def validate_images(paths: list[Path], workers: int = 8) -> dict[Path, ImageInfo
     """Decode every image before training. Any failure is one UserError naming the first bad file
     (and how many more there are), so a run never trains on fewer images than it was given."""
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        results = list(pool.map(_inspect, paths))
+        results = list(pool.map(inspect_image, paths))
     failures = [(p, r) for p, r in zip(paths, results) if isinstance(r, str)]
     if failures:
         path, reason = failures[0]

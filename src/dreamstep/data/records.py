@@ -47,15 +47,15 @@ class ImageRecord:
 
 def collect_records(config: DatasetConfig) -> list[ImageRecord]:
     """All images of one dataset, validated, balanced and bucketed."""
-    entries = [(subset, _subset_entries(subset, config.method)) for subset in config.subsets]
+    entries = [(subset, subset_entries(subset, config.method)) for subset in config.subsets]
     paths = [e.path for _, es in entries for e in es] + [e.conditioning for _, es in entries for e in es
                                                           if e.conditioning is not None]
     infos = validate_images(list(dict.fromkeys(paths)))
-    repeats = _balanced_repeats(entries)
+    repeats = balanced_repeats(entries)
     planner = BucketPlanner(config.buckets)
     records = []
-    for (subset, subset_entries), subset_repeats in zip(entries, repeats):
-        for entry, count in zip(subset_entries, subset_repeats):
+    for (subset, found), subset_repeats in zip(entries, repeats):
+        for entry, count in zip(found, subset_repeats):
             if count == 0:
                 continue
             image = infos[entry.path]
@@ -92,7 +92,8 @@ def balance_regularization(num_train_images: int, reg_repeats: list[int]) -> lis
     return result
 
 
-def _balanced_repeats(entries: list[tuple[SubsetConfig, list[_Entry]]]) -> list[list[int]]:
+def balanced_repeats(entries: list[tuple[SubsetConfig, list[Any]]]) -> list[list[int]]:
+    """Each entry's repeats per epoch: its subset's ``num_repeats``, regularization balanced."""
     num_train = sum(s.num_repeats * len(es) for s, es in entries if not s.is_reg)
     reg_slots = [(i, j) for i, (s, es) in enumerate(entries) if s.is_reg for j in range(len(es))]
     repeats = [[s.num_repeats] * len(es) for s, es in entries]
@@ -106,12 +107,13 @@ def _balanced_repeats(entries: list[tuple[SubsetConfig, list[_Entry]]]) -> list[
     return repeats
 
 
-def _subset_entries(subset: SubsetConfig, method: str) -> list[_Entry]:
+def subset_entries(subset: SubsetConfig, method: str) -> list[_Entry]:
+    """A subset's images with their captions (and ControlNet partners), before the images are decoded."""
     if subset.metadata_file is not None:
         entries = _metadata_entries(subset)
     else:
         assert subset.image_dir is not None
-        entries = [_Entry(p, _folder_caption(p, subset), None) for p in list_images(subset.image_dir, subset.where)]
+        entries = [_Entry(p, folder_caption(p, subset), None) for p in list_images(subset.image_dir, subset.where)]
     if subset.conditioning_data_dir is not None:
         entries = _pair_with_conditioning(entries, subset)
     if method == "controlnet":
@@ -122,7 +124,7 @@ def _subset_entries(subset: SubsetConfig, method: str) -> list[_Entry]:
     return entries
 
 
-def _folder_caption(image: Path, subset: SubsetConfig) -> str:
+def folder_caption(image: Path, subset: SubsetConfig) -> str:
     """The caption file's first line, else ``class_tokens``; with neither the caption file is required."""
     if subset.caption_extension:
         caption_path = image.with_suffix(subset.caption_extension)

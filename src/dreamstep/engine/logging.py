@@ -1,4 +1,5 @@
-"""Training logs: TensorBoard scalars, the loss history, a loss-curve PNG and image grids, all with Pillow.
+"""Training logs: TensorBoard scalars, the loss history, a plain-text ``train.log``, a loss-curve PNG and
+image grids, all with Pillow.
 
 TensorBoard is optional: with ``report_to="none"``, or when the ``tensorboard`` package is missing (one
 warning), scalars are still kept in memory and the loss curve is still drawn. Only the main process writes.
@@ -9,21 +10,27 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["TrainingLogger", "draw_loss_curve", "save_image_grid", "smooth"]
+from dreamstep.engine.metrics import MetricsTable, draw_metrics
+
+__all__ = ["TrainingLogger", "draw_loss_curve", "log_time", "save_image_grid", "smooth"]
 
 ReportTo = Literal["tensorboard", "none"]
 
 
 class TrainingLogger:
-    """Scalars to TensorBoard and memory; validation image grids; ``loss_curve.png`` on :meth:`close`.
+    """Scalars to TensorBoard, memory and ``train.log``; validation image grids; ``loss_curve.png`` on
+    :meth:`close`.
 
-    ``log_dir`` receives the TensorBoard event files, ``samples/`` and ``loss_curve.png``.
+    ``log_dir`` receives the TensorBoard event files, ``samples/``, ``train.log`` (one line per step and
+    every message of the run, appended across resumes, so a dashboard or ``tail -f`` can follow it) and
+    ``loss_curve.png``.
     """
 
     def __init__(self, log_dir: str | Path, *, report_to: ReportTo = "tensorboard",
@@ -35,8 +42,10 @@ class TrainingLogger:
         self.tensorboard_dir = Path(tensorboard_dir) if tensorboard_dir is not None else self.log_dir
         self.is_main_process = is_main_process
         self.history: dict[str, list[tuple[int, float]]] = {}
+        self.metrics = MetricsTable()  # evaluation scores at validation points (validation loss, DINO, ...)
         self._writer = (_open_writer(self.tensorboard_dir) if report_to == "tensorboard" and is_main_process
                         else None)
+        self._text: TextIO | None = None
 
     @property
     def loss_history(self) -> list[tuple[int, float]]:
@@ -50,6 +59,31 @@ class TrainingLogger:
             self.history.setdefault(name, []).append((step, value))
             if self._writer is not None:
                 self._writer.add_scalar(f"train/{name}", value, step)
+        self.note(f"step {step} " + " ".join(f"{name}={float(value):.6g}" for name, value in scalars.items()))
+
+    def note(self, message: str) -> None:
+        """Append a timestamped line to ``train.log`` (main process only)."""
+        if not self.is_main_process:
+            return
+        if self._text is None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._text = open(self.log_dir / "train.log", "a", encoding="utf-8", buffering=1)  # line-buffered
+        self._text.write(f"{log_time()} {message}\n")
+
+    def log_metrics(self, step: int, scores: Mapping[str, float]) -> None:
+        """Record evaluation scores at ``step`` (TensorBoard tag ``eval/<name>``; ``metrics.csv`` on close)."""
+        self.metrics.add(step, scores)
+        self.note(f"eval {step} " + " ".join(f"{name}={float(value):.6g}" for name, value in scores.items()))
+        if self._writer is not None:
+            for name, value in scores.items():
+                self._writer.add_scalar(f"eval/{name}", float(value), step)
+
+    def write_metrics(self, marks: Mapping[str, int] | None = None) -> dict[str, Path]:
+        """``metrics.csv`` and ``metrics.png`` in ``log_dir`` (nothing without scores); their paths."""
+        if not self.is_main_process or not self.metrics.rows:
+            return {}
+        return {"metrics table": self.metrics.write_csv(self.log_dir / "metrics.csv"),
+                "metrics plot": draw_metrics(self.metrics, self.log_dir / "metrics.png", marks=marks)}
 
     def log_images(self, step: int, images: Sequence[Image.Image], tag: str = "validation") -> Path | None:
         """Save ``images`` as ``samples/<tag>-<step>.png`` (and to TensorBoard); return the PNG path."""
@@ -62,14 +96,24 @@ class TrainingLogger:
         return path
 
     def close(self) -> Path | None:
-        """Flush TensorBoard and draw ``loss_curve.png``; return its path (``None`` with no losses)."""
+        """Flush TensorBoard and draw ``loss_curve.png`` (with the validation loss when there is one);
+        return its path (``None`` with no losses)."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._text is not None:
+            self._text.close()
+            self._text = None
         if not self.is_main_process or not self.loss_history:
             return None
         steps, losses = zip(*self.loss_history)
-        return draw_loss_curve(steps, losses, self.log_dir / "loss_curve.png")
+        return draw_loss_curve(steps, losses, self.log_dir / "loss_curve.png",
+                               validation=self.metrics.series("val_loss"))
+
+
+def log_time() -> str:
+    """The local time that starts every ``train.log`` line, to the millisecond (for seconds per step)."""
+    return datetime.now().isoformat(sep=" ", timespec="milliseconds")
 
 
 def _open_writer(log_dir: Path) -> Any:
@@ -111,26 +155,32 @@ def smooth(values: Sequence[float], weight: float = 0.9) -> list[float]:
 
 _SIZE = (800, 480)
 _MARGIN = (70, 30, 30, 50)  # left, top, right, bottom: room for tick labels and the title
-_RAW, _SMOOTH, _AXES = (170, 190, 230), (20, 70, 170), (60, 60, 60)
+_RAW, _SMOOTH, _AXES, _VALIDATION = (170, 190, 230), (20, 70, 170), (60, 60, 60), (220, 100, 20)
 
 
 def draw_loss_curve(steps: Sequence[int], losses: Sequence[float], path: str | Path,
-                    smoothing: float = 0.9) -> Path:
-    """Draw the raw loss (light) and its smoothed curve (dark) against steps with labelled axes; save PNG.
-
-    Non-finite losses are left out of the plot.
+                    smoothing: float = 0.9, validation: Sequence[tuple[int, float]] = ()) -> Path:
+    """Draw the raw loss (light) and its smoothed curve (dark) against steps with labelled axes, and the
+    validation loss (orange, with dots) when given; save PNG. Non-finite losses are left out of the plot.
     """
     points = [(int(s), float(v)) for s, v in zip(steps, losses) if math.isfinite(float(v))]
     image = Image.new("RGB", _SIZE, "white")
     draw = ImageDraw.Draw(image)
     font = ImageFont.load_default()
-    draw.text((_MARGIN[0], 8), "training loss (light: raw, dark: smoothed)", fill=_AXES, font=font)
+    title = "training loss (light: raw, dark: smoothed)" + (", validation loss (orange)" if validation else "")
+    draw.text((_MARGIN[0], 8), title, fill=_AXES, font=font)
     if points:
         xs, ys = zip(*points)
-        to_px = _projection(xs, ys)
-        _draw_axes(draw, font, xs, ys, to_px)
+        all_x, all_y = xs + tuple(s for s, _ in validation), ys + tuple(v for _, v in validation)
+        to_px = _projection(all_x, all_y)
+        _draw_axes(draw, font, all_x, all_y, to_px)
         _polyline(draw, [to_px(x, y) for x, y in points], _RAW, 1)
         _polyline(draw, [to_px(x, y) for x, y in zip(xs, smooth(ys, smoothing))], _SMOOTH, 2)
+        if validation:
+            pixels = [to_px(x, y) for x, y in validation]
+            _polyline(draw, pixels, _VALIDATION, 2)
+            for x, y in pixels:
+                draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=_VALIDATION)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
