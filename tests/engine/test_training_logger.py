@@ -103,6 +103,25 @@ def test_loss_curve_handles_one_point_flat_and_non_finite_values(tmp_path):
         assert _has_color(_pixels(path), _SMOOTH_BLUE), name
 
 
+def test_a_resumed_log_hides_the_steps_the_interrupted_run_logged_after_its_checkpoint(tmp_path):
+    """Killed at step 5 with a checkpoint at 3, the run resumes at 4: TensorBoard must not draw 4 and 5 twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = TrainingLogger(tmp_path)
+    for step in range(1, 6):
+        first.log(step, {"loss": 1.0})
+    first.close()
+    resumed = TrainingLogger(tmp_path, purge_step=4)
+    for step in range(4, 8):
+        resumed.log(step, {"loss": 2.0})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    scalars = events.Scalars("train/loss")
+    assert [(s.step, s.value) for s in scalars] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0),
+                                                    (7, 2.0)]
+
+
 def test_train_log_has_a_line_per_step_and_the_run_messages(tmp_path):
     from dreamstep.dashboard.scalars import RunScalars
 

@@ -17,11 +17,11 @@ from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from dreamstep.config.flux_controlnet import FluxControlNetConfig
 from dreamstep.config.schema import build_config
 from dreamstep.diffusion import flow_matching as fm
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
-from dreamstep.recipes.flux_controlnet import FluxControlNetConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PROMPT = "a red square"

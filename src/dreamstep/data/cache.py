@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from dreamstep.data.buckets import Placement
 from dreamstep.errors import UserError
+from dreamstep.files import honour_umask
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class TensorCache:
         try:
             contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
             save_file(contiguous, tmp, metadata={"model_id": self.model_id, "content": content_key[:4096]})
+            honour_umask(tmp)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

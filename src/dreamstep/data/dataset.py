@@ -23,7 +23,7 @@ from dreamstep.data.cache import TensorCache, image_content_key
 from dreamstep.data.captions import process_caption
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.images import load_rgb
-from dreamstep.data.records import ImageRecord, collect_records
+from dreamstep.data.records import ImageRecord, collect_records, skipped_in
 from dreamstep.errors import UserError
 
 SampleKey = tuple[int, int]  # (sample index, epoch)
@@ -54,6 +54,7 @@ class BucketDataset(Dataset):
             raise UserError("the dataset has no images; check the image folders")
         self.seed = seed
         self.latent_cache = latent_cache
+        self.skipped: list[tuple[Path, str]] = []  # files in the image folders not trained on, and why
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -119,8 +120,11 @@ def transform_image(image: Image.Image, size: tuple[int, int], placement: Placem
 
 def build_dataset(configs: Sequence[DatasetConfig], seed: int,
                   latent_cache: TensorCache | None = None) -> BucketDataset:
-    """Scan, validate and bucket every dataset (errors name the file) and return the torch dataset."""
-    return BucketDataset([(collect_records(c), c.batch_size) for c in configs], seed, latent_cache)
+    """Scan, validate and bucket every dataset (errors name the file) and return the torch dataset; its
+    ``skipped`` lists the files in the image folders that are not trained on, with the reason."""
+    dataset = BucketDataset([(collect_records(c), c.batch_size) for c in configs], seed, latent_cache)
+    dataset.skipped = [entry for c in configs for entry in skipped_in(c)]
+    return dataset
 
 
 class BucketBatchSampler(Sampler[list[SampleKey]]):

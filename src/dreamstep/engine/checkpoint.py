@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from dreamstep.engine.sharding import load_optimizer_state, optimizer_state
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
+from dreamstep.files import honour_umask
 
 __all__ = [
     "LoadedCheckpoint",
@@ -45,6 +46,8 @@ __all__ = [
     "capture_rng_state",
     "list_checkpoints",
     "load_checkpoint",
+    "read_checkpoint_extra",
+    "read_checkpoint_step",
     "prune_checkpoints",
     "resolve_resume",
     "restore_rng_state",
@@ -167,6 +170,7 @@ def _write_contents(folder: Path, train_step: TrainStep, position: TrainingPosit
                     extra: Mapping[str, Any] | None, rng: list[dict[str, Any]]) -> None:
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    honour_umask(folder / WEIGHTS_FILE)
     torch.save(optimizer, folder / OPTIMIZER_FILE)
     if train_step.lr_scheduler is not None:
         torch.save(train_step.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
@@ -254,6 +258,16 @@ def load_checkpoint(path: str | Path, train_step: TrainStep) -> LoadedCheckpoint
                                 epoch_start_rng=rng["epoch_start"] if rng else None)
     return LoadedCheckpoint(path=path, weights=weights, position=position,
                             rng_state=rng["current"] if rng else None, extra=state["extra"])
+
+
+def read_checkpoint_extra(path: str | Path) -> dict[str, Any]:
+    """The ``extra`` a checkpoint was saved with, read without loading any tensor."""
+    return _read_state(Path(path)).get("extra", {})
+
+
+def read_checkpoint_step(path: str | Path) -> int:
+    """The optimizer step a checkpoint was saved at, read without loading any tensor."""
+    return int(_read_state(Path(path))["global_step"])
 
 
 def _read_state(path: Path) -> dict[str, Any]:

@@ -5,6 +5,7 @@ train with checkpoints and validation, and end with a summary of what was writte
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -14,12 +15,23 @@ from typing import Any
 import torch
 from PIL import Image
 
-from dreamstep.engine.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from dreamstep.engine.checkpoint import (
+    load_checkpoint,
+    read_checkpoint_extra,
+    read_checkpoint_step,
+    resolve_resume,
+    save_checkpoint,
+)
 from dreamstep.engine.logging import TrainingLogger, log_time
-from dreamstep.engine.metrics import MetricsTable
 from dreamstep.engine.loop import TrainingResult, run_training
+from dreamstep.engine.metrics import MetricsTable
 from dreamstep.engine.train_step import TrainStep, make_accelerator
 from dreamstep.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 
 @dataclass
@@ -33,6 +45,7 @@ class Run:
     config_toml: str
     report_to: str
     tensorboard_dir: Path | None = None
+    samples_dir: Path | None = None
     logger: TrainingLogger | None = None
     started_at: float | None = None  # perf_counter when training started
     validation_seconds: float = 0.0  # wall time spent in validation (samples and scores)
@@ -58,10 +71,13 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_che
 
 
 def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report_to: str,
-              resume_from_checkpoint: str | None, config_toml: str, tensorboard_dir: str | Path | None = None) -> Run:
+              resume_from_checkpoint: str | None, config_toml: str, tensorboard_dir: str | Path | None = None,
+              resume_must_match: tuple[str, ...] = (), samples_dir: str | Path | None = None) -> Run:
     """Set up the accelerator (devices, autocast, processes), seed everything and find the checkpoint to
-    resume from; the folder, ``config.toml`` and the logs are written when training starts. TensorBoard
-    event files go to ``tensorboard_dir`` (default: ``output_dir``)."""
+    resume from, which must have been trained with the same ``resume_must_match`` settings (the flags that
+    shape the trained weights); the folder, ``config.toml`` and the logs are written when training starts.
+    TensorBoard event files go to ``tensorboard_dir`` (default: ``output_dir``), sample grids to
+    ``samples_dir`` (default: ``output_dir/samples``)."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import set_seed
 
@@ -81,8 +97,37 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
         raise UserError("--mixed_precision fp16 needs a GPU (CPUs have no fp16 autocast); use bf16 or no")
     set_seed(seed)
     folder = Path(output_dir)
-    return Run(folder, accelerator, resolve_resume(folder, resume_from_checkpoint), config_toml, report_to,
-               Path(tensorboard_dir) if tensorboard_dir is not None else None)
+    resume_from = resolve_resume(folder, resume_from_checkpoint)
+    if resume_from is not None:
+        check_resume_settings(resume_from, config_toml, resume_must_match)
+    return Run(folder, accelerator, resume_from, config_toml, report_to,
+               Path(tensorboard_dir) if tensorboard_dir is not None else None,
+               Path(samples_dir) if samples_dir is not None else None)
+
+
+def check_resume_settings(checkpoint: Path, config_toml: str, keys: tuple[str, ...]) -> None:
+    """Refuse to resume ``checkpoint`` when one of ``keys`` differs from the run that saved it (a
+    different rank or set of target layers cannot load its weights), naming the flag and both values.
+    The saved settings come from the checkpoint, or for older checkpoints from the run's config.toml."""
+    saved_toml = read_checkpoint_extra(checkpoint).get("config")
+    if saved_toml is None and (checkpoint.parent / "config.toml").is_file():
+        saved_toml = (checkpoint.parent / "config.toml").read_text(encoding="utf-8")
+    if saved_toml is None:
+        return
+    saved, current = tomllib.loads(saved_toml), tomllib.loads(config_toml)
+    for key in keys:
+        if saved.get(key) != current.get(key):
+            was = _flag_value(saved.get(key))
+            raise UserError(f"--{key} is {_flag_value(current.get(key))} but {checkpoint} was trained with {was}; "
+                            f"resume with --{key} {was}, or start a new run in another --output_dir")
+
+
+def _flag_value(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value) or "(none)"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _open_output(run: Run) -> None:
@@ -90,8 +135,11 @@ def _open_output(run: Run) -> None:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "config.toml").write_text(run.config_toml)
     run.accelerator.wait_for_everyone()
+    # After a resume from step N, TensorBoard drops what the interrupted run logged after N.
+    purge_step = read_checkpoint_step(run.resume_from) + 1 if run.resume_from is not None else None
     run.logger = TrainingLogger(run.output_dir, report_to=run.report_to, is_main_process=run.is_main_process,
-                                tensorboard_dir=run.tensorboard_dir)
+                                tensorboard_dir=run.tensorboard_dir, samples_dir=run.samples_dir,
+                                purge_step=purge_step)
 
 
 def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, num_epochs: int | None,
@@ -122,7 +170,7 @@ def fit(run: Run, step: TrainStep, data: Any, *, max_train_steps: int | None, nu
         if checkpoint_due is not None and not checkpoint_due(position.global_step):
             return
         path = save_checkpoint(run.output_dir, step, position, weights(),
-                               extra={"loss_history": run.logger.loss_history,
+                               extra={"loss_history": run.logger.loss_history, "config": run.config_toml,
                                       "metrics": run.logger.metrics.state()},
                                total_limit=checkpoints_total_limit)
         _say(run, f"saved {path}")

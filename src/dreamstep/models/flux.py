@@ -12,6 +12,7 @@ from diffusers import FluxControlNetPipeline, FluxPipeline
 from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
+from dreamstep.generation.outputs import JSON_KEY, sample_parameters
 from dreamstep.models.loading import component_identity, load_flux
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
@@ -127,14 +128,18 @@ def training_caches(root: Path, source: str, *, revision: str | None, variant: s
 @torch.no_grad()
 def generate(pipeline: FluxPipeline, prompts: list[str], *, seed: int, steps: int, guidance_scale: float,
              height: int, width: int, max_sequence_length: int = 512, **pipeline_kwargs: Any) -> list[Image.Image]:
-    """One image per prompt, each from its own generator seeded ``seed + i`` (reproducible one by one)."""
+    """One image per prompt, each from its own generator seeded ``seed + i`` (reproducible one by one); each
+    carries its parameters in ``image.info["dreamstep"]``, which sample grids print and store."""
     images = []
     for i, prompt in enumerate(prompts):
         generator = torch.Generator("cpu").manual_seed(seed + i)
         result = pipeline(prompt=prompt, num_inference_steps=steps, guidance_scale=guidance_scale,
                           height=height, width=width, generator=generator,
                           max_sequence_length=max_sequence_length, **pipeline_kwargs)
-        images.append(result.images[0])
+        image = result.images[0]
+        image.info[JSON_KEY] = sample_parameters(pipeline, prompt=prompt, seed=seed + i, steps=steps,
+                                                 guidance_scale=guidance_scale, width=width, height=height)
+        images.append(image)
     return images
 
 

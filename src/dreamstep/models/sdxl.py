@@ -24,6 +24,7 @@ from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
 from dreamstep.errors import UserError, did_you_mean
+from dreamstep.generation.outputs import JSON_KEY, png_info, sample_parameters
 from dreamstep.models.loading import component_identity, load_sdxl
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
@@ -233,7 +234,12 @@ def generate_samples(pipeline: StableDiffusionXLPipeline, prompts: list[SamplePr
             result = pipeline(prompt=sample.prompt, negative_prompt=sample.negative_prompt or None,
                               width=sample.width, height=sample.height, num_inference_steps=sample.steps,
                               guidance_scale=sample.scale, generator=generator)
-            images.append(result.images[0])
+            image = result.images[0]
+            image.info[JSON_KEY] = sample_parameters(
+                pipeline, prompt=sample.prompt, negative_prompt=sample.negative_prompt,
+                seed=sample.seed if sample.seed is not None else seed + i, steps=sample.steps,
+                guidance_scale=sample.scale, width=sample.width, height=sample.height)
+            images.append(image)
     finally:
         pipeline.scheduler = base_scheduler
     return images
@@ -272,6 +278,6 @@ class SampleWriter:
         self.folder.mkdir(parents=True, exist_ok=True)
         for i, image in enumerate(images):
             path = self.folder / f"{self.name}_{global_step:06d}_{i:02d}.png"
-            image.save(path)
+            image.save(path, pnginfo=png_info({**image.info[JSON_KEY], "step": global_step}))
             self.written.append(path)
         return images
