@@ -243,6 +243,18 @@ def test_resume_equals_an_uninterrupted_run(flux_dir: Path, pairs: Path, tmp_pat
         torch.testing.assert_close(resumed[key], expected[key], atol=0, rtol=0)
 
 
+def test_swapping_the_base_blocks_trains_the_same_controlnet(flux_dir: Path, pairs: Path, tmp_path: Path) -> None:
+    extra = ("--learning_rate", "1e-2", "--max_train_steps", "2", "--gradient_checkpointing")
+    resident, swapped = tmp_path / "resident", tmp_path / "swapped"
+    assert run_cli(*_train_args(flux_dir, pairs, resident, *extra)) == 0
+    assert run_cli(*_train_args(flux_dir, pairs, swapped, *extra, "--blocks_to_swap", "2")) == 0
+    expected = load_file(resident / "diffusion_pytorch_model.safetensors")
+    got = load_file(swapped / "diffusion_pytorch_model.safetensors")
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=0, rtol=0)
+    assert expected["controlnet_blocks.0.weight"].abs().max() > 0  # zero at the start: training moved it
+
+
 def _kohya_toml(pairs: Path, path: Path) -> Path:
     path.write_text(f"[general]\ncaption_extension = \".txt\"\n\n[[datasets]]\nresolution = {RESOLUTION}\n\n"
                     f"[[datasets.subsets]]\nimage_dir = \"{pairs / 'images'}\"\n"

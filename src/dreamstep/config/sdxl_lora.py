@@ -73,6 +73,10 @@ class SDXLLoraConfig(EvaluationOptions):
     full_bf16: bool = option(False, "LoRA weights in bf16 too (needs --mixed_precision bf16)")
     no_half_vae: bool = option(False, "keep the VAE in fp32 (SDXL's VAE overflows in fp16)")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    blocks_to_swap: int = option(0, "keep the last N UNet transformer blocks in host memory and bring each to "
+                                    "the device only while it runs (small cards; needs --gradient_checkpointing)",
+                                 bounds="[0, inf)")
+    compile: bool = option(False, "torch.compile each UNet transformer block (regional compilation)")
     sdpa: bool = option(False, "PyTorch scaled-dot-product attention (the default attention)")
     flash_attn: bool = option(False, "flash attention: PyTorch scaled-dot-product attention picks it where it can")
     xformers: bool = option(False, "memory-efficient attention: PyTorch scaled-dot-product attention instead")
@@ -121,6 +125,9 @@ class SDXLLoraConfig(EvaluationOptions):
             raise UserError("--full_fp16 needs --mixed_precision fp16")
         if self.full_bf16 and self.mixed_precision != "bf16":
             raise UserError("--full_bf16 needs --mixed_precision bf16")
+        if self.blocks_to_swap and not self.gradient_checkpointing:
+            raise UserError("--blocks_to_swap needs --gradient_checkpointing: without it backward holds every "
+                            "block's weights on the device and swapping saves no memory")
         if self.adaptive_noise_scale is not None and self.noise_offset is None:
             raise UserError("--adaptive_noise_scale needs --noise_offset")
         if self.min_timestep >= self.max_timestep:

@@ -55,6 +55,11 @@ class FluxTrainingConfig(EvaluationOptions):
                                    bounds="[0, inf)")
     max_sequence_length: int = option(512, "T5 tokens per prompt", bounds="[1, 512]")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    blocks_to_swap: int = option(0, "keep the last N transformer blocks in host memory and bring each to the "
+                                    "device only while it runs (for small cards; needs --gradient_checkpointing)",
+                                 bounds="[0, inf)")
+    compile: bool = option(False, "torch.compile each transformer block (regional compilation; the first "
+                                  "steps are slower while it compiles)")
     cache_latents: bool = option(True, "encode each image with the VAE once and reuse the latents")
     cache_dir: Optional[str] = option(None, "where cached latents and text embeddings live "
                                             "(default: OUTPUT_DIR/cache)")
@@ -79,6 +84,9 @@ class FluxTrainingConfig(EvaluationOptions):
         if self.resolution % 16:
             raise UserError(f"--resolution must be a multiple of 16 for FLUX's 2x2 latent packing "
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
+        if self.blocks_to_swap and not self.gradient_checkpointing:
+            raise UserError("--blocks_to_swap needs --gradient_checkpointing: without it backward holds every "
+                            "block's weights on the device and swapping saves no memory")
         self.check_evaluation(self.metrics_allowed)
 
     metrics_allowed = FIDELITY_METRICS

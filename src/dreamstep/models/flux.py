@@ -145,17 +145,19 @@ def generate(pipeline: FluxPipeline, prompts: list[str], *, seed: int, steps: in
 
 def load_frozen_for_training(source: str, *, revision: str | None, variant: str | None,
                              transformer_single_file: str | None, mixed_precision: str,
-                             device: torch.device) -> Any:
+                             device: torch.device, transformer_on_host: bool = False) -> Any:
     """The base model for training under seed 001's policy: every weight frozen, in the half-precision
     dtype of ``mixed_precision`` (fp32 for "no"), on ``device``. Trainable adapters are added (in fp32)
-    by the caller."""
+    by the caller. ``transformer_on_host`` leaves the transformer in host memory, for a
+    :class:`~dreamstep.models.blocks.BlockSwapper` to place part by part."""
     components = load_flux(source, revision=revision, variant=variant,
                            transformer_single_file=transformer_single_file,
                            weight_dtype=weight_dtype_for(mixed_precision))
     for name in ("text_encoder", "text_encoder_2", "vae", "transformer"):
         module = getattr(components, name)
         freeze(module)
-        module.to(device)
+        if not (name == "transformer" and transformer_on_host):
+            module.to(device)
         module.eval()
     return components
 

@@ -53,6 +53,7 @@ from dreamstep.engine.train_step import TrainStep
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
+from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.precision import autocast
 from dreamstep.models.vae import posterior_mean, sample_latents
 
@@ -160,7 +161,7 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     base = flux.load_frozen_for_training(
         config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
         transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
-        device=run.device)
+        device=run.device, transformer_on_host=config.blocks_to_swap > 0)
     if config.controlnet_model_name_or_path is not None:
         controlnet = cn.load(config.controlnet_model_name_or_path, base.transformer)
     else:
@@ -180,6 +181,9 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     sharded = is_sharded(controlnet)
     if run.is_main_process:
         print(describe_processes(run.accelerator, config.zero_stage if sharded else 0))
+    # The frozen base's blocks may be swapped (after the ControlNet copied its weights) and compiled.
+    prepare_blocks(base.transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
+                   device=run.device, num_processes=run.accelerator.num_processes)
     pipeline = flux.assemble_pipeline(base, controlnet)
 
     # 2. Data: pairs; target and control posteriors cached unless augmented, prompt embeddings cached.

@@ -47,6 +47,7 @@ from dreamstep.lora.inject import (
     trainable_state,
 )
 from dreamstep.models import flux
+from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.vae import sample_latents
 
@@ -149,16 +150,8 @@ def train(config: FluxLoraConfig) -> None:
     base = flux.load_frozen_for_training(
         config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
         transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
-        device=run.device)
+        device=run.device, transformer_on_host=config.blocks_to_swap > 0)
     pipeline = flux.assemble_pipeline(base)
-    class_dir = None
-    if config.with_prior_preservation and config.dataset_config is None:
-        class_dir = config.class_data_dir
-        if run.is_main_process:
-            flux.generate_class_images(pipeline, class_dir, config.class_prompt, config.num_class_images,
-                                       batch_size=config.sample_batch_size, resolution=config.resolution,
-                                       seed=config.seed, guidance_scale=config.guidance_scale)
-        run.accelerator.wait_for_everyone()
     alpha = config.lora_alpha if config.lora_alpha is not None else config.rank
     add_lora(base.transformer, flux_lora_targets(base.transformer, config.lora_layers), config.rank, alpha,
              config.lora_dropout)
@@ -170,7 +163,18 @@ def train(config: FluxLoraConfig) -> None:
     if config.gradient_checkpointing:
         base.transformer.enable_gradient_checkpointing()
     base.transformer.train()
+    swapper = prepare_blocks(base.transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
+                             device=run.device, num_processes=run.accelerator.num_processes)
     model = FluxLoraModel(base.transformer, text_encoder)
+    # Class images come from the base model: the LoRA's B = 0 still, so it does not change them.
+    class_dir = None
+    if config.with_prior_preservation and config.dataset_config is None:
+        class_dir = config.class_data_dir
+        if run.is_main_process:
+            flux.generate_class_images(pipeline, class_dir, config.class_prompt, config.num_class_images,
+                                       batch_size=config.sample_batch_size, resolution=config.resolution,
+                                       seed=config.seed, guidance_scale=config.guidance_scale)
+        run.accelerator.wait_for_everyone()
 
     # 2. Data: bucketed samples; posteriors and prompt embeddings from content-keyed caches.
     datasets = _datasets(config, class_dir)
@@ -209,7 +213,7 @@ def train(config: FluxLoraConfig) -> None:
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=config.lr_warmup_steps,
                                       total_steps=total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
-    model, optimizer = run.accelerator.prepare(model, optimizer)
+    model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = FluxLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,

@@ -71,6 +71,7 @@ from dreamstep.lora.kohya_network import (
     parse_network_args,
 )
 from dreamstep.models import sdxl
+from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.vae import sample_latents
 
 # sd-scripts' --save_precision names.
@@ -229,10 +230,13 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     base = sdxl.load_frozen_for_training(
         config.pretrained_model_name_or_path, model_config=config.model_config,
         mixed_precision=config.mixed_precision, device=run.device, vae_fp32=config.no_half_vae,
-        sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing)
+        sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing,
+        unet_on_host=config.blocks_to_swap > 0)
     network = build_network(config, base, options)
     pipeline = sdxl.assemble_pipeline(base)
     model = SDXLLoraModel(base.unet, network, pipeline).train()
+    swapper = prepare_blocks(base.unet, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
+                             device=run.device, num_processes=run.accelerator.num_processes, place=model)
 
     # 2. Data: bucketed samples; VAE posteriors and prompt embeddings from the content-keyed caches.
     train_text = not config.network_train_unet_only
@@ -266,7 +270,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         from accelerate.utils import DistributedDataParallelKwargs
 
         run.accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
-    model, optimizer = run.accelerator.prepare(model, optimizer)
+    model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = SDXLLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
