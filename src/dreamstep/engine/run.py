@@ -39,7 +39,7 @@ from dreamstep.engine.interrupt import RunInterrupted, StopSignals
 from dreamstep.engine.logging import TrainingLogger, log_time
 from dreamstep.engine.loop import TrainingPosition, TrainingResult, run_training
 from dreamstep.engine.metrics import MetricsTable
-from dreamstep.engine.run_folder import OutputLock, RunStatus, check_output_dir, write_text_atomically
+from dreamstep.engine.run_folder import STATUS_FILE, OutputLock, RunStatus, check_output_dir, write_text_atomically
 from dreamstep.engine.train_step import TrainStep, make_accelerator
 from dreamstep.errors import UserError
 
@@ -69,6 +69,7 @@ class Run:
     signals: StopSignals = field(default_factory=StopSignals)
     result: TrainingResult | None = None
     lock: OutputLock | None = None
+    created_folder: bool = False  # this run made --output_dir; a failure before training removes it again
     started_at: float | None = None  # perf_counter when training started
     validation_seconds: float = 0.0  # wall time spent in validation (samples and scores)
 
@@ -88,6 +89,11 @@ class Run:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+        if state == "failed" and self.created_folder and self.logger is None:
+            # Nothing was trained or written but the status: leave no folder behind a bad input.
+            (self.output_dir / STATUS_FILE).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.output_dir.rmdir()
         self.signals.uninstall()
         atexit.unregister(self._close_at_exit)
         if _open_run is self:
@@ -204,6 +210,7 @@ def _flag_value(value: Any) -> str:
 
 def _take_folder(run: Run, overwrite: bool, resume_flag: str) -> None:
     """Check the folder again under its lock (another run may have started since the first check)."""
+    run.created_folder = not run.output_dir.exists()
     run.output_dir.mkdir(parents=True, exist_ok=True)
     run.lock, previous = OutputLock.acquire(run.output_dir, run.resume_command)
     try:
