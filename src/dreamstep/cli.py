@@ -200,6 +200,19 @@ def _run(key: tuple[str, ...], command: Command, argv: list[str]) -> None:
     _load(command.runner)(config)
 
 
+def _run_to_end(key: tuple[str, ...], command: Command, args: list[str]) -> None:
+    """Run a command; if it stops with an error, its unfinished run releases the output folder now (and
+    removes it when the run made it and wrote nothing), not at interpreter exit: notebooks and tests run
+    many commands in one process."""
+    try:
+        _run(key, command, args)
+    except BaseException as error:
+        run_module = sys.modules.get("dreamstep.engine.run")
+        if run_module is not None:
+            run_module.end_unfinished_run(str(error).split("\n")[0] or type(error).__name__)
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     key = _match(argv, COMMANDS)
@@ -218,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command '{typed}'{hint}; run 'dreamstep --help' for the list", file=sys.stderr)
         return 2
     try:
-        _run(key, COMMANDS[key], argv[len(key):])
+        _run_to_end(key, COMMANDS[key], argv[len(key):])
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ loads. Whatever ends the run, its status says how, and the lock is released.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shlex
 import sys
@@ -107,16 +108,17 @@ class Run:
 _open_run: Run | None = None  # runs in one process follow each other; an unfinished one is over when the next starts
 
 
-def _end_unfinished_run() -> None:
+def end_unfinished_run(message: str) -> None:
+    """Close the run that an error or a later run's start ended, so its folder is released at once."""
     if _open_run is not None:
-        _open_run.close("failed", "a later run in the same process started")
+        _open_run.close("interrupted" if _open_run.signals.received else "failed", message)
 
 
 def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_checkpoint: str | None,
                      resume_flag: str = "--resume_from_checkpoint") -> Path:
     """Refuse an ``--output_dir`` this run must not write into (see ``dreamstep.engine.run_folder``):
     another live run's, or one holding files a fresh run would overwrite. Writes nothing."""
-    _end_unfinished_run()
+    end_unfinished_run("a later run in the same process started")
     resume = resolve_resume(output_dir, resume_from_checkpoint, resume_flag)
     return check_output_dir(output_dir, overwrite=overwrite, resume=resume, resume_request=resume_from_checkpoint,
                             resume_flag=resume_flag)
@@ -137,7 +139,7 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
     from accelerate.state import AcceleratorState
     from accelerate.utils import set_seed
 
-    _end_unfinished_run()
+    end_unfinished_run("a later run in the same process started")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         # accelerate keeps its state per process; a second run in one process (tests, notebooks) may
