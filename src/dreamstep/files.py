@@ -1,7 +1,14 @@
-"""Writing files so that a crash never leaves half of one where a whole one was: each is written under a
-temporary name beside its target (same folder, so same file system) and renamed into place, which
-replaces the target in one step. Temporary names carry the process id, so processes writing the same
-target do not write into each other's files."""
+"""Writing files so that a crash never leaves half of one where a whole one was, with the permissions a
+plain ``open()`` would give.
+
+Each file is written under a temporary name beside its target (same folder, so same file system) and
+renamed into place, which replaces the target in one step. Temporary names carry the process id, so
+processes writing the same target do not write into each other's files.
+
+safetensors (and so diffusers' ``save_pretrained``) and ``tempfile.mkstemp`` create files with mode 0600,
+whatever the umask: a LoRA written that way cannot be read by another account, such as the one a
+ComfyUI server runs under. Everything written through this module gets the umask's mode.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +19,31 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def default_file_mode() -> int:
+    """0666 less the process umask, as for a file created with ``open()``."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def honour_umask(path: str | Path) -> None:
+    """Give ``path`` (a file, or every file under a folder) the mode :func:`default_file_mode` gives."""
+    path = Path(path)
+    mode = default_file_mode()
+    files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+    for file in files:
+        os.chmod(file, mode)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """A temporary path beside ``path`` to write to; when the block ends without an error it replaces
-    ``path``, otherwise it is removed."""
+    """A temporary path beside ``path`` to write to; when the block ends without an error it gets the
+    umask's mode and replaces ``path``, otherwise it is removed."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         yield tmp
+        honour_umask(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -30,13 +54,19 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
+def write_text_atomic(path: str | Path, text: str) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
 @contextlib.contextmanager
 def atomic_files(folder: str | Path) -> Iterator[Path]:
     """A temporary folder inside ``folder`` for a library that writes files by name (``save_pretrained``);
-    when the block ends without an error each file in it replaces its namesake in ``folder``."""
+    when the block ends without an error each file in it gets the umask's mode and replaces its namesake
+    in ``folder``."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".saving-") as tmp:
         yield Path(tmp)
+        honour_umask(tmp)
         for file in sorted(Path(tmp).iterdir()):
             os.replace(file, folder / file.name)

@@ -185,6 +185,10 @@ def test_run_ids_are_looked_up_never_joined_into_paths(live_server):
         for target in [f"/files/{run_id}/secret.txt", f"/api/runs/{run_id}"]:
             status, body = raw_get(live_server, target)
             assert status in (400, 404) and b"SECRET" not in body, target
+    for target in ["/static/../../../secret.txt", "/static/%2e%2e/%2e%2e/secret.txt", "/static/..%2f..%2fsecret.txt",
+                   "/static//etc/passwd", "/api/dataset/image/..%2f..%2fsecret.txt"]:
+        status, body = raw_get(live_server, target)
+        assert status in (400, 404) and b"SECRET" not in body and b"root:" not in body, target
 
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH"])
@@ -238,12 +242,21 @@ def test_a_run_that_stopped_without_finishing_is_interrupted(growing_run: Growin
     assert run["state"] == "interrupted" and run["eta_s"] is None
 
 
-def test_metrics_csv_is_shown(growing_run: GrowingRun):
-    growing_run.add_steps(4)
-    (growing_run.folder / "metrics.csv").write_text("step,val_loss,clip_t\n2,0.5,0.21\n4,0.4,0.25\n6,0.3")
-    metrics = client(growing_run.folder.parent).get("/api/runs/0.live").json()["metrics"]
-    assert metrics == {"steps": [2.0, 4.0], "metrics": {"val_loss": [0.5, 0.4], "clip_t": [0.21, 0.25]},
-                       "png": False}
+def test_evaluation_scores_show_while_training_and_from_metrics_csv_at_the_end(growing_run: GrowingRun):
+    growing_run.add_steps(2)
+    growing_run.logger.log_metrics(2, {"val_loss": 0.5, "clip_t": 0.21})  # the trainer's own call
+    growing_run.add_steps(2)
+    growing_run.logger.log_metrics(4, {"val_loss": 0.4})
+    c = client(growing_run.folder.parent)
+    live = c.get("/api/runs/0.live").json()["metrics"]
+    assert live == {"steps": [2, 4], "metrics": {"clip_t": [0.21, None], "val_loss": [0.5, 0.4]}, "png": False,
+                    "source": "train.log"}
+    growing_run.logger.write_metrics()  # what the trainer writes at the end of the run
+    (growing_run.folder / "metrics.csv").write_text(
+        (growing_run.folder / "metrics.csv").read_text() + "6,0.3")  # and a half-written row
+    final = c.get("/api/runs/0.live").json()["metrics"]
+    assert final["source"] == "metrics.csv" and final["png"] is True and final["steps"] == [2.0, 4.0]
+    assert final["metrics"] == {"val_loss": [0.5, 0.4], "clip_t": [0.21, None]}
 
 
 def test_new_runs_appear_and_a_folder_that_is_itself_a_run_is_shown(finished_run, tmp_path):

@@ -46,7 +46,8 @@ def test_a_bad_optimizer_or_schedule_is_named_before_the_model_loads(flag: str, 
     code = run_cli(*FLUX_ARGS, "--pretrained_model_name_or_path", tmp_path / "no-model", "--output_dir",
                    tmp_path / "out", flag, value)
     assert code == 2
-    assert f"{named}: unknown" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {named}: ") and f"'{value}'" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
 

@@ -230,12 +230,20 @@ class Run:
         return out
 
     def metrics(self) -> dict[str, Any] | None:
-        """``metrics.csv`` (a ``step`` column, then one column per metric) and whether ``metrics.png`` exists."""
+        """Evaluation scores: ``metrics.csv`` (a ``step`` column, then one column per metric) when the run
+        wrote it (at its end), else the scores logged so far in train.log; and whether ``metrics.png`` exists."""
         path = self.folder / "metrics.csv"
-        if not path.is_file():
+        if path.is_file():
+            return {**self._cache.get(path, "csv", _read_metrics), "png": (self.folder / "metrics.png").is_file(),
+                    "source": "metrics.csv"}
+        self.scalars.refresh()
+        rows = self.scalars.evaluation
+        if not rows:
             return None
-        table = self._cache.get(path, "csv", _read_metrics)
-        return {**table, "png": (self.folder / "metrics.png").is_file()}
+        names = sorted({name for scores in rows.values() for name in scores})
+        steps = sorted(rows)
+        return {"steps": steps, "metrics": {n: [rows[s].get(n) for s in steps] for n in names}, "png": False,
+                "source": TEXT_LOG}
 
     def log_tail(self, lines: int = 200) -> list[str] | None:
         path = self.folder / TEXT_LOG

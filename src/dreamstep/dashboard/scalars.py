@@ -84,6 +84,7 @@ class RunScalars:
     def __init__(self, folder: Path):
         self.folder = folder
         self.series: dict[str, Series] = {}
+        self.evaluation: dict[int, dict[str, float]] = {}  # step -> scores, from train.log's "eval" lines
         self.source = ""
         self._text_offset = 0
         self._loaders: dict[Path, Any] = {}
@@ -104,26 +105,25 @@ class RunScalars:
         self.source = TEXT_LOG
         with open(path, "rb") as f:
             if f.seek(0, 2) < self._text_offset:  # replaced by a new run (--overwrite_output_dir)
-                self.series, self._text_offset = {}, 0
+                self.series, self.evaluation, self._text_offset = {}, {}, 0
             f.seek(self._text_offset)
             data = f.read()
         complete = data[:data.rfind(b"\n") + 1]
         self._text_offset += len(complete)
         for line in complete.decode("utf-8", errors="replace").splitlines():
-            # "2026-11-23 08:30:01.123 step 12 loss=0.1 lr=0.0003"; other lines are messages.
+            # "2026-11-23 08:30:01.123 step 12 loss=0.1 lr=0.0003", "... eval 200 val_loss=0.2 dino=0.5";
+            # other lines are messages.
             fields = line.split(" ")
-            if len(fields) < 5 or fields[2] != "step" or not fields[3].isdigit():
+            if len(fields) < 5 or fields[2] not in ("step", "eval") or not fields[3].isdigit():
+                continue
+            if fields[2] == "eval":
+                self.evaluation[int(fields[3])] = dict(_pairs(fields[4:]))
                 continue
             wall_time = self._wall_time(fields[0], fields[1])
             if wall_time is None:
                 continue
             step = int(fields[3])
-            for pair in fields[4:]:
-                tag, _, text = pair.partition("=")
-                try:
-                    value = float(text)
-                except ValueError:
-                    continue
+            for tag, value in _pairs(fields[4:]):
                 self.series.setdefault(tag, Series()).add(step, value, wall_time)
 
     def _wall_time(self, day: str, clock: str) -> float | None:
@@ -161,6 +161,18 @@ class RunScalars:
                 continue  # images and histograms
             tag = value.tag.removeprefix("train/")
             self.series.setdefault(tag, Series()).add(int(event.step), number, float(event.wall_time))
+
+
+def _pairs(fields: list[str]) -> list[tuple[str, float]]:
+    """``name=value`` fields as (name, float); malformed ones are skipped."""
+    out = []
+    for field_text in fields:
+        name, _, text = field_text.partition("=")
+        try:
+            out.append((name, float(text)))
+        except ValueError:
+            continue
+    return out
 
 
 def decimate(steps: list[int], values: list[float], max_points: int) -> tuple[list[int], list[float]]:

@@ -50,7 +50,7 @@ class TensorCache:
             if self.root == folder or folder in self.root.parents:
                 raise UserError(f"cache directory {root} is inside the image folder {folder}; choose a cache "
                                 "directory outside your data (e.g. under the output directory)")
-        self.root.mkdir(parents=True, exist_ok=True)
+        # The folder is made by the first put(): a run that stops at a later input check leaves nothing.
 
     def path(self, content_key: str) -> Path:
         """Where an entry lives: sha256(model identity, content key), fanned out over 256 folders."""
@@ -79,18 +79,18 @@ class TensorCache:
     def get_or_compute(self, content_keys: Sequence[str],
                        compute: Callable[[list[int]], dict[str, torch.Tensor]],
                        known: Sequence[dict[str, torch.Tensor] | None] | None = None) -> dict[str, torch.Tensor]:
-        """Batch lookup: entries already ``known`` or cached are used; ``compute(missing_positions)`` returns
-        batched tensors for the rest, which are stored. Returns every name stacked over the batch, on the CPU."""
+        """Batch lookup: entries already ``known`` or cached are used; ``compute([position])`` returns the
+        tensors of one missing entry (batch dimension 1), which are stored. Returns every name stacked over
+        the batch, on the CPU."""
         found = list(known) if known is not None else [None] * len(content_keys)
         for i, key in enumerate(content_keys):
             if found[i] is None:
                 found[i] = self.get(key)
-        missing = [i for i, entry in enumerate(found) if entry is None]
-        if missing:
-            computed = compute(missing)
-            for row, i in enumerate(missing):
-                found[i] = {name: value[row].detach().cpu() for name, value in computed.items()}
-                self.put(content_keys[i], found[i])
+        # One entry per call: batched kernels may round differently with other batch mates, and an entry must
+        # not depend on which samples shared its first batch (a resumed run meets them in other batches).
+        for i in [i for i, entry in enumerate(found) if entry is None]:
+            found[i] = {name: value[0].detach().cpu() for name, value in compute([i]).items()}
+            self.put(content_keys[i], found[i])
         names = found[0].keys()
         return {name: torch.stack([entry[name] for entry in found]) for name in names}
 

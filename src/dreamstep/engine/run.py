@@ -1,32 +1,51 @@
-"""What every trainer does around the loop: claim the output folder, set up devices and logging, resume,
-train with its hooks (sample, save, checkpoint), and end with a summary of what was written where.
+"""A training run's life around the loop: claim the output folder, set up devices, find the checkpoint to
+resume from, and release the folder however the run ends. Training itself, its hooks and the closing
+summary are :mod:`dreamstep.engine.fit`.
+
+While it runs, a run owns its folder (``dreamstep.engine.run_folder``: a lock, and ``run_status.json`` for
+the dashboard). Ctrl-C or SIGTERM during training finish the step, save a checkpoint and print the command
+that continues (``dreamstep.engine.interrupt``); a full disk stops the run before a save that cannot fit
+(``dreamstep.engine.disk``); ``--resume_from_checkpoint latest`` falls back to the newest checkpoint that
+loads. Whatever ends the run, its status says how, and the lock is released.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import atexit
+import contextlib
 import os
-import time
-from collections.abc import Callable, Mapping
+import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 
-from dreamstep.engine.checkpoint import TrainingPosition, load_checkpoint, resolve_resume, save_checkpoint
-from dreamstep.engine.logging import TrainingLogger, log_time, say
-from dreamstep.engine.loop import Every, Hook, TrainingResult, run_training
-from dreamstep.engine.metrics import MetricsTable
-from dreamstep.engine.train_step import TrainStep, make_accelerator
+from dreamstep.engine.checkpoint import (
+    DamagedCheckpointError,
+    broadcast_from_main,
+    read_checkpoint_extra,
+    resolve_resume,
+)
+from dreamstep.engine.interrupt import StopSignals
+from dreamstep.engine.logging import TrainingLogger, say
+from dreamstep.engine.loop import TrainingResult
+from dreamstep.engine.run_folder import STATUS_FILE, OutputLock, RunStatus, check_output_dir
+from dreamstep.engine.train_step import make_accelerator
 from dreamstep.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 
 @dataclass
 class Run:
     """One training run: its folder, accelerator, the checkpoint it resumes from (if any), and once
-    training starts its logger. Nothing is written before :func:`fit`, so a setup error leaves no files."""
+    training starts its logger. Until :func:`fit` only the lock and ``run_status.json`` are written, so a
+    setup error leaves a folder the same command accepts again."""
 
     output_dir: Path
     accelerator: Any
@@ -34,7 +53,15 @@ class Run:
     config_toml: str
     report_to: str
     tensorboard_dir: Path | None = None
+    samples_dir: Path | None = None
     logger: TrainingLogger | None = None
+    resume_request: str | None = None  # what the user asked for, e.g. "latest"
+    resume_command: str = ""  # the command that continues this run from its newest checkpoint
+    status: RunStatus = field(default_factory=lambda: RunStatus(None))
+    signals: StopSignals = field(default_factory=StopSignals)
+    result: TrainingResult | None = None
+    lock: OutputLock | None = None
+    created_folder: bool = False  # this run made --output_dir; a failure before training removes it again
     started_at: float | None = None  # perf_counter when training started
     validation_seconds: float = 0.0  # wall time spent in validation (samples and scores)
 
@@ -46,221 +73,171 @@ class Run:
     def is_main_process(self) -> bool:
         return self.accelerator.is_main_process
 
+    def close(self, state: str, message: str | None = None) -> None:
+        """Record how the run ended, release the folder and the signal handlers (once; later calls do nothing)."""
+        global _open_run
+        if self.status.fields["state"] == "running":
+            self.status.update(state=state, message=message)
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+        if state == "failed" and self.created_folder and self.logger is None:
+            # Nothing was trained or written but the status: leave no folder behind a bad input.
+            (self.output_dir / STATUS_FILE).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.output_dir.rmdir()
+        self.signals.uninstall()
+        atexit.unregister(self._close_at_exit)
+        if _open_run is self:
+            _open_run = None
 
-def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_checkpoint: str | None) -> Path:
-    """Refuse a non-empty ``--output_dir`` unless the run resumes from it or ``--overwrite_output_dir``."""
-    folder = Path(output_dir)
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"--output_dir {folder} is a file; give a folder")
-    if folder.is_dir() and any(folder.iterdir()) and not overwrite and not resume_from_checkpoint:
-        raise UserError(f"--output_dir {folder} is not empty; pick a new folder, continue it with "
-                        "--resume_from_checkpoint latest, or pass --overwrite_output_dir")
-    return folder
+    def _close_at_exit(self) -> None:
+        """The process ends without :func:`finish`: an error or a signal outside the loop."""
+        self.close("interrupted" if self.signals.received else "failed", "the run ended before it finished")
+
+
+_open_run: Run | None = None  # runs in one process follow each other; an unfinished one is over when the next starts
+
+
+def end_unfinished_run(message: str) -> None:
+    """Close the run that an error or a later run's start ended, so its folder is released at once."""
+    if _open_run is not None:
+        _open_run.close("interrupted" if _open_run.signals.received else "failed", message)
+
+
+def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_checkpoint: str | None,
+                     resume_flag: str = "--resume_from_checkpoint") -> Path:
+    """Refuse an ``--output_dir`` this run must not write into (see ``dreamstep.engine.run_folder``):
+    another live run's, or one holding files a fresh run would overwrite. Writes nothing."""
+    end_unfinished_run("a later run in the same process started")
+    resume = resolve_resume(output_dir, resume_from_checkpoint, resume_flag)
+    return check_output_dir(output_dir, overwrite=overwrite, resume=resume, resume_request=resume_from_checkpoint,
+                            resume_flag=resume_flag)
 
 
 def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report_to: str,
               resume_from_checkpoint: str | None, config_toml: str, tensorboard_dir: str | Path | None = None,
-              find_unused_parameters: bool = False) -> Run:
-    """Set up the accelerator (devices, autocast, processes), seed everything and find the checkpoint to
-    resume from; the folder, ``config.toml`` and the logs are written when training starts. TensorBoard
-    event files go to ``tensorboard_dir`` (default: ``output_dir``). ``find_unused_parameters``: DDP looks
-    for trainable parameters that got no gradient in a step (slower; needed when some may not)."""
-    from accelerate.utils import DistributedDataParallelKwargs, set_seed
-
-    # Several processes without GPUs (accelerate launch on CPUs) need accelerate's CPU mode for gloo.
-    cpu_processes = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-    ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if find_unused_parameters else []
-    try:
-        accelerator = make_accelerator(mixed_precision=mixed_precision, cpu=cpu_processes, kwargs_handlers=ddp)
-    except ValueError as e:
-        if "already been initialized" not in str(e):
-            raise
-        # accelerate keeps one precision per process (a notebook that trains twice).
-        raise UserError(f"--mixed_precision {mixed_precision}: this process already trained in another precision; "
-                        "run this training in a new process (in a notebook: restart the kernel)") from None
+              command: str = "dreamstep train", resume_flag: str = "--resume_from_checkpoint",
+              overwrite: bool = False, resume_must_match: tuple[str, ...] = (),
+              samples_dir: str | Path | None = None, find_unused_parameters: bool = False) -> Run:
+    """Set up the accelerator (devices, autocast, processes), seed everything, find the checkpoint to
+    resume from, which must have been trained with the same ``resume_must_match`` settings (the flags that
+    shape the trained weights), and take the output folder: its lock and ``run_status.json`` (main
+    process). ``config.toml`` and the logs are written when training starts. TensorBoard event files go to
+    ``tensorboard_dir`` (default: ``output_dir``), sample grids to ``samples_dir`` (default:
+    ``output_dir/samples``). ``command`` (e.g. ``dreamstep train flux-lora``) and ``resume_flag`` make
+    the command printed to continue an interrupted run. ``find_unused_parameters``: DDP looks for trainable
+    parameters that got no gradient in a step (slower; needed when some may not)."""
+    end_unfinished_run("a later run in the same process started")
+    accelerator = _accelerator(mixed_precision, find_unused_parameters)
     if accelerator.distributed_type == "DEEPSPEED":
         raise UserError("accelerate launch --use_deepspeed: DeepSpeed would take over accumulation, loss scaling and "
                         "clipping from dreamstep's engine; launch without it (DDP), or shard with --zero_stage 2|3 "
                         "(flux-controlnet)")
     if mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError("--mixed_precision fp16 needs a GPU (CPUs have no fp16 autocast); use bf16 or no")
+    from accelerate.utils import set_seed
+
     set_seed(seed)
     folder = Path(output_dir)
-    return Run(folder, accelerator, resolve_resume(folder, resume_from_checkpoint), config_toml, report_to,
-               Path(tensorboard_dir) if tensorboard_dir is not None else None)
-
-
-def _open_output(run: Run) -> None:
+    resume_from = resolve_resume(folder, resume_from_checkpoint, resume_flag)
+    if resume_from is not None:
+        check_resume_settings(resume_from, config_toml, resume_must_match)
+    run = Run(folder, accelerator, resume_from, config_toml, report_to,
+              Path(tensorboard_dir) if tensorboard_dir is not None else None,
+              Path(samples_dir) if samples_dir is not None else None, resume_request=resume_from_checkpoint,
+              resume_command=_resume_command(command, folder, resume_flag, accelerator.num_processes))
+    refusal = None
     if run.is_main_process:
-        run.output_dir.mkdir(parents=True, exist_ok=True)
-        (run.output_dir / "config.toml").write_text(run.config_toml)
-    run.accelerator.wait_for_everyone()
-    run.logger = TrainingLogger(run.output_dir, report_to=run.report_to, is_main_process=run.is_main_process,
-                                tensorboard_dir=run.tensorboard_dir)
+        try:
+            _take_folder(run, overwrite, resume_flag)
+        except UserError as e:
+            refusal = str(e)
+    refusal = broadcast_from_main(refusal, accelerator)
+    if refusal is not None:
+        raise UserError(refusal)
+    global _open_run
+    _open_run = run
+    run.signals.hint = "nothing was trained yet; run the same command again to start over"
+    run.signals.install()
+    if resume_from_checkpoint and run.resume_from is None:
+        say_and_log(run, f"note: {folder} has no checkpoint yet, so this is a fresh run")
+    return run
 
 
-@dataclass
-class RunHooks:
-    """What a run does besides training, each on its own cadence; at a step where several are due they run
-    in this order. ``sample(global_step)``: images from the model as it trains (main process; every
-    process with ``sample_on_every_process``, for a sharded model that runs forward only on all at once),
-    logged as a grid; evaluation scores it logs with ``run.logger.log_metrics`` are reported with them;
-    ``sample_first`` samples the untrained model too (step 0 of a run that does not resume: the baseline
-    of the scores). ``save(global_step)``: write the trained weights (main process), not at the last
-    step, whose weights the recipe writes itself. Checkpoints (every process): ``checkpoint-N`` folders,
-    at most ``checkpoints_total_limit`` of them, and with ``checkpoint_at_end`` one at the last step too."""
+def _accelerator(mixed_precision: str, find_unused_parameters: bool) -> Any:
+    from accelerate.utils import DistributedDataParallelKwargs
 
-    sample: Callable[[int], list[Image.Image]] | None = None
-    sample_every: Every = field(default_factory=Every)
-    sample_first: bool = False
-    sample_on_every_process: bool = False
-    save: Callable[[int], Path] | None = None
-    save_every: Every = field(default_factory=Every)
-    checkpoint_every: Every = field(default_factory=Every)
-    checkpoints_total_limit: int | None = None
-    checkpoint_at_end: bool = False
+    # Several processes without GPUs (accelerate launch on CPUs) need accelerate's CPU mode for gloo.
+    cpu_processes = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if find_unused_parameters else []
+    try:
+        return make_accelerator(mixed_precision=mixed_precision, cpu=cpu_processes, kwargs_handlers=ddp)
+    except ValueError as e:
+        if "already been initialized" not in str(e):
+            raise
+        # accelerate keeps one precision per process (a notebook that trains twice).
+        raise UserError(f"--mixed_precision {mixed_precision}: this process already trained in another precision; "
+                        "run this training in a new process (in a notebook: restart the kernel)") from None
 
 
-@dataclass
-class FinishedRun:
-    """What a trainer returns: every file it wrote (by what it is), and the loop's result."""
-
-    written: dict[str, Path | None]
-    result: TrainingResult
-
-
-def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any, hooks: RunHooks | None = None,
-        on_nonfinite_loss: str = "stop") -> TrainingResult:
-    """Resume if asked, then train for ``total_steps`` optimizer steps, running ``hooks`` when due.
-    ``trained`` is what the run trains and checkpoints (its ``state_dict`` and ``load_state_dict``)."""
-    hooks = hooks or RunHooks()
-    _open_output(run)
-    resume = None
-    if run.resume_from is not None:
-        resume = load_checkpoint(run.resume_from, step)
-        trained.load_state_dict(resume.weights)
-        # The loss curve and the scores of the whole run, not only of its resumed part.
-        run.logger.history["loss"] = [tuple(pair) for pair in resume.extra.get("loss_history", [])]
-        run.logger.metrics = MetricsTable.from_state(resume.extra.get("metrics", []))
-        _say(run, f"resuming from {run.resume_from} (step {resume.position.global_step})")
-
-    checkpointed: list[int] = []
-
-    def checkpoint(position: TrainingPosition) -> None:
-        checkpointed.append(position.global_step)
-        path = save_checkpoint(run.output_dir, step, position, trained.state_dict(),
-                               extra={"loss_history": run.logger.loss_history,
-                                      "metrics": run.logger.metrics.state()},
-                               total_limit=hooks.checkpoints_total_limit)
-        _say(run, f"saved {path}")
-
-    def sample(position: TrainingPosition) -> None:
-        # One process generates (all, for a sharded model); the others wait. Sampling uses its own seeded
-        # generators, so the training RNG of every process is untouched.
-        global_step = position.global_step
-        images = _timed_sample(run, hooks.sample, global_step, hooks.sample_on_every_process)
-        if run.is_main_process:
-            path = run.logger.log_images(global_step, images)
-            scores = run.logger.metrics.rows.get(global_step)
-            if path is not None or scores:
-                _say(run, f"validation at step {global_step}: " + ", ".join(
-                    [f"{k} {v:.4g}" for k, v in (scores or {}).items()] + ([f"images {path}"] if path else [])))
-        run.accelerator.wait_for_everyone()
-
-    def save(position: TrainingPosition) -> None:
-        if run.is_main_process and position.global_step < total_steps:
-            _say(run, f"saved {hooks.save(position.global_step)}")
-
-    run.started_at = time.perf_counter()
-    if hooks.sample_first and hooks.sample is not None and resume is None:
-        sample(TrainingPosition())
-    scheduled = [Hook(hooks.sample_every, sample)] if hooks.sample is not None else []
-    scheduled += [Hook(hooks.save_every, save)] if hooks.save is not None else []
-    scheduled.append(Hook(hooks.checkpoint_every, checkpoint))
-    result = run_training(step, data, max_train_steps=total_steps, resume=resume, hooks=scheduled,
-                          logger=run.logger, on_nonfinite_loss=on_nonfinite_loss, progress=run.is_main_process)
-    position = result.position
-    if hooks.checkpoint_at_end and result.losses and position.global_step not in checkpointed[-1:]:
-        checkpoint(dataclasses.replace(position))
-    return result
+def check_resume_settings(checkpoint: Path, config_toml: str, keys: tuple[str, ...]) -> None:
+    """Refuse to resume ``checkpoint`` when one of ``keys`` differs from the run that saved it (a
+    different rank or set of target layers cannot load its weights), naming the flag and both values.
+    The saved settings come from the checkpoint, or for older checkpoints from the run's config.toml.
+    A damaged checkpoint is left to the resume, which names the file (or, with latest, skips it)."""
+    try:
+        saved_toml = read_checkpoint_extra(checkpoint).get("config")
+    except DamagedCheckpointError:
+        return
+    if saved_toml is None and (checkpoint.parent / "config.toml").is_file():
+        saved_toml = (checkpoint.parent / "config.toml").read_text(encoding="utf-8")
+    if saved_toml is None:
+        return
+    saved, current = tomllib.loads(saved_toml), tomllib.loads(config_toml)
+    for key in keys:
+        if saved.get(key) != current.get(key):
+            was = _flag_value(saved.get(key))
+            raise UserError(f"--{key} is {_flag_value(current.get(key))} but {checkpoint} was trained with {was}; "
+                            f"resume with --{key} {was}, or start a new run in another --output_dir")
 
 
-def _timed_sample(run: Run, sample: Callable[[int], list[Image.Image]], global_step: int,
-                  on_every_process: bool) -> list[Image.Image] | None:
-    """``sample(global_step)`` on the processes that take part, its wall time added to the run's."""
-    if not (run.is_main_process or on_every_process):
-        return None
-    start = time.perf_counter()
-    images = sample(global_step)
-    run.validation_seconds += time.perf_counter() - start
-    return images
+def _flag_value(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value) or "(none)"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def finish(run: Run, written: Mapping[str, Path | None], result: TrainingResult,
-           sample_final: Callable[[], list[Image.Image]] | None = None, *, best_by: str | None = None,
-           saved_at: Callable[[int], Path | None] | None = None,
-           sample_on_every_process: bool = False) -> FinishedRun:
-    """Final sample grid, evaluation scores (``metrics.csv``, ``metrics.png``, the best step by ``best_by``
-    next to the final one), loss curve, and the summary of every file written. ``saved_at(step)`` names
-    what was saved at a step (default: its ``checkpoint-N`` folder, if any)."""
-    outputs = dict(written)
-    final_step = result.position.global_step
-    if sample_final is not None:
-        images = _timed_sample(run, lambda _: sample_final(), final_step, sample_on_every_process)
-        if run.is_main_process:
-            outputs["samples"] = run.logger.log_images(final_step, images, tag="final")
-    report = []
-    if run.is_main_process and run.logger.metrics.rows:
-        best = run.logger.metrics.best(best_by) if best_by else None
-        outputs.update(run.logger.write_metrics(marks={best_by: best[0]} if best else None))
-        report = evaluation_report(run, best_by, final_step, saved_at or _checkpoint_at(run.output_dir))
-    outputs["loss curve"] = run.logger.close()
-    tensorboard = run.report_to == "tensorboard" and run.logger.history
-    outputs["TensorBoard logs"] = run.logger.tensorboard_dir if tensorboard else None
-    run.accelerator.wait_for_everyone()
-    if run.is_main_process:
-        lines = [f"  {what:<18} {path}" for what, path in outputs.items() if path is not None] + list(report)
-        print("\nwrote:\n" + "\n".join(lines))
-        with open(run.output_dir / "train.log", "a", encoding="utf-8") as log:
-            log.write(f"{log_time()} finished; wrote:\n" + "\n".join(lines) + "\n")
-    return FinishedRun(outputs, result)
+def _take_folder(run: Run, overwrite: bool, resume_flag: str) -> None:
+    """Check the folder again under its lock (another run may have started since the first check)."""
+    run.created_folder = not run.output_dir.exists()
+    run.output_dir.mkdir(parents=True, exist_ok=True)
+    run.lock, previous = OutputLock.acquire(run.output_dir, run.resume_command)
+    try:
+        check_output_dir(run.output_dir, overwrite=overwrite, resume=run.resume_from,
+                         resume_request=run.resume_request, resume_flag=resume_flag, check_lock=False)
+    except UserError:
+        run.lock.release()
+        raise
+    if previous is not None:
+        say_and_log(run, f"note: took over the lock of process {previous.get('pid')}, which ended without releasing it")
+    run.status = RunStatus(run.output_dir)
+    run.status.update()
+    atexit.register(run._close_at_exit)
 
 
-def _checkpoint_at(output_dir: Path) -> Callable[[int], Path | None]:
-    def find(step: int) -> Path | None:
-        folder = output_dir / f"checkpoint-{step}"
-        return folder if folder.is_dir() else None
-
-    return find
-
-
-def _scores(row: Mapping[str, float]) -> str:
-    return ", ".join(f"{name} {value:.4g}" for name, value in row.items())
+def _resume_command(command: str, folder: Path, resume_flag: str, num_processes: int) -> str:
+    """The resolved settings are saved in ``config.toml``, so this continues the run exactly (a random
+    seed included), whatever the original command line was."""
+    if num_processes > 1:
+        command = f"accelerate launch --multi_gpu --num_processes {num_processes} -m {command}"
+    return f"{command} --config {shlex.quote(str(folder / 'config.toml'))} {resume_flag} latest"
 
 
-def evaluation_report(run: Run, best_by: str | None, final_step: int,
-                      saved_at: Callable[[int], Path | None]) -> list[str]:
-    """Lines naming the best step by ``best_by`` and its scores next to the final step's, and what
-    validation cost as a share of the run's wall time."""
-    table = run.logger.metrics
-    lines = ["", "evaluation:"]
-    best = table.best(best_by) if best_by else None
-    if best is not None:
-        step, row = best
-        where = saved_at(step) or (run.output_dir if step == final_step else None)
-        kept = f" -> {where}" if where is not None else " (nothing was saved at that step; align the " \
-                                                          "checkpoint/save cadence with the validation steps)"
-        lines.append(f"  best by {best_by}: step {step}: {_scores(row)}{kept}")
-    if final_step in table.rows:
-        lines.append(f"  final: step {final_step}: {_scores(table.rows[final_step])}")
-    if run.started_at is not None:
-        total = time.perf_counter() - run.started_at
-        lines.append(f"  validation (samples and scores) took {run.validation_seconds:.1f} s of the run's "
-                     f"{total:.1f} s ({100 * run.validation_seconds / max(total, 1e-9):.1f}%)")
-    return lines
-
-
-def _say(run: Run, message: str) -> None:
+def say_and_log(run: Run, message: str) -> None:
+    """Print ``message`` once (main process) and note it in the run's ``train.log`` once that is open."""
     say(message, is_main_process=run.is_main_process)
     if run.is_main_process and run.logger is not None:
         run.logger.note(message)

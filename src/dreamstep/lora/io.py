@@ -62,7 +62,10 @@ def _read_safetensors(path: Path) -> LoraFile:
 
 def _read_torch(path: Path) -> LoraFile:
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        # A file object, not the path: torch.load hands any *.safetensors path to safetensors, and a pickle
+        # renamed to .safetensors must still be read as the pickle it is.
+        with open(path, "rb") as f:
+            obj = torch.load(f, map_location="cpu", weights_only=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile, OSError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{path}: not a readable torch checkpoint (truncated, corrupt or not plain tensors: "

@@ -1,4 +1,4 @@
-"""FLUX.1 ControlNet (seed 003): built from the base transformer or loaded, checked against the base,
+"""FLUX.1 ControlNet: built from the base transformer or loaded, checked against the base,
 run beside it, and saved in the ``save_pretrained`` layout that ``FluxControlNetModel.from_pretrained``
 and ``FluxControlNetPipeline`` read.
 
@@ -10,11 +10,14 @@ start at zero, so at step 0 the base's prediction is unchanged.
 
 from __future__ import annotations
 
+import inspect
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import FluxControlNetModel, FluxTransformer2DModel
+from PIL import Image
 from safetensors.torch import save_file
 
 from dreamstep.errors import UserError
@@ -104,4 +107,28 @@ def save(controlnet: FluxControlNetModel, output_dir: str | Path,
             controlnet.save_config(tmp)
             save_file({name: t.contiguous() for name, t in state_dict.items()}, str(tmp / WEIGHTS_NAME),
                       metadata={"format": "pt"})
+        _drop_foreign_config_keys(tmp / CONFIG_NAME)
     return Path(output_dir) / WEIGHTS_NAME
+
+
+def _drop_foreign_config_keys(config_file: Path) -> None:
+    """A ControlNet built from a transformer inherits its config keys, some of which (``out_channels``)
+    FluxControlNetModel does not take: every later load would warn that they are ignored. Keep only its own."""
+    accepted = set(inspect.signature(FluxControlNetModel.__init__).parameters)
+    config = json.loads(config_file.read_text())
+    config = {k: v for k, v in config.items() if k.startswith("_") or k in accepted}
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def side_by_side(rows: list[list[Image.Image]]) -> Image.Image:
+    """One image: each row (a control image, then its results) left to right, rows top to bottom. The
+    results' generation parameters (``info["dreamstep"]``) are carried over as a list."""
+    cell_w = max(im.width for row in rows for im in row)
+    cell_h = max(im.height for row in rows for im in row)
+    grid = Image.new("RGB", (max(len(r) for r in rows) * cell_w, len(rows) * cell_h), "white")
+    for y, row in enumerate(rows):
+        for x, image in enumerate(row):
+            grid.paste(image.convert("RGB").resize((cell_w, cell_h)), (x * cell_w, y * cell_h))
+    grid.info["dreamstep"] = [im.info["dreamstep"] for row in rows for im in row
+                              if isinstance(im.info.get("dreamstep"), dict)]
+    return grid

@@ -165,7 +165,7 @@ function runView(runId) {
     const series = names.map((name, i) => ({ x: data.steps, y: data.metrics[name], color: COLORS[i % COLORS.length], label: name }));
     drawChart(metrics.canvas, { series, yLabel: "score" });
     metrics.card.update(data, (body) => {
-      body.append(chartLegend(series));
+      body.append(chartLegend(series), el("p", { class: "muted", text: `from ${data.source}` }));
       const rows = data.steps.map((step, i) => el("tr", {}, el("td", { class: "num", text: step }), names.map((n) => el("td", { class: "num", text: fmt(data.metrics[n][i]) }))));
       body.append(el("table", {}, el("thead", {}, el("tr", {}, el("th", { text: "step" }), names.map((n) => el("th", { text: n })))), el("tbody", {}, rows)));
       if (data.png) { body.append(el("p", {}, el("a", { href: fileURL(runId, "metrics.png"), target: "_blank", text: "metrics.png" }))); }

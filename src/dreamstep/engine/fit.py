@@ -1,0 +1,292 @@
+"""What every trainer does from its first step to its summary: resume if asked, train with its hooks (sample,
+save, checkpoint), and end with a summary of what was written where.
+
+A signal during training finishes the step, saves a checkpoint and ends the run with the command that
+continues it (:class:`~dreamstep.engine.interrupt.RunInterrupted`); a full disk stops it before a save that
+cannot fit; ``--resume_from_checkpoint latest`` falls back to the newest checkpoint that loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from dreamstep.engine.checkpoint import (
+    DamagedCheckpointError,
+    LoadedCheckpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_checkpoint_step,
+    save_checkpoint,
+)
+from dreamstep.engine.disk import DiskFullError, disk_full_message, is_disk_full
+from dreamstep.engine.interrupt import RunInterrupted
+from dreamstep.engine.logging import TrainingLogger, log_time
+from dreamstep.engine.loop import AnyOf, Every, Hook, TrainingPosition, TrainingResult, run_training
+from dreamstep.engine.metrics import MetricsTable
+from dreamstep.engine.run import Run, say_and_log
+from dreamstep.engine.train_step import TrainStep
+from dreamstep.errors import UserError
+from dreamstep.files import write_text_atomic
+
+
+@dataclass
+class RunHooks:
+    """What a run does besides training, each on its own cadence; at a step where several are due they run
+    in this order. ``sample(global_step)``: images from the model as it trains (main process; every
+    process with ``sample_on_every_process``, for a sharded model that runs forward only on all at once),
+    logged as a grid; evaluation scores it logs with ``run.logger.log_metrics`` are reported with them;
+    ``sample_first`` samples the untrained model too (step 0 of a run that does not resume: the baseline
+    of the scores). ``save(global_step)``: write the trained weights (main process), not at the last
+    step, whose weights the recipe writes itself. Checkpoints (every process): ``checkpoint-N`` folders,
+    at most ``checkpoints_total_limit`` of them, and with ``checkpoint_at_end`` one at the last step too."""
+
+    sample: Callable[[int], list[Image.Image]] | None = None
+    sample_every: Every | AnyOf = field(default_factory=Every)
+    sample_first: bool = False
+    sample_on_every_process: bool = False
+    save: Callable[[int], Path] | None = None
+    save_every: Every = field(default_factory=Every)
+    checkpoint_every: Every = field(default_factory=Every)
+    checkpoints_total_limit: int | None = None
+    checkpoint_at_end: bool = False
+
+
+@dataclass
+class FinishedRun:
+    """What a trainer returns: every file it wrote (by what it is), and the loop's result."""
+
+    written: dict[str, Path | None]
+    result: TrainingResult
+
+
+def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any, hooks: RunHooks | None = None,
+        on_nonfinite_loss: str = "stop", max_skipped_steps_fraction: float = 1.0) -> TrainingResult:
+    """Resume if asked, then train for ``total_steps`` optimizer steps, running ``hooks`` when due.
+    ``trained`` is what the run trains and checkpoints (its ``state_dict`` and ``load_state_dict``).
+    A signal ends the run after the current step with a checkpoint (:class:`RunInterrupted`); any error
+    marks it failed."""
+    hooks = hooks or RunHooks()
+    run.signals.hint = ""  # an abort in the loop gets the checkpoint hint from _interrupted
+    try:
+        _open_output(run)
+        resume = _resume(run, step, trained)
+        checkpointed = {resume.position.global_step} if resume is not None else set()
+
+        def checkpoint(position: TrainingPosition) -> None:
+            path = save_checkpoint(run.output_dir, step, position, trained.state_dict(),
+                                   extra={"loss_history": run.logger.loss_history, "config": run.config_toml,
+                                          "metrics": run.logger.metrics.state()},
+                                   total_limit=hooks.checkpoints_total_limit)
+            checkpointed.add(position.global_step)
+            run.status.update(checkpoint=path.name)
+            say_and_log(run, f"saved {path}")
+
+        def sample(position: TrainingPosition) -> None:
+            # One process generates (all, for a sharded model); the others wait. Sampling uses its own seeded
+            # generators, so the training RNG of every process is untouched.
+            global_step = position.global_step
+            images = _timed_sample(run, hooks.sample, global_step, hooks.sample_on_every_process)
+            if run.is_main_process:
+                path = run.logger.log_images(global_step, images)
+                scores = run.logger.metrics.rows.get(global_step)
+                if path is not None or scores:
+                    say_and_log(run, f"validation at step {global_step}: " + ", ".join(
+                        [f"{k} {v:.4g}" for k, v in (scores or {}).items()] + ([f"images {path}"] if path else [])))
+            run.accelerator.wait_for_everyone()
+
+        def save(position: TrainingPosition) -> None:
+            if run.is_main_process and position.global_step < total_steps:
+                say_and_log(run, f"saved {hooks.save(position.global_step)}")
+
+        def step_done(position: TrainingPosition, loss: float, planned: int) -> bool:
+            run.status.update(step=position.global_step, total_steps=planned, loss=loss)
+            return run.signals.stop_requested()
+
+        scheduled = [Hook(hooks.sample_every, sample)] if hooks.sample is not None else []
+        scheduled += [Hook(hooks.save_every, save)] if hooks.save is not None else []
+        scheduled.append(Hook(hooks.checkpoint_every, checkpoint))
+        run.started_at = time.perf_counter()
+        run.signals.graceful = True
+        try:
+            if hooks.sample_first and hooks.sample is not None and resume is None:
+                sample(TrainingPosition())
+            result = run_training(step, data, max_train_steps=total_steps, resume=resume, hooks=scheduled,
+                                  logger=run.logger, on_nonfinite_loss=on_nonfinite_loss,
+                                  max_skipped_fraction=max_skipped_steps_fraction, on_step=step_done,
+                                  progress=run.is_main_process)
+        finally:
+            run.signals.graceful = False
+        run.result = result
+        position = result.position
+        if result.stopped:
+            if position.global_step not in checkpointed:
+                checkpoint(dataclasses.replace(position))
+            raise RunInterrupted(f"stopped by {run.signals.received.name} at step {position.global_step}",
+                                 run.signals.exit_code)
+        if hooks.checkpoint_at_end and result.losses and position.global_step not in checkpointed:
+            checkpoint(dataclasses.replace(position))
+        run.signals.hint = _continue_hint(run)
+        return result
+    except KeyboardInterrupt as e:
+        raise _interrupted(run, e) from None
+    except DiskFullError as e:
+        run.close("failed", str(e))
+        again = f": {run.resume_command}" if list_checkpoints(run.output_dir) else " with the same command"
+        raise DiskFullError(f"{e}{again}") from None
+    except BaseException as e:
+        run.close("failed", str(e) or type(e).__name__)
+        raise
+
+
+def _open_output(run: Run) -> None:
+    if run.is_main_process:
+        try:
+            write_text_atomic(run.output_dir / "config.toml", run.config_toml)
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            raise DiskFullError(disk_full_message(run.output_dir, len(run.config_toml), "config.toml",
+                                                  "nothing was trained yet")) from None
+    run.accelerator.wait_for_everyone()
+    # After a resume from step N, TensorBoard drops what the interrupted run logged after N.
+    try:
+        purge_step = read_checkpoint_step(run.resume_from) + 1 if run.resume_from is not None else None
+    except DamagedCheckpointError:
+        purge_step = None  # the resume names the file, or falls back to an older checkpoint
+    run.logger = TrainingLogger(run.output_dir, report_to=run.report_to, is_main_process=run.is_main_process,
+                                tensorboard_dir=run.tensorboard_dir, samples_dir=run.samples_dir,
+                                purge_step=purge_step)
+
+
+def _resume(run: Run, step: TrainStep, trained: Any) -> LoadedCheckpoint | None:
+    """Load the checkpoint to resume; with ``latest``, a damaged one gives way to the newest that loads."""
+    if run.resume_from is None:
+        return None
+    candidates = [run.resume_from]
+    if run.resume_request == "latest":
+        candidates = list(reversed(list_checkpoints(run.output_dir)))
+    damaged = []
+    for path in candidates:
+        try:
+            resume = load_checkpoint(path, step)
+        except DamagedCheckpointError as e:
+            if run.resume_request != "latest":
+                raise
+            damaged.append(path.name)
+            say_and_log(run, f"warning: {e}")
+            continue
+        if damaged:
+            say_and_log(run, f"warning: {', '.join(damaged)} cannot be read; resuming from {path.name}, the newest "
+                             "checkpoint that loads")
+        trained.load_state_dict(resume.weights)
+        # The loss curve and the scores of the whole run, not only of its resumed part.
+        run.logger.history["loss"] = [tuple(pair) for pair in resume.extra.get("loss_history", [])]
+        run.logger.metrics = MetricsTable.from_state(resume.extra.get("metrics", []))
+        run.status.update(step=resume.position.global_step, checkpoint=path.name)
+        say_and_log(run, f"resuming from {path} (step {resume.position.global_step})")
+        return resume
+    raise UserError(f"no checkpoint in {run.output_dir} can be read ({', '.join(damaged)} are damaged); "
+                    "start a new run in a new --output_dir")
+
+
+def _continue_hint(run: Run) -> str:
+    checkpoints = list_checkpoints(run.output_dir)
+    if not checkpoints:
+        return "no checkpoint was written; run the same command again to start over"
+    return f"the last checkpoint is {checkpoints[-1]}; continue with:\n  {run.resume_command}"
+
+
+def _interrupted(run: Run, error: KeyboardInterrupt) -> RunInterrupted:
+    """The message and exit code of a run that a signal ended, and its status."""
+    what = str(error) or "stopped by SIGINT"
+    message = f"{what}; {_continue_hint(run)}"
+    run.close("interrupted", message)
+    return RunInterrupted(message, getattr(error, "exit_code", run.signals.exit_code))
+
+
+def _timed_sample(run: Run, sample: Callable[[int], list[Image.Image]], global_step: int,
+                  on_every_process: bool) -> list[Image.Image] | None:
+    """``sample(global_step)`` on the processes that take part, its wall time added to the run's."""
+    if not (run.is_main_process or on_every_process):
+        return None
+    start = time.perf_counter()
+    images = sample(global_step)
+    run.validation_seconds += time.perf_counter() - start
+    return images
+
+
+def finish(run: Run, written: Mapping[str, Path | None], result: TrainingResult,
+           sample_final: Callable[[], list[Image.Image]] | None = None, *, best_by: str | None = None,
+           saved_at: Callable[[int], Path | None] | None = None,
+           sample_on_every_process: bool = False) -> FinishedRun:
+    """Final sample grid, evaluation scores (``metrics.csv``, ``metrics.png``, the best step by ``best_by``
+    next to the final one), loss curve, and the summary of every file written. ``saved_at(step)`` names
+    what was saved at a step (default: its ``checkpoint-N`` folder, if any). The run is then marked
+    finished."""
+    outputs = dict(written)
+    final_step = result.position.global_step
+    if sample_final is not None:
+        images = _timed_sample(run, lambda _: sample_final(), final_step, sample_on_every_process)
+        if run.is_main_process:
+            outputs["samples"] = run.logger.log_images(final_step, images, tag="final")
+    report = []
+    if run.is_main_process and run.logger.metrics.rows:
+        best = run.logger.metrics.best(best_by) if best_by else None
+        outputs.update(run.logger.write_metrics(marks={best_by: best[0]} if best else None))
+        report = evaluation_report(run, best_by, final_step, saved_at or _checkpoint_at(run.output_dir))
+    outputs["loss curve"] = run.logger.close()
+    tensorboard = run.report_to == "tensorboard" and run.logger.history
+    outputs["TensorBoard logs"] = run.logger.tensorboard_dir if tensorboard else None
+    run.accelerator.wait_for_everyone()
+    skipped = result.nonfinite_steps
+    if run.is_main_process:
+        lines = [f"  {what:<18} {path}" for what, path in outputs.items() if path is not None] + list(report)
+        if skipped:
+            print(f"\nnote: {len(skipped)} of {result.total_steps} steps were skipped because the loss was "
+                  f"not finite (steps {', '.join(map(str, skipped[:8]))}{' ...' if len(skipped) > 8 else ''})")
+        print("\nwrote:\n" + "\n".join(lines))
+        with open(run.output_dir / "train.log", "a", encoding="utf-8") as log:
+            log.write(f"{log_time()} finished; wrote:\n" + "\n".join(lines) + "\n")
+    run.close("finished", f"{len(skipped)} steps skipped (non-finite loss)" if skipped else None)
+    return FinishedRun(outputs, result)
+
+
+def _checkpoint_at(output_dir: Path) -> Callable[[int], Path | None]:
+    def find(step: int) -> Path | None:
+        folder = output_dir / f"checkpoint-{step}"
+        return folder if folder.is_dir() else None
+
+    return find
+
+
+def _scores(row: Mapping[str, float]) -> str:
+    return ", ".join(f"{name} {value:.4g}" for name, value in row.items())
+
+
+def evaluation_report(run: Run, best_by: str | None, final_step: int,
+                      saved_at: Callable[[int], Path | None]) -> list[str]:
+    """Lines naming the best step by ``best_by`` and its scores next to the final step's, and what
+    validation cost as a share of the run's wall time."""
+    table = run.logger.metrics
+    lines = ["", "evaluation:"]
+    best = table.best(best_by) if best_by else None
+    if best is not None:
+        step, row = best
+        where = saved_at(step) or (run.output_dir if step == final_step else None)
+        kept = f" -> {where}" if where is not None else " (nothing was saved at that step; align the " \
+                                                          "checkpoint/save cadence with the validation steps)"
+        lines.append(f"  best by {best_by}: step {step}: {_scores(row)}{kept}")
+    if final_step in table.rows:
+        lines.append(f"  final: step {final_step}: {_scores(table.rows[final_step])}")
+    if run.started_at is not None:
+        total = time.perf_counter() - run.started_at
+        lines.append(f"  validation (samples and scores) took {run.validation_seconds:.1f} s of the run's "
+                     f"{total:.1f} s ({100 * run.validation_seconds / max(total, 1e-9):.1f}%)")
+    return lines
