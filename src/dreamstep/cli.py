@@ -50,9 +50,22 @@ class _HideTorchvisionNotice(logging.Filter):
         return "requires torchvision" not in record.getMessage()
 
 
+class _HideUnusedTorchaoNotices(logging.Filter):
+    """torchao announces the optional kernel libraries its build cannot load here (mxfp8, cutlass), and
+    diffusers the torchao tensor types it cannot register for reading torchao-serialized checkpoints;
+    dreamstep uses neither (it quantizes bf16 weights at load with weight-only int8/fp8)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Failed to load") and "torchao" in message
+                    or message.startswith("Unable to import `torchao` Tensor objects"))
+
+
 def hide_known_notices() -> None:
     """Silence start-up notices from dependencies that say nothing about the user's run."""
     logging.getLogger("transformers.utils.import_utils").addFilter(_HideTorchvisionNotice())
+    logging.getLogger("torchao").addFilter(_HideUnusedTorchaoNotices())
+    logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").addFilter(_HideUnusedTorchaoNotices())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,8 @@ from typing import Literal, Optional
 
 from dreamstep.config.schema import option
 from dreamstep.errors import UserError
+from dreamstep.models.memory_plan import parse_bytes
+from dreamstep.models.quantization import check_quantization
 
 
 @dataclass
@@ -49,6 +51,14 @@ class FluxTrainingConfig:
     guidance_scale: float = option(3.5, "guidance value fed to guidance-distilled models (FLUX.1-dev)")
     max_sequence_length: int = option(512, "T5 tokens per prompt")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    base_quantization: Literal["none", "fp8", "int8", "nf4"] = option(
+        "none", "store the frozen transformer's linear weights in 8 or 4 bits (pip install 'dreamstep[quant]'; "
+                "nf4 needs a CUDA GPU)")
+    text_encoder_quantization: Literal["none", "fp8", "int8", "nf4"] = option(
+        "none", "store T5's linear weights in 8 or 4 bits while it encodes the prompts")
+    device_memory: Optional[str] = option(None, "memory of the training device for the memory plan, e.g. 12GB "
+                                                "(default: detected on CUDA)")
+    dry_run: bool = option(False, "print the memory plan and stop before loading any model")
     cache_latents: bool = option(True, "encode each image with the VAE once and reuse the latents")
     cache_dir: Optional[str] = option(None, "where cached latents and text embeddings live "
                                             "(default: OUTPUT_DIR/cache)")
@@ -82,3 +92,7 @@ class FluxTrainingConfig:
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
         if self.checkpoints_total_limit is not None and self.checkpoints_total_limit < 1:
             raise UserError("--checkpoints_total_limit must be at least 1")
+        check_quantization(self.base_quantization, "--base_quantization")
+        check_quantization(self.text_encoder_quantization, "--text_encoder_quantization")
+        if self.device_memory is not None:
+            parse_bytes(self.device_memory, "--device_memory")

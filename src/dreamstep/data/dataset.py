@@ -65,6 +65,16 @@ class BucketDataset(Dataset):
         flip = bool(record.subset.flip_aug and rng.random() < 0.5)
         return place(record.bucket, record.resized, record.subset.random_crop, flip, rng), rng
 
+    def caption_and_keys(self, index: int, epoch: int) -> tuple[str, str, str | None]:
+        """What sample ``index`` of ``epoch`` will be encoded from, without loading its image: its caption
+        after processing, its image's cache key and its conditioning image's (or ``None``)."""
+        record = self.records[self.samples[index]]
+        placement, rng = self.placement(index, epoch)
+        caption = process_caption(record.caption, record.subset.captions, epoch, rng)
+        conditioning = (image_content_key(record.conditioning.sha256, placement, record.image.size)
+                        if record.conditioning is not None else None)
+        return caption, image_content_key(record.image.sha256, placement), conditioning
+
     def __getitem__(self, key: int | SampleKey) -> dict[str, Any]:
         index, epoch = (key, 0) if isinstance(key, int) else key
         record = self.records[self.samples[index]]

@@ -45,6 +45,7 @@ from dreamstep.lora.inject import (
     trainable_state,
 )
 from dreamstep.models import flux
+from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.vae import sample_latents
 
@@ -184,6 +185,11 @@ def train(config: FluxLoraConfig) -> None:
                      resume_from_checkpoint=config.resume_from_checkpoint)
     # Every flag, folder and image is checked (each image decoded once) before a model loads.
     dataset = build_dataset(_datasets(config, None), seed=config.seed)
+    print_run_plan("flux", config.pretrained_model_name_or_path, flux.plan_options(
+        config, rank=config.rank, encoders_on_device=config.train_text_encoder or not config.cache_latents),
+        config.device_memory, lora_layers=config.lora_layers)
+    if config.dry_run:
+        return
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
                     config_toml=config_to_toml(config))
@@ -192,7 +198,8 @@ def train(config: FluxLoraConfig) -> None:
     base = flux.load_frozen_for_training(
         config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
         transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
-        device=run.device)
+        device=run.device, base_quantization=config.base_quantization,
+        text_encoder_quantization=config.text_encoder_quantization)
     pipeline = flux.assemble_pipeline(base)
     class_dir = None
     if config.with_prior_preservation and config.dataset_config is None:
@@ -232,9 +239,10 @@ def train(config: FluxLoraConfig) -> None:
     dataset.latent_cache = latent_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
-    batches = ConditionedBatches(loader, flux.FluxConditioner(
-        pipeline, latent_cache=latent_cache, text_cache=text_cache, max_sequence_length=config.max_sequence_length,
-        device=run.device, clip_ids=text_encoder is not None))
+    conditioner = flux.FluxConditioner(pipeline, latent_cache=latent_cache, text_cache=text_cache,
+                                       max_sequence_length=config.max_sequence_length, device=run.device,
+                                       clip_ids=text_encoder is not None)
+    batches = ConditionedBatches(loader, conditioner)
 
     # 3. The step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
     groups = [{"params": [p for p in base.transformer.parameters() if p.requires_grad], "lr": config.learning_rate}]
@@ -249,6 +257,10 @@ def train(config: FluxLoraConfig) -> None:
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=config.lr_warmup_steps,
                                       total_steps=total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
+    # Every caption and cached latent of the run encoded now; the encoders wait off the device until needed.
+    flux.fill_caches(conditioner, dataset, epochs=math.ceil(total_steps / steps_per_epoch))
+    encoders = flux.park_encoders(base, run.device, text_encoder_trains=text_encoder is not None,
+                                  latents_cached=latent_cache is not None)
     model, optimizer = run.accelerator.prepare(model, optimizer)
     step = FluxLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
@@ -260,7 +272,8 @@ def train(config: FluxLoraConfig) -> None:
 
     # 4. Loop: the engine trains, checkpoints and validates.
     def validate(_: int) -> list:
-        return _validation_images(config, pipeline)
+        with encoders.on_device():
+            return _validation_images(config, pipeline)
 
     def weights() -> dict:
         state = {f"transformer.{k}": v for k, v in trainable_state(base.transformer).items()}
@@ -288,7 +301,7 @@ def train(config: FluxLoraConfig) -> None:
             kohya_path = Path(config.output_dir) / KOHYA_WEIGHT_NAME
             convert_lora(written["LoRA (diffusers)"], kohya_path, to="kohya", model="flux", overwrite=True)
             written["LoRA (Kohya)"] = kohya_path
-    final_samples = (lambda: _validation_images(config, pipeline)) if config.validation_prompt else None
+    final_samples = (lambda: validate(result.position.global_step)) if config.validation_prompt else None
     finish(run, written, validate_final=final_samples, final_step=result.position.global_step)
 
 

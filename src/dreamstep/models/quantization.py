@@ -1,0 +1,114 @@
+"""A quantized frozen base (``--base_quantization``) and T5 (``--text_encoder_quantization``), loaded
+through diffusers' and transformers' own ``quantization_config``; LoRA / ControlNet weights stay fp32.
+
+Backends, one per mode, chosen by measurement (``benchmarks/quantized_base_cpu.py``: FLUX transformer of
+2 double + 4 single blocks at width 768 with LoRA rank 16 on the attention, 256+64 tokens, AdamW,
+bf16 autocast, torch 2.13 CPU, diffusers 0.42.1, torchao 0.18, optimum-quanto 0.2.7):
+
+=====  ==============================  ===========================================================
+mode   backend                         why
+=====  ==============================  ===========================================================
+int8   torchao ``Int8WeightOnlyConfig`` see the figures in the benchmark's docstring: torchao's int8 step is
+                                       as fast as quanto's or faster, it keeps the layers ``nn.Linear``
+                                       (peft wraps them with its torchao LoRA layer), and it needs no
+                                       extra compiled kernels on any device.
+fp8    torchao ``Float8WeightOnlyConfig`` the same package as int8 (one extra for both); e4m3 weights.
+nf4    bitsandbytes 4-bit NF4          the only NF4 in diffusers' loaders; it needs a CUDA GPU
+                                       (diffusers refuses it without one), so it is refused on
+                                       other devices before any model loads.
+=====  ==============================  ===========================================================
+
+Only the linear layers' weights are quantized; norms, embeddings and biases stay in the
+``--mixed_precision`` dtype. peft adds its LoRA layers around the quantized linears, so the saved LoRA
+has exactly the keys of one trained on the unquantized base and loads on it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+from dreamstep.errors import UserError
+
+QUANTIZATION_MODES = ("none", "fp8", "int8", "nf4")
+# The package each mode needs, and the pip extra that installs it.
+_PACKAGES = {"fp8": "torchao", "int8": "torchao", "nf4": "bitsandbytes"}
+EXTRA = "dreamstep[quant]"
+
+
+def check_quantization(mode: str, flag: str, *, cuda_available: bool | None = None) -> None:
+    """Refuse, before any model loads, a mode that is unknown, whose package is missing, or that needs a
+    CUDA GPU this machine lacks."""
+    if mode not in QUANTIZATION_MODES:
+        raise UserError(f"{flag} '{mode}' is not one of {', '.join(QUANTIZATION_MODES)}")
+    if mode == "none":
+        return
+    if mode == "nf4":
+        has_cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+        if not has_cuda:
+            raise UserError(f"{flag} nf4 needs a CUDA GPU (bitsandbytes 4-bit); on this machine use "
+                            f"{flag} int8 or fp8")
+    package = _PACKAGES[mode]
+    if importlib.util.find_spec(package) is None:
+        raise UserError(f"{flag} {mode} needs the '{package}' package: pip install '{EXTRA}'")
+
+
+def diffusers_config(mode: str, compute_dtype: torch.dtype) -> Any:
+    """The diffusers ``quantization_config`` of a transformer / UNet for ``mode`` (``None`` for none)."""
+    if mode == "none":
+        return None
+    if mode == "nf4":
+        from diffusers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_compute_dtype=compute_dtype)
+    from diffusers import TorchAoConfig
+
+    return TorchAoConfig(_torchao_weight_config(mode))
+
+
+def transformers_config(mode: str, compute_dtype: torch.dtype) -> Any:
+    """The transformers ``quantization_config`` of a text encoder for ``mode`` (``None`` for none)."""
+    if mode == "none":
+        return None
+    if mode == "nf4":
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_compute_dtype=compute_dtype)
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(_torchao_weight_config(mode))
+
+
+def _torchao_weight_config(mode: str) -> Any:
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+
+    return Int8WeightOnlyConfig() if mode == "int8" else Float8WeightOnlyConfig()
+
+
+def pipeline_config(components: dict[str, str], compute_dtype: torch.dtype) -> Any:
+    """A ``PipelineQuantizationConfig`` quantizing each named component (``{"transformer": "int8",
+    "text_encoder_2": "fp8"}``) through its library's config; ``None`` when nothing is quantized."""
+    from diffusers.quantizers import PipelineQuantizationConfig
+
+    mapping = {}
+    for name, mode in components.items():
+        make = transformers_config if name.startswith("text_encoder") else diffusers_config
+        config = make(mode, compute_dtype)
+        if config is not None:
+            mapping[name] = config
+    return PipelineQuantizationConfig(quant_mapping=mapping) if mapping else None
+
+
+def dequantized(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor with the values of a (possibly) quantized weight, as the layer computes with them."""
+    if hasattr(tensor, "quant_state"):  # a bitsandbytes 4-bit parameter
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(tensor.data, tensor.quant_state)
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and hasattr(tensor, "dequantize"):
+        return tensor.dequantize()
+    return tensor
