@@ -21,6 +21,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("convert", "lora"): ("dreamstep.commands.convert_lora", "convert a LoRA between Kohya, diffusers and MindSpore"),
     ("lora", "info"): ("dreamstep.commands.lora_info", "show a LoRA file's format, target, ranks and metadata"),
     ("dataset", "from-hf"): ("dreamstep.commands.dataset_from_hf", "turn a Hugging Face dataset into an image folder"),
+    ("plan",): ("dreamstep.commands.plan", "estimate a LoRA run's peak device memory and what fits a card"),
     ("tiny-model",): ("dreamstep.commands.tiny_model", "write a tiny random FLUX or SDXL pipeline for offline tests"),
 }
 
@@ -51,20 +52,23 @@ class _HideTorchvisionNotice(logging.Filter):
 
 
 class _HideUnusedTorchaoNotices(logging.Filter):
-    """torchao announces the optional kernel libraries its build cannot load here (mxfp8, cutlass), and
-    diffusers the torchao tensor types it cannot register for reading torchao-serialized checkpoints;
-    dreamstep uses neither (it quantizes bf16 weights at load with weight-only int8/fp8)."""
+    """torchao announces the optional kernel libraries its build cannot load here (mxfp8, cutlass) and torch
+    a deprecated call torchao makes at import; diffusers names the torchao tensor types it cannot register
+    for reading torchao-serialized checkpoints. dreamstep uses none of these (it quantizes the weights at
+    load, weight-only int8/fp8)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         return not (message.startswith("Failed to load") and "torchao" in message
-                    or message.startswith("Unable to import `torchao` Tensor objects"))
+                    or message.startswith("Unable to import `torchao` Tensor objects")
+                    or "Calling register_constant() on Enum subclasses is deprecated" in message)
 
 
 def hide_known_notices() -> None:
     """Silence start-up notices from dependencies that say nothing about the user's run."""
     logging.getLogger("transformers.utils.import_utils").addFilter(_HideTorchvisionNotice())
     logging.getLogger("torchao").addFilter(_HideUnusedTorchaoNotices())
+    logging.getLogger("torch.utils._pytree").addFilter(_HideUnusedTorchaoNotices())  # torchao's enums at import
     logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").addFilter(_HideUnusedTorchaoNotices())
 
 

@@ -50,14 +50,16 @@ def assemble_pipeline(components: Any, unet: torch.nn.Module | None = None) -> S
 
 def load_frozen_for_training(source: str, *, model_config: str | None, mixed_precision: str,
                              device: torch.device, vae_fp32: bool = False, sdpa: bool = False,
-                             gradient_checkpointing: bool = False) -> Any:
+                             gradient_checkpointing: bool = False, unet_quantization: str = "none") -> Any:
     """The SDXL components, frozen, in the half-precision dtype of ``mixed_precision`` (the VAE in fp32 with
-    ``vae_fp32``: SDXL's VAE overflows in fp16), on ``device``. A single file finds its configs in
+    ``vae_fp32``: SDXL's VAE overflows in fp16), on ``device``; the UNet's linear weights quantized as
+    ``unet_quantization`` says (:mod:`~dreamstep.models.quantization`). A single file finds its configs in
     ``model_config``, or in its own folder when that holds ``model_index.json``."""
     file = Path(source)
     if model_config is None and file.is_file() and (file.parent / "model_index.json").is_file():
         model_config = str(file.parent)
-    base = load_sdxl(source, config=model_config, weight_dtype=weight_dtype_for(mixed_precision))
+    base = load_sdxl(source, config=model_config, weight_dtype=weight_dtype_for(mixed_precision),
+                     unet_quantization=unet_quantization)
     freeze(base.unet, base.vae, base.text_encoder, base.text_encoder_2)
     for module in (base.unet, base.vae, base.text_encoder, base.text_encoder_2):
         module.to(device).eval()

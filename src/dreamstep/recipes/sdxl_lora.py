@@ -68,6 +68,10 @@ from dreamstep.lora.kohya_network import (
     parse_network_args,
 )
 from dreamstep.models import sdxl
+from dreamstep.models.memory_plan import PlanOptions, parse_bytes
+from dreamstep.models.plans import print_run_plan
+from dreamstep.models.precision import weight_dtype_for
+from dreamstep.models.quantization import check_quantization
 from dreamstep.models.vae import sample_latents
 
 SchedulerName = Literal[LR_SCHEDULERS]  # type: ignore[valid-type]
@@ -124,6 +128,13 @@ class SDXLLoraConfig:
     full_bf16: bool = option(False, "LoRA weights in bf16 too (needs --mixed_precision bf16)")
     no_half_vae: bool = option(False, "keep the VAE in fp32 (SDXL's VAE overflows in fp16)")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    base_quantization: Literal["none", "fp8", "int8", "nf4"] = option(
+        "none", "store the frozen UNet's linear weights in 8 or 4 bits (pip install 'dreamstep[quant]'; nf4 needs "
+                "a CUDA GPU)")
+    fp8_base: bool = option(False, "sd-scripts' spelling of --base_quantization fp8")
+    device_memory: str | None = option(None, "memory of the training device for the memory plan, e.g. 12GB "
+                                             "(default: detected on CUDA)")
+    dry_run: bool = option(False, "print the memory plan and stop before loading any model")
     sdpa: bool = option(False, "PyTorch scaled-dot-product attention (the default attention)")
     flash_attn: bool = option(False, "flash attention: PyTorch scaled-dot-product attention picks it where it can")
     xformers: bool = option(False, "memory-efficient attention: PyTorch scaled-dot-product attention instead")
@@ -183,9 +194,20 @@ class SDXLLoraConfig:
                 raise UserError(f"--{name} must be at least 1")
         if self.min_snr_gamma is not None and self.min_snr_gamma <= 0:
             raise UserError("--min_snr_gamma must be positive")
+        if self.fp8_base and self.base_quantization not in ("none", "fp8"):
+            raise UserError(f"--fp8_base asks for an fp8 UNet but --base_quantization is "
+                            f"{self.base_quantization}; give one of the two")
+        check_quantization(self.unet_quantization, "--fp8_base" if self.fp8_base else "--base_quantization")
+        if self.device_memory is not None:
+            parse_bytes(self.device_memory, "--device_memory")
         if self.sample_sampler not in sdxl.SAMPLERS:
             raise UserError(f"--sample_sampler: unknown sampler '{self.sample_sampler}'"
                             f"{did_you_mean(self.sample_sampler, sdxl.SAMPLERS)}; choose one of {', '.join(sdxl.SAMPLERS)}")
+
+
+    @property
+    def unet_quantization(self) -> str:
+        return "fp8" if self.fp8_base else self.base_quantization
 
 
 # ------------------------------------------------------------------------------------------- builders
@@ -322,6 +344,13 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     prompts = (sdxl.read_sample_prompts(config.sample_prompts, datasets[0].buckets.resolution)
                if config.sample_prompts else None)
     dataset = build_dataset(datasets, seed=config.seed)  # every image is read once, errors name the file
+    print_run_plan("sdxl", config.pretrained_model_name_or_path, PlanOptions(
+        resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5), batch_size=config.train_batch_size, rank=config.network_dim,
+        gradient_checkpointing=config.gradient_checkpointing, base_quantization=config.unet_quantization,
+        encoders_on_device=not config.network_train_unet_only or not config.cache_latents,
+        optimizer=config.optimizer_type, weight_dtype=weight_dtype_for(config.mixed_precision)), config.device_memory)
+    if config.dry_run:
+        return {}
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.log_with, resume_from_checkpoint=config.resume,
                     config_toml=config_to_toml(config), tensorboard_dir=config.logging_dir)
@@ -330,7 +359,8 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     base = sdxl.load_frozen_for_training(
         config.pretrained_model_name_or_path, model_config=config.model_config,
         mixed_precision=config.mixed_precision, device=run.device, vae_fp32=config.no_half_vae,
-        sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing)
+        sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing,
+        unet_quantization=config.unet_quantization)
     network = build_network(config, base, options)
     pipeline = sdxl.assemble_pipeline(base)
     model = SDXLLoraModel(base.unet, network, pipeline).train()
