@@ -23,6 +23,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("dataset", "from-hf"): ("dreamstep.commands.dataset_from_hf", "turn a Hugging Face dataset into an image folder"),
     ("plan",): ("dreamstep.commands.plan", "estimate a LoRA run's peak device memory and what fits a card"),
     ("tiny-model",): ("dreamstep.commands.tiny_model", "write a tiny random FLUX or SDXL pipeline for offline tests"),
+    ("eval", "flux"): ("dreamstep.commands.evaluate", "score FLUX LoRAs / ControlNets / checkpoints against the base model"),
+    ("eval", "sdxl"): ("dreamstep.commands.evaluate", "score SDXL LoRAs / checkpoints against the base model"),
 }
 
 

@@ -1,4 +1,5 @@
-"""``dreamstep tiny-model flux|sdxl OUT``: write a tiny random pipeline with :mod:`dreamstep.models.tiny`."""
+"""``dreamstep tiny-model flux|sdxl OUT``: write a tiny random pipeline with :mod:`dreamstep.models.tiny`;
+``dreamstep tiny-model evaluators OUT``: tiny random DINO and CLIP models with :mod:`dreamstep.evaluation.tiny`."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import argparse
 import time
 from pathlib import Path
 
-from dreamstep.models.tiny import ARCHS, SINGLE_FILE_NAME, write_tiny_model
+from dreamstep.models.tiny import ARCHS, SINGLE_FILE_NAME, check_out_dir, write_tiny_model
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
     parser.description = ("Write a tiny random FLUX.1 or SDXL pipeline folder (diffusers layout) for "
                           "offline tests and demos; loads with FluxPipeline / "
-                          "StableDiffusionXLPipeline.from_pretrained(OUT).")
-    parser.add_argument("arch", choices=ARCHS, help="which architecture to write")
+                          "StableDiffusionXLPipeline.from_pretrained(OUT). 'evaluators' writes tiny "
+                          "DINO and CLIP models for --eval_metrics.")
+    parser.add_argument("arch", choices=(*ARCHS, "evaluators"),
+                        help="which architecture to write; 'evaluators' writes OUT/dino and OUT/clip, tiny "
+                             "stand-ins for the --dino_model and --clip_model of --eval_metrics")
     parser.add_argument("out", type=Path, metavar="OUT", help="output folder (must be empty or new)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default 0)")
     parser.add_argument("--guidance-embeds", action="store_true",
@@ -27,6 +31,14 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     start = time.perf_counter()
+    if args.arch == "evaluators":
+        from dreamstep.evaluation.tiny import write_tiny_evaluators
+
+        check_out_dir(args.out, args.overwrite)
+        folders = write_tiny_evaluators(args.out, seed=args.seed)
+        print(f"wrote tiny evaluation models (seed {args.seed}): DINO {folders['dino']}, CLIP {folders['clip']}; "
+              f"use them as --dino_model and --clip_model")
+        return
     out = write_tiny_model(args.arch, args.out, seed=args.seed, guidance_embeds=args.guidance_embeds,
                            single_file=args.single_file, overwrite=args.overwrite)
     seconds = time.perf_counter() - start

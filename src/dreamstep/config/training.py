@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
 from dreamstep.config.schema import option
 from dreamstep.errors import UserError
 from dreamstep.models.memory_plan import parse_bytes
@@ -16,7 +17,7 @@ from dreamstep.models.quantization import check_quantization
 
 
 @dataclass
-class FluxTrainingConfig:
+class FluxTrainingConfig(EvaluationOptions):
     pretrained_model_name_or_path: str = option(help="base FLUX.1 model: a diffusers folder or a hub id")
     output_dir: str = option(help="where weights, checkpoints, samples and logs are written")
     revision: Optional[str] = option(None, "hub revision of the base model")
@@ -96,3 +97,6 @@ class FluxTrainingConfig:
         check_quantization(self.text_encoder_quantization, "--text_encoder_quantization")
         if self.device_memory is not None:
             parse_bytes(self.device_memory, "--device_memory")
+        self.check_evaluation(self.metrics_allowed)
+
+    metrics_allowed = FIDELITY_METRICS

@@ -15,6 +15,7 @@ TOML produces, so every trainer has one data pipeline.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -100,6 +101,15 @@ def controlnet_from_flags(*, train_data_dir: str | Path | None = None,
     if batch_size < 1:
         raise UserError("--train_batch_size must be at least 1")
     return DatasetConfig(subset.where, "controlnet", buckets or bucket_spec(512), batch_size, (subset,))
+
+
+def with_validation_folder(dataset: DatasetConfig, folder: str | Path, flag: str = "--validation_data_dir"
+                           ) -> DatasetConfig:
+    """``dataset`` plus a held-out subset of the images in ``folder``, captioned like the first subset."""
+    first = dataset.subsets[0]
+    subset = dataclasses.replace(first, where=flag, image_dir=_check_folder(folder, flag), num_repeats=1,
+                                 is_validation=True)
+    return dataclasses.replace(dataset, subsets=(*dataset.subsets, subset))
 
 
 _KOHYA_FOLDER = re.compile(r"^(\d+)_(.*)$")

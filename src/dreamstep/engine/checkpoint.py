@@ -3,7 +3,7 @@
 ``checkpoint-<step>/`` holds::
 
     trainable_weights.safetensors   the tensors the caller passes (e.g. the LoRA state dict)
-    optimizer.pt                    optimizer.state_dict()
+    optimizer.pt                    optimizer.state_dict() (sharded runs: the full state, by parameter name)
     lr_scheduler.pt                 lr_scheduler.state_dict() (when there is a scheduler)
     random_states.pt                per process: python, numpy, torch CPU (and CUDA) RNG, now and at the
                                     start of the current epoch
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from dreamstep.engine.sharding import load_optimizer_state, optimizer_state
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
 
@@ -132,18 +133,20 @@ def save_checkpoint(output_dir: str | Path, train_step: TrainStep, position: Tra
                     total_limit: int | None = None) -> Path:
     """Write ``output_dir/checkpoint-<global_step>`` atomically and prune to ``total_limit`` checkpoints.
 
-    Call it on every process (RNG states are gathered collectively); only the main process writes.
+    Call it on every process (RNG states, and sharded optimizer state, are gathered collectively); only the
+    main process writes.
     ``weights`` are the trainable tensors (e.g. ``get_peft_model_state_dict(model)``); ``extra`` is any
     JSON-able dict (e.g. the resolved config). Returns the checkpoint's path.
     """
     accelerator = train_step.accelerator
     rng = _gather({"current": capture_rng_state(), "epoch_start": position.epoch_start_rng}, accelerator)
+    optimizer = optimizer_state(train_step.model, train_step.optimizer)
     final = Path(output_dir) / f"checkpoint-{position.global_step}"
     if _is_main(accelerator):
         _remove_leftovers(final.parent)
         tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
         tmp.mkdir(parents=True)
-        _write_contents(tmp, train_step, position, weights, extra, rng)
+        _write_contents(tmp, train_step, position, weights, optimizer, extra, rng)
         _replace_dir(tmp, final)
         if total_limit is not None:
             prune_checkpoints(final.parent, total_limit)
@@ -160,11 +163,11 @@ def _remove_leftovers(output_dir: Path) -> None:
 
 
 def _write_contents(folder: Path, train_step: TrainStep, position: TrainingPosition,
-                    weights: Mapping[str, torch.Tensor], extra: Mapping[str, Any] | None,
-                    rng: list[dict[str, Any]]) -> None:
+                    weights: Mapping[str, torch.Tensor], optimizer: dict[str, Any],
+                    extra: Mapping[str, Any] | None, rng: list[dict[str, Any]]) -> None:
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    torch.save(train_step.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+    torch.save(optimizer, folder / OPTIMIZER_FILE)
     if train_step.lr_scheduler is not None:
         torch.save(train_step.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
     torch.save(rng, folder / RNG_FILE)
@@ -237,7 +240,7 @@ def load_checkpoint(path: str | Path, train_step: TrainStep) -> LoadedCheckpoint
     path = Path(path)
     state = _read_state(path)
     weights = load_file(str(_require(path, WEIGHTS_FILE)), device="cpu")
-    train_step.optimizer.load_state_dict(_torch_load(_require(path, OPTIMIZER_FILE)))
+    load_optimizer_state(train_step.model, train_step.optimizer, _torch_load(_require(path, OPTIMIZER_FILE)))
     if train_step.lr_scheduler is not None:
         train_step.lr_scheduler.load_state_dict(_torch_load(_require(path, SCHEDULER_FILE)))
     try:

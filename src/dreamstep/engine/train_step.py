@@ -22,7 +22,8 @@ static scaler keeps its scale, so a static scale that overflows every step skips
 scale, or the dynamic scaler).
 
 Mixed precision with an accelerate ``Accelerator``: the accelerator provides the device, ``autocast`` for
-``forward`` and DDP/FSDP ``no_sync``; loss scaling is ours alone. With ``mixed_precision="fp16"`` on a GPU,
+``forward`` and DDP ``no_sync`` (FSDP2 modules from ``dreamstep.engine.sharding`` pause their gradient sync
+here); loss scaling is ours alone. With ``mixed_precision="fp16"`` on a GPU,
 accelerate creates its own ``GradScaler`` which would scale the loss a second time and unscale the gradients
 with the wrong factor, so ``TrainStep`` refuses an accelerator whose GradScaler is enabled: build it with
 :func:`make_accelerator` (or pass ``GradScalerKwargs(enabled=False)``). When the accelerator's
@@ -41,6 +42,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from dreamstep.engine.sharding import is_sharded, no_gradient_sync
 
 __all__ = ["DynamicLossScaler", "StaticLossScaler", "TrainStep", "make_accelerator"]
 
@@ -182,6 +185,11 @@ class TrainStep(abc.ABC):
         """Compute the loss of one micro-batch; return ``(self.scale_loss(loss), *extras)``."""
 
     @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        """The model without its DDP wrapper: for passes on one process (validation), which must not sync."""
+        return self.accelerator.unwrap_model(self.model) if self.accelerator is not None else self.model
+
+    @property
     def loss_scale(self) -> float:
         return self.loss_scaler.scale_value if self.loss_scaler is not None else 1.0
 
@@ -251,7 +259,7 @@ class TrainStep(abc.ABC):
 
     def _forward_checked(self, batch: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
         self._scaled = False
-        with self._autocast():
+        with self.autocast():
             outputs = self.forward(*batch)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
         if not self._scaled:
@@ -322,13 +330,16 @@ class TrainStep(abc.ABC):
         """No gradient all-reduce on micro-batches that do not close a group."""
         if closes_group:
             return contextlib.nullcontext()
+        if is_sharded(self.model):
+            return no_gradient_sync(self.model)
         if self.accelerator is not None:
             return self.accelerator.no_sync(self.model)
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             return self.model.no_sync()
         return contextlib.nullcontext()
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The mixed-precision context ``forward`` runs in (also for evaluation passes outside training)."""
         return self.accelerator.autocast() if self.accelerator is not None else contextlib.nullcontext()
 
 

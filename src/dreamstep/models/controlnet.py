@@ -18,12 +18,15 @@ from typing import Any
 import torch
 from diffusers import FluxControlNetModel, FluxTransformer2DModel
 from PIL import Image
+from safetensors.torch import save_file
 
 from dreamstep.errors import UserError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 # Config keys a ControlNet must share with the base transformer for its residuals to fit.
+# The repeated blocks: one FSDP unit each when the ControlNet (or the base) is sharded.
+BLOCK_CLASSES = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
 _SHARED_KEYS = ("in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim",
                 "pooled_projection_dim")
 
@@ -89,15 +92,22 @@ def residuals(controlnet: torch.nn.Module, **inputs: Any) -> dict[str, list[torc
     return {"controlnet_block_samples": block_samples, "controlnet_single_block_samples": single_block_samples}
 
 
-def save(controlnet: FluxControlNetModel, output_dir: str | Path) -> Path:
+def save(controlnet: FluxControlNetModel, output_dir: str | Path,
+         state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """``config.json`` + ``diffusion_pytorch_model.safetensors`` in ``output_dir``; returns the weights path.
+    ``state_dict`` replaces the model's own tensors (a sharded model's full state, gathered beforehand).
 
     Written into a temporary folder beside them and renamed into place, so a crash never leaves a
     half-written model where a complete one was."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output_dir, prefix=".saving-") as tmp:
-        controlnet.save_pretrained(tmp, safe_serialization=True)
+        if state_dict is None:
+            controlnet.save_pretrained(tmp, safe_serialization=True)
+        else:
+            controlnet.save_config(tmp)
+            save_file({name: t.contiguous() for name, t in state_dict.items()}, str(Path(tmp) / WEIGHTS_NAME),
+                      metadata={"format": "pt"})
         for file in Path(tmp).iterdir():
             os.replace(file, output_dir / file.name)
     return output_dir / WEIGHTS_NAME

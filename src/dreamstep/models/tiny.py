@@ -254,7 +254,8 @@ def build_tiny_sdxl(seed: int = 0) -> StableDiffusionXLPipeline:
 
 # ---------------------------------------------------------------- writing
 
-def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse a file, or a non-empty folder unless ``overwrite``."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"output path {out_dir} is a file, not a folder; choose a folder path")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
@@ -277,7 +278,7 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, guidance_emb
     if single_file and arch != "sdxl":
         raise UserError("--single-file applies to sdxl only")
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, overwrite)
+    check_out_dir(out_dir, overwrite)
     if arch == "flux":
         pipe = build_tiny_flux(seed=seed, guidance_embeds=guidance_embeds)
     else:

@@ -35,17 +35,18 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
 from dreamstep.data import (
     ConditionedBatches,
     DatasetConfig,
     bucket_spec,
-    build_dataset,
     load_dataset_config,
     make_dataloader,
     require_methods,
 )
 from dreamstep.data.dataset_config import parse_resolution
+from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import kohya_folders_from_flags
 from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.engine.checkpoint import save_checkpoint
@@ -53,6 +54,7 @@ from dreamstep.engine.optim import LR_SCHEDULERS, build_lr_scheduler, build_opti
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError, did_you_mean
+from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.kohya_files import (
     KohyaLoraWriter,
     SaveSchedule,
@@ -79,7 +81,7 @@ SAVE_DTYPES = {"fp32": torch.float32, "float": torch.float32, "fp16": torch.floa
 
 
 @dataclass
-class SDXLLoraConfig:
+class SDXLLoraConfig(EvaluationOptions):
     pretrained_model_name_or_path: str = option(
         help="base SDXL: a diffusers folder, a hub id, or a single file such as sd_xl_base_1.0.safetensors")
     output_dir: str = option(help="where the LoRA, step files, states, samples and logs are written")
@@ -164,6 +166,9 @@ class SDXLLoraConfig:
     sample_every_n_steps: int | None = option(None, "sample images every N steps")
     sample_every_n_epochs: int | None = option(None, "sample images every N epochs")
     sample_at_first: bool = option(False, "sample images before training")
+    validate_every_n_steps: int | None = option(
+        None, "score the validation loss (and --eval_metrics on the --sample_prompts) every N steps; "
+              "evaluation also runs before training and at the end")
     sample_sampler: str = option("ddim", "sampler for samples: ddim, euler, euler_a, dpmsolver++, pndm, heun")
     log_with: Literal["tensorboard", "none"] = option("tensorboard", "where scalars are logged")
     logging_dir: str | None = option(None, "folder for the TensorBoard event files (default: --output_dir)")
@@ -189,7 +194,7 @@ class SDXLLoraConfig:
         if self.max_train_steps < 1 or self.gradient_accumulation_steps < 1 or self.train_batch_size < 1:
             raise UserError("--max_train_steps, --gradient_accumulation_steps and --train_batch_size must be >= 1")
         for name in ("save_every_n_steps", "save_every_n_epochs", "sample_every_n_steps", "sample_every_n_epochs",
-                     "max_train_epochs"):
+                     "max_train_epochs", "validate_every_n_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1")
         if self.min_snr_gamma is not None and self.min_snr_gamma <= 0:
@@ -200,6 +205,9 @@ class SDXLLoraConfig:
         check_quantization(self.unet_quantization, "--fp8_base" if self.fp8_base else "--base_quantization")
         if self.device_memory is not None:
             parse_bytes(self.device_memory, "--device_memory")
+        self.check_evaluation()
+        if self.eval_metrics and not self.sample_prompts:
+            raise UserError("--eval_metrics scores samples of the --sample_prompts: give a prompt file too")
         if self.sample_sampler not in sdxl.SAMPLERS:
             raise UserError(f"--sample_sampler: unknown sampler '{self.sample_sampler}'"
                             f"{did_you_mean(self.sample_sampler, sdxl.SAMPLERS)}; choose one of {', '.join(sdxl.SAMPLERS)}")
@@ -310,17 +318,30 @@ class SDXLLoraStep(TrainStep):
         if self.multires[0]:
             noise = noise_math.pyramid_noise(noise, *self.multires)
         timesteps = noise_math.sample_timesteps(latents.shape[0], *self.timestep_range, device=latents.device)
-        # x_t = √ᾱ_t·x₀ + √(1-ᾱ_t)·ε
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        prediction = self.model(noisy, timesteps, batch["add_time_ids"], prompt_embeds=batch.get("prompt_embeds"),
-                                pooled=batch.get("pooled"), captions=batch.get("captions"))
-        target = noise_math.prediction_target(self.noise_scheduler, latents, noise, timesteps, self.prediction_type)
-        loss = noise_math.per_sample_mse(prediction, target)  # (B,)
+        loss = self.per_sample_loss(self.model, batch, latents, noise, timesteps)  # (B,)
         if self.min_snr_gamma:
             snr = noise_math.snr(self.noise_scheduler.alphas_cumprod, timesteps)
             loss = loss * noise_math.min_snr_weight(snr, self.min_snr_gamma, self.prediction_type == "v_prediction")
         weights = torch.where(batch["is_reg"], self.prior_loss_weight, 1.0)
         return (self.scale_loss((loss * weights).mean()),)
+
+    def per_sample_loss(self, model: nn.Module, batch: dict[str, Any], latents: torch.Tensor, noise: torch.Tensor,
+                        timesteps: torch.Tensor) -> torch.Tensor:
+        """Unweighted MSE of the prediction target per sample, (B,), at the given noise and timesteps."""
+        # x_t = √ᾱ_t·x₀ + √(1-ᾱ_t)·ε
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        prediction = model(noisy, timesteps, batch["add_time_ids"], prompt_embeds=batch.get("prompt_embeds"),
+                           pooled=batch.get("pooled"), captions=batch.get("captions"))
+        target = noise_math.prediction_target(self.noise_scheduler, latents, noise, timesteps, self.prediction_type)
+        return noise_math.per_sample_mse(prediction, target)
+
+    def validation_loss_at(self, batch: dict[str, Any], latents: torch.Tensor, noise: torch.Tensor,
+                           fraction: float) -> torch.Tensor:
+        """Unweighted loss at the fixed timestep ``fraction`` of the way through the training range."""
+        low, high = self.timestep_range
+        timesteps = torch.full((len(latents),), low + int(fraction * (high - low)), device=latents.device)
+        with self.autocast():
+            return self.per_sample_loss(self.unwrapped_model, batch, latents, noise, timesteps)
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -343,10 +364,13 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     options, network_args = network_options(config)
     prompts = (sdxl.read_sample_prompts(config.sample_prompts, datasets[0].buckets.resolution)
                if config.sample_prompts else None)
-    dataset = build_dataset(datasets, seed=config.seed)  # every image is read once, errors name the file
+    # Every image is read once (errors name the file); held-out images are split off for the validation loss.
+    dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
+    scorer = load_scorer(config)
     print_run_plan("sdxl", config.pretrained_model_name_or_path, PlanOptions(
-        resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5), batch_size=config.train_batch_size, rank=config.network_dim,
-        gradient_checkpointing=config.gradient_checkpointing, base_quantization=config.unet_quantization,
+        resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5), batch_size=config.train_batch_size,
+        rank=config.network_dim, gradient_checkpointing=config.gradient_checkpointing,
+        base_quantization=config.unet_quantization,
         encoders_on_device=not config.network_train_unet_only or not config.cache_latents,
         optimizer=config.optimizer_type, weight_dtype=weight_dtype_for(config.mixed_precision)), config.device_memory)
     if config.dry_run:
@@ -372,7 +396,9 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         mixed_precision=config.mixed_precision, vae_fp32=config.no_half_vae, cache_latents=config.cache_latents,
         cache_text=config.cache_text_encoder_outputs and not train_text,
         image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
-    dataset.latent_cache = latent_cache
+    for part in (dataset, held_out):
+        if part is not None:
+            part.latent_cache = latent_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.max_data_loader_n_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     conditioner = sdxl.SDXLConditioner(pipeline, device=run.device, latent_cache=latent_cache, text_cache=text_cache,
@@ -424,16 +450,34 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     if config.sample_at_first and prompts and not run.resume_from:
         sampler(0, force=True)
 
+    evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
+                                loss_at=step.validation_loss_at, modules=[model], seed=config.seed,
+                                subject_images=subject_image_paths(dataset, held_out), device=run.device)
+
+    def evaluate(global_step: int, images: list) -> list:
+        """Scores at a validation point; the sample prompts are generated for them when not yet due."""
+        if evaluator is None or global_step in run.logger.metrics.rows:
+            return images
+        if config.eval_metrics and not images:
+            images = sampler(global_step, force=True)
+        run.logger.log_metrics(global_step, evaluator(images, [p.prompt for p in prompts or []]))
+        return images
+
     def every_step(global_step: int) -> list:
+        if global_step == 0:  # the baseline before training: scores only
+            return evaluate(0, [])
         if run.is_main_process:
             saver.maybe_save(global_step)
-        return sampler(global_step)
+        images = sampler(global_step)
+        if config.validate_every_n_steps and global_step % config.validate_every_n_steps == 0:
+            images = evaluate(global_step, images)
+        return images
 
     result = fit(run, step, ConditionedBatches(loader, conditioner), max_train_steps=total_steps, num_epochs=None,
                  weights=network.state_dict, load_weights=network.load_state_dict,
                  checkpointing_steps=1 if config.save_state else 0, checkpoints_total_limit=None,
                  checkpoint_due=saver.due,
-                 validate=every_step, validation_steps=1)
+                 validate=every_step, validation_steps=1, validate_first=evaluator is not None)
 
     # 5. Save the final LoRA (and with --save_state the final state), remove temporary caches, summary.
     last = result.position.global_step
@@ -447,8 +491,21 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         written["samples"] = sampler.folder if sampler.written else None
         written["config"] = Path(config.output_dir) / "config.toml"
         _drop_caches(config)
-    final = (lambda: sampler(last, force=True)) if prompts and not sampler.due(last) else None
-    finish(run, written, validate_final=final, final_step=last)
+    def final_samples() -> list:
+        images = sampler(last, force=True) if prompts and not sampler.due(last) else []
+        return evaluate(last, images)
+
+    final = final_samples if evaluator is not None or (prompts and not sampler.due(last)) else None
+
+    def saved_at(global_step: int) -> Path | None:
+        if global_step == last:
+            return written.get("LoRA")
+        suffix = saver.schedule.suffix(global_step)
+        path = folder / f"{config.output_name}{suffix}.{config.save_model_as}" if suffix else None
+        return path if path is not None and path.is_file() else None
+
+    finish(run, written, validate_final=final, final_step=last, best_by=config.best_metric(held_out is not None),
+           saved_at=saved_at)
     return written
 
 
