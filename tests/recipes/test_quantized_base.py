@@ -115,3 +115,24 @@ def test_sdxl_fp8_base_trains_and_conflicting_flags_are_refused(tiny_sdxl_dir: P
     assert run_cli("train", "sdxl-lora", *common, "--fp8_base", f"--output_dir={tmp_path / 'out'}") == 0
     weights = load_file(next((tmp_path / "out").glob("*.safetensors")))
     assert any(k.startswith("lora_unet_") for k in weights)
+
+
+def test_controlnet_trains_beside_an_int8_base_and_starts_from_its_dequantized_blocks(
+        tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    from diffusers import FluxControlNetModel, FluxTransformer2DModel
+    from test_flux_controlnet import COMMON, make_pairs
+
+    pairs = make_pairs(tmp_path / "pairs")
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-controlnet", "--pretrained_model_name_or_path", tiny_flux_dev_dir,
+                   "--output_dir", out, "--train_data_dir", pairs / "images", "--conditioning_data_dir",
+                   pairs / "conditioning", *COMMON, "--base_quantization", "int8", "--max_train_steps", "2",
+                   "--learning_rate", "1e-12", "--validation_image", pairs / "conditioning" / "pair_0.png",
+                   "--validation_prompt", "a red square", "--num_validation_images", "1",
+                   "--validation_inference_steps", "2") == 0
+    controlnet = FluxControlNetModel.from_pretrained(out)
+    plain = FluxTransformer2DModel.from_pretrained(tiny_flux_dev_dir, subfolder="transformer")
+    copied, original = (m.transformer_blocks[0].attn.to_q.weight for m in (controlnet, plain))
+    # int8 per-row scales: each weight within half a quantization step of the bf16/fp32 original.
+    step = original.abs().amax(dim=1, keepdim=True) / 127
+    assert ((copied - original).abs() <= step).all() and not torch.equal(copied, torch.zeros_like(copied))

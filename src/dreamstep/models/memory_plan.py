@@ -153,7 +153,7 @@ class MemoryPlan:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -164,7 +164,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_on_meta(cls: type, config: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """A diffusers model or transformers encoder from its config, on the meta device (no memory)."""
-    with torch.device("meta"), _default_dtype(dtype):
+    with torch.device("meta"), default_dtype(dtype):
         if hasattr(cls, "from_config"):
             return cls.from_config(config)
         config_cls = cls.config_class

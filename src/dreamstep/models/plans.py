@@ -56,20 +56,26 @@ def sdxl_components(folder: Path | None) -> dict[str, nn.Module]:
     }
 
 
-def _flux_step(transformer: nn.Module, resolution: int, batch: int, text_tokens: int) -> Callable[[], torch.Tensor]:
-    """One training forward of the transformer at ``resolution`` (FLUX packs 2x2 latent patches: a
-    1024 px image is 64 x 64 tokens), returning a loss."""
+def _flux_step(transformer: nn.Module, resolution: int, batch: int, text_tokens: int,
+               controlnet: nn.Module | None = None) -> Callable[[], torch.Tensor]:
+    """One training forward of the transformer (fed by ``controlnet``'s residuals when given) at
+    ``resolution`` (FLUX packs 2x2 latent patches: a 1024 px image is 64 x 64 tokens), returning a loss."""
     config = transformer.config
     tokens = (resolution // 16) ** 2
 
     def run() -> torch.Tensor:
         dtype = transformer.dtype
-        out = transformer(
+        inputs = dict(
             hidden_states=torch.empty(batch, tokens, config.in_channels, dtype=dtype),
             encoder_hidden_states=torch.empty(batch, text_tokens, config.joint_attention_dim, dtype=dtype),
             pooled_projections=torch.empty(batch, config.pooled_projection_dim, dtype=dtype),
             timestep=torch.empty(batch), img_ids=torch.empty(tokens, 3), txt_ids=torch.empty(text_tokens, 3),
-            guidance=torch.empty(batch) if config.guidance_embeds else None, return_dict=False)[0]
+            guidance=torch.empty(batch) if config.guidance_embeds else None, return_dict=False)
+        residuals = {}
+        if controlnet is not None:
+            double, single = controlnet(controlnet_cond=torch.empty_like(inputs["hidden_states"]), **inputs)
+            residuals = {"controlnet_block_samples": double, "controlnet_single_block_samples": single}
+        out = transformer(**inputs, **residuals)[0]
         return out.float().pow(2).mean()
 
     return run
@@ -92,52 +98,62 @@ def _sdxl_step(unet: nn.Module, resolution: int, batch: int, text_tokens: int) -
 
 
 class Estimator:
-    """Estimates plans of one model (built once on the meta device) for any :class:`PlanOptions`."""
+    """Estimates plans of one run's models (built once on the meta device) for any :class:`PlanOptions`.
 
-    def __init__(self, arch: str, source: str | None, rank: int, lora_layers: list[str] | None = None):
+    ``arch``: "flux" or "sdxl" (a LoRA of ``rank`` on the transformer / UNet), or "flux-controlnet" (a
+    ControlNet of ``controlnet_layers`` = (double, single) blocks trained beside the frozen transformer)."""
+
+    def __init__(self, arch: str, source: str | None, rank: int = 0, lora_layers: list[str] | None = None,
+                 controlnet_layers: tuple[int, int] = (4, 10)):
         from dreamstep.lora.inject import flux_lora_targets
 
         folder = mp.model_folder(source)
         self.arch = arch
-        if arch == "flux":
-            self.components = flux_components(folder)
-            self.trainable_name = "transformer"
-            targets = flux_lora_targets(self.components["transformer"], lora_layers or ["attention"])
-        elif arch == "sdxl":
-            self.components = sdxl_components(folder)
-            self.trainable_name = "unet"
-            # sd-scripts' networks.lora adapts every linear layer inside the UNet's transformer blocks.
-            targets = [name for name, m in self.components["unet"].named_modules()
-                                       if isinstance(m, nn.Linear) and ".attentions." in name]
-        else:
+        if arch not in ("flux", "sdxl", "flux-controlnet"):
             raise UserError(f"unknown model '{arch}'; use flux or sdxl")
+        self.components = sdxl_components(folder) if arch == "sdxl" else flux_components(folder)
         for module in self.components.values():
             module.requires_grad_(False)
-        self.trainable = _with_lora(self.components[self.trainable_name], rank, targets)
-        # Activations are computed with LoRA weights in the compute dtype, as autocast runs them.
-        for param in self.trainable.parameters():
-            if param.requires_grad:
-                param.data = param.data.to(torch.bfloat16)
-        self.blocks = self._blocks()
-        self.rank = rank
+        self.base_name = "unet" if arch == "sdxl" else "transformer"
+        self.base = self.components[self.base_name]
+        if arch == "flux-controlnet":
+            from diffusers import FluxControlNetModel
 
-    def _blocks(self) -> list[nn.Module]:
-        if self.arch == "flux":
-            return [*self.trainable.transformer_blocks, *self.trainable.single_transformer_blocks]
-        return [m for m in self.trainable.modules() if type(m).__name__ == "BasicTransformerBlock"]
+            with torch.device("meta"), mp.default_dtype(torch.bfloat16):
+                self.trainable = FluxControlNetModel.from_transformer(
+                    self.base, *controlnet_layers, attention_head_dim=self.base.config.attention_head_dim,
+                    num_attention_heads=self.base.config.num_attention_heads, load_weights_from_transformer=False)
+            self.trainable_label = f"ControlNet ({controlnet_layers[0]} + {controlnet_layers[1]} blocks)"
+        else:
+            targets = (flux_lora_targets(self.base, lora_layers or ["attention"]) if arch == "flux" else
+                       # sd-scripts' networks.lora adapts every linear layer of the UNet's transformer blocks.
+                       [name for name, m in self.base.named_modules()
+                        if isinstance(m, nn.Linear) and ".attentions." in name])
+            self.trainable = _with_lora(self.base, rank, targets)
+            self.trainable_label = f"LoRA rank {rank}"
+            # Activations are computed with LoRA weights in the compute dtype, as autocast runs them.
+            for param in self.trainable.parameters():
+                if param.requires_grad:
+                    param.data = param.data.to(torch.bfloat16)
+        self.blocks = ([*self.base.transformer_blocks, *self.base.single_transformer_blocks] if arch != "sdxl" else
+                       [m for m in self.base.modules() if type(m).__name__ == "BasicTransformerBlock"])
 
     @lru_cache(maxsize=8)
     def activations(self, resolution: int, batch: int, checkpointing: bool, text_tokens: int) -> int:
-        model = self.trainable
-        if checkpointing:
-            model.enable_gradient_checkpointing()
+        models = [self.base] if self.trainable is self.base else [self.trainable, self.base]
+        for model in models:
+            if checkpointing:
+                model.enable_gradient_checkpointing()
+            else:
+                model.disable_gradient_checkpointing()
+            model.train()
+        if self.arch == "sdxl":
+            step = _sdxl_step(self.base, resolution, batch, 77)
         else:
-            model.disable_gradient_checkpointing()
-        model.train()
-        make = _flux_step if self.arch == "flux" else _sdxl_step
-        tokens = text_tokens if self.arch == "flux" else 77
+            step = _flux_step(self.base, resolution, batch, text_tokens,
+                              controlnet=self.trainable if self.trainable is not self.base else None)
         with torch.device("meta"):
-            return mp.activation_peak(model, make(model, resolution, batch, tokens))
+            return mp.activation_peak(nn.ModuleList(models), step)
 
     def __call__(self, options: PlanOptions) -> MemoryPlan:
         dtype_bytes = torch.finfo(options.weight_dtype).bits // 8
@@ -145,7 +161,7 @@ class Estimator:
         lines = []
         for name, module in self.components.items():
             frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
-            if module is self.trainable:
+            if module is self.base:
                 quant = options.base_quantization
                 lines.append(Line(f"{name} (frozen)", frozen, _label(quant, dtype),
                                   mp.weight_bytes(module, quant, dtype_bytes, frozen_only=True)))
@@ -158,10 +174,10 @@ class Estimator:
             on_device = options.encoders_on_device
             lines.append(Line(name if on_device else f"{name}: off the device during the loop", frozen,
                               _label(quant, dtype), mp.weight_bytes(module, quant, dtype_bytes) if on_device else 0))
-        lora = sum(p.numel() for p in self.trainable.parameters() if p.requires_grad)
+        trained = sum(p.numel() for p in self.trainable.parameters() if p.requires_grad)
         state = mp.OPTIMIZER_BYTES.get(options.optimizer, mp.OPTIMIZER_BYTES["AdamW"])
-        lines.append(Line(f"LoRA rank {self.rank}: fp32 weights + {options.optimizer} state", lora, "fp32",
-                          lora * (4 + state)))
+        lines.append(Line(f"{self.trainable_label}: fp32 weights + {options.optimizer} state", trained, "fp32",
+                          trained * (4 + state)))
         checkpointing = "with" if options.gradient_checkpointing else "without"
         lines.append(Line(f"activations: {options.resolution}px, batch {options.batch_size}, {checkpointing} "
                           "checkpointing", 0, dtype,
@@ -186,14 +202,15 @@ def plan_report(estimator: Estimator, options: PlanOptions, device_memory: int |
     return text
 
 
-def print_run_plan(arch: str, source: str, options: PlanOptions, device_memory: str | None, *,
-                   lora_layers: list[str] | None = None) -> None:
+def print_run_plan(arch: str, source: str, options: PlanOptions, device_memory: str | None,
+                   **estimator_options: Any) -> None:
     """Print a training run's plan before its models load (``device_memory`` as the user wrote it, or
-    ``None`` to detect the card)."""
+    ``None`` to detect the card); ``estimator_options`` go to :class:`Estimator`."""
     from tqdm.auto import tqdm
 
     from dreamstep.models.loading import check_pipeline_source
 
-    check_pipeline_source(source, arch)
+    check_pipeline_source(source, "sdxl" if arch == "sdxl" else "flux")
     memory = mp.parse_bytes(device_memory, "--device_memory") if device_memory else mp.detected_device_memory()
-    tqdm.write(plan_report(Estimator(arch, source, options.rank, lora_layers), options, memory))
+    estimator = Estimator(arch, source, options.rank, **estimator_options)
+    tqdm.write(plan_report(estimator, options, memory))
