@@ -48,6 +48,15 @@ def assemble_pipeline(components: Any, unet: torch.nn.Module | None = None) -> S
     return pipeline
 
 
+def config_source(source: str, model_config: str | None) -> str:
+    """Where the model configs of ``source`` are: ``model_config``, a single file's own folder when that
+    holds ``model_index.json``, else ``source`` itself."""
+    file = Path(source)
+    if model_config is None and file.is_file() and (file.parent / "model_index.json").is_file():
+        return str(file.parent)
+    return model_config or source
+
+
 def load_frozen_for_training(source: str, *, model_config: str | None, mixed_precision: str,
                              device: torch.device, vae_fp32: bool = False, sdpa: bool = False,
                              gradient_checkpointing: bool = False, unet_quantization: str = "none") -> Any:

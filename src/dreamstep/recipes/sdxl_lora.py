@@ -367,7 +367,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     # Every image is read once (errors name the file); held-out images are split off for the validation loss.
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
     scorer = load_scorer(config)
-    print_run_plan("sdxl", config.pretrained_model_name_or_path, PlanOptions(
+    print_run_plan("sdxl", sdxl.config_source(config.pretrained_model_name_or_path, config.model_config), PlanOptions(
         resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5), batch_size=config.train_batch_size,
         rank=config.network_dim, gradient_checkpointing=config.gradient_checkpointing,
         base_quantization=config.unet_quantization,
