@@ -109,9 +109,11 @@ def seed_estimate(gpus: range) -> None:
     print(f"  {'GPUs':>4}{'DDP':>10}{'zero2':>10}{'zero3':>10}{'zero3 + --shard_base':>22}")
     for n in gpus:
         ddp = (state + base) / gib
-        zero2 = (state / n + 4 * params + base) / gib  # full fp32 weights stay gathered through backward
-        zero3 = (state / n + 8 * block + base) / gib  # one block's full weights and gradients at a time
-        shard_base = (state / n + 8 * block + base / n + base / 57) / gib  # + one frozen block gathered
+        # One process shards nothing. zero2: the full fp32 weights stay gathered through backward; zero3: one
+        # block's full weights and gradients at a time; --shard_base: the base too, plus one gathered frozen block.
+        zero2 = ddp if n == 1 else (state / n + 4 * params + base) / gib
+        zero3 = ddp if n == 1 else (state / n + 8 * block + base) / gib
+        shard_base = ddp if n == 1 else (state / n + 8 * block + base / n + base / 57) / gib
         print(f"  {n:>4}{ddp:>10.1f}{zero2:>10.1f}{zero3:>10.1f}{shard_base:>22.1f}")
 
 

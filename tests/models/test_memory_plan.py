@@ -11,6 +11,7 @@ import torch
 from diffusers import FluxTransformer2DModel
 
 from dreamstep.cli import main
+from dreamstep.config.memory import parse_bytes
 from dreamstep.models import memory_plan as mp
 from dreamstep.models.plans import Estimator, _flux_step, flux_components, sdxl_components
 
@@ -84,4 +85,4 @@ def test_a_bad_memory_size_is_one_line(capsys: pytest.CaptureFixture, tmp_path: 
     assert main(["plan", "sdxl", "--device_memory", "12XB"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--device_memory '12XB'" in err and "12GB" in err
-    assert mp.parse_bytes("24 GiB", "x") == 24 * mp.GIB and mp.parse_bytes("8000MB", "x") == 8000 * 2**20
+    assert parse_bytes("24 GiB", "x") == 24 * 2**30 and parse_bytes("8000MB", "x") == 8000 * 2**20

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 
+from dreamstep.config.memory import QUANTIZATION_MODES, parse_bytes
 from dreamstep.errors import UserError
 from dreamstep.models import memory_plan as mp
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.plans import Estimator, plan_report
-from dreamstep.models.quantization import QUANTIZATION_MODES
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
@@ -35,7 +35,7 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
-    device_memory = (mp.parse_bytes(args.device_memory, "--device_memory") if args.device_memory
+    device_memory = (parse_bytes(args.device_memory, "--device_memory") if args.device_memory
                      else mp.detected_device_memory())
     options = PlanOptions(resolution=args.resolution, batch_size=args.train_batch_size, rank=args.rank,
                           gradient_checkpointing=not args.no_gradient_checkpointing,

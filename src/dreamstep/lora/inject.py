@@ -14,6 +14,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
 from dreamstep.errors import UserError
+from dreamstep.files import honour_umask
 
 # Module-name suffixes per preset, matched against the transformer blocks' nn.Linear layers.
 # "attention" is the seed's default set; "attention+ff" follows diffusers' wider FLUX example set.
@@ -99,5 +100,6 @@ def save_flux_lora(out_dir: str | Path, transformer: nn.Module, text_encoder: nn
     # Written beside the target and renamed into place, so a crash never leaves half a file.
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".saving-") as tmp:
         FluxPipeline.save_lora_weights(tmp, weight_name=weight_name, **kwargs)
+        honour_umask(tmp)
         os.replace(Path(tmp) / weight_name, out_dir / weight_name)
     return out_dir / weight_name

@@ -1,4 +1,4 @@
-"""FLUX.1 ControlNet (seed 003): built from the base transformer or loaded, checked against the base,
+"""FLUX.1 ControlNet: built from the base transformer or loaded, checked against the base,
 run beside it, and saved in the ``save_pretrained`` layout that ``FluxControlNetModel.from_pretrained``
 and ``FluxControlNetPipeline`` read.
 
@@ -10,6 +10,8 @@ start at zero, so at step 0 the base's prediction is unchanged.
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -21,6 +23,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from dreamstep.errors import UserError
+from dreamstep.files import honour_umask
 from dreamstep.models.quantization import dequantized
 
 CONFIG_NAME = "config.json"
@@ -128,17 +131,31 @@ def save(controlnet: FluxControlNetModel, output_dir: str | Path,
             controlnet.save_config(tmp)
             save_file({name: t.contiguous() for name, t in state_dict.items()}, str(Path(tmp) / WEIGHTS_NAME),
                       metadata={"format": "pt"})
+        _drop_foreign_config_keys(Path(tmp) / CONFIG_NAME)
+        honour_umask(tmp)
         for file in Path(tmp).iterdir():
             os.replace(file, output_dir / file.name)
     return output_dir / WEIGHTS_NAME
 
 
+def _drop_foreign_config_keys(config_file: Path) -> None:
+    """A ControlNet built from a transformer inherits its config keys, some of which (``out_channels``)
+    FluxControlNetModel does not take: every later load would warn that they are ignored. Keep only its own."""
+    accepted = set(inspect.signature(FluxControlNetModel.__init__).parameters)
+    config = json.loads(config_file.read_text())
+    config = {k: v for k, v in config.items() if k.startswith("_") or k in accepted}
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def side_by_side(rows: list[list[Image.Image]]) -> Image.Image:
-    """One image: each row (a control image, then its results) left to right, rows top to bottom."""
+    """One image: each row (a control image, then its results) left to right, rows top to bottom. The
+    results' generation parameters (``info["dreamstep"]``) are carried over as a list."""
     cell_w = max(im.width for row in rows for im in row)
     cell_h = max(im.height for row in rows for im in row)
     grid = Image.new("RGB", (max(len(r) for r in rows) * cell_w, len(rows) * cell_h), "white")
     for y, row in enumerate(rows):
         for x, image in enumerate(row):
             grid.paste(image.convert("RGB").resize((cell_w, cell_h)), (x * cell_w, y * cell_h))
+    grid.info["dreamstep"] = [im.info["dreamstep"] for row in rows for im in row
+                              if isinstance(im.info.get("dreamstep"), dict)]
     return grid

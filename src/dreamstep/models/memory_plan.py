@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -30,23 +29,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dreamstep.errors import UserError
+from dreamstep.config.memory import GIB
 
-GIB = 1024 ** 3
 _BYTES_PER_LINEAR_WEIGHT = {"none": None, "fp8": 1.0, "int8": 1.0, "nf4": 0.5 + 4 / 64}
 # Bytes per trainable parameter beyond its fp32 weight: the fp32 gradient and the optimizer's moments.
 OPTIMIZER_BYTES = {"AdamW": 4 + 8, "AdamW8bit": 4 + 2, "Prodigy": 4 + 16}
 # What a CUDA run needs beyond the tensors (context, cuBLAS workspace, allocator slack), kept free.
 HEADROOM_FRACTION = 0.08
-
-
-def parse_bytes(text: str, flag: str) -> int:
-    """'12GB', '12 GiB', '24g' or '8000MB' -> bytes (GB and GiB both taken as 2**30: card sizes are)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([GgMm])(?:i?[Bb])?\s*", text)
-    if not match:
-        raise UserError(f"{flag} '{text}' is not a memory size; write it like 12GB or 8000MB")
-    value, unit = float(match.group(1)), match.group(2).upper()
-    return int(value * (GIB if unit == "G" else 1024 ** 2))
 
 
 class LiveTensorBytes(TorchDispatchMode):

@@ -15,6 +15,7 @@ from torch import nn
 from dreamstep.errors import UserError
 from dreamstep.models import memory_plan as mp
 from dreamstep.models import published_configs as published
+from dreamstep.config.memory import parse_bytes
 from dreamstep.models.memory_plan import Line, MemoryPlan, PlanOptions
 
 def _with_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
@@ -211,6 +212,6 @@ def print_run_plan(arch: str, source: str, options: PlanOptions, device_memory: 
     from dreamstep.models.loading import check_pipeline_source
 
     check_pipeline_source(source, "sdxl" if arch == "sdxl" else "flux")
-    memory = mp.parse_bytes(device_memory, "--device_memory") if device_memory else mp.detected_device_memory()
+    memory = parse_bytes(device_memory, "--device_memory") if device_memory else mp.detected_device_memory()
     estimator = Estimator(arch, source, options.rank, **estimator_options)
     tqdm.write(plan_report(estimator, options, memory))

@@ -22,34 +22,9 @@ has exactly the keys of one trained on the unquantized base and loads on it.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
-
-from dreamstep.errors import UserError
-
-QUANTIZATION_MODES = ("none", "fp8", "int8", "nf4")
-# The package each mode needs, and the pip extra that installs it.
-_PACKAGES = {"fp8": "torchao", "int8": "torchao", "nf4": "bitsandbytes"}
-EXTRA = "dreamstep[quant]"
-
-
-def check_quantization(mode: str, flag: str, *, cuda_available: bool | None = None) -> None:
-    """Refuse, before any model loads, a mode that is unknown, whose package is missing, or that needs a
-    CUDA GPU this machine lacks."""
-    if mode not in QUANTIZATION_MODES:
-        raise UserError(f"{flag} '{mode}' is not one of {', '.join(QUANTIZATION_MODES)}")
-    if mode == "none":
-        return
-    if mode == "nf4":
-        has_cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
-        if not has_cuda:
-            raise UserError(f"{flag} nf4 needs a CUDA GPU (bitsandbytes 4-bit); on this machine use "
-                            f"{flag} int8 or fp8")
-    package = _PACKAGES[mode]
-    if importlib.util.find_spec(package) is None:
-        raise UserError(f"{flag} {mode} needs the '{package}' package: pip install '{EXTRA}'")
 
 
 def diffusers_config(mode: str, compute_dtype: torch.dtype) -> Any:
