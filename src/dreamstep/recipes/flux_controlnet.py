@@ -147,7 +147,8 @@ def _randomly_augmented(datasets: list[DatasetConfig]) -> bool:
 
 def train(config: FluxControlNetConfig) -> TrainingResult | None:
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
-                     resume_from_checkpoint=config.resume_from_checkpoint)
+                     resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
+                     resume_must_match=config.resume_must_match)
     # Every flag, folder, pair and image (validation images too) is checked before a model loads.
     datasets = _datasets(config)
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
@@ -160,7 +161,7 @@ def train(config: FluxControlNetConfig) -> TrainingResult | None:
         return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    config_toml=config_to_toml(config),
                     command="dreamstep train flux-controlnet", overwrite=config.overwrite_output_dir)
 
     # 1. Models: the base frozen in --mixed_precision; the ControlNet built or loaded, in its weight dtype.

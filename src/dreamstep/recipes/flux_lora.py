@@ -138,7 +138,8 @@ def _datasets(config: FluxLoraConfig, class_dir: str | None) -> list:
 
 def train(config: FluxLoraConfig) -> None:
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
-                     resume_from_checkpoint=config.resume_from_checkpoint)
+                     resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
+                     resume_must_match=config.resume_must_match)
     # Every flag, folder and image is checked (each image decoded once) before a model loads.
     dataset, held_out = build_split_datasets(_datasets(config, None), config.seed, config.validation_split)
     scorer = load_scorer(config)
@@ -149,7 +150,7 @@ def train(config: FluxLoraConfig) -> None:
         return
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    config_toml=config_to_toml(config),
                     command="dreamstep train flux-lora", overwrite=config.overwrite_output_dir)
 
     # 1. Models: frozen, in the --mixed_precision dtype; LoRA weights added in fp32.

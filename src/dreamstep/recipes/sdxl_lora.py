@@ -214,7 +214,8 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     if config.seed is None:
         config = dataclasses.replace(config, seed=random.randrange(2**31))
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume,
-                     resume_flag="--resume")
+                     resume_flag="--resume", config_toml=config_to_toml(config),
+                     resume_must_match=config.resume_must_match)
     datasets = load_datasets(config)  # every flag, key and folder is checked before a model loads
     optimizer_extra = check_optimizer(config)
     options, network_args = network_options(config)
@@ -233,7 +234,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         return {}
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.log_with, resume_from_checkpoint=config.resume,
-                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    config_toml=config_to_toml(config),
                     tensorboard_dir=config.logging_dir, samples_dir=Path(config.output_dir) / "sample",
                     command="dreamstep train sdxl-lora", resume_flag="--resume", overwrite=config.overwrite_output_dir)
 
