@@ -38,7 +38,7 @@ def diffusers_config(mode: str, compute_dtype: torch.dtype) -> Any:
                                   bnb_4bit_compute_dtype=compute_dtype)
     from diffusers import TorchAoConfig
 
-    return TorchAoConfig(_torchao_weight_config(mode))
+    return TorchAoConfig(torchao_weight_config(mode))
 
 
 def transformers_config(mode: str, compute_dtype: torch.dtype) -> Any:
@@ -52,10 +52,11 @@ def transformers_config(mode: str, compute_dtype: torch.dtype) -> Any:
                                   bnb_4bit_compute_dtype=compute_dtype)
     from transformers import TorchAoConfig
 
-    return TorchAoConfig(_torchao_weight_config(mode))
+    return TorchAoConfig(torchao_weight_config(mode))
 
 
-def _torchao_weight_config(mode: str) -> Any:
+def torchao_weight_config(mode: str) -> Any:
+    """torchao's weight-only config of ``mode`` ("int8" or "fp8"), as the loaders above pass it."""
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
 
     return Int8WeightOnlyConfig() if mode == "int8" else Float8WeightOnlyConfig()
