@@ -70,7 +70,7 @@ from dreamstep.lora.kohya_network import (
     create_network,
     parse_network_args,
 )
-from dreamstep.models import sdxl
+from dreamstep.models import parking, sdxl
 from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.plans import print_run_plan
@@ -282,6 +282,10 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         from accelerate.utils import DistributedDataParallelKwargs
 
         run.accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+    # Every caption and latent of the run encoded now; the frozen encoders wait off the device until needed.
+    parking.fill_caches(conditioner, dataset, epochs=math.ceil(total_steps / steps_per_epoch))
+    encoders = sdxl.park_encoders(base, run.device, text_encoders_train=train_text,
+                                  latents_cached=latent_cache is not None)
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = SDXLLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
@@ -314,7 +318,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         pipeline, network, prompts, folder=folder / "sample", name=config.output_name,
         every_n_steps=config.sample_every_n_steps, every_n_epochs=config.sample_every_n_epochs,
         steps_per_epoch=steps_per_epoch, sampler=config.sample_sampler, seed=config.seed,
-        v_prediction=config.v_parameterization, accelerator=run.accelerator)
+        v_prediction=config.v_parameterization, accelerator=run.accelerator, encoders=encoders)
     if config.sample_at_first and prompts and not run.resume_from:
         sampler(0, force=True)
 
@@ -328,7 +332,8 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
             return images
         if config.eval_metrics and not images:
             images = sampler(global_step, force=True)
-        run.logger.log_metrics(global_step, evaluator(images, [p.prompt for p in prompts or []]))
+        with encoders.on_device():
+            run.logger.log_metrics(global_step, evaluator(images, [p.prompt for p in prompts or []]))
         return images
 
     def every_step(global_step: int) -> list:
