@@ -108,10 +108,15 @@ class SDXLLoraConfig:
     network_train_unet_only: bool = option(False, "LoRA on the UNet only")
     network_train_text_encoder_only: bool = option(False, "LoRA on the text encoders only")
     learning_rate: float = option(1e-4, "learning rate")
-    unet_lr: float | None = option(None, "learning rate of the UNet LoRA (default: --learning_rate)")
-    text_encoder_lr: float | None = option(None, "learning rate of the text-encoder LoRA (default: --learning_rate)")
+    unet_lr: float | None = option(None, "learning rate of the UNet LoRA (default: --learning_rate; 0 freezes it, "
+                                         "as in sd-scripts)")
+    text_encoder_lr: float | None = option(None, "learning rate of the text-encoder LoRA (default: --learning_rate; "
+                                                 "0 freezes it, as in sd-scripts)")
     optimizer_type: str = option("AdamW", "AdamW, AdamW8bit, Lion, Prodigy or Adafactor")
-    optimizer_args: list[str] = option([], "optimizer key=value arguments, e.g. weight_decay=0.05 betas=0.9,0.98")
+    optimizer_args: list[str] = option([], "optimizer key=value arguments, e.g. weight_decay=0.05 betas=0.9,0.98; "
+                                           "unset ones keep the optimizer's own defaults as in sd-scripts (weight "
+                                           "decay 0.01 for AdamW, none for Lion, Prodigy, Adafactor; Adafactor "
+                                           "with relative_step=True and its own schedule)")
     lr_scheduler: SchedulerName = option("constant", "learning-rate schedule")
     lr_warmup_steps: float = option(0, "warm-up steps (a value below 1 is a fraction of the training steps)")
     lr_scheduler_num_cycles: int = option(1, "cycles of cosine_with_restarts")
@@ -135,6 +140,8 @@ class SDXLLoraConfig:
                                                       "(needs --noise_offset)")
     multires_noise_iterations: int | None = option(None, "multi-resolution noise levels (6-10 typical)")
     multires_noise_discount: float = option(0.3, "weight decay per multires noise level")
+    zero_terminal_snr: bool = option(False, "rescale the noise schedule to zero SNR at the last timestep "
+                                            "(sd-scripts' flag; usually with --v_parameterization)")
     min_timestep: int = option(0, "smallest training timestep")
     max_timestep: int = option(1000, "training timesteps are below this")
     prior_loss_weight: float = option(1.0, "loss weight of regularization images")
@@ -165,6 +172,8 @@ class SDXLLoraConfig:
                             f"'{NETWORK_MODULE}' (LoRA, and LoCon with --network_args conv_dim=...)")
         if self.network_train_unet_only and self.network_train_text_encoder_only:
             raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
+        if self.unet_lr == 0 and self.text_encoder_lr == 0:
+            raise UserError("--unet_lr 0 and --text_encoder_lr 0 leave nothing to train; give one a learning rate")
         if self.full_fp16 and self.mixed_precision != "fp16":
             raise UserError("--full_fp16 needs --mixed_precision fp16")
         if self.full_bf16 and self.mixed_precision != "bf16":
@@ -237,8 +246,8 @@ def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
 def check_optimizer(config: SDXLLoraConfig) -> dict[str, Any]:
     """Name and arguments of the optimizer, checked on a dummy parameter before any model loads."""
     extra = parse_optimizer_args(config.optimizer_args)
-    build_optimizer(config.optimizer_type, [nn.Parameter(torch.zeros(1))], config.learning_rate, weight_decay=0.01,
-                    extra=extra, flag="--optimizer_type")
+    build_optimizer(config.optimizer_type, [nn.Parameter(torch.zeros(1))], config.learning_rate, extra=extra,
+                    flag="--optimizer_type", family="sd-scripts")
     return extra
 
 
@@ -385,6 +394,11 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     """Train as configured; return what was written where."""
     if config.seed is None:
         config = dataclasses.replace(config, seed=random.randrange(2**31))
+    # sd-scripts gives a part whose learning rate is 0 no optimizer group: it stays as it is.
+    if config.text_encoder_lr == 0:
+        config = dataclasses.replace(config, network_train_unet_only=True)
+    if config.unet_lr == 0:
+        config = dataclasses.replace(config, network_train_text_encoder_only=True)
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume)
     datasets = load_datasets(config)  # every flag, key and folder is checked before a model loads
     optimizer_extra = check_optimizer(config)
@@ -417,7 +431,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     optimizer = build_optimizer(
         config.optimizer_type, network.param_groups(config.unet_lr or config.learning_rate,
                                                     config.text_encoder_lr or config.learning_rate),
-        config.learning_rate, weight_decay=0.01, extra=optimizer_extra, flag="--optimizer_type")
+        config.learning_rate, extra=optimizer_extra, flag="--optimizer_type", family="sd-scripts")
     warmup = config.lr_warmup_steps
     lr_scheduler = build_lr_scheduler(
         config.lr_scheduler, optimizer, warmup_steps=int(warmup * total_steps if warmup < 1 else warmup),
@@ -433,7 +447,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
         length_of_dataloader=len(loader),
-        noise_scheduler=noise_math.training_scheduler(base.scheduler.config),
+        noise_scheduler=noise_math.training_scheduler(base.scheduler.config, config.zero_terminal_snr),
         v_prediction=config.v_parameterization, min_snr_gamma=config.min_snr_gamma,
         noise_offset=config.noise_offset, adaptive_noise_scale=config.adaptive_noise_scale,
         multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
@@ -510,7 +524,7 @@ def ss_metadata(config: SDXLLoraConfig, options: NetworkOptions, network_args: d
         "ss_adaptive_noise_scale": str(config.adaptive_noise_scale),
         "ss_multires_noise_iterations": str(config.multires_noise_iterations),
         "ss_multires_noise_discount": str(config.multires_noise_discount),
-        "ss_v_parameterization": str(config.v_parameterization),
+        "ss_v_parameterization": str(config.v_parameterization), "ss_zero_terminal_snr": str(config.zero_terminal_snr),
         "ss_prior_loss_weight": str(config.prior_loss_weight), "ss_max_grad_norm": str(config.max_grad_norm),
         **network_metadata(options, network_args),
         **dataset_metadata(records, datasets[0].batch_size, datasets[0].buckets.resolution),
