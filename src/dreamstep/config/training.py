@@ -36,7 +36,7 @@ class FluxTrainingConfig:
     optimizer: str = option("AdamW", "AdamW, AdamW8bit (bitsandbytes) or Prodigy (prodigyopt)")
     adam_beta1: float = option(0.9, "Adam beta1")
     adam_beta2: float = option(0.999, "Adam beta2")
-    adam_weight_decay: float = option(1e-4, "weight decay")
+    adam_weight_decay: float = option(1e-4, "weight decay (diffusers' default, given to every optimizer)")
     adam_epsilon: float = option(1e-8, "Adam epsilon")
     max_grad_norm: float = option(1.0, "clip the global gradient norm to this (0 disables)")
     mixed_precision: Literal["no", "fp16", "bf16"] = option(

@@ -71,8 +71,9 @@ class FluxLoraConfig(FluxTrainingConfig):
     lora_layers: list[str] = option(["attention"], "preset (attention, attention+ff, all-linear) or "
                                                    "comma-separated module names")
     train_text_encoder: bool = option(False, "also train a LoRA on the CLIP text encoder")
-    text_encoder_lr: Optional[float] = option(None, "learning rate of the text-encoder LoRA "
-                                                    "(default: --learning_rate)")
+    text_encoder_lr: float = option(5e-6, "learning rate of the text-encoder LoRA (diffusers' default)")
+    adam_weight_decay_text_encoder: float = option(1e-3, "weight decay of the text-encoder LoRA (diffusers' "
+                                                         "default)")
     save_kohya_format: bool = option(False, "also write the LoRA with sd-scripts' key names")
 
     def __post_init__(self) -> None:
@@ -91,7 +92,7 @@ class FluxLoraConfig(FluxTrainingConfig):
             if self.dataset_config is None:  # a dataset TOML's is_reg subsets are weighted by it
                 refuse_unused(self, ("prior_loss_weight",), "without --with_prior_preservation or --dataset_config")
         if not self.train_text_encoder:
-            refuse_unused(self, ("text_encoder_lr",), "without --train_text_encoder")
+            refuse_unused(self, ("text_encoder_lr", "adam_weight_decay_text_encoder"), "without --train_text_encoder")
         if self.rank < 1:
             raise UserError(f"--rank must be at least 1 (got {self.rank})")
         if not 0.0 <= self.lora_dropout < 1.0:
@@ -166,6 +167,18 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     train(build_config(FluxLoraConfig, args))
 
 
+def optimizer_groups(config: FluxLoraConfig, transformer: nn.Module,
+                     text_encoder: nn.Module | None) -> list[dict[str, Any]]:
+    """diffusers' two groups: the transformer LoRA at --learning_rate with --adam_weight_decay, the
+    text-encoder LoRA at --text_encoder_lr with --adam_weight_decay_text_encoder."""
+    groups = [{"params": [p for p in transformer.parameters() if p.requires_grad], "lr": config.learning_rate,
+               "weight_decay": config.adam_weight_decay}]
+    if text_encoder is not None:
+        groups.append({"params": [p for p in text_encoder.parameters() if p.requires_grad],
+                       "lr": config.text_encoder_lr, "weight_decay": config.adam_weight_decay_text_encoder})
+    return groups
+
+
 def _datasets(config: FluxLoraConfig, class_dir: str | None) -> list:
     if config.dataset_config is not None:
         datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
@@ -237,11 +250,8 @@ def train(config: FluxLoraConfig) -> None:
         device=run.device, clip_ids=text_encoder is not None))
 
     # 3. The step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
-    groups = [{"params": [p for p in base.transformer.parameters() if p.requires_grad], "lr": config.learning_rate}]
-    if text_encoder is not None:
-        groups.append({"params": [p for p in text_encoder.parameters() if p.requires_grad],
-                       "lr": config.text_encoder_lr or config.learning_rate})
-    optimizer = build_optimizer(config.optimizer, groups, config.learning_rate,
+    optimizer = build_optimizer(config.optimizer, optimizer_groups(config, base.transformer, text_encoder),
+                                config.learning_rate,
                                 betas=(config.adam_beta1, config.adam_beta2),
                                 weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
     steps_per_epoch = math.ceil(len(loader) / config.gradient_accumulation_steps)
