@@ -107,15 +107,33 @@ def latents_for_batch(batch: dict[str, Any], encode: Callable[[torch.Tensor], to
     else ``encode(pixel_values)`` for the samples that came with pixels, stored for later epochs and runs.
     ``prefix="conditioning_"`` does the same for ControlNet conditioning images."""
     pixels, positions = batch[f"{prefix}pixel_values"], batch[f"{prefix}pixel_items"]
+
+    def checked(rows: list[int]) -> torch.Tensor:
+        latents = encode(pixels[rows])
+        _check_finite(latents, [batch["image_paths"][positions[row]] for row in rows], prefix)
+        return latents
+
     if cache is None:
         if len(positions) != len(batch["captions"]):
             raise ValueError("some samples came without pixels but no cache was given")
-        return encode(pixels)
+        return checked(list(range(len(positions))))
     keys = batch["image_keys" if not prefix else f"{prefix}keys"]
     known = [{"latents": t} if t is not None else None for t in batch[f"{prefix}latents"]]
 
     def compute(missing: list[int]) -> dict[str, torch.Tensor]:
-        rows = [positions.index(i) for i in missing]
-        return {"latents": encode(pixels[rows])}
+        return {"latents": checked([positions.index(i) for i in missing])}
 
     return cache.get_or_compute(keys, compute, known)["latents"]
+
+
+def _check_finite(latents: torch.Tensor, paths: list[str], prefix: str) -> None:
+    """Stop at the first image whose latents hold NaN or inf, before they are cached or trained on: an
+    fp16 VAE overflows on some images (SDXL's does), which would otherwise surface steps later as a
+    non-finite loss."""
+    finite = torch.isfinite(latents.flatten(1)).all(dim=1)
+    if not bool(finite.all()):
+        path = paths[int((~finite).nonzero()[0])]
+        which = "the conditioning image of " if prefix else ""
+        raise UserError(f"{which}{path}: the VAE encoded this image to NaN/inf latents (a half-precision VAE "
+                        f"overflows on some images); keep the VAE in fp32: --no_half_vae for sdxl-lora, "
+                        f"--mixed_precision bf16 or no for the FLUX trainers")
