@@ -84,7 +84,7 @@ def _dataset(tmp_path: Path, sizes, batch_size=2, repeats=1, seed=0) -> BucketDa
     folder = tmp_path / "mixed"
     for i, size in enumerate(sizes):
         write_image(folder / f"{i:02d}.png", size)
-    return BucketDataset([(collect_records(one_subset(folder, repeats=repeats)), batch_size)], seed)
+    return BucketDataset([(collect_records(one_subset(folder, repeats=repeats)), batch_size, False)], seed)
 
 
 SIZES = [(64, 64)] * 5 + [(100, 60)] * 4 + [(40, 120)] * 3

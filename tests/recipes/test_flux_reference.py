@@ -39,3 +39,48 @@ def test_help_says_where_differing_defaults_come_from(module, capsys) -> None:
     module.configure_parser(parser, ())
     text = " ".join(parser.format_help().split())
     assert "diffusers' ControlNet default" in text if module is flux_controlnet else "diffusers' default" in text
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_prior_preservation_pairs_every_batch_and_cycles_through_all_class_images(tmp_path, batch_size: int) -> None:
+    from PIL import Image
+
+    from dreamstep.data.dataset import build_dataset, make_dataloader
+    from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
+
+    for folder, count in (("instance", 3), ("class", 10)):
+        (tmp_path / folder).mkdir()
+        for i in range(count):
+            Image.new("RGB", (32, 32), (20 * i, 100, 50)).save(tmp_path / folder / f"{i}.png")
+    config = dreambooth_from_flags(tmp_path / "instance", "a photo of sks dog", class_data_dir=tmp_path / "class",
+                                   class_prompt="a photo of a dog", buckets=bucket_spec(32), batch_size=batch_size)
+    dataset = build_dataset([config], seed=0)
+    loader = make_dataloader(dataset, seed=0)
+    seen_class, seen_instance = set(), set()
+    for batch in loader:
+        is_reg = batch["is_reg"].tolist()
+        assert is_reg == [False] * batch_size + [True] * batch_size  # instance samples, then as many class samples
+        seen_instance |= {p for p, reg in zip(batch["image_paths"], is_reg) if not reg}
+        seen_class |= {p for p, reg in zip(batch["image_paths"], is_reg) if reg}
+    assert len(loader) == 10 // batch_size  # an epoch is the longer list: every class image once
+    assert len(seen_class) == 10 and len(seen_instance) == 3
+
+
+def test_help_says_a_dataset_toml_keeps_sd_scripts_balancing() -> None:
+    parser = argparse.ArgumentParser()
+    flux_lora.configure_parser(parser, ())
+    text = " ".join(parser.format_help().split())
+    assert "is_reg subsets are balanced against the training images as in sd-scripts" in text
+    assert "every batch holds its instance samples and as many class samples" in text
+
+
+def test_random_crops_of_bucket_sized_images_are_cached(tiny_flux_dir, tmp_path) -> None:
+    from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, run_cli
+
+    cache = tmp_path / "cache"
+    # The robot images are 96x96: at --resolution 96 the default random crop has no room to move.
+    assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dir, "--output_dir",
+                   tmp_path / "out", "--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT,
+                   "--resolution", "96", "--max_train_steps", "2", "--report_to", "none", "--checkpointing_steps",
+                   "0", "--cache_dir", cache) == 0
+    assert len([p for p in cache.rglob("*.safetensors") if "latents" in p.parts]) == 6

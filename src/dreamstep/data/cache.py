@@ -82,21 +82,22 @@ class TensorCache:
             if os.path.exists(tmp):
                 os.remove(tmp)
 
-    def get_or_compute(self, content_keys: Sequence[str],
+    def get_or_compute(self, content_keys: Sequence[str | None],
                        compute: Callable[[list[int]], dict[str, torch.Tensor]],
                        known: Sequence[dict[str, torch.Tensor] | None] | None = None) -> dict[str, torch.Tensor]:
         """Batch lookup: entries already ``known`` or cached are used; ``compute(missing_positions)`` returns
-        batched tensors for the rest, which are stored. Returns every name stacked over the batch, on the CPU."""
+        batched tensors for the rest, which are stored (except those whose key is None: not cacheable). Returns every name stacked over the batch, on the CPU."""
         found = list(known) if known is not None else [None] * len(content_keys)
         for i, key in enumerate(content_keys):
-            if found[i] is None:
+            if found[i] is None and key is not None:
                 found[i] = self.get(key)
         missing = [i for i, entry in enumerate(found) if entry is None]
         if missing:
             computed = compute(missing)
             for row, i in enumerate(missing):
                 found[i] = {name: value[row].detach().cpu() for name, value in computed.items()}
-                self.put(content_keys[i], found[i])
+                if content_keys[i] is not None:
+                    self.put(content_keys[i], found[i])
         names = found[0].keys()
         return {name: torch.stack([entry[name] for entry in found]) for name in names}
 

@@ -37,14 +37,16 @@ class BucketDataset(Dataset):
     ``latent_cache``, a sample whose latents are cached comes with ``latents`` instead of ``pixel_values``.
     """
 
-    def __init__(self, groups: Sequence[tuple[list[ImageRecord], int]], seed: int,
+    def __init__(self, groups: Sequence[tuple[list[ImageRecord], int, bool]], seed: int,
                  latent_cache: TensorCache | None = None):
         self.records: list[ImageRecord] = []
         self.samples: list[int] = []  # sample index -> record index
         self.sample_group: list[tuple[int, int, int]] = []  # (dataset, bucket w, bucket h)
         self.batch_sizes: list[int] = []
-        for group_index, (records, batch_size) in enumerate(groups):
+        self.prior_pairs: list[bool] = []  # per dataset: batches pair instance and class samples
+        for group_index, (records, batch_size, prior_pairs) in enumerate(groups):
             self.batch_sizes.append(batch_size)
+            self.prior_pairs.append(prior_pairs)
             for record in records:
                 self.records.append(record)
                 for _ in range(record.num_repeats):
@@ -76,19 +78,21 @@ class BucketDataset(Dataset):
             "crop_top_left": placement.crop_top_left(),
             "target_size": (bucket_h, bucket_w),
             "is_reg": record.subset.is_reg,
-            "image_key": image_content_key(record.image.sha256, placement),
+            # A crop drawn at random differs every epoch: its latents are encoded each time, never cached.
+            "image_key": image_content_key(record.image.sha256, placement) if placement.is_fixed() else None,
             "image_path": str(record.image.path),
         }
         self._add_pixels(item, "", record.image.path, record.image.size, placement)
         if record.conditioning is not None:
-            item["conditioning_key"] = image_content_key(record.conditioning.sha256, placement, record.image.size)
+            item["conditioning_key"] = (image_content_key(record.conditioning.sha256, placement, record.image.size)
+                                        if placement.is_fixed() else None)
             self._add_pixels(item, "conditioning_", record.conditioning.path, record.image.size, placement)
         return item
 
     def _add_pixels(self, item: dict[str, Any], prefix: str, path: Path, size: tuple[int, int],
                     placement: Placement) -> None:
         key = item[f"{prefix or 'image_'}key"]
-        cached = self.latent_cache.get(key) if self.latent_cache is not None else None
+        cached = self.latent_cache.get(key) if self.latent_cache is not None and key is not None else None
         if cached is not None:
             item[f"{prefix}latents"] = cached["latents"]
         else:
@@ -113,14 +117,17 @@ def transform_image(image: Image.Image, size: tuple[int, int], placement: Placem
 def build_dataset(configs: Sequence[DatasetConfig], seed: int,
                   latent_cache: TensorCache | None = None) -> BucketDataset:
     """Scan, validate and bucket every dataset (errors name the file) and return the torch dataset."""
-    return BucketDataset([(collect_records(c), c.batch_size) for c in configs], seed, latent_cache)
+    return BucketDataset([(collect_records(c), c.batch_size, c.prior_pairs) for c in configs], seed, latent_cache)
 
 
 class BucketBatchSampler(Sampler[list[SampleKey]]):
     """Batches of samples from one bucket, in an order fixed by (seed, epoch), like sd-scripts: each bucket's
     samples are shuffled and cut into batches of its dataset's batch size (the last may be shorter),
-    then all batches are shuffled. ``skip_batches`` drops the first batches of this epoch (exact resume).
-    With ``num_replicas`` > 1 the list is padded by repeating its start, then dealt round robin."""
+    then all batches are shuffled. A dataset with ``prior_pairs`` batches as diffusers' DreamBooth script
+    does: its instance and class samples are shuffled apart, the shorter list is cycled to the length of
+    the longer, and each batch holds the next instance samples followed by as many class samples.
+    ``skip_batches`` drops the first batches of this epoch (exact resume). With ``num_replicas`` > 1
+    the list is padded by repeating its start, then dealt round robin."""
 
     def __init__(self, dataset: BucketDataset, seed: int, epoch: int = 0, skip_batches: int = 0,
                  num_replicas: int = 1, rank: int = 0):
@@ -145,12 +152,28 @@ class BucketBatchSampler(Sampler[list[SampleKey]]):
         for group in sorted(groups):
             members = [groups[group][i] for i in rng.permutation(len(groups[group]))]
             size = self.dataset.batch_sizes[group[0]]
-            batches += [members[i:i + size] for i in range(0, len(members), size)]
+            if self.dataset.prior_pairs[group[0]]:
+                batches += self._prior_pairs(members, size)
+            else:
+                batches += [members[i:i + size] for i in range(0, len(members), size)]
         batches = [batches[i] for i in rng.permutation(len(batches))]
         if self.num_replicas > 1:
             padding = (-len(batches)) % self.num_replicas
             batches = (batches + batches[:padding])[self.rank::self.num_replicas]
         return batches
+
+    def _prior_pairs(self, members: list[int], size: int) -> list[list[int]]:
+        """Batches of ``size`` instance samples, each followed by ``size`` class samples (shuffled members)."""
+        dataset = self.dataset
+        is_reg = [dataset.records[dataset.samples[i]].subset.is_reg for i in members]
+        instance = [i for i, reg in zip(members, is_reg) if not reg]
+        prior = [i for i, reg in zip(members, is_reg) if reg]
+        if not instance or not prior:
+            raise UserError("prior preservation needs instance and class images of the same size; "
+                            "check --instance_data_dir and --class_data_dir")
+        count = max(len(instance), len(prior))
+        instance, prior = ([lst[i % len(lst)] for i in range(count)] for lst in (instance, prior))
+        return [instance[i:i + size] + prior[i:i + size] for i in range(0, count, size)]
 
     def batches_per_epoch(self) -> int:
         """Batches per epoch for this rank (the same in every epoch)."""

@@ -1,6 +1,8 @@
 """From a :class:`DatasetConfig` to the list of images it trains on: folders are scanned, captions read
 (caption files, ``class_tokens``, or a JSON/JSONL metadata file), ControlNet partners matched, every
-image decoded once, regularization repeats balanced as sd-scripts does, and each image given its bucket.
+image decoded once, regularization repeats balanced as sd-scripts does (unless the dataset pairs class
+samples with instance samples, diffusers' way: see :class:`~dreamstep.data.dataset.BucketBatchSampler`),
+and each image given its bucket.
 Every problem is found here, before training, and reported by file.
 """
 
@@ -51,7 +53,8 @@ def collect_records(config: DatasetConfig) -> list[ImageRecord]:
     paths = [e.path for _, es in entries for e in es] + [e.conditioning for _, es in entries for e in es
                                                           if e.conditioning is not None]
     infos = validate_images(list(dict.fromkeys(paths)))
-    repeats = _balanced_repeats(entries)
+    repeats = ([[s.num_repeats] * len(es) for s, es in entries] if config.prior_pairs
+               else _balanced_repeats(entries))
     planner = BucketPlanner(config.buckets)
     records = []
     for (subset, subset_entries), subset_repeats in zip(entries, repeats):

@@ -9,9 +9,10 @@ frozen transformer into the ControlNet. Data: a folder of pairs (``--train_data_
 ``--conditioning_data_dir``, same-named files, captions from ``--caption_extension`` files), a
 ``metadata.jsonl`` with ``image``, ``conditioning_image`` and ``text`` (``--jsonl_for_train``, or found
 in ``--train_data_dir``), or a Kohya dataset TOML whose subsets have ``conditioning_data_dir``; every
-pair is checked before a model loads. Text embeddings cached; target and control latents cached when no
-random crop or flip is on; ``--proportion_empty_prompts``; SD3 timestep sampling / weighting; guidance for
-guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. Precision (seed 003):
+pair is checked before a model loads. Text embeddings cached; target and control latents cached (except
+random crops of images larger than their bucket); ``--proportion_empty_prompts``; SD3 timestep sampling /
+weighting; guidance for guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy.
+Precision (seed 003):
 frozen weights in ``--mixed_precision``, ControlNet weights fp32 with half-precision compute, or with
 ``--controlnet_weights_dtype bf16`` bf16 weights and an AdamW whose math is fp32 with stochastic rounding
 (12 instead of 16 bytes of trainable state per parameter). Resumable checkpoints, validation grids through
@@ -198,10 +199,6 @@ def _with_empty_prompts(dataset: DatasetConfig, proportion: float) -> DatasetCon
     return dataclasses.replace(dataset, subsets=subsets)
 
 
-def _randomly_augmented(datasets: list[DatasetConfig]) -> bool:
-    return any(s.random_crop or s.flip_aug for d in datasets for s in d.subsets)
-
-
 def train(config: FluxControlNetConfig) -> TrainingResult:
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
                      resume_from_checkpoint=config.resume_from_checkpoint)
@@ -231,12 +228,13 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     controlnet.train()
     pipeline = flux.assemble_pipeline(base, controlnet)
 
-    # 2. Data: pairs; target and control posteriors cached unless augmented, prompt embeddings cached.
+    # 2. Data: pairs; target and control posteriors cached (a random crop with room to move is encoded
+    # every step), prompt embeddings cached.
     latent_cache, text_cache = flux.training_caches(
         Path(config.cache_dir or Path(config.output_dir) / "cache"), config.pretrained_model_name_or_path,
         revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
         max_sequence_length=config.max_sequence_length,
-        cache_latents=config.cache_latents and not _randomly_augmented(datasets),
+        cache_latents=config.cache_latents,
         image_dirs=[d for ds in datasets for s in ds.subsets for d in (s.image_dir, s.conditioning_data_dir)
                     if d is not None])
     dataset.latent_cache = latent_cache
