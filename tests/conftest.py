@@ -52,3 +52,11 @@ def tiny_sdxl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_sdxl_single_file(tiny_sdxl_dir: Path) -> Path:
     """The SGM-layout single file of ``tiny_sdxl_dir`` (like sd_xl_base_1.0.safetensors)."""
     return tiny_sdxl_dir / SINGLE_FILE_NAME
+
+
+@pytest.fixture(scope="session")
+def tiny_evaluators(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random DINO and CLIP folders (``dino``, ``clip``), as ``dreamstep tiny-model evaluators`` writes."""
+    from dreamstep.evaluation.tiny import write_tiny_evaluators
+
+    return write_tiny_evaluators(tmp_path_factory.mktemp("tiny") / "evaluators", seed=0)

@@ -16,12 +16,14 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("train", "flux-lora"): ("dreamstep.recipes.flux_lora", "DreamBooth / captioned LoRA for FLUX.1"),
     ("train", "sdxl-lora"): ("dreamstep.recipes.sdxl_lora", "Kohya-compatible LoRA for SDXL"),
     ("train", "flux-controlnet"): ("dreamstep.recipes.flux_controlnet", "ControlNet for FLUX.1"),
-    ("generate", "flux"): ("dreamstep.generate", "generate images with FLUX.1 (+ LoRAs, ControlNet)"),
-    ("generate", "sdxl"): ("dreamstep.generate", "generate images with SDXL (+ LoRAs)"),
-    ("convert", "lora"): ("dreamstep.lora.convert_cli", "convert a LoRA between Kohya, diffusers and MindSpore"),
-    ("lora", "info"): ("dreamstep.lora.info", "show a LoRA file's format, target, ranks and metadata"),
-    ("dataset", "from-hf"): ("dreamstep.data.from_hf", "turn a Hugging Face dataset into an image folder"),
-    ("tiny-model",): ("dreamstep.models.tiny", "write a tiny random FLUX or SDXL pipeline for offline tests"),
+    ("generate", "flux"): ("dreamstep.commands.generate", "generate images with FLUX.1 (+ LoRAs, ControlNet)"),
+    ("generate", "sdxl"): ("dreamstep.commands.generate", "generate images with SDXL (+ LoRAs)"),
+    ("convert", "lora"): ("dreamstep.commands.convert_lora", "convert a LoRA between Kohya, diffusers and MindSpore"),
+    ("lora", "info"): ("dreamstep.commands.lora_info", "show a LoRA file's format, target, ranks and metadata"),
+    ("dataset", "from-hf"): ("dreamstep.commands.dataset_from_hf", "turn a Hugging Face dataset into an image folder"),
+    ("tiny-model",): ("dreamstep.commands.tiny_model", "write a tiny random FLUX or SDXL pipeline for offline tests"),
+    ("eval", "flux"): ("dreamstep.commands.evaluate", "score FLUX LoRAs / ControlNets / checkpoints against the base model"),
+    ("eval", "sdxl"): ("dreamstep.commands.evaluate", "score SDXL LoRAs / checkpoints against the base model"),
 }
 
 

@@ -14,7 +14,8 @@ import torch
 from dreamstep.lora.convert import LoraModule
 from dreamstep.lora.formats import ModelKeys
 
-MINDSPORE_DIR = Path(__file__).resolve().parents[3] / "shared" / "testdata" / "mindspore"
+# Two small checkpoints written by the MindSpore port (mindone), fp32 and fp16, shipped with the tests.
+MINDSPORE_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "mindspore"
 SCALES = (0.5, 1.0, 2.0)
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
 from dreamstep.config.schema import option
 from dreamstep.errors import UserError
 
 
 @dataclass
-class FluxTrainingConfig:
+class FluxTrainingConfig(EvaluationOptions):
     pretrained_model_name_or_path: str = option(help="base FLUX.1 model: a diffusers folder or a hub id")
     output_dir: str = option(help="where weights, checkpoints, samples and logs are written")
     revision: Optional[str] = option(None, "hub revision of the base model")
@@ -82,3 +83,6 @@ class FluxTrainingConfig:
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
         if self.checkpoints_total_limit is not None and self.checkpoints_total_limit < 1:
             raise UserError("--checkpoints_total_limit must be at least 1")
+        self.check_evaluation(self.metrics_allowed)
+
+    metrics_allowed = FIDELITY_METRICS

@@ -38,6 +38,7 @@ _DB_CN = frozenset({"dreambooth", "controlnet"})
 KEYS: dict[str, _Key] = {
     "image_dir": _Key(str, None, "subset_only"),
     "is_reg": _Key(bool, False, "subset_only", _DB),
+    "is_validation": _Key(bool, False, "subset_only"),
     "metadata_file": _Key(str, None, "subset_only", frozenset({"finetune"})),
     "conditioning_data_dir": _Key(str, None, "subset_only", frozenset({"controlnet"})),
     "num_repeats": _Key(int, 1, "subset"),
@@ -84,6 +85,7 @@ class SubsetConfig:
     image_dir: Path | None = None
     num_repeats: int = 1
     is_reg: bool = False
+    is_validation: bool = False  # held out: scored by the validation loss, never trained on
     class_tokens: str | None = None
     caption_extension: str | None = ".caption"
     metadata_file: Path | None = None
@@ -281,7 +283,7 @@ def _parse_subset(resolve: _Resolver, place: str, method: Method) -> SubsetConfi
     metadata, conditioning = resolve("metadata_file"), resolve("conditioning_data_dir")
     return SubsetConfig(
         where=where, image_dir=Path(image_dir) if image_dir is not None else None, num_repeats=num_repeats,
-        is_reg=resolve("is_reg"), class_tokens=resolve("class_tokens"),
+        is_reg=resolve("is_reg"), is_validation=resolve("is_validation"), class_tokens=resolve("class_tokens"),
         caption_extension=normalize_extension(resolve("caption_extension")),
         metadata_file=Path(metadata) if metadata is not None else None,
         conditioning_data_dir=Path(conditioning) if conditioning is not None else None,

@@ -1,4 +1,4 @@
-"""``dreamstep dataset from-hf SOURCE OUT``: a Hugging Face dataset (a parquet, arrow, JSON or CSV file, a
+"""A Hugging Face dataset (a parquet, arrow, JSON or CSV file, a
 ``save_to_disk`` folder, a folder of data files or an image folder, or a hub name when online) as a folder
 of images plus the ``metadata.json`` that fine-tuning reads (``{"000012.jpg": {"caption": ...}}``, see
 :mod:`dreamstep.data.records`), and a ``dataset.toml`` to pass as ``--dataset_config``.
@@ -12,7 +12,6 @@ rewritten atomically every few hundred rows and at the end.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -25,7 +24,6 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 from tqdm.auto import tqdm
 
-from dreamstep.config.schema import add_arguments, build_config, option
 from dreamstep.data.images import IMAGE_EXTENSIONS, to_rgb
 from dreamstep.errors import UserError, did_you_mean
 
@@ -39,23 +37,6 @@ _SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what Dataset(Dict).save_
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _PART = ".part-"
 SAVE_EVERY = 500  # rows between metadata.json rewrites
-
-
-@dataclass
-class FromHfConfig:
-    source: str = option(help="parquet/arrow/json/csv file, a save_to_disk or data folder, or a hub name")
-    output_dir: str = option(help="folder for the images, metadata.json and dataset.toml")
-    image_column: str | None = option(None, "column with the images (default: the first image column)")
-    caption_column: str | None = option(None, f"column with the captions (default: the first of "
-                                              f"{', '.join(CAPTION_COLUMNS)})")
-    split: str | None = option(None, "split to convert (default: train, or the only split)")
-    dataset_config_name: str | None = option(None, "the hub dataset's configuration (subset) name")
-    limit: int | None = option(None, "convert only the first N rows (a later run without it continues)")
-    resolution: int = option(1024, "training resolution written into dataset.toml")
-
-    def __post_init__(self) -> None:
-        if self.limit is not None and self.limit < 1:
-            raise UserError(f"--limit must be at least 1 (got {self.limit})")
 
 
 @dataclass
@@ -360,54 +341,27 @@ def _write_row_image(value: Any, stem: str, output_dir: Path, base: Path | None,
     return f"{stem}{ext}"
 
 
-def from_hf(config: FromHfConfig) -> Conversion:
-    """Run the whole conversion that ``config`` describes."""
-    dataset = load_source(config.source, config.split, config.dataset_config_name)
+def convert_dataset(source: str, output_dir: str | Path, *, image_column: str | None = None,
+                    caption_column: str | None = None, split: str | None = None, config_name: str | None = None,
+                    limit: int | None = None, resolution: int = 1024) -> Conversion:
+    """Convert ``split`` of ``source`` into ``output_dir`` (continuing an earlier run there), up to ``limit``
+    rows, and write a ``dataset.toml`` for ``resolution``; the columns default to the first image and
+    caption columns found."""
+    dataset = load_source(source, split, config_name)
     kinds = _column_kinds(dataset)
-    image_column, caption_column = choose_columns(kinds, config.image_column, config.caption_column, config.source)
-    source_path = Path(config.source).expanduser()
-    identity = {"source": str(source_path.resolve()) if source_path.exists() else config.source,
-                "split": config.split, "dataset_config_name": config.dataset_config_name,
+    image_column, caption_column = choose_columns(kinds, image_column, caption_column, source)
+    source_path = Path(source).expanduser()
+    identity = {"source": str(source_path.resolve()) if source_path.exists() else source,
+                "split": split, "dataset_config_name": config_name,
                 "image_column": image_column, "caption_column": caption_column}
-    output_dir = Path(config.output_dir).expanduser()
+    output_dir = Path(output_dir).expanduser()
     existing = prepare_output(output_dir, identity)
     rows = _raw_rows(dataset, image_column, caption_column, kinds[image_column] == "image")
     base = source_path if source_path.is_dir() else source_path.parent if source_path.exists() else None
     result = convert(rows, image_column, caption_column, output_dir, existing, base,
-                     _row_count(dataset, config.source), config.limit)
+                     _row_count(dataset, source), limit)
     if result.images == 0:
-        raise UserError(f"{config.source}: no row had both an image and a caption in columns "
+        raise UserError(f"{source}: no row had both an image and a caption in columns "
                         f"'{image_column}' and '{caption_column}'; check --image_column and --caption_column")
-    write_dataset_toml(output_dir, config.resolution)
+    write_dataset_toml(output_dir, resolution)
     return result
-
-
-def summary(result: Conversion) -> list[str]:
-    out = result.output_dir
-    lines = [f"wrote {result.written} images to {out}" + (f" ({result.kept} already there from an earlier run)"
-                                                          if result.kept else "")
-             + f"; captions of all {result.images} in {out / METADATA_NAME}; use {out / TOML_NAME} as "
-               "--dataset_config"]
-    if result.no_caption:
-        rows = ", ".join(str(i) for i in result.no_caption[:10])
-        lines.append(f"left out {len(result.no_caption)} rows with an empty caption (rows {rows}"
-                     f"{', ...' if len(result.no_caption) > 10 else ''})")
-    for index, reason in result.unreadable[:10]:
-        lines.append(f"left out row {index}: {reason}")
-    if len(result.unreadable) > 10:
-        lines.append(f"left out {len(result.unreadable) - 10} more rows with unreadable images")
-    return lines
-
-
-def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
-    parser.add_argument("source", nargs="?", default=argparse.SUPPRESS,
-                        help="parquet/arrow/json/csv file, a save_to_disk or data folder, or a hub dataset name")
-    parser.add_argument("output_dir", nargs="?", default=argparse.SUPPRESS, metavar="OUT",
-                        help="folder for the images, metadata.json and dataset.toml; run again to continue")
-    add_arguments(parser, FromHfConfig)
-
-
-def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
-    result = from_hf(build_config(FromHfConfig, args))
-    for line in summary(result):
-        print(line)

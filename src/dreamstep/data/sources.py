@@ -8,12 +8,16 @@ TOML produces, so every trainer has one data pipeline.
 - ControlNet pairs: ``--train_data_dir`` + ``--conditioning_data_dir`` (same-named files), or a
   ``--jsonl_for_train`` file with ``image``, ``conditioning_image`` and ``text`` columns (a
   ``metadata.jsonl`` inside ``--train_data_dir`` is found on its own).
+- Kohya's folder flags (SDXL LoRA): ``--train_data_dir`` of ``<repeats>_<class tokens>`` image folders,
+  ``--reg_data_dir`` of the same for regularization, or ``--train_data_dir`` + ``--in_json`` (fine-tuning).
 
 ``center_crop=False`` means random crops, as in the diffusers scripts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 
 from dreamstep.data.buckets import BucketSpec, adjust_bucket_limits
@@ -98,3 +102,48 @@ def controlnet_from_flags(*, train_data_dir: str | Path | None = None,
     if batch_size < 1:
         raise UserError("--train_batch_size must be at least 1")
     return DatasetConfig(subset.where, "controlnet", buckets or bucket_spec(512), batch_size, (subset,))
+
+
+def with_validation_folder(dataset: DatasetConfig, folder: str | Path, flag: str = "--validation_data_dir"
+                           ) -> DatasetConfig:
+    """``dataset`` plus a held-out subset of the images in ``folder``, captioned like the first subset."""
+    first = dataset.subsets[0]
+    subset = dataclasses.replace(first, where=flag, image_dir=_check_folder(folder, flag), num_repeats=1,
+                                 is_validation=True)
+    return dataclasses.replace(dataset, subsets=(*dataset.subsets, subset))
+
+
+_KOHYA_FOLDER = re.compile(r"^(\d+)_(.*)$")
+
+
+def _kohya_folders(root: str | Path, is_reg: bool, caption_extension: str, flag: str) -> list[SubsetConfig]:
+    """sd-scripts' DreamBooth folder convention: ``<root>/<repeats>_<class tokens>/`` image folders."""
+    folder = Path(root)
+    if not folder.is_dir():
+        raise UserError(f"{flag} {root}: folder not found")
+    subsets = []
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+        match = _KOHYA_FOLDER.match(sub.name)
+        if match is None:
+            raise UserError(f"{flag}: folder '{sub}' is not named <repeats>_<class tokens> (e.g. 10_sks dog)")
+        subsets.append(SubsetConfig(where=f"{flag} {sub}", image_dir=sub, num_repeats=int(match.group(1)),
+                                    is_reg=is_reg, class_tokens=match.group(2) or None,
+                                    caption_extension=caption_extension))
+    if not subsets:
+        raise UserError(f"{flag} {root}: no <repeats>_<class tokens> folders inside")
+    return subsets
+
+
+def kohya_folders_from_flags(train_data_dir: str | Path, *, reg_data_dir: str | Path | None = None,
+                             in_json: str | Path | None = None, caption_extension: str = ".caption",
+                             buckets: BucketSpec, batch_size: int = 1) -> DatasetConfig:
+    """sd-scripts' folder flags as one dataset: DreamBooth subsets from ``<repeats>_<class tokens>``
+    folders (regularization ones from ``reg_data_dir``), or one fine-tuning subset with ``in_json``."""
+    if in_json is not None:
+        subset = SubsetConfig(where="--in_json", image_dir=Path(train_data_dir), metadata_file=Path(in_json),
+                              caption_extension=None)
+        return DatasetConfig("--in_json", "finetune", buckets, batch_size, (subset,))
+    subsets = _kohya_folders(train_data_dir, False, caption_extension, "--train_data_dir")
+    if reg_data_dir is not None:
+        subsets += _kohya_folders(reg_data_dir, True, caption_extension, "--reg_data_dir")
+    return DatasetConfig("--train_data_dir", "dreambooth", buckets, batch_size, tuple(subsets))

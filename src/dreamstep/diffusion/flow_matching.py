@@ -44,6 +44,13 @@ def sigmas_at(scheduler_sigmas: torch.Tensor, indices: torch.Tensor, ndim: int) 
     return sigma.reshape(-1, *([1] * (ndim - 1)))
 
 
+def sigma_at_fraction(scheduler_sigmas: torch.Tensor, fraction: float) -> float:
+    """σ of the table entry a uniform draw ``u = fraction`` selects (the index mapping of
+    :func:`sample_timestep_indices`): a fixed noise level for validation."""
+    index = min(int(fraction * len(scheduler_sigmas)), len(scheduler_sigmas) - 1)
+    return float(scheduler_sigmas[index])
+
+
 def noisy_latents(latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
     """x_σ = (1 - σ)·x + σ·ε."""
     return (1.0 - sigmas) * latents + sigmas * noise

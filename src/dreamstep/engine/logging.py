@@ -15,6 +15,8 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from dreamstep.engine.metrics import MetricsTable, draw_metrics
+
 __all__ = ["TrainingLogger", "draw_loss_curve", "save_image_grid", "smooth"]
 
 ReportTo = Literal["tensorboard", "none"]
@@ -35,6 +37,7 @@ class TrainingLogger:
         self.tensorboard_dir = Path(tensorboard_dir) if tensorboard_dir is not None else self.log_dir
         self.is_main_process = is_main_process
         self.history: dict[str, list[tuple[int, float]]] = {}
+        self.metrics = MetricsTable()  # evaluation scores at validation points (validation loss, DINO, ...)
         self._writer = (_open_writer(self.tensorboard_dir) if report_to == "tensorboard" and is_main_process
                         else None)
 
@@ -51,6 +54,20 @@ class TrainingLogger:
             if self._writer is not None:
                 self._writer.add_scalar(f"train/{name}", value, step)
 
+    def log_metrics(self, step: int, scores: Mapping[str, float]) -> None:
+        """Record evaluation scores at ``step`` (TensorBoard tag ``eval/<name>``; ``metrics.csv`` on close)."""
+        self.metrics.add(step, scores)
+        if self._writer is not None:
+            for name, value in scores.items():
+                self._writer.add_scalar(f"eval/{name}", float(value), step)
+
+    def write_metrics(self, marks: Mapping[str, int] | None = None) -> dict[str, Path]:
+        """``metrics.csv`` and ``metrics.png`` in ``log_dir`` (nothing without scores); their paths."""
+        if not self.is_main_process or not self.metrics.rows:
+            return {}
+        return {"metrics table": self.metrics.write_csv(self.log_dir / "metrics.csv"),
+                "metrics plot": draw_metrics(self.metrics, self.log_dir / "metrics.png", marks=marks)}
+
     def log_images(self, step: int, images: Sequence[Image.Image], tag: str = "validation") -> Path | None:
         """Save ``images`` as ``samples/<tag>-<step>.png`` (and to TensorBoard); return the PNG path."""
         if not self.is_main_process or not images:
@@ -62,14 +79,16 @@ class TrainingLogger:
         return path
 
     def close(self) -> Path | None:
-        """Flush TensorBoard and draw ``loss_curve.png``; return its path (``None`` with no losses)."""
+        """Flush TensorBoard and draw ``loss_curve.png`` (with the validation loss when there is one);
+        return its path (``None`` with no losses)."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
         if not self.is_main_process or not self.loss_history:
             return None
         steps, losses = zip(*self.loss_history)
-        return draw_loss_curve(steps, losses, self.log_dir / "loss_curve.png")
+        return draw_loss_curve(steps, losses, self.log_dir / "loss_curve.png",
+                               validation=self.metrics.series("val_loss"))
 
 
 def _open_writer(log_dir: Path) -> Any:
@@ -111,26 +130,32 @@ def smooth(values: Sequence[float], weight: float = 0.9) -> list[float]:
 
 _SIZE = (800, 480)
 _MARGIN = (70, 30, 30, 50)  # left, top, right, bottom: room for tick labels and the title
-_RAW, _SMOOTH, _AXES = (170, 190, 230), (20, 70, 170), (60, 60, 60)
+_RAW, _SMOOTH, _AXES, _VALIDATION = (170, 190, 230), (20, 70, 170), (60, 60, 60), (220, 100, 20)
 
 
 def draw_loss_curve(steps: Sequence[int], losses: Sequence[float], path: str | Path,
-                    smoothing: float = 0.9) -> Path:
-    """Draw the raw loss (light) and its smoothed curve (dark) against steps with labelled axes; save PNG.
-
-    Non-finite losses are left out of the plot.
+                    smoothing: float = 0.9, validation: Sequence[tuple[int, float]] = ()) -> Path:
+    """Draw the raw loss (light) and its smoothed curve (dark) against steps with labelled axes, and the
+    validation loss (orange, with dots) when given; save PNG. Non-finite losses are left out of the plot.
     """
     points = [(int(s), float(v)) for s, v in zip(steps, losses) if math.isfinite(float(v))]
     image = Image.new("RGB", _SIZE, "white")
     draw = ImageDraw.Draw(image)
     font = ImageFont.load_default()
-    draw.text((_MARGIN[0], 8), "training loss (light: raw, dark: smoothed)", fill=_AXES, font=font)
+    title = "training loss (light: raw, dark: smoothed)" + (", validation loss (orange)" if validation else "")
+    draw.text((_MARGIN[0], 8), title, fill=_AXES, font=font)
     if points:
         xs, ys = zip(*points)
-        to_px = _projection(xs, ys)
-        _draw_axes(draw, font, xs, ys, to_px)
+        all_x, all_y = xs + tuple(s for s, _ in validation), ys + tuple(v for _, v in validation)
+        to_px = _projection(all_x, all_y)
+        _draw_axes(draw, font, all_x, all_y, to_px)
         _polyline(draw, [to_px(x, y) for x, y in points], _RAW, 1)
         _polyline(draw, [to_px(x, y) for x, y in zip(xs, smooth(ys, smoothing))], _SMOOTH, 2)
+        if validation:
+            pixels = [to_px(x, y) for x, y in validation]
+            _polyline(draw, pixels, _VALIDATION, 2)
+            for x, y in pixels:
+                draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=_VALIDATION)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)

@@ -182,6 +182,11 @@ class TrainStep(abc.ABC):
         """Compute the loss of one micro-batch; return ``(self.scale_loss(loss), *extras)``."""
 
     @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        """The model without its DDP wrapper: for passes on one process (validation), which must not sync."""
+        return self.accelerator.unwrap_model(self.model) if self.accelerator is not None else self.model
+
+    @property
     def loss_scale(self) -> float:
         return self.loss_scaler.scale_value if self.loss_scaler is not None else 1.0
 
@@ -251,7 +256,7 @@ class TrainStep(abc.ABC):
 
     def _forward_checked(self, batch: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
         self._scaled = False
-        with self._autocast():
+        with self.autocast():
             outputs = self.forward(*batch)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
         if not self._scaled:
@@ -328,7 +333,8 @@ class TrainStep(abc.ABC):
             return self.model.no_sync()
         return contextlib.nullcontext()
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The mixed-precision context ``forward`` runs in (also for evaluation passes outside training)."""
         return self.accelerator.autocast() if self.accelerator is not None else contextlib.nullcontext()
 
 

@@ -1,4 +1,4 @@
-"""The building blocks of ``dreamstep generate``: LoRA specs and loading (:mod:`.loras`), pipelines on a
+"""``dreamstep generate``: the run (:mod:`.generate`), LoRA specs and loading (:mod:`.loras`), pipelines on a
 device and precision (:mod:`.pipelines`), and PNGs that carry their parameters (:mod:`.outputs`)."""
 
 from dreamstep.generation.loras import LoraSpec, apply_loras, parse_lora_spec

@@ -4,13 +4,79 @@ and the epoch and step it was written at."""
 
 from __future__ import annotations
 
+import json
 import math
+import random
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from dreamstep.lora.kohya_network import NETWORK_MODULE, NetworkOptions
+
+# The ``ss_*`` entries that record one sd-scripts training flag as given, by the flag's name.
+SS_FLAG_KEYS = {
+    "ss_output_name": "output_name", "ss_learning_rate": "learning_rate", "ss_unet_lr": "unet_lr",
+    "ss_text_encoder_lr": "text_encoder_lr", "ss_optimizer": "optimizer_type", "ss_lr_scheduler": "lr_scheduler",
+    "ss_lr_warmup_steps": "lr_warmup_steps", "ss_max_train_steps": "max_train_steps",
+    "ss_gradient_accumulation_steps": "gradient_accumulation_steps",
+    "ss_gradient_checkpointing": "gradient_checkpointing", "ss_mixed_precision": "mixed_precision",
+    "ss_full_fp16": "full_fp16", "ss_seed": "seed", "ss_cache_latents": "cache_latents",
+    "ss_min_snr_gamma": "min_snr_gamma", "ss_noise_offset": "noise_offset",
+    "ss_adaptive_noise_scale": "adaptive_noise_scale", "ss_multires_noise_iterations": "multires_noise_iterations",
+    "ss_multires_noise_discount": "multires_noise_discount", "ss_v_parameterization": "v_parameterization",
+    "ss_zero_terminal_snr": "zero_terminal_snr",
+    "ss_prior_loss_weight": "prior_loss_weight", "ss_max_grad_norm": "max_grad_norm",
+}
+SDXL_BASE_MODEL_VERSION = "sdxl_base_v1-0"
+
+
+def training_metadata(flags: Mapping[str, Any], *, base_model: str, steps_per_epoch: int) -> dict[str, str]:
+    """sd-scripts' run entries: a session id, the start time, the base model's file name, the batches per
+    epoch, and every flag of :data:`SS_FLAG_KEYS` (``flags`` maps sd-scripts flag names to values)."""
+    return {"ss_session_id": str(random.randrange(2**31)), "ss_training_started_at": str(time.time()),
+            "ss_base_model_version": SDXL_BASE_MODEL_VERSION, "ss_sd_model_name": Path(base_model).name,
+            "ss_num_batches_per_epoch": str(steps_per_epoch),
+            **{key: str(flags[flag]) for key, flag in SS_FLAG_KEYS.items()}}
+
+
+def network_metadata(options: NetworkOptions, network_args: Mapping[str, Any]) -> dict[str, str]:
+    """The ``ss_network_*`` header entries."""
+    return {
+        "ss_network_module": NETWORK_MODULE,
+        "ss_network_dim": str(options.dim),
+        "ss_network_alpha": str(options.alpha),
+        "ss_network_dropout": str(options.dropout),
+        "ss_network_args": json.dumps({k: str(v) for k, v in network_args.items()}) if network_args else "None",
+    }
+
+
+
+def dataset_metadata(records: Iterable[Any], batch_size: int, resolution: tuple[int, int]) -> dict[str, str]:
+    """The ``ss_*`` dataset entries sd-scripts writes: image counts (with repeats), per-folder repeats and
+    image counts, and how often each comma-separated caption tag occurs, per folder."""
+    num_train = num_reg = 0
+    dirs: dict[str, dict[str, int]] = {}
+    tags: dict[str, dict[str, int]] = {}
+    for record in records:
+        folder = Path(record.subset.image_dir or record.image.path.parent).name
+        if record.subset.is_reg:
+            num_reg += record.num_repeats
+        else:
+            num_train += record.num_repeats
+        entry = dirs.setdefault(folder, {"n_repeats": record.subset.num_repeats, "img_count": 0})
+        entry["img_count"] += 1
+        counts = tags.setdefault(folder, {})
+        for tag in (t.strip() for t in record.caption.split(",")):
+            if tag:
+                counts[tag] = counts.get(tag, 0) + 1
+    return {"ss_num_train_images": str(num_train), "ss_num_reg_images": str(num_reg),
+            "ss_batch_size_per_device": str(batch_size), "ss_resolution": str(tuple(resolution)),
+            "ss_dataset_dirs": json.dumps(dirs), "ss_tag_frequency": json.dumps(tags)}
+
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ pipelines for samples.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -40,7 +39,6 @@ from dreamstep.lora.io import container_for, read_lora_file, write_lora_file
 NETWORK_MODULE = "networks.lora"
 UNET_TARGETS = ("Transformer2DModel",)
 UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
-TEXT_ENCODER_PREFIXES = {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
 # --network_args keys of sd-scripts' networks.lora that dreamstep implements, and their types.
 NETWORK_ARGS = {"conv_dim": int, "conv_alpha": float, "dropout": float, "rank_dropout": float,
                 "module_dropout": float}
@@ -285,38 +283,3 @@ def weight_hashes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, st
     model_hash = hashlib.sha256(data[8 + header_size:]).hexdigest()
     legacy_hash = hashlib.sha256(data[0x100000:0x110000]).hexdigest()[:8]
     return {"sshs_model_hash": model_hash, "sshs_legacy_hash": legacy_hash}
-
-
-def network_metadata(options: NetworkOptions, network_args: Mapping[str, Any]) -> dict[str, str]:
-    """The ``ss_network_*`` header entries."""
-    return {
-        "ss_network_module": NETWORK_MODULE,
-        "ss_network_dim": str(options.dim),
-        "ss_network_alpha": str(options.alpha),
-        "ss_network_dropout": str(options.dropout),
-        "ss_network_args": json.dumps({k: str(v) for k, v in network_args.items()}) if network_args else "None",
-    }
-
-
-
-def dataset_metadata(records: Iterable[Any], batch_size: int, resolution: tuple[int, int]) -> dict[str, str]:
-    """The ``ss_*`` dataset entries sd-scripts writes: image counts (with repeats), per-folder repeats and
-    image counts, and how often each comma-separated caption tag occurs, per folder."""
-    num_train = num_reg = 0
-    dirs: dict[str, dict[str, int]] = {}
-    tags: dict[str, dict[str, int]] = {}
-    for record in records:
-        folder = Path(record.subset.image_dir or record.image.path.parent).name
-        if record.subset.is_reg:
-            num_reg += record.num_repeats
-        else:
-            num_train += record.num_repeats
-        entry = dirs.setdefault(folder, {"n_repeats": record.subset.num_repeats, "img_count": 0})
-        entry["img_count"] += 1
-        counts = tags.setdefault(folder, {})
-        for tag in (t.strip() for t in record.caption.split(",")):
-            if tag:
-                counts[tag] = counts.get(tag, 0) + 1
-    return {"ss_num_train_images": str(num_train), "ss_num_reg_images": str(num_reg),
-            "ss_batch_size_per_device": str(batch_size), "ss_resolution": str(tuple(resolution)),
-            "ss_dataset_dirs": json.dumps(dirs), "ss_tag_frequency": json.dumps(tags)}

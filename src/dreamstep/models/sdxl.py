@@ -1,6 +1,6 @@
-"""SDXL plumbing shared by trainers and sampling: prompt encoding with both CLIP encoders (through
-``StableDiffusionXLPipeline.encode_prompt``, so training sees exactly what inference sees), the size
-conditioning ``add_time_ids``, VAE posteriors, and sd-scripts' sample-prompt lines.
+"""SDXL plumbing shared by trainers and sampling: the frozen base and its caches, prompt encoding with
+both CLIP encoders (through ``StableDiffusionXLPipeline.encode_prompt``, so training sees exactly what
+inference sees), the size conditioning ``add_time_ids``, VAE posteriors, and sd-scripts' sample-prompt lines.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
 from dreamstep.errors import UserError, did_you_mean
+from dreamstep.models.loading import component_identity, load_sdxl
+from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
 
 # sd-scripts' --sample_sampler names -> diffusers schedulers.
@@ -44,6 +46,51 @@ def assemble_pipeline(components: Any, unet: torch.nn.Module | None = None) -> S
     pipeline = StableDiffusionXLPipeline(**parts)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
+
+
+def load_frozen_for_training(source: str, *, model_config: str | None, mixed_precision: str,
+                             device: torch.device, vae_fp32: bool = False, sdpa: bool = False,
+                             gradient_checkpointing: bool = False) -> Any:
+    """The SDXL components, frozen, in the half-precision dtype of ``mixed_precision`` (the VAE in fp32 with
+    ``vae_fp32``: SDXL's VAE overflows in fp16), on ``device``. A single file finds its configs in
+    ``model_config``, or in its own folder when that holds ``model_index.json``."""
+    file = Path(source)
+    if model_config is None and file.is_file() and (file.parent / "model_index.json").is_file():
+        model_config = str(file.parent)
+    base = load_sdxl(source, config=model_config, weight_dtype=weight_dtype_for(mixed_precision))
+    freeze(base.unet, base.vae, base.text_encoder, base.text_encoder_2)
+    for module in (base.unet, base.vae, base.text_encoder, base.text_encoder_2):
+        module.to(device).eval()
+    if vae_fp32:
+        base.vae.to(torch.float32)
+    if sdpa:
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        base.unet.set_attn_processor(AttnProcessor2_0())
+    if gradient_checkpointing:
+        base.unet.enable_gradient_checkpointing()
+    return base
+
+
+def _identity(source: str, component: str, precision: str) -> str:
+    """Cache identity of one component: source and dtype, and for a single file its size and time."""
+    path = Path(source)
+    stamp = f"{path.stat().st_size}:{path.stat().st_mtime_ns}" if path.is_file() else ""
+    return component_identity(path, component, extra=f"{stamp}|{precision}")
+
+
+def training_caches(root: Path, source: str, *, mixed_precision: str, vae_fp32: bool, cache_latents: bool,
+                    cache_text: bool, image_dirs: list[Path]) -> tuple[TensorCache | None, TensorCache | None]:
+    """The latent and text-embedding caches of a run under ``root`` (``None`` where off), each keyed to the
+    weights and dtype that fill it."""
+    vae_precision = "no" if vae_fp32 else mixed_precision
+    latents = (TensorCache(root / "latents", _identity(source, "vae", vae_precision), image_dirs)
+               if cache_latents else None)
+    text = None
+    if cache_text:
+        text_id = "+".join(_identity(source, name, mixed_precision) for name in ("text_encoder", "text_encoder_2"))
+        text = TensorCache(root / "text", text_id, image_dirs)
+    return latents, text
 
 
 def encode_prompts(pipeline: StableDiffusionXLPipeline, prompts: list[str]) -> dict[str, torch.Tensor]:

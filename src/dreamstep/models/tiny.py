@@ -21,10 +21,8 @@ their end-of-word forms and a few merges) for CLIP, and a small Unigram vocabula
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -256,7 +254,8 @@ def build_tiny_sdxl(seed: int = 0) -> StableDiffusionXLPipeline:
 
 # ---------------------------------------------------------------- writing
 
-def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse a file, or a non-empty folder unless ``overwrite``."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"output path {out_dir} is a file, not a folder; choose a folder path")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
@@ -279,7 +278,7 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, guidance_emb
     if single_file and arch != "sdxl":
         raise UserError("--single-file applies to sdxl only")
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, overwrite)
+    check_out_dir(out_dir, overwrite)
     if arch == "flux":
         pipe = build_tiny_flux(seed=seed, guidance_embeds=guidance_embeds)
     else:
@@ -297,33 +296,3 @@ def param_count(pipe: FluxPipeline | StableDiffusionXLPipeline) -> dict[str, int
     """Number of parameters of each model component of a pipeline."""
     return {name: sum(p.numel() for p in module.parameters())
             for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)}
-
-
-# ---------------------------------------------------------------- CLI
-
-def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
-    parser.description = ("Write a tiny random FLUX.1 or SDXL pipeline folder (diffusers layout) for "
-                          "offline tests and demos; loads with FluxPipeline / "
-                          "StableDiffusionXLPipeline.from_pretrained(OUT).")
-    parser.add_argument("arch", choices=ARCHS, help="which architecture to write")
-    parser.add_argument("out", type=Path, metavar="OUT", help="output folder (must be empty or new)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default 0)")
-    parser.add_argument("--guidance-embeds", action="store_true",
-                        help="flux only: guidance-distilled variant, like FLUX.1-dev")
-    parser.add_argument("--single-file", action="store_true",
-                        help=f"sdxl only: also write OUT/{SINGLE_FILE_NAME} in the original "
-                             "(SGM) key layout, like sd_xl_base_1.0.safetensors")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="write into OUT even if it is not empty (files of the same name "
-                             "are replaced)")
-
-
-def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
-    start = time.perf_counter()
-    out = write_tiny_model(args.arch, args.out, seed=args.seed, guidance_embeds=args.guidance_embeds,
-                           single_file=args.single_file, overwrite=args.overwrite)
-    seconds = time.perf_counter() - start
-    print(f"wrote a tiny {args.arch} pipeline (seed {args.seed}) to {out} in {seconds:.1f} s:")
-    for path in sorted(out.rglob("*")):
-        if path.is_file():
-            print(f"  {path.relative_to(out)}  ({path.stat().st_size / 1024:.0f} KiB)")

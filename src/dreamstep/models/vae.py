@@ -23,3 +23,8 @@ def sample_latents(latent_dist: torch.Tensor) -> torch.Tensor:
     """One latent sample x = μ + σ·n from (B, 2C, h, w) mean and std: (B, C, h, w)."""
     mean, std = latent_dist.chunk(2, dim=1)
     return mean + std * torch.randn_like(mean)
+
+
+def posterior_mean(latent_dist: torch.Tensor) -> torch.Tensor:
+    """The posterior's mean from (B, 2C, h, w) mean and std: (B, C, h, w); deterministic, for validation."""
+    return latent_dist.chunk(2, dim=1)[0]

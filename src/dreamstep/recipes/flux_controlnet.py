@@ -35,10 +35,12 @@ from typing import Any, Literal
 import torch
 from PIL import Image
 
+from dreamstep.config.evaluation import CONTROL_METRICS, FIDELITY_METRICS
 from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option, refuse_unused
 from dreamstep.config.training import FluxTrainingConfig
-from dreamstep.data.dataset import ConditionedBatches, build_dataset, make_dataloader
+from dreamstep.data.dataset import ConditionedBatches, make_dataloader
 from dreamstep.data.dataset_config import DatasetConfig, load_dataset_config, require_methods
+from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import load_rgb
 from dreamstep.data.sources import bucket_spec, controlnet_from_flags
 from dreamstep.diffusion import flow_matching as fm
@@ -48,10 +50,11 @@ from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
+from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
 from dreamstep.models.precision import autocast
-from dreamstep.models.vae import sample_latents
+from dreamstep.models.vae import posterior_mean, sample_latents
 
 
 @dataclass
@@ -86,8 +89,13 @@ class FluxControlNetConfig(FluxTrainingConfig):
     validation_prompt: list[str] = option([], "prompts for validation images (one, or one per --validation_image)")
     validation_image: list[str] = option([], "control images for validation (one, or one per --validation_prompt)")
 
+    metrics_allowed = FIDELITY_METRICS + CONTROL_METRICS
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.eval_metrics and not self.validation_prompt:
+            raise UserError("--eval_metrics scores the validation samples: give --validation_prompt and "
+                            "--validation_image too")
         flags_given = any(v is not None for v in (self.train_data_dir, self.jsonl_for_train))
         if self.dataset_config is None and not flags_given:
             raise UserError("give --train_data_dir with --conditioning_data_dir, --jsonl_for_train, "
@@ -143,11 +151,28 @@ class FluxControlNetStep(TrainStep):
         # latent_dist / control_dist: (B, 2C, h, w) VAE posterior mean and std; one fresh sample of each.
         latents = sample_latents(batch["latent_dist"])
         control = sample_latents(batch["control_dist"])
-        bsz, _, height, width = latents.shape
         noise = torch.randn_like(latents)
-        indices = fm.sample_timestep_indices(self.weighting_scheme, bsz, len(self.sigmas),
+        indices = fm.sample_timestep_indices(self.weighting_scheme, len(latents), len(self.sigmas),
                                              **self.sampling).to(latents.device)
         sigmas = fm.sigmas_at(self.sigmas, indices, latents.ndim).to(latents.device)
+        loss = self.per_sample_loss(self.model, batch, latents, control, noise, sigmas, self.weighting_scheme)
+        return (self.scale_loss(loss.mean()),)
+
+    def validation_loss_at(self, batch: dict[str, torch.Tensor], latents: torch.Tensor, noise: torch.Tensor,
+                           fraction: float) -> torch.Tensor:
+        """Unweighted loss at the fixed σ that ``fraction`` of the schedule selects, with the control
+        posterior's mean (validation)."""
+        sigmas = torch.full((len(latents), 1, 1, 1), fm.sigma_at_fraction(self.sigmas, fraction),
+                            device=latents.device)
+        control = posterior_mean(batch["control_dist"])
+        with self.autocast():
+            return self.per_sample_loss(self.unwrapped_model, batch, latents, control, noise, sigmas, "none")
+
+    def per_sample_loss(self, controlnet: torch.nn.Module, batch: dict[str, torch.Tensor], latents: torch.Tensor,
+                        control: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor,
+                        weighting_scheme: str) -> torch.Tensor:
+        """The flow-matching loss of each sample, (B,), for given latents, control latents, noise and σ."""
+        bsz, _, height, width = latents.shape
         # x_σ = (1 - σ)·x + σ·ε, packed into 2x2 patches: (B, N, 4C) with N = h/2 · w/2.
         packed = flux.pack(fm.noisy_latents(latents, noise, sigmas))
         guidance = (torch.full((bsz,), self.guidance_scale, device=latents.device)
@@ -158,12 +183,11 @@ class FluxControlNetStep(TrainStep):
                                                                               packed.dtype))
         # The ControlNet reads the packed control latents (B, N, 4C) beside x_σ; its residuals, one
         # (B, N, D) per block, are added to the transformer's hidden states block by block.
-        residuals = cn.residuals(self.model, controlnet_cond=flux.pack(control), **inputs)
+        residuals = cn.residuals(controlnet, controlnet_cond=flux.pack(control), **inputs)
         packed_pred = self.transformer(**inputs, **residuals, return_dict=False)[0]
         pred = flux.unpack(packed_pred, height, width)
         # Flow-matching target v = ε - x, each sample weighted by its own σ.
-        loss = fm.weighted_mse(pred, fm.velocity_target(latents, noise), sigmas, self.weighting_scheme).mean()
-        return (self.scale_loss(loss),)
+        return fm.weighted_mse(pred, fm.velocity_target(latents, noise), sigmas, weighting_scheme)
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
@@ -204,8 +228,9 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
                      resume_from_checkpoint=config.resume_from_checkpoint)
     # Every flag, folder, pair and image (validation images too) is checked before a model loads.
     datasets = _datasets(config)
-    dataset = build_dataset(datasets, seed=config.seed)
+    dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
     validation = [(load_rgb(Path(image)), prompt) for image, prompt in config.validation_pairs()]
+    scorer = load_scorer(config)
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
                     config_toml=config_to_toml(config))
@@ -237,12 +262,15 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
         cache_latents=config.cache_latents,
         image_dirs=[d for ds in datasets for s in ds.subsets for d in (s.image_dir, s.conditioning_data_dir)
                     if d is not None])
-    dataset.latent_cache = latent_cache
+    for part in (dataset, held_out):
+        if part is not None:
+            part.latent_cache = latent_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
-    batches = ConditionedBatches(loader, ControlConditioner(flux.FluxConditioner(
+    conditioner = ControlConditioner(flux.FluxConditioner(
         pipeline, latent_cache=latent_cache, text_cache=text_cache, max_sequence_length=config.max_sequence_length,
-        device=run.device)))
+        device=run.device))
+    batches = ConditionedBatches(loader, conditioner)
 
     # 3. The step: the optimizer over every ControlNet weight, the LR schedule, clipping, accumulation.
     optimizer = _optimizer(config, list(controlnet.parameters()))
@@ -261,23 +289,33 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
         mode_scale=config.mode_scale,
         guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)
 
-    # 4. Loop: the engine trains, checkpoints and validates.
-    def validate(_: int) -> list[Image.Image]:
-        return _validation_grid(config, pipeline, validation, run.device.type)
+    # 4. Loop: the engine trains, checkpoints and validates (samples, validation loss, scores).
+    evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
+                                loss_at=step.validation_loss_at, modules=[model], seed=config.seed,
+                                subject_images=subject_image_paths(dataset, held_out), device=run.device)
+
+    def validate(global_step: int) -> list[Image.Image]:
+        rows = _validation_rows(config, pipeline, validation, run.device.type)
+        if evaluator is not None and global_step not in run.logger.metrics.rows:
+            samples = [(image, prompt, control) for control, prompt, images in rows for image in images]
+            run.logger.log_metrics(global_step, evaluator([s[0] for s in samples], [s[1] for s in samples],
+                                                          controls=[s[2] for s in samples]))
+        return [cn.side_by_side([[control, *images] for control, _, images in rows])] if rows else []
 
     result = fit(run, step, batches, max_train_steps=config.max_train_steps,
                  num_epochs=config.num_train_epochs, weights=controlnet.state_dict,
                  load_weights=controlnet.load_state_dict, checkpointing_steps=config.checkpointing_steps,
                  checkpoints_total_limit=config.checkpoints_total_limit,
-                 validate=validate if validation else None, validation_steps=config.validation_steps,
-                 on_nonfinite_loss=config.on_nonfinite_loss)
+                 validate=validate if validation or evaluator else None, validation_steps=config.validation_steps,
+                 on_nonfinite_loss=config.on_nonfinite_loss, validate_first=evaluator is not None)
 
     # 5. Save: the save_pretrained layout, final samples, loss curve, summary.
     written = {}
     if run.is_main_process:
         written["ControlNet"] = cn.save(controlnet, config.output_dir)
-    finish(run, written, validate_final=(lambda: validate(0)) if validation else None,
-           final_step=result.position.global_step)
+    final_step = result.position.global_step
+    finish(run, written, validate_final=(lambda: validate(final_step)) if validation or evaluator else None,
+           final_step=final_step, best_by=config.best_metric(held_out is not None))
     return result
 
 
@@ -302,9 +340,9 @@ class ControlConditioner:
         return {**self.conditioner(batch), "control_dist": self.conditioner.latents(batch, prefix="conditioning_")}
 
 
-def _validation_grid(config: FluxControlNetConfig, pipeline, validation: list[tuple[Image.Image, str]],
-                     device_type: str) -> list[Image.Image]:
-    """One grid: a row per (control image, prompt), the control image first, then its results."""
+def _validation_rows(config: FluxControlNetConfig, pipeline, validation: list[tuple[Image.Image, str]],
+                     device_type: str) -> list[tuple[Image.Image, str, list[Image.Image]]]:
+    """(control image, prompt, samples) per validation pair; the grid shows a row per pair."""
     was_training = pipeline.controlnet.training
     pipeline.controlnet.eval()
     rows = []
@@ -315,6 +353,6 @@ def _validation_grid(config: FluxControlNetConfig, pipeline, validation: list[tu
                                    steps=config.validation_inference_steps, guidance_scale=config.guidance_scale,
                                    height=config.resolution, width=config.resolution,
                                    max_sequence_length=config.max_sequence_length, control_image=control)
-            rows.append([control, *images])
+            rows.append((control, prompt, images))
     pipeline.controlnet.train(was_training)
-    return [cn.side_by_side(rows)]
+    return rows

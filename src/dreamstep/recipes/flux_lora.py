@@ -27,14 +27,16 @@ from torch import nn
 
 from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option, refuse_unused
 from dreamstep.config.training import FluxTrainingConfig
-from dreamstep.data.dataset import ConditionedBatches, build_dataset, make_dataloader
+from dreamstep.data.dataset import ConditionedBatches, make_dataloader
 from dreamstep.data.dataset_config import load_dataset_config, require_methods
-from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
+from dreamstep.data.holdout import build_split_datasets, subject_image_paths
+from dreamstep.data.sources import bucket_spec, dreambooth_from_flags, with_validation_folder
 from dreamstep.diffusion import flow_matching as fm
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
+from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import (
     CLIP_LORA_TARGETS,
@@ -79,6 +81,8 @@ class FluxLoraConfig(FluxTrainingConfig):
     adam_weight_decay_text_encoder: float = option(1e-3, "weight decay of the text-encoder LoRA (diffusers' "
                                                          "default)")
     save_kohya_format: bool = option(False, "also write the LoRA with sd-scripts' key names")
+    validation_data_dir: Optional[str] = option(None, "folder of held-out images of the subject for the validation "
+                                                      "loss (captioned like the instance images)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -101,11 +105,13 @@ class FluxLoraConfig(FluxTrainingConfig):
             raise UserError(f"--rank must be at least 1 (got {self.rank})")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise UserError(f"--lora_dropout must be in [0, 1) (got {self.lora_dropout})")
+        if self.eval_metrics and not self.validation_prompt:
+            raise UserError("--eval_metrics scores the validation samples: give --validation_prompt too")
 
 
 _PRIOR_FLAGS = ("class_data_dir", "class_prompt", "num_class_images", "sample_batch_size")
 _INSTANCE_FLAGS = ("instance_prompt", "caption_extension", "center_crop", "random_flip", "repeats",
-                   "with_prior_preservation", *_PRIOR_FLAGS)
+                   "with_prior_preservation", "validation_data_dir", *_PRIOR_FLAGS)
 
 
 class FluxLoraModel(nn.Module):
@@ -141,26 +147,38 @@ class FluxLoraStep(TrainStep):
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
         # latent_dist: (B, 2C, h, w), the VAE posterior's mean and std, already shifted and scaled.
         latents = sample_latents(batch["latent_dist"])
-        bsz, channels, height, width = latents.shape
         noise = torch.randn_like(latents)
-        indices = fm.sample_timestep_indices(self.weighting_scheme, bsz, len(self.sigmas),
+        indices = fm.sample_timestep_indices(self.weighting_scheme, len(latents), len(self.sigmas),
                                              **self.sampling).to(latents.device)
         sigmas = fm.sigmas_at(self.sigmas, indices, latents.ndim).to(latents.device)
+        per_sample = self.per_sample_loss(self.model, batch, latents, noise, sigmas, self.weighting_scheme)
+        loss = fm.instance_plus_prior_loss(per_sample, batch["is_reg"], self.prior_loss_weight)
+        return (self.scale_loss(loss),)
+
+    def per_sample_loss(self, model: nn.Module, batch: dict[str, torch.Tensor], latents: torch.Tensor,
+                        noise: torch.Tensor, sigmas: torch.Tensor, weighting_scheme: str) -> torch.Tensor:
+        """The flow-matching loss of each sample, (B,), for given latents, noise and σ (B, 1, 1, 1)."""
+        bsz, _, height, width = latents.shape
         # x_σ = (1 - σ)·x + σ·ε; the model sees it packed into 2x2 patches: (B, h/2 · w/2, 4C).
-        noisy = fm.noisy_latents(latents, noise, sigmas)
-        packed = flux.pack(noisy)
+        packed = flux.pack(fm.noisy_latents(latents, noise, sigmas))
         guidance = (torch.full((bsz,), self.guidance_scale, device=latents.device)
                     if self.guidance_scale is not None else None)
-        packed_pred = self.model(
+        packed_pred = model(
             pooled_projections=batch["pooled"], clip_input_ids=batch.get("clip_input_ids"), hidden_states=packed,
             timestep=sigmas.flatten(), guidance=guidance, encoder_hidden_states=batch["prompt_embeds"],
             txt_ids=batch["text_ids"], img_ids=flux.latent_image_ids(height, width, latents.device, packed.dtype),
         )
         pred = flux.unpack(packed_pred, height, width)
         # Flow-matching target v = ε - x, each sample weighted by its own σ.
-        per_sample = fm.weighted_mse(pred, fm.velocity_target(latents, noise), sigmas, self.weighting_scheme)
-        loss = fm.instance_plus_prior_loss(per_sample, batch["is_reg"], self.prior_loss_weight)
-        return (self.scale_loss(loss),)
+        return fm.weighted_mse(pred, fm.velocity_target(latents, noise), sigmas, weighting_scheme)
+
+    def validation_loss_at(self, batch: dict[str, torch.Tensor], latents: torch.Tensor, noise: torch.Tensor,
+                           fraction: float) -> torch.Tensor:
+        """Unweighted loss at the fixed σ that ``fraction`` of the schedule selects (validation)."""
+        sigmas = torch.full((len(latents), 1, 1, 1), fm.sigma_at_fraction(self.sigmas, fraction),
+                            device=latents.device)
+        with self.autocast():
+            return self.per_sample_loss(self.unwrapped_model, batch, latents, noise, sigmas, "none")
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
@@ -189,18 +207,22 @@ def _datasets(config: FluxLoraConfig, class_dir: str | None) -> list:
                                                                    "train_batch_size": config.train_batch_size})
         require_methods(datasets, ("dreambooth", "finetune"), "train flux-lora")
         return datasets
-    return [dreambooth_from_flags(
+    dataset = dreambooth_from_flags(
         config.instance_data_dir, config.instance_prompt, caption_extension=config.caption_extension,
         class_data_dir=class_dir, class_prompt=config.class_prompt if class_dir else None,
         buckets=bucket_spec(config.resolution), center_crop=config.center_crop,
-        random_flip=config.random_flip, repeats=config.repeats, batch_size=config.train_batch_size)]
+        random_flip=config.random_flip, repeats=config.repeats, batch_size=config.train_batch_size)
+    if config.validation_data_dir is not None:
+        dataset = with_validation_folder(dataset, config.validation_data_dir)
+    return [dataset]
 
 
 def train(config: FluxLoraConfig) -> None:
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
                      resume_from_checkpoint=config.resume_from_checkpoint)
     # Every flag, folder and image is checked (each image decoded once) before a model loads.
-    dataset = build_dataset(_datasets(config, None), seed=config.seed)
+    dataset, held_out = build_split_datasets(_datasets(config, None), config.seed, config.validation_split)
+    scorer = load_scorer(config)
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
                     config_toml=config_to_toml(config))
@@ -235,7 +257,7 @@ def train(config: FluxLoraConfig) -> None:
     # 2. Data: bucketed samples; posteriors and prompt embeddings from content-keyed caches.
     datasets = _datasets(config, class_dir)
     if class_dir is not None:
-        dataset = build_dataset(datasets, seed=config.seed)
+        dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
     # Random crops of images larger than their bucket are encoded every step (see BucketDataset); the
     # rest, random crops of images that already have their bucket's size included, are cached.
     latent_cache, text_cache = flux.training_caches(
@@ -243,12 +265,15 @@ def train(config: FluxLoraConfig) -> None:
         revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
         max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents,
         image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
-    dataset.latent_cache = latent_cache
+    for part in (dataset, held_out):
+        if part is not None:
+            part.latent_cache = latent_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
-    batches = ConditionedBatches(loader, flux.FluxConditioner(
+    conditioner = flux.FluxConditioner(
         pipeline, latent_cache=latent_cache, text_cache=text_cache, max_sequence_length=config.max_sequence_length,
-        device=run.device, clip_ids=text_encoder is not None))
+        device=run.device, clip_ids=text_encoder is not None)
+    batches = ConditionedBatches(loader, conditioner)
 
     # 3. The step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
     optimizer = build_optimizer(config.optimizer, optimizer_groups(config, base.transformer, text_encoder),
@@ -269,9 +294,17 @@ def train(config: FluxLoraConfig) -> None:
         mode_scale=config.mode_scale, prior_loss_weight=config.prior_loss_weight,
         guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)
 
-    # 4. Loop: the engine trains, checkpoints and validates.
-    def validate(_: int) -> list:
-        return _validation_images(config, pipeline)
+    # 4. Loop: the engine trains, checkpoints and validates (samples, validation loss, fidelity scores).
+    evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
+                                loss_at=step.validation_loss_at, modules=[model], seed=config.seed,
+                                subject_images=subject_image_paths(dataset, held_out), device=run.device)
+    prompts = [config.validation_prompt] * config.num_validation_images if config.validation_prompt else []
+
+    def validate(global_step: int) -> list:
+        images = _validation_images(config, pipeline) if prompts else []
+        if evaluator is not None and global_step not in run.logger.metrics.rows:
+            run.logger.log_metrics(global_step, evaluator(images, prompts))
+        return images
 
     def weights() -> dict:
         state = {f"transformer.{k}": v for k, v in trainable_state(base.transformer).items()}
@@ -288,8 +321,8 @@ def train(config: FluxLoraConfig) -> None:
                  num_epochs=config.num_train_epochs, weights=weights, load_weights=load_weights,
                  checkpointing_steps=config.checkpointing_steps,
                  checkpoints_total_limit=config.checkpoints_total_limit,
-                 validate=validate if config.validation_prompt else None, validation_steps=config.validation_steps,
-                 on_nonfinite_loss=config.on_nonfinite_loss)
+                 validate=validate if prompts or evaluator else None, validation_steps=config.validation_steps,
+                 on_nonfinite_loss=config.on_nonfinite_loss, validate_first=evaluator is not None)
 
     # 5. Save: diffusers layout (+ sd-scripts names), final samples, loss curve, summary.
     written = {}
@@ -299,8 +332,9 @@ def train(config: FluxLoraConfig) -> None:
             kohya_path = Path(config.output_dir) / KOHYA_WEIGHT_NAME
             convert_lora(written["LoRA (diffusers)"], kohya_path, to="kohya", model="flux", overwrite=True)
             written["LoRA (Kohya)"] = kohya_path
-    final_samples = (lambda: _validation_images(config, pipeline)) if config.validation_prompt else None
-    finish(run, written, validate_final=final_samples, final_step=result.position.global_step)
+    final_step = result.position.global_step
+    finish(run, written, validate_final=(lambda: validate(final_step)) if prompts or evaluator else None,
+           final_step=final_step, best_by=config.best_metric(held_out is not None))
 
 
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"

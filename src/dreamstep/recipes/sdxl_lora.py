@@ -27,9 +27,7 @@ import argparse
 import dataclasses
 import math
 import random
-import re
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -37,38 +35,41 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
 from dreamstep.data import (
     ConditionedBatches,
     DatasetConfig,
-    SubsetConfig,
-    TensorCache,
     bucket_spec,
-    build_dataset,
     load_dataset_config,
     make_dataloader,
     require_methods,
 )
 from dreamstep.data.dataset_config import parse_resolution
+from dreamstep.data.holdout import build_split_datasets, subject_image_paths
+from dreamstep.data.sources import kohya_folders_from_flags
 from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.engine.checkpoint import save_checkpoint
 from dreamstep.engine.optim import LR_SCHEDULERS, build_lr_scheduler, build_optimizer, parse_optimizer_args
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError, did_you_mean
-from dreamstep.lora.kohya_files import KohyaLoraWriter, SaveSchedule
+from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
+from dreamstep.lora.kohya_files import (
+    KohyaLoraWriter,
+    SaveSchedule,
+    dataset_metadata,
+    network_metadata,
+    training_metadata,
+)
 from dreamstep.lora.kohya_network import (
     NETWORK_MODULE,
     LoRANetwork,
     NetworkOptions,
     create_network,
-    dataset_metadata,
-    network_metadata,
     parse_network_args,
 )
 from dreamstep.models import sdxl
-from dreamstep.models.loading import component_identity, load_sdxl
-from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import sample_latents
 
 SchedulerName = Literal[LR_SCHEDULERS]  # type: ignore[valid-type]
@@ -76,7 +77,7 @@ SAVE_DTYPES = {"fp32": torch.float32, "float": torch.float32, "fp16": torch.floa
 
 
 @dataclass
-class SDXLLoraConfig:
+class SDXLLoraConfig(EvaluationOptions):
     pretrained_model_name_or_path: str = option(
         help="base SDXL: a diffusers folder, a hub id, or a single file such as sd_xl_base_1.0.safetensors")
     output_dir: str = option(help="where the LoRA, step files, states, samples and logs are written")
@@ -161,6 +162,9 @@ class SDXLLoraConfig:
     sample_every_n_steps: int | None = option(None, "sample images every N steps")
     sample_every_n_epochs: int | None = option(None, "sample images every N epochs")
     sample_at_first: bool = option(False, "sample images before training")
+    validate_every_n_steps: int | None = option(
+        None, "score the validation loss (and --eval_metrics on the --sample_prompts) every N steps; "
+              "evaluation also runs before training and at the end")
     sample_sampler: str = option("ddim", "sampler for samples: ddim, euler, euler_a, dpmsolver++, pndm, heun")
     log_with: Literal["tensorboard", "none"] = option("tensorboard", "where scalars are logged")
     logging_dir: str | None = option(None, "folder for the TensorBoard event files (default: --output_dir)")
@@ -188,38 +192,20 @@ class SDXLLoraConfig:
         if self.max_train_steps < 1 or self.gradient_accumulation_steps < 1 or self.train_batch_size < 1:
             raise UserError("--max_train_steps, --gradient_accumulation_steps and --train_batch_size must be >= 1")
         for name in ("save_every_n_steps", "save_every_n_epochs", "sample_every_n_steps", "sample_every_n_epochs",
-                     "max_train_epochs"):
+                     "max_train_epochs", "validate_every_n_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1")
         if self.min_snr_gamma is not None and self.min_snr_gamma <= 0:
             raise UserError("--min_snr_gamma must be positive")
+        self.check_evaluation()
+        if self.eval_metrics and not self.sample_prompts:
+            raise UserError("--eval_metrics scores samples of the --sample_prompts: give a prompt file too")
         if self.sample_sampler not in sdxl.SAMPLERS:
             raise UserError(f"--sample_sampler: unknown sampler '{self.sample_sampler}'"
                             f"{did_you_mean(self.sample_sampler, sdxl.SAMPLERS)}; choose one of {', '.join(sdxl.SAMPLERS)}")
 
 
 # ------------------------------------------------------------------------------------------- builders
-
-_KOHYA_FOLDER = re.compile(r"^(\d+)_(.*)$")
-
-
-def _kohya_folders(root: str, is_reg: bool, caption_extension: str, flag: str) -> list[SubsetConfig]:
-    """sd-scripts' DreamBooth folder convention: ``<root>/<repeats>_<class tokens>/`` image folders."""
-    folder = Path(root)
-    if not folder.is_dir():
-        raise UserError(f"{flag} {root}: folder not found")
-    subsets = []
-    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
-        match = _KOHYA_FOLDER.match(sub.name)
-        if match is None:
-            raise UserError(f"{flag}: folder '{sub}' is not named <repeats>_<class tokens> (e.g. 10_sks dog)")
-        subsets.append(SubsetConfig(where=f"{flag} {sub}", image_dir=sub, num_repeats=int(match.group(1)),
-                                    is_reg=is_reg, class_tokens=match.group(2) or None,
-                                    caption_extension=caption_extension))
-    if not subsets:
-        raise UserError(f"{flag} {root}: no <repeats>_<class tokens> folders inside")
-    return subsets
-
 
 def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
     """The Kohya dataset TOML, or the flag-level dataset; every key and folder checked, no image read yet."""
@@ -233,14 +219,9 @@ def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
         raise UserError("--resolution is required with --train_data_dir (e.g. --resolution 1024,1024)")
     buckets = bucket_spec(parse_resolution(config.resolution, "--resolution"), bool(config.enable_bucket),
                           **{k: v for k, v in cli.items() if k.endswith(("reso", "steps", "upscale")) and v is not None})
-    if config.in_json is not None:
-        subset = SubsetConfig(where="--in_json", image_dir=Path(config.train_data_dir),
-                              metadata_file=Path(config.in_json), caption_extension=None)
-        return [DatasetConfig("--in_json", "finetune", buckets, config.train_batch_size, (subset,))]
-    subsets = _kohya_folders(config.train_data_dir, False, config.caption_extension, "--train_data_dir")
-    if config.reg_data_dir is not None:
-        subsets += _kohya_folders(config.reg_data_dir, True, config.caption_extension, "--reg_data_dir")
-    return [DatasetConfig("--train_data_dir", "dreambooth", buckets, config.train_batch_size, tuple(subsets))]
+    return [kohya_folders_from_flags(config.train_data_dir, reg_data_dir=config.reg_data_dir, in_json=config.in_json,
+                                     caption_extension=config.caption_extension, buckets=buckets,
+                                     batch_size=config.train_batch_size)]
 
 
 def check_optimizer(config: SDXLLoraConfig) -> dict[str, Any]:
@@ -249,28 +230,6 @@ def check_optimizer(config: SDXLLoraConfig) -> dict[str, Any]:
     build_optimizer(config.optimizer_type, [nn.Parameter(torch.zeros(1))], config.learning_rate, extra=extra,
                     flag="--optimizer_type", family="sd-scripts")
     return extra
-
-
-def load_frozen_base(config: SDXLLoraConfig, device: torch.device) -> Any:
-    """The SDXL components, frozen, in the --mixed_precision dtype (the VAE in fp32 with --no_half_vae)."""
-    source = Path(config.pretrained_model_name_or_path)
-    model_config = config.model_config
-    if model_config is None and source.is_file() and (source.parent / "model_index.json").is_file():
-        model_config = str(source.parent)
-    dtype = weight_dtype_for(config.mixed_precision)
-    base = load_sdxl(config.pretrained_model_name_or_path, config=model_config, weight_dtype=dtype)
-    freeze(base.unet, base.vae, base.text_encoder, base.text_encoder_2)
-    for module in (base.unet, base.vae, base.text_encoder, base.text_encoder_2):
-        module.to(device).eval()
-    if config.no_half_vae:
-        base.vae.to(torch.float32)
-    if config.sdpa or config.flash_attn or config.xformers:
-        from diffusers.models.attention_processor import AttnProcessor2_0
-
-        base.unet.set_attn_processor(AttnProcessor2_0())
-    if config.gradient_checkpointing:
-        base.unet.enable_gradient_checkpointing()
-    return base
 
 
 def network_options(config: SDXLLoraConfig) -> tuple[NetworkOptions, dict[str, Any]]:
@@ -297,27 +256,6 @@ def build_network(config: SDXLLoraConfig, base: Any, options: NetworkOptions) ->
         for encoder in (base.text_encoder, base.text_encoder_2):
             encoder.gradient_checkpointing_enable()
     return network
-
-
-def _identity(config: SDXLLoraConfig, component: str) -> str:
-    """Cache identity of one component: source, dtype, and for a single file its size and time."""
-    source = Path(config.pretrained_model_name_or_path)
-    stamp = f"{source.stat().st_size}:{source.stat().st_mtime_ns}" if source.is_file() else ""
-    vae_fp32 = config.no_half_vae and component == "vae"
-    return component_identity(source, component, extra=f"{stamp}|{'no' if vae_fp32 else config.mixed_precision}")
-
-
-def build_caches(config: SDXLLoraConfig, datasets: list[DatasetConfig], train_text: bool
-                 ) -> tuple[TensorCache | None, TensorCache | None]:
-    """Latent and text-embedding caches under OUTPUT_DIR/cache (never in the image folders)."""
-    root = Path(config.output_dir) / "cache"
-    image_dirs = [s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None]
-    latents = TensorCache(root / "latents", _identity(config, "vae"), image_dirs) if config.cache_latents else None
-    text = None
-    if config.cache_text_encoder_outputs and not train_text:
-        text = TensorCache(root / "text", _identity(config, "text_encoder") + "+" + _identity(config, "text_encoder_2"),
-                           image_dirs)
-    return latents, text
 
 
 # ----------------------------------------------------------------------------------------- the step
@@ -367,17 +305,30 @@ class SDXLLoraStep(TrainStep):
         if self.multires[0]:
             noise = noise_math.pyramid_noise(noise, *self.multires)
         timesteps = noise_math.sample_timesteps(latents.shape[0], *self.timestep_range, device=latents.device)
-        # x_t = √ᾱ_t·x₀ + √(1-ᾱ_t)·ε
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        prediction = self.model(noisy, timesteps, batch["add_time_ids"], prompt_embeds=batch.get("prompt_embeds"),
-                                pooled=batch.get("pooled"), captions=batch.get("captions"))
-        target = noise_math.prediction_target(self.noise_scheduler, latents, noise, timesteps, self.prediction_type)
-        loss = noise_math.per_sample_mse(prediction, target)  # (B,)
+        loss = self.per_sample_loss(self.model, batch, latents, noise, timesteps)  # (B,)
         if self.min_snr_gamma:
             snr = noise_math.snr(self.noise_scheduler.alphas_cumprod, timesteps)
             loss = loss * noise_math.min_snr_weight(snr, self.min_snr_gamma, self.prediction_type == "v_prediction")
         weights = torch.where(batch["is_reg"], self.prior_loss_weight, 1.0)
         return (self.scale_loss((loss * weights).mean()),)
+
+    def per_sample_loss(self, model: nn.Module, batch: dict[str, Any], latents: torch.Tensor, noise: torch.Tensor,
+                        timesteps: torch.Tensor) -> torch.Tensor:
+        """Unweighted MSE of the prediction target per sample, (B,), at the given noise and timesteps."""
+        # x_t = √ᾱ_t·x₀ + √(1-ᾱ_t)·ε
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        prediction = model(noisy, timesteps, batch["add_time_ids"], prompt_embeds=batch.get("prompt_embeds"),
+                           pooled=batch.get("pooled"), captions=batch.get("captions"))
+        target = noise_math.prediction_target(self.noise_scheduler, latents, noise, timesteps, self.prediction_type)
+        return noise_math.per_sample_mse(prediction, target)
+
+    def validation_loss_at(self, batch: dict[str, Any], latents: torch.Tensor, noise: torch.Tensor,
+                           fraction: float) -> torch.Tensor:
+        """Unweighted loss at the fixed timestep ``fraction`` of the way through the training range."""
+        low, high = self.timestep_range
+        timesteps = torch.full((len(latents),), low + int(fraction * (high - low)), device=latents.device)
+        with self.autocast():
+            return self.per_sample_loss(self.unwrapped_model, batch, latents, noise, timesteps)
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -405,21 +356,32 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     options, network_args = network_options(config)
     prompts = (sdxl.read_sample_prompts(config.sample_prompts, datasets[0].buckets.resolution)
                if config.sample_prompts else None)
-    dataset = build_dataset(datasets, seed=config.seed)  # every image is read once, errors name the file
+    # Every image is read once (errors name the file); held-out images are split off for the validation loss.
+    dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
+    scorer = load_scorer(config)
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.log_with, resume_from_checkpoint=config.resume,
                     config_toml=config_to_toml(config), tensorboard_dir=config.logging_dir)
 
     # 1. Models: the base frozen in the --mixed_precision dtype; the Kohya network on top.
-    base = load_frozen_base(config, run.device)
+    base = sdxl.load_frozen_for_training(
+        config.pretrained_model_name_or_path, model_config=config.model_config,
+        mixed_precision=config.mixed_precision, device=run.device, vae_fp32=config.no_half_vae,
+        sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing)
     network = build_network(config, base, options)
     pipeline = sdxl.assemble_pipeline(base)
     model = SDXLLoraModel(base.unet, network, pipeline).train()
 
     # 2. Data: bucketed samples; VAE posteriors and prompt embeddings from the content-keyed caches.
     train_text = not config.network_train_unet_only
-    latent_cache, text_cache = build_caches(config, datasets, train_text)
-    dataset.latent_cache = latent_cache
+    latent_cache, text_cache = sdxl.training_caches(
+        Path(config.output_dir) / "cache", config.pretrained_model_name_or_path,
+        mixed_precision=config.mixed_precision, vae_fp32=config.no_half_vae, cache_latents=config.cache_latents,
+        cache_text=config.cache_text_encoder_outputs and not train_text,
+        image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
+    for part in (dataset, held_out):
+        if part is not None:
+            part.latent_cache = latent_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.max_data_loader_n_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     conditioner = sdxl.SDXLConditioner(pipeline, device=run.device, latent_cache=latent_cache, text_cache=text_cache,
@@ -459,7 +421,10 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         network, folder, config.output_name, config.save_model_as,
         SaveSchedule(config.save_every_n_steps, config.save_every_n_epochs, steps_per_epoch, total_steps),
         SAVE_DTYPES[config.save_precision] if config.save_precision else None,
-        ss_metadata(config, options, network_args, datasets, dataset.records, steps_per_epoch))
+        {**training_metadata(dataclasses.asdict(config), base_model=config.pretrained_model_name_or_path,
+                             steps_per_epoch=steps_per_epoch),
+         **network_metadata(options, network_args),
+         **dataset_metadata(dataset.records, datasets[0].batch_size, datasets[0].buckets.resolution)})
     sampler = sdxl.SampleWriter(
         pipeline, network, prompts, folder=folder / "sample", name=config.output_name,
         every_n_steps=config.sample_every_n_steps, every_n_epochs=config.sample_every_n_epochs,
@@ -468,16 +433,34 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     if config.sample_at_first and prompts and not run.resume_from:
         sampler(0, force=True)
 
+    evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
+                                loss_at=step.validation_loss_at, modules=[model], seed=config.seed,
+                                subject_images=subject_image_paths(dataset, held_out), device=run.device)
+
+    def evaluate(global_step: int, images: list) -> list:
+        """Scores at a validation point; the sample prompts are generated for them when not yet due."""
+        if evaluator is None or global_step in run.logger.metrics.rows:
+            return images
+        if config.eval_metrics and not images:
+            images = sampler(global_step, force=True)
+        run.logger.log_metrics(global_step, evaluator(images, [p.prompt for p in prompts or []]))
+        return images
+
     def every_step(global_step: int) -> list:
+        if global_step == 0:  # the baseline before training: scores only
+            return evaluate(0, [])
         if run.is_main_process:
             saver.maybe_save(global_step)
-        return sampler(global_step)
+        images = sampler(global_step)
+        if config.validate_every_n_steps and global_step % config.validate_every_n_steps == 0:
+            images = evaluate(global_step, images)
+        return images
 
     result = fit(run, step, ConditionedBatches(loader, conditioner), max_train_steps=total_steps, num_epochs=None,
                  weights=network.state_dict, load_weights=network.load_state_dict,
                  checkpointing_steps=1 if config.save_state else 0, checkpoints_total_limit=None,
                  checkpoint_due=saver.due,
-                 validate=every_step, validation_steps=1)
+                 validate=every_step, validation_steps=1, validate_first=evaluator is not None)
 
     # 5. Save the final LoRA (and with --save_state the final state), remove temporary caches, summary.
     last = result.position.global_step
@@ -491,8 +474,21 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         written["samples"] = sampler.folder if sampler.written else None
         written["config"] = Path(config.output_dir) / "config.toml"
         _drop_caches(config)
-    final = (lambda: sampler(last, force=True)) if prompts and not sampler.due(last) else None
-    finish(run, written, validate_final=final, final_step=last)
+    def final_samples() -> list:
+        images = sampler(last, force=True) if prompts and not sampler.due(last) else []
+        return evaluate(last, images)
+
+    final = final_samples if evaluator is not None or (prompts and not sampler.due(last)) else None
+
+    def saved_at(global_step: int) -> Path | None:
+        if global_step == last:
+            return written.get("LoRA")
+        suffix = saver.schedule.suffix(global_step)
+        path = folder / f"{config.output_name}{suffix}.{config.save_model_as}" if suffix else None
+        return path if path is not None and path.is_file() else None
+
+    finish(run, written, validate_final=final, final_step=last, best_by=config.best_metric(held_out is not None),
+           saved_at=saved_at)
     return written
 
 
@@ -503,29 +499,3 @@ def _drop_caches(config: SDXLLoraConfig) -> None:
             shutil.rmtree(root / name)
     if root.is_dir() and not any(root.iterdir()):
         root.rmdir()
-
-
-def ss_metadata(config: SDXLLoraConfig, options: NetworkOptions, network_args: dict[str, Any],
-                datasets: list[DatasetConfig], records: list[Any], steps_per_epoch: int) -> dict[str, str]:
-    """sd-scripts' ``ss_*`` metadata of this run (the flags, the network, the dataset), for every file."""
-    return {
-        "ss_session_id": str(random.randrange(2**31)), "ss_training_started_at": str(time.time()),
-        "ss_output_name": config.output_name, "ss_base_model_version": "sdxl_base_v1-0",
-        "ss_sd_model_name": Path(config.pretrained_model_name_or_path).name,
-        "ss_learning_rate": str(config.learning_rate), "ss_unet_lr": str(config.unet_lr),
-        "ss_text_encoder_lr": str(config.text_encoder_lr), "ss_optimizer": config.optimizer_type,
-        "ss_lr_scheduler": config.lr_scheduler, "ss_lr_warmup_steps": str(config.lr_warmup_steps),
-        "ss_max_train_steps": str(config.max_train_steps), "ss_num_batches_per_epoch": str(steps_per_epoch),
-        "ss_gradient_accumulation_steps": str(config.gradient_accumulation_steps),
-        "ss_gradient_checkpointing": str(config.gradient_checkpointing),
-        "ss_mixed_precision": config.mixed_precision, "ss_full_fp16": str(config.full_fp16),
-        "ss_seed": str(config.seed), "ss_cache_latents": str(config.cache_latents),
-        "ss_min_snr_gamma": str(config.min_snr_gamma), "ss_noise_offset": str(config.noise_offset),
-        "ss_adaptive_noise_scale": str(config.adaptive_noise_scale),
-        "ss_multires_noise_iterations": str(config.multires_noise_iterations),
-        "ss_multires_noise_discount": str(config.multires_noise_discount),
-        "ss_v_parameterization": str(config.v_parameterization), "ss_zero_terminal_snr": str(config.zero_terminal_snr),
-        "ss_prior_loss_weight": str(config.prior_loss_weight), "ss_max_grad_norm": str(config.max_grad_norm),
-        **network_metadata(options, network_args),
-        **dataset_metadata(records, datasets[0].batch_size, datasets[0].buckets.resolution),
-    }

@@ -15,7 +15,6 @@ again with its seed and ``--num_images 1``, on any device.
 
 from __future__ import annotations
 
-import argparse
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from dreamstep import __version__
-from dreamstep.config.schema import add_arguments, build_config, option
+from dreamstep.config.schema import option
 from dreamstep.data.images import load_rgb
 from dreamstep.errors import UserError
 from dreamstep.generation.loras import LoraSpec, apply_loras, parse_lora_spec
@@ -234,16 +233,3 @@ def generate_images(config: GenerateConfig, model_type: str) -> list[Path]:
                 written.append(save_png(image, output_dir, index, params))
                 index += 1
     return written
-
-
-def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
-    add_arguments(parser, GenerateConfig)
-
-
-def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
-    config = build_config(GenerateConfig, args)
-    written = generate_images(config, key[-1])
-    folder = written[0].parent
-    names = ", ".join(p.name for p in written[:3]) + (", ..." if len(written) > 3 else "")
-    print(f"wrote {len(written)} image{'s' * (len(written) != 1)} to {folder}: {names} "
-          f"(generation parameters in each PNG's 'parameters' and 'dreamstep' text chunks)")

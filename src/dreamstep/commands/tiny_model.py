@@ -1,0 +1,48 @@
+"""``dreamstep tiny-model flux|sdxl OUT``: write a tiny random pipeline with :mod:`dreamstep.models.tiny`;
+``dreamstep tiny-model evaluators OUT``: tiny random DINO and CLIP models with :mod:`dreamstep.evaluation.tiny`."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from dreamstep.models.tiny import ARCHS, SINGLE_FILE_NAME, check_out_dir, write_tiny_model
+
+def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
+    parser.description = ("Write a tiny random FLUX.1 or SDXL pipeline folder (diffusers layout) for "
+                          "offline tests and demos; loads with FluxPipeline / "
+                          "StableDiffusionXLPipeline.from_pretrained(OUT). 'evaluators' writes tiny "
+                          "DINO and CLIP models for --eval_metrics.")
+    parser.add_argument("arch", choices=(*ARCHS, "evaluators"),
+                        help="which architecture to write; 'evaluators' writes OUT/dino and OUT/clip, tiny "
+                             "stand-ins for the --dino_model and --clip_model of --eval_metrics")
+    parser.add_argument("out", type=Path, metavar="OUT", help="output folder (must be empty or new)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default 0)")
+    parser.add_argument("--guidance-embeds", action="store_true",
+                        help="flux only: guidance-distilled variant, like FLUX.1-dev")
+    parser.add_argument("--single-file", action="store_true",
+                        help=f"sdxl only: also write OUT/{SINGLE_FILE_NAME} in the original "
+                             "(SGM) key layout, like sd_xl_base_1.0.safetensors")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into OUT even if it is not empty (files of the same name "
+                             "are replaced)")
+
+
+def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
+    start = time.perf_counter()
+    if args.arch == "evaluators":
+        from dreamstep.evaluation.tiny import write_tiny_evaluators
+
+        check_out_dir(args.out, args.overwrite)
+        folders = write_tiny_evaluators(args.out, seed=args.seed)
+        print(f"wrote tiny evaluation models (seed {args.seed}): DINO {folders['dino']}, CLIP {folders['clip']}; "
+              f"use them as --dino_model and --clip_model")
+        return
+    out = write_tiny_model(args.arch, args.out, seed=args.seed, guidance_embeds=args.guidance_embeds,
+                           single_file=args.single_file, overwrite=args.overwrite)
+    seconds = time.perf_counter() - start
+    print(f"wrote a tiny {args.arch} pipeline (seed {args.seed}) to {out} in {seconds:.1f} s:")
+    for path in sorted(out.rglob("*")):
+        if path.is_file():
+            print(f"  {path.relative_to(out)}  ({path.stat().st_size / 1024:.0f} KiB)")

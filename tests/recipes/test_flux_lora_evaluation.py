@@ -1,0 +1,103 @@
+"""Evaluation in `dreamstep train flux-lora` and `dreamstep eval flux` on the tiny FLUX and the tiny random
+DINO / CLIP: the validation loss falls when training on the validation images, is identical after resume,
+lands in metrics.csv, metrics.png and the loss curve; `dreamstep eval` ranks the checkpoints against the
+base model and writes its tables and plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, run_cli
+
+STEPS = ("--validation_steps", "3", "--checkpointing_steps", "3")
+
+
+def _train_args(model: Path, evaluators: dict[str, Path], out: Path, *extra: object) -> list[object]:
+    return ["train", "flux-lora", "--pretrained_model_name_or_path", model, "--output_dir", out,
+            "--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--resolution", "32",
+            "--center_crop", "--report_to", "none", "--rank", "4", "--lora_alpha", "2", "--learning_rate", "1e-2",
+            "--validation_data_dir", ROBOT_DIR, "--validation_prompt", ROBOT_PROMPT, "--num_validation_images", "1",
+            "--validation_inference_steps", "1", "--eval_metrics", "dino,clip_i,clip_t",
+            "--dino_model", evaluators["dino"], "--clip_model", evaluators["clip"], *STEPS, *extra]
+
+
+def _metrics(out: Path) -> list[dict[str, str]]:
+    with (out / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_flux_dev_dir: Path, tiny_evaluators: dict[str, Path],
+            tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("flux_eval") / "run"
+    assert run_cli(*_train_args(tiny_flux_dev_dir, tiny_evaluators, out, "--max_train_steps", "6")) == 0
+    return out
+
+
+def test_validation_loss_falls_on_the_trained_images_and_is_written(trained: Path, capsys) -> None:
+    rows = _metrics(trained)
+    assert list(rows[0]) == ["step", "val_loss", "dino", "clip_i", "clip_t"]
+    assert [r["step"] for r in rows] == ["0", "3", "6"]
+    assert float(rows[-1]["val_loss"]) < float(rows[0]["val_loss"])
+    for name in ("metrics.png", "loss_curve.png", "checkpoint-3", "checkpoint-6"):
+        assert (trained / name).exists(), name
+
+
+def test_resume_gives_the_same_scores(trained: Path, tiny_flux_dev_dir: Path, tiny_evaluators: dict[str, Path],
+                                      tmp_path: Path, capsys) -> None:
+    out = tmp_path / "resumed"
+    assert run_cli(*_train_args(tiny_flux_dev_dir, tiny_evaluators, out, "--max_train_steps", "3")) == 0
+    assert run_cli(*_train_args(tiny_flux_dev_dir, tiny_evaluators, out, "--max_train_steps", "6",
+                                "--resume_from_checkpoint", "latest")) == 0
+    rows = _metrics(out)
+    assert rows == _metrics(trained)
+    best = min(rows, key=lambda r: float(r["val_loss"]))["step"]
+    printed = capsys.readouterr().out
+    assert f"best by val_loss: step {best}:" in printed and "final: step 6:" in printed
+
+
+def test_eval_ranks_checkpoints_against_the_base_model(trained: Path, tiny_flux_dev_dir: Path,
+                                                       tiny_evaluators: dict[str, Path], tmp_path: Path,
+                                                       capsys) -> None:
+    out = tmp_path / "eval"
+    code = run_cli("eval", "flux", "--model", tiny_flux_dev_dir, "--weights", trained, "--prompt", ROBOT_PROMPT,
+                   "--instance_data_dir", ROBOT_DIR, "--output_dir", out, "--num_images", "1", "--steps", "1",
+                   "--resolution", "32", "--dino_model", tiny_evaluators["dino"], "--clip_model",
+                   tiny_evaluators["clip"], "--best_by", "clip_t")
+    assert code == 0
+    summary = json.loads((out / "scores.json").read_text())
+    rows = {r["label"]: r for r in summary["candidates"]}
+    assert list(rows) == ["base model", "run/checkpoint-3", "run/checkpoint-6", "run/pytorch_lora_weights.safetensors"]
+    assert [r["step"] for r in rows.values()] == [0, 3, 6, 6]
+    # A checkpoint (peft names, alpha 2 / rank 4 from the run's config) scores exactly as the final LoRA file.
+    final, last = rows["run/pytorch_lora_weights.safetensors"], rows["run/checkpoint-6"]
+    assert all(final[m] == pytest.approx(last[m], abs=1e-6) for m in ("dino", "clip_i", "clip_t"))
+    assert rows["base model"]["dino"] != pytest.approx(final["dino"], abs=1e-6)  # the LoRA changes the samples
+    for metric in ("dino", "clip_i", "clip_t"):
+        values = {label: r[metric] for label, r in rows.items()}
+        assert values[summary["best_per_metric"][metric]] == max(values.values())
+        assert (out / f"{metric}.png").is_file()
+    assert summary["best"] == summary["best_per_metric"]["clip_t"]
+    with (out / "scores.csv").open() as f:
+        assert next(csv.reader(f)) == ["label", "path", "step", "dino", "clip_i", "clip_t", "samples"]
+    assert f"best by clip_t: {summary['best']}" in capsys.readouterr().out
+
+
+def test_bad_evaluation_input_is_one_line(tiny_flux_dev_dir: Path, tiny_evaluators: dict[str, Path],
+                                          tmp_path: Path, capsys) -> None:
+    out = tmp_path / "never"
+    args = _train_args(tiny_flux_dev_dir, tiny_evaluators, out, "--max_train_steps", "1")
+    missing = [a if a != tiny_evaluators["dino"] else "nobody/no-such-dino" for a in args]
+    assert run_cli(*missing) == 2
+    assert run_cli(*args, "--eval_metrics", "dino,clip_x") == 2
+    assert run_cli("eval", "flux", "--model", tiny_flux_dev_dir, "--weights", tmp_path / "nothing.safetensors",
+                   "--prompt", "x", "--metrics", "clip_t", "--output_dir", out) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert "nobody/no-such-dino" in errors[0] and "--dino_model" in errors[0]
+    assert "unknown metric 'clip_x'" in errors[1] and "clip_i" in errors[1]
+    assert "nothing.safetensors: not found" in errors[2]
+    assert len([e for e in errors if e.startswith("error:")]) == 3
+    assert not out.exists()
