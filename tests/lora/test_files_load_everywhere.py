@@ -183,8 +183,9 @@ def test_sdxl_files_give_the_trained_delta_in_sd_scripts_comfyui_and_diffusers(t
                                                                               alpha: float) -> None:
     trained = _sdxl_trained(rank, alpha)
     kohya_file, diffusers_file = tmp_path / "kohya.safetensors", tmp_path / "diffusers.safetensors"
-    write_lora_file(kohya_file, kohya_state_dict({model_keys("sdxl").by_diffusers[n].kohya: m
-                                                  for n, m in trained.items()}), {}, "safetensors")
+    keys = model_keys("sdxl")
+    write_lora_file(kohya_file, kohya_state_dict({keys.by_diffusers[n].kohya: m for n, m in trained.items()}), {},
+                    "safetensors")
     convert_lora(kohya_file, diffusers_file, to="diffusers", model="sdxl")
     key_map = comfy_sdxl_key_map(SDXL_UNET_CONFIG)
     expected = _sdxl_expected(trained, key_map)

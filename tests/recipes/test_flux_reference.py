@@ -84,3 +84,48 @@ def test_random_crops_of_bucket_sized_images_are_cached(tiny_flux_dir, tmp_path)
                    "--resolution", "96", "--max_train_steps", "2", "--report_to", "none", "--checkpointing_steps",
                    "0", "--cache_dir", cache) == 0
     assert len([p for p in cache.rglob("*.safetensors") if "latents" in p.parts]) == 6
+
+
+def _final_sample_size(out) -> tuple[int, int]:
+    from PIL import Image
+
+    (path,) = (out / "samples").glob("final-*.png")
+    return Image.open(path).size
+
+
+def test_validation_runs_at_the_dataset_tomls_resolution(tiny_flux_dir, tmp_path) -> None:
+    from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, run_cli
+
+    toml = tmp_path / "dataset.toml"  # the robot images are 96x96; the TOML trains them at 32 (not --resolution)
+    toml.write_text(f"[[datasets]]\nresolution = 32\n[[datasets.subsets]]\nimage_dir = '{ROBOT_DIR.as_posix()}'\n"
+                    f"class_tokens = '{ROBOT_PROMPT}'\n")
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dir, "--output_dir", out,
+                   "--dataset_config", toml, "--max_train_steps", "1", "--report_to", "none", "--checkpointing_steps",
+                   "0", "--validation_prompt", ROBOT_PROMPT, "--num_validation_images", "1",
+                   "--validation_inference_steps", "1") == 0
+    assert _final_sample_size(out) == (32, 32)
+
+
+def test_controlnet_validation_runs_at_the_training_resolution(tiny_flux_dir, tmp_path) -> None:
+    from flux_testkit import run_cli
+    from PIL import Image
+
+    for folder in ("images", "conditioning"):
+        (tmp_path / folder).mkdir()
+        for i in range(2):
+            Image.new("RGB", (32, 32), (60 * i, 90, 30)).save(tmp_path / folder / f"pair_{i}.png")
+            (tmp_path / "images" / f"pair_{i}.txt").write_text("a shape")
+    control = tmp_path / "control.png"
+    Image.new("RGB", (48, 48), "white").save(control)  # another size than the training resolution
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f"[general]\ncaption_extension = '.txt'\n[[datasets]]\nresolution = 32\n[[datasets.subsets]]\n"
+                    f"image_dir = '{(tmp_path / 'images').as_posix()}'\n"
+                    f"conditioning_data_dir = '{(tmp_path / 'conditioning').as_posix()}'\n")
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-controlnet", "--pretrained_model_name_or_path", tiny_flux_dir, "--output_dir", out,
+                   "--dataset_config", toml, "--num_double_layers", "1", "--num_single_layers", "0",
+                   "--max_train_steps", "1", "--report_to", "none", "--checkpointing_steps", "0",
+                   "--validation_prompt", "a shape", "--validation_image", control, "--num_validation_images", "1",
+                   "--validation_inference_steps", "1") == 0
+    assert _final_sample_size(out) == (2 * 32, 32)  # the control image beside one sample, both 32x32

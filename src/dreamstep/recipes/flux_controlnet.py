@@ -295,7 +295,7 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
                                 subject_images=subject_image_paths(dataset, held_out), device=run.device)
 
     def validate(global_step: int) -> list[Image.Image]:
-        rows = _validation_rows(config, pipeline, validation, run.device.type)
+        rows = _validation_rows(config, pipeline, validation, run.device.type, datasets[0].buckets.resolution)
         if evaluator is not None and global_step not in run.logger.metrics.rows:
             samples = [(image, prompt, control) for control, prompt, images in rows for image in images]
             run.logger.log_metrics(global_step, evaluator([s[0] for s in samples], [s[1] for s in samples],
@@ -341,17 +341,19 @@ class ControlConditioner:
 
 
 def _validation_rows(config: FluxControlNetConfig, pipeline, validation: list[tuple[Image.Image, str]],
-                     device_type: str) -> list[tuple[Image.Image, str, list[Image.Image]]]:
-    """(control image, prompt, samples) per validation pair; the grid shows a row per pair."""
+                     device_type: str, size: tuple[int, int]) -> list[tuple[Image.Image, str, list[Image.Image]]]:
+    """(control image, prompt, samples) per validation pair, at the training resolution ``size`` (width,
+    height; the control image resized to it); the grid shows a row per pair."""
     was_training = pipeline.controlnet.training
     pipeline.controlnet.eval()
     rows = []
     # Under autocast, as in training: the fp32 (or bf16) ControlNet meets the base's half-precision tensors.
     with autocast(device_type, config.mixed_precision):
         for control, prompt in validation:
+            control = control if control.size == size else control.resize(size, Image.Resampling.LANCZOS)
             images = flux.generate(pipeline, [prompt] * config.num_validation_images, seed=config.seed,
                                    steps=config.validation_inference_steps, guidance_scale=config.guidance_scale,
-                                   height=config.resolution, width=config.resolution,
+                                   width=size[0], height=size[1],
                                    max_sequence_length=config.max_sequence_length, control_image=control)
             rows.append((control, prompt, images))
     pipeline.controlnet.train(was_training)

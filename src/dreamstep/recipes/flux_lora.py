@@ -301,7 +301,7 @@ def train(config: FluxLoraConfig) -> None:
     prompts = [config.validation_prompt] * config.num_validation_images if config.validation_prompt else []
 
     def validate(global_step: int) -> list:
-        images = _validation_images(config, pipeline) if prompts else []
+        images = _validation_images(config, pipeline, datasets[0].buckets.resolution) if prompts else []
         if evaluator is not None and global_step not in run.logger.metrics.rows:
             run.logger.log_metrics(global_step, evaluator(images, prompts))
         return images
@@ -340,12 +340,13 @@ def train(config: FluxLoraConfig) -> None:
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
 
 
-def _validation_images(config: FluxLoraConfig, pipeline) -> list:
+def _validation_images(config: FluxLoraConfig, pipeline, size: tuple[int, int]) -> list:
+    """Samples at the training resolution ``size`` (width, height): the dataset TOML's, or --resolution."""
     was_training = pipeline.transformer.training
     pipeline.transformer.eval()
     images = flux.generate(pipeline, [config.validation_prompt] * config.num_validation_images, seed=config.seed,
                            steps=config.validation_inference_steps, guidance_scale=config.guidance_scale,
-                           height=config.resolution, width=config.resolution,
+                           width=size[0], height=size[1],
                            max_sequence_length=config.max_sequence_length)
     pipeline.transformer.train(was_training)
     return images
