@@ -1,7 +1,9 @@
 """The `dreamstep` command: help everywhere, unknown commands suggested, errors as one line."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,3 +32,70 @@ def test_help_does_not_import_torch():
 def test_unknown_command_suggests_the_close_one(capsys):
     assert main(["train", "flux-lroa"]) == 2
     assert "did you mean 'train flux-lora'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("group", ["train", "generate"])
+def test_a_group_lists_its_subcommands(group, capsys):
+    assert main([group, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(" ".join(key) in out for key in COMMANDS if key[0] == group)
+
+
+HEAVY = ("torch", "diffusers", "peft", "transformers", "accelerate")
+_PROBE = """
+import sys
+from pathlib import Path
+from dreamstep.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as done:
+    code = done.code
+print(code, sorted(m for m in {heavy!r} if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--no_such_flag", "1"], ["--seed", "-1"]],
+                         ids=["help", "typo", "bad-value"])
+@pytest.mark.parametrize("key", [k for k, c in COMMANDS.items() if c.options], ids=" ".join)
+def test_help_typos_and_bad_values_answer_before_torch_loads(key, argv):
+    """`train flux-lora --help` took 6-13 s because torch, diffusers and peft loaded first: none may load
+    before the flags are checked."""
+    proc = subprocess.run([sys.executable, "-c", _PROBE.format(heavy=HEAVY), *key, *argv],
+                          capture_output=True, text=True, timeout=60)
+    expected_code = 0 if argv == ["--help"] else 2
+    assert proc.stdout.splitlines()[-1] == f"{expected_code} []", proc.stdout + proc.stderr
+    if expected_code:
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ")
+
+
+@pytest.mark.parametrize("key, flag, hint", [
+    (("train", "flux-lora"), "--learning_rat", "--learning_rate"),
+    (("train", "sdxl-lora"), "--resume_from_checkpoint", "--resume"),
+    (("train", "flux-lora"), "--resume", "--resume_from_checkpoint"),
+])
+def test_an_unknown_flag_gets_one_line_with_a_suggestion(key, flag, hint, capsys):
+    assert main([*key, flag, "x"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: unknown flag {flag} (did you mean '{hint}'?); run 'dreamstep {' '.join(key)} --help' " \
+                  "for the list\n"
+
+
+def test_a_negative_number_after_a_space_is_a_value(capsys):
+    assert main(["train", "flux-lora", "--learning_rate", "-1e-4"]) == 2
+    assert capsys.readouterr().err == "error: --learning_rate must be positive (got -0.0001)\n"
+
+
+@pytest.mark.parametrize("key", [k for k, c in COMMANDS.items() if c.options], ids=" ".join)
+def test_help_is_written_for_users(key, capsys):
+    """No docstring markup, no references to our design documents, each default said once."""
+    with pytest.raises(SystemExit):
+        main([*key, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "``" not in text and not re.search(r":(mod|func|class|meth):`", text)
+    assert not re.search(r"seed[- ]?0\d\d", text, re.IGNORECASE)
+    assert not re.search(r"\(default: [^)]*\) \(default:", text)
+
+
+def test_shipped_configs_do_not_cite_design_documents():
+    for path in (Path(__file__).resolve().parents[1] / "configs").glob("*.toml"):
+        assert not re.search(r"seed[- ]?0\d\d", path.read_text(), re.IGNORECASE), path.name

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
+from dreamstep.config.flux_controlnet import FluxControlNetConfig
+from dreamstep.config.flux_lora import FluxLoraConfig
 from dreamstep.config.schema import build_config, load_toml
+from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data.dataset_config import parse_dataset_config
-from dreamstep.recipes.flux_controlnet import FluxControlNetConfig
-from dreamstep.recipes.flux_lora import FluxLoraConfig
-from dreamstep.recipes.sdxl_lora import SDXLLoraConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TRAINING_SCHEMAS = {"demo_flux_lora": FluxLoraConfig, "flux_controlnet": FluxControlNetConfig,
-                    "sdxl_lora_seed004": SDXLLoraConfig}
+                    "sdxl_lora": SDXLLoraConfig}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)

@@ -1,42 +1,81 @@
-"""The ``dreamstep`` command. Each subcommand lives in its own module, imported only when it runs,
-so ``dreamstep --help`` answers at once. A module provides ``configure_parser(parser)`` and
-``run(args)``; a :class:`~dreamstep.errors.UserError` becomes one ``error:`` line and exit code 2.
+"""The ``dreamstep`` command. Every subcommand's flags are parsed and checked before anything heavy
+(torch, diffusers, peft) is imported, so ``--help``, a typo or a bad value answers at once.
+
+A command is either schema-driven (``options`` names its config dataclass, a torch-free module: the
+parser comes from it, the config is built and checked, and only then is ``runner`` imported and called
+with the config), or a module with ``configure_parser(parser, key)`` and ``run(args, key)``. A
+:class:`~dreamstep.errors.UserError` becomes one ``error:`` line and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import logging
+import re
 import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
 
 from dreamstep.errors import UserError, did_you_mean
 
-COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("train", "flux-lora"): ("dreamstep.recipes.flux_lora", "DreamBooth / captioned LoRA for FLUX.1"),
-    ("train", "sdxl-lora"): ("dreamstep.recipes.sdxl_lora", "Kohya-compatible LoRA for SDXL"),
-    ("train", "flux-controlnet"): ("dreamstep.recipes.flux_controlnet", "ControlNet for FLUX.1"),
-    ("generate", "flux"): ("dreamstep.commands.generate", "generate images with FLUX.1 (+ LoRAs, ControlNet)"),
-    ("generate", "sdxl"): ("dreamstep.commands.generate", "generate images with SDXL (+ LoRAs)"),
-    ("convert", "lora"): ("dreamstep.commands.convert_lora", "convert a LoRA between Kohya, diffusers and MindSpore"),
-    ("lora", "info"): ("dreamstep.commands.lora_info", "show a LoRA file's format, target, ranks and metadata"),
-    ("dataset", "from-hf"): ("dreamstep.commands.dataset_from_hf", "turn a Hugging Face dataset into an image folder"),
-    ("tiny-model",): ("dreamstep.commands.tiny_model", "write a tiny random FLUX or SDXL pipeline for offline tests"),
-    ("eval", "flux"): ("dreamstep.commands.evaluate", "score FLUX LoRAs / ControlNets / checkpoints against the base model"),
-    ("eval", "sdxl"): ("dreamstep.commands.evaluate", "score SDXL LoRAs / checkpoints against the base model"),
+
+@dataclass(frozen=True)
+class Command:
+    summary: str
+    runner: str  # "module:function" called with the config, or a module with configure_parser and run
+    options: str | None = None  # "module:Class", the config dataclass (imports nothing heavy)
+
+
+COMMANDS: dict[tuple[str, ...], Command] = {
+    ("train", "flux-lora"): Command(
+        "DreamBooth / captioned LoRA for FLUX.1", "dreamstep.recipes.flux_lora:train",
+        "dreamstep.config.flux_lora:FluxLoraConfig"),
+    ("train", "sdxl-lora"): Command(
+        "Kohya-compatible LoRA for SDXL", "dreamstep.recipes.sdxl_lora:train",
+        "dreamstep.config.sdxl_lora:SDXLLoraConfig"),
+    ("train", "flux-controlnet"): Command(
+        "ControlNet for FLUX.1", "dreamstep.recipes.flux_controlnet:train",
+        "dreamstep.config.flux_controlnet:FluxControlNetConfig"),
+    ("generate", "flux"): Command(
+        "generate images with FLUX.1 (+ LoRAs, ControlNet)", "dreamstep.commands.generate:run",
+        "dreamstep.config.generate:FluxGenerateConfig"),
+    ("generate", "sdxl"): Command(
+        "generate images with SDXL (+ LoRAs)", "dreamstep.commands.generate:run",
+        "dreamstep.config.generate:SdxlGenerateConfig"),
+    ("convert", "lora"): Command(
+        "convert a LoRA between Kohya, diffusers and MindSpore", "dreamstep.commands.convert_lora"),
+    ("lora", "info"): Command(
+        "show a LoRA file's format, target, ranks and metadata", "dreamstep.commands.lora_info"),
+    ("dataset", "from-hf"): Command(
+        "turn a Hugging Face dataset into an image folder", "dreamstep.commands.dataset_from_hf"),
+    ("tiny-model",): Command(
+        "write a tiny random FLUX or SDXL pipeline for offline tests", "dreamstep.commands.tiny_model"),
+    ("eval", "flux"): Command(
+        "score FLUX LoRAs / ControlNets / checkpoints against the base model", "dreamstep.commands.evaluate"),
+    ("eval", "sdxl"): Command(
+        "score SDXL LoRAs / checkpoints against the base model", "dreamstep.commands.evaluate"),
+    ("dashboard",): Command(
+        "a local web page: watch runs, compare them, check a dataset", "dreamstep.commands.dashboard"),
 }
 
 
-def _top_level_help(commands: dict[tuple[str, ...], tuple[str, str]]) -> str:
-    lines = ["usage: dreamstep COMMAND [SUBCOMMAND] [options]", "",
-             "Fine-tune FLUX.1 and SDXL (LoRA, DreamBooth, ControlNet). Commands:", ""]
-    for key, (_, summary) in commands.items():
-        lines.append(f"  {' '.join(key):<26} {summary}")
-    lines += ["", "Run 'dreamstep COMMAND [SUBCOMMAND] --help' for a command's options."]
+def _help(commands: dict[tuple[str, ...], Command], group: str | None = None) -> str:
+    usage = f"dreamstep {group} SUBCOMMAND" if group else "dreamstep COMMAND [SUBCOMMAND]"
+    intro = "Subcommands:" if group else "Fine-tune FLUX.1 and SDXL (LoRA, DreamBooth, ControlNet). Commands:"
+    lines = [f"usage: {usage} [options]", "", intro, ""]
+    for key, command in commands.items():
+        if group is None or key[0] == group:
+            lines.append(f"  {' '.join(key):<26} {command.summary}")
+    lines += ["", f"Run '{usage} --help' for a command's options."]
     return "\n".join(lines)
 
 
-def _match(argv: list[str], commands: dict[tuple[str, ...], tuple[str, str]]) -> tuple[str, ...] | None:
+def _match(argv: list[str], commands: dict[tuple[str, ...], Command]) -> tuple[str, ...] | None:
     for length in (2, 1):
         key = tuple(argv[:length])
         if key in commands:
@@ -44,56 +83,169 @@ def _match(argv: list[str], commands: dict[tuple[str, ...], tuple[str, str]]) ->
     return None
 
 
-class _HideTorchvisionNotice(logging.Filter):
-    """transformers announces on every start that image processors fall back to PIL without torchvision;
-    dreamstep uses no transformers image processor, so the notice only hides the output that matters."""
+class _HideMessages(logging.Filter):
+    """Drops log records whose message contains one of ``fragments``."""
+
+    def __init__(self, *fragments: str):
+        super().__init__()
+        self.fragments = fragments
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "requires torchvision" not in record.getMessage()
+        message = record.getMessage()
+        return not any(fragment in message for fragment in self.fragments)
+
+
+# Start-up and loading notices of dependencies that say nothing about the user's run, by logger.
+_KNOWN_NOTICES = {
+    # dreamstep uses no transformers image processor, so the missing torchvision does not matter.
+    "transformers.utils.import_utils": ("requires torchvision",),
+    # torchao's optional GPU kernels and its enum registration, when torchao is installed at all.
+    "torchao": ("Failed to load",),
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+    "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
+    # A LoRA for the transformer (or UNet) alone has no text-encoder keys: nothing is missing.
+    "diffusers.loaders.peft": ("No LoRA keys associated to",),
+    "diffusers.loaders.lora_pipeline": ("No LoRA keys associated to",),
+    "diffusers.loaders.lora_base": ("No LoRA keys associated to",),
+}
+# The same, for notices given as Python warnings (diffusers' own modules use a deprecated import path).
+_KNOWN_WARNINGS = ("Importing and using `FluxPosEmbed`", "Already found a `peft_config` attribute")
 
 
 def hide_known_notices() -> None:
-    """Silence start-up notices from dependencies that say nothing about the user's run."""
-    logging.getLogger("transformers.utils.import_utils").addFilter(_HideTorchvisionNotice())
+    """Silence notices from dependencies that say nothing about the user's run."""
+    for name, fragments in _KNOWN_NOTICES.items():
+        logging.getLogger(name).addFilter(_HideMessages(*fragments))
+    for message in _KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message))
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors as one UserError line: an unknown flag gets a did-you-mean instead of the
+    usage block, and the usage is one line (the trainers have dozens of flags, listed once under options)."""
+
+    def error(self, message: str) -> NoReturn:
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        if unknown:
+            flag = unknown[1].split("=")[0]
+            flags = [s for action in self._actions for s in action.option_strings]
+            # Another trainer's spelling of the same flag (--resume vs --resume_from_checkpoint) shares a prefix.
+            same_stem = [f for f in flags if flag.startswith(f + "_") or f.startswith(flag + "_")]
+            hint = f" (did you mean '{same_stem[0]}'?)" if same_stem else did_you_mean(flag, flags)
+            raise UserError(f"unknown flag {flag}{hint}; run '{self.prog} --help' for the list")
+        raise UserError(f"{message}; run '{self.prog} --help' for the list")
+
+
+_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?", re.IGNORECASE)
+
+
+def attach_negative_numbers(argv: list[str]) -> list[str]:
+    """``--learning_rate -1e-4`` as ``--learning_rate=-1e-4``: argparse takes ``-1e-4`` for a flag (it
+    recognises only plain negative numbers), so the range check, not "expected one argument", answers."""
+    joined: list[str] = []
+    for token in argv:
+        previous = joined[-1] if joined else ""
+        if _NUMBER.fullmatch(token) and previous.startswith("--") and "=" not in previous:
+            joined[-1] = f"{previous}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
+def _load(path: str) -> Any:
+    module, _, name = path.partition(":")
+    loaded = importlib.import_module(module)
+    return getattr(loaded, name) if name else loaded
+
+
+def _docstring(module: str) -> str | None:
+    """A module's docstring, read from its source without importing it (importing a recipe loads torch)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return None
+    text = ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8")), clean=False)
+    return plain_text(text) if text else None
+
+
+def plain_text(text: str) -> str:
+    """Docstring markup as a terminal shows it: ``--flag`` and :mod:`x` become --flag and x."""
+    return re.sub(r":\w+:`~?([^`]+)`", r"\1", text).replace("``", "")
+
+
+def _parser(key: tuple[str, ...], command: Command) -> argparse.ArgumentParser:
+    prog = f"dreamstep {' '.join(key)}"
+    is_trainer = key[0] == "train"
+    # A trainer's module docstring lists its features and outputs: the best description it has.
+    description = (_docstring(command.runner.partition(":")[0]) if is_trainer else None) or command.summary
+    return OneLineParser(prog=prog, usage=f"{prog} [--config TOML] [options]" if is_trainer else None,
+                         description=description, allow_abbrev=False,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _run(key: tuple[str, ...], command: Command, argv: list[str]) -> None:
+    parser = _parser(key, command)
+    argv = attach_negative_numbers(argv)
+    if command.options is None:
+        hide_known_notices()
+        module = _load(command.runner)
+        module.configure_parser(parser, key)
+        module.run(parser.parse_args(argv), key)
+        return
+    from dreamstep.config.schema import add_arguments, build_config
+
+    options = _load(command.options)
+    add_arguments(parser, options)
+    config = build_config(options, parser.parse_args(argv))
+    hide_known_notices()
+    _load(command.runner)(config)
+
+
+def _run_to_end(key: tuple[str, ...], command: Command, args: list[str]) -> None:
+    """Run a command; if it stops with an error, its unfinished run releases the output folder now (and
+    removes it when the run made it and wrote nothing), not at interpreter exit: notebooks and tests run
+    many commands in one process."""
+    try:
+        _run(key, command, args)
+    except BaseException as error:
+        run_module = sys.modules.get("dreamstep.engine.run")
+        if run_module is not None:
+            run_module.end_unfinished_run(str(error).split("\n")[0] or type(error).__name__)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = COMMANDS
-    key = _match(argv, commands)
+    key = _match(argv, COMMANDS)
     if key is None:
-        if not argv or argv[0] in ("-h", "--help"):
-            print(_top_level_help(commands))
+        groups = {k[0] for k in COMMANDS if len(k) > 1}
+        if not argv or argv[0] in ("-h", "--help") or (argv[0] in groups and argv[1:2] in ([], ["-h"], ["--help"])):
+            print(_help(COMMANDS, argv[0] if argv and argv[0] in groups else None))
             return 0
         if argv[0] in ("-V", "--version"):
             from dreamstep import __version__
             print(f"dreamstep {__version__}")
             return 0
         typed = " ".join(argv[:2])
-        names = [" ".join(k) for k in commands]
+        names = [" ".join(k) for k in COMMANDS]
         hint = did_you_mean(typed, names) or did_you_mean(argv[0], names)
         print(f"error: unknown command '{typed}'{hint}; run 'dreamstep --help' for the list", file=sys.stderr)
         return 2
-    module_name, summary = commands[key]
-    hide_known_notices()
-    module = importlib.import_module(module_name)
-    prog = f"dreamstep {' '.join(key)}"
-    # The trainers have dozens of flags: list them once, under options, not again in the usage line.
-    usage = f"{prog} [--config TOML] [options]" if key[0] == "train" else None
-    # A trainer's module docstring lists its features and outputs: the best description it has.
-    description = module.__doc__ if key[0] == "train" and module.__doc__ else summary
-    parser = argparse.ArgumentParser(prog=prog, usage=usage, description=description, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    module.configure_parser(parser, key)
-    args = parser.parse_args(argv[len(key):])
     try:
-        module.run(args, key)
+        _run_to_end(key, COMMANDS[key], argv[len(key):])
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        # A trainer's message says what was saved and the command that continues the run.
+        print(str(e) or "interrupted", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
+    except Exception as e:
+        from dreamstep.engine.disk import is_disk_full
+
+        if not is_disk_full(e):
+            raise
+        print(f"error: the disk is full ({str(e).splitlines()[0]}); free some space and run again", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -46,13 +46,16 @@ def test_saved_config_reads_back(tmp_path):
     (["--output_dir", "o", "--flip", "maybe"], None, "--flip: 'maybe' is not a boolean"),
     ([], None, "--output_dir is required"),
     ([], 'output_dir = "o"\nrnak = 3\n', "unknown key 'rnak' (did you mean 'rank'?)"),
-    ([], 'output_dir = "o"\nrank = "four"\n', "key 'rank': 'four' is not an integer"),
+    ([], 'output_dir = "o"\nrank = "four"\n', "key 'rank': \"four\" is a string; write a number without quotes"),
+    ([], 'output_dir = "o"\nflip = "yes"\n', "key 'flip': \"yes\" is a string; write true or false without quotes"),
+    ([], 'output_dir = "o"\nscale = nan\n', "key 'scale': 'nan' is not a finite number"),
+    ([], b'\xff\xfeoutput_dir = "o"\n', "not UTF-8 text (byte 0); save the file as UTF-8"),
     ([], 'output_dir = "o"\nrank = [', "not valid TOML"),
 ])
 def test_bad_values_name_the_flag_or_key(tmp_path, argv, toml, message):
     if toml is not None:
         path = tmp_path / "bad.toml"
-        path.write_text(toml)
+        path.write_bytes(toml if isinstance(toml, bytes) else toml.encode())
         argv = [*argv, "--config", str(path)]
     with pytest.raises(UserError) as error:
         build_config(Example, parse(argv))
@@ -62,7 +65,7 @@ def test_bad_values_name_the_flag_or_key(tmp_path, argv, toml, message):
 
 
 def test_missing_toml_file_is_named(tmp_path):
-    with pytest.raises(UserError, match="nope.toml: config file not found"):
+    with pytest.raises(UserError, match="--config .*nope.toml: file not found"):
         load_toml(tmp_path / "nope.toml")
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dreamstep.data.images import list_images, load_rgb, validate_images
+from dreamstep.data.images import list_images, load_rgb, skipped_files, validate_images
 from dreamstep.errors import UserError
 
 from data_testkit import write_image
@@ -93,6 +93,28 @@ def test_several_bad_files_reported_in_one_line(tmp_path: Path):
     second.write_bytes(b"\xff\xd8\xff")
     with pytest.raises(UserError, match=rf"^{first}: cannot read image .*1 more unreadable: {second}"):
         validate_images([first, second, write_image(tmp_path / "ok.png", (4, 4))])
+    with pytest.raises(UserError) as e:
+        validate_images([first])
+    assert "BytesIO" not in str(e.value) and "0x" not in str(e.value)  # Pillow named its in-memory buffer
+
+
+def test_skipped_files_are_listed_with_their_reason_and_jfif_and_gif_are_read(tmp_path: Path):
+    folder = tmp_path / "images"
+    write_image(folder / "a.png", (8, 8))
+    Image.new("RGB", (8, 8)).save(folder / "b.jfif", format="JPEG")
+    frames = [Image.new("RGB", (8, 8), c) for c in ((255, 0, 0), (0, 255, 0))]
+    frames[0].save(folder / "c.gif", save_all=True, append_images=frames[1:])
+    (folder / "a.txt").write_text("a caption")
+    (folder / "notes.md").write_text("x")
+    (folder / "sub").mkdir()
+    (folder / "dangling.png").symlink_to(folder / "gone.png")
+    (folder / "loop.png").symlink_to(folder / "loop.png")
+    assert [p.name for p in list_images(folder, "image_dir")] == ["a.png", "b.jfif", "c.gif"]
+    assert load_rgb(folder / "c.gif").getpixel((0, 0)) == (255, 0, 0)  # the first frame
+    reasons = {path.name: reason for path, reason in skipped_files(folder)}
+    assert reasons == {"dangling.png": "broken link (its target is missing)", "loop.png": "link loop",
+                       "notes.md": "not an image type dreamstep reads (.md)",
+                       "sub": "a folder (images in subfolders are not read)"}
 
 
 def test_folder_errors_name_the_folder(tmp_path: Path):

@@ -13,8 +13,11 @@ import pytest
 from PIL import Image
 
 from dreamstep.cli import main
+from dreamstep.config.schema import build_config
+from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data import build_dataset, load_dataset_config
 from dreamstep.data.from_hf import METADATA_NAME, TOML_NAME
+from dreamstep.recipes.sdxl_lora import load_datasets
 
 datasets = pytest.importorskip("datasets")
 
@@ -58,6 +61,19 @@ def test_parquet_becomes_a_finetune_dataset(tmp_path: Path, capsys) -> None:
     records = build_dataset(configs, seed=0).records
     assert sorted((r.image.path.name, r.caption) for r in records) == [
         (name, f"a photo of thing {i}") for i, name in enumerate(names)]
+
+
+@pytest.mark.parametrize("resolution", [64, 256, 1024, 2048])
+def test_the_written_toml_is_accepted_by_the_trainer_at_any_resolution(tmp_path: Path, resolution: int) -> None:
+    """At 64 px the TOML used to keep sd-scripts' default min_bucket_reso 256, which its own trainer refused."""
+    _dataset(2).to_parquet(tmp_path / "train.parquet")
+    out = tmp_path / "out"
+    assert _run(tmp_path / "train.parquet", out, "--resolution", resolution) == 0
+    config = build_config(SDXLLoraConfig, {"pretrained_model_name_or_path": "unused", "output_dir": "unused",
+                                           "dataset_config": str(out / TOML_NAME)})
+    (dataset,) = load_datasets(config)
+    assert dataset.buckets.resolution == (resolution, resolution)
+    assert len(build_dataset([dataset], seed=0).records) == 2
 
 
 def test_saved_dataset_dict_with_chosen_split_and_columns(tmp_path: Path, capsys) -> None:

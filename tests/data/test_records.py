@@ -161,3 +161,10 @@ def test_controlnet_toml(image_folder):
     cond = image_folder("cond", {"a.png": (64, 64)})
     (record,) = records_of(dataset({"image_dir": str(images), "conditioning_data_dir": str(cond)}))
     assert record.caption == "cap" and record.conditioning.path == cond / "a.png"
+
+
+def test_only_regularization_images_names_the_file_and_is_reg(image_folder):
+    folder = image_folder("reg", {"a.png": (64, 64)})
+    reg = {"image_dir": str(folder), "class_tokens": "dog", "is_reg": True}
+    with pytest.raises(UserError, match=r"^d.toml: datasets\[0\]: every subset has is_reg = true.*is_reg = false"):
+        records_of(dataset(reg, reg))

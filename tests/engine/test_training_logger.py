@@ -101,3 +101,60 @@ def test_loss_curve_handles_one_point_flat_and_non_finite_values(tmp_path):
     for name, losses in (("one", [0.3]), ("flat", [0.2] * 5), ("nan", [0.5, math.nan, 0.4, math.inf, 0.3])):
         path = draw_loss_curve(range(1, len(losses) + 1), losses, tmp_path / f"{name}.png")
         assert _has_color(_pixels(path), _SMOOTH_BLUE), name
+
+
+def test_a_resumed_log_hides_the_steps_the_interrupted_run_logged_after_its_checkpoint(tmp_path):
+    """Killed at step 5 with a checkpoint at 3, the run resumes at 4: TensorBoard must not draw 4 and 5 twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = TrainingLogger(tmp_path)
+    for step in range(1, 6):
+        first.log(step, {"loss": 1.0})
+    first.close()
+    resumed = TrainingLogger(tmp_path, purge_step=4)
+    for step in range(4, 8):
+        resumed.log(step, {"loss": 2.0})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    scalars = events.Scalars("train/loss")
+    assert [(s.step, s.value) for s in scalars] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0),
+                                                    (7, 2.0)]
+
+
+def test_train_log_has_a_line_per_step_and_the_run_messages(tmp_path):
+    from dreamstep.dashboard.scalars import RunScalars
+
+    logger = TrainingLogger(tmp_path, report_to="none")
+    for step in (1, 2, 3):
+        logger.log(step, {"loss": 1.0 / step, "lr": 1e-4})
+    logger.note("saved checkpoint-3")
+    logger.close()
+    lines = (tmp_path / "train.log").read_text().splitlines()
+    assert [line.split(" ", 2)[2] for line in lines] == [
+        "step 1 loss=1 lr=0.0001", "step 2 loss=0.5 lr=0.0001", "step 3 loss=0.333333 lr=0.0001",
+        "saved checkpoint-3"]
+    # appended, not replaced, by a resumed run; the repeated step replaces the old one when read back
+    resumed = TrainingLogger(tmp_path, report_to="none")
+    resumed.log(3, {"loss": 0.25, "lr": 1e-4})
+    resumed.close()
+    loss = RunScalars(tmp_path).refresh()["loss"]
+    assert loss.steps == [1, 2, 3] and loss.values[-1] == 0.25
+
+
+def test_evaluation_scores_reach_tensorboard_the_metrics_files_and_the_loss_curve(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TrainingLogger(tmp_path)
+    for step in range(1, 21):
+        logger.log(step, {"loss": 1.0 + 0.1 * math.sin(step)})
+    for step, val_loss in ((0, 0.9), (10, 0.7), (20, 0.8)):
+        logger.log_metrics(step, {"val_loss": val_loss, "dino": step / 40})
+    written = logger.write_metrics(marks={"val_loss": 10})
+    curve = logger.close()
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[0] == "step,val_loss,dino"
+    assert written["metrics plot"] == tmp_path / "metrics.png"
+    assert _has_color(_pixels(curve), (220, 100, 20))  # the validation loss, in orange
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(s.step, round(s.value, 6)) for s in events.Scalars("eval/val_loss")] == [(0, 0.9), (10, 0.7), (20, 0.8)]

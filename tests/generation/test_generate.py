@@ -4,11 +4,14 @@ prompt files and a FLUX ControlNet."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 from diffusers import FluxControlNetModel, FluxTransformer2DModel
-from generation_testkit import PROMPT, generate, randomize_up, run_cli
+from generation_testkit import FLUX_ARGS, PROMPT, generate, randomize_up, run_cli
 from PIL import Image
 
 from dreamstep.generation.outputs import read_parameters
@@ -88,3 +91,15 @@ def test_flux_controlnet(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
         text, params = read_parameters(out / "00000-0.png")
         assert params["controlnet_conditioning_scale"] == float(scale) and "ControlNet: controlnet" in text
     assert np.abs(images["1"] - images["0"]).max() > 10
+
+
+def test_generate_with_loras_prints_no_third_party_notices(tiny_flux_dev_dir: Path, flux_lora: Path,
+                                                          flux_lora_2: Path, tmp_path: Path) -> None:
+    """Two LoRAs without text-encoder keys used to print diffusers', peft's and torchao's notices."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dreamstep", "generate", "flux", "--model", str(tiny_flux_dev_dir), "--prompt", PROMPT,
+         "--lora", str(flux_lora), "--lora", f"{flux_lora_2}:0.5", "--output_dir", str(tmp_path), *FLUX_ARGS],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()]
+    assert [line for line in lines if not line.startswith(("generate flux:", "Loading"))] == []

@@ -54,13 +54,21 @@ def test_bad_flags(tiny_flux_dir: Path, tmp_path: Path, capsys, args: tuple[str,
                                    *args)
 
 
-def test_bad_model_and_sdxl_controlnet(tmp_path: Path, capsys) -> None:
+def test_bad_model_writes_nothing(tmp_path: Path, capsys) -> None:
     line = _error_line(capsys, "generate", "sdxl", "--model", tmp_path / "nowhere", "--prompt", "a",
                        "--output_dir", tmp_path / "out")
     assert "nowhere' does not exist" in line
-    line = _error_line(capsys, "generate", "sdxl", "--model", tmp_path, "--prompt", "a", "--controlnet", "cn",
-                       "--control_image", "c.png")
-    assert "--controlnet is supported for FLUX.1 only" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag", ["--true_cfg_scale", "--controlnet", "--control_image",
+                                  "--controlnet_conditioning_scale"])
+def test_sdxl_refuses_and_hides_flux_only_flags(tmp_path: Path, capsys, flag: str) -> None:
+    line = _error_line(capsys, "generate", "sdxl", "--model", tmp_path, "--prompt", "a", flag, "2")
+    assert f"unknown flag {flag}" in line
+    with pytest.raises(SystemExit):
+        run_cli("generate", "sdxl", "--help")
+    assert flag not in capsys.readouterr().out
 
 
 def test_lora_spec_keeps_colons_of_existing_files(tmp_path: Path) -> None:

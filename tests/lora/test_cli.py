@@ -134,3 +134,30 @@ def test_lora_for_a_larger_model_names_the_missing_module(capsys, tmp_path, tiny
            "1 double and 1 single blocks" in line
     code, out, _ = _run(capsys, "lora", "info", src, "--base", tiny_flux_dir)
     assert code == 0 and "fits:      NO: module 'lora_unet_double_blocks_5_img_attn_proj'" in out
+
+
+@pytest.fixture
+def pickle_named_safetensors(tmp_path):
+    """A torch pickle with a .safetensors name (torch.load alone would hand it to safetensors and crash)."""
+    path = tmp_path / "renamed.safetensors"
+    torch.save({"model.weight": torch.zeros(2, 2)}, path)
+    return path
+
+
+@pytest.mark.parametrize("command", ["info", "convert", "generate"])
+def test_a_pickle_named_safetensors_gets_one_line(command, pickle_named_safetensors, tmp_path, tiny_flux_dir,
+                                                 capsys):
+    argv = {"info": ["lora", "info", pickle_named_safetensors],
+            "convert": ["convert", "lora", pickle_named_safetensors, tmp_path / "out.safetensors", "--to", "kohya"],
+            "generate": ["generate", "flux", "--model", tiny_flux_dir, "--prompt", "x", "--lora",
+                         pickle_named_safetensors, "--output_dir", tmp_path / "images"]}[command]
+    line = _error(capsys, *argv)
+    assert line.startswith(f"error: {pickle_named_safetensors}: key 'model.weight' is not a LoRA key")
+    assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "images").exists()
+
+
+def test_convert_into_a_missing_folder_names_it(tmp_path, capsys):
+    line = _error(capsys, "convert", "lora", _kohya_flux(tmp_path / "in.safetensors"),
+                  tmp_path / "no" / "such" / "out.safetensors", "--to", "diffusers")
+    assert line == f"error: {tmp_path / 'no' / 'such' / 'out.safetensors'}: the folder {tmp_path / 'no' / 'such'} " \
+                   "does not exist; create it or choose another output path"

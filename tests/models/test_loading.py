@@ -100,3 +100,10 @@ def test_files_that_are_not_checkpoints(tiny_sdxl_dir: Path, tmp_path: Path) -> 
         load_sdxl(vae_only, config=tiny_sdxl_dir)
     with pytest.raises(UserError, match="is a file, not a FluxPipeline folder"):
         load_flux(tiny_sdxl_dir / "model_index.json")
+
+
+def test_a_lone_single_file_offline_names_the_model_config_flag(tiny_sdxl_single_file: Path, tmp_path: Path) -> None:
+    lone = tmp_path / "sdxl.safetensors"
+    shutil.copy(tiny_sdxl_single_file, lone)
+    with pytest.raises(UserError, match="offline, give --model_config a diffusers SDXL folder"):
+        load_sdxl(lone)

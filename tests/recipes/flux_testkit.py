@@ -3,12 +3,16 @@ pipeline on a set of images with fixed noise and fixed σ (so before/after compa
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from diffusers import FluxPipeline
-from PIL import Image
+from PIL import Image, ImageDraw
 
 from dreamstep.cli import main
 from dreamstep.diffusion import flow_matching as fm
@@ -20,6 +24,35 @@ ROBOT_PROMPT = "a photo of sks robot"
 
 def run_cli(*args: str) -> int:
     return main([str(a) for a in args])
+
+
+def launch_two(*args: object) -> subprocess.CompletedProcess:
+    """``dreamstep *args`` under ``accelerate launch`` with 2 CPU processes (gloo); asserts success."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(port), "-m", "dreamstep", *map(str, args)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def write_control_pairs(root: Path, count: int = 4, size: int = 32) -> tuple[Path, Path]:
+    """``count`` targets (an orange ball, captioned) and control images (its outline) in ``root``."""
+    images, controls = root / "images", root / "conditioning"
+    images.mkdir(parents=True)
+    controls.mkdir()
+    for i in range(count):
+        target, control = Image.new("RGB", (size, size), "navy"), Image.new("RGB", (size, size), "black")
+        ImageDraw.Draw(target).ellipse((4 * i, 4 * i, 4 * i + 12, 4 * i + 12), fill="orange")
+        ImageDraw.Draw(control).rectangle((4 * i, 4 * i, 4 * i + 12, 4 * i + 12), outline="white")
+        target.save(images / f"{i}.png")
+        control.save(controls / f"{i}.png")
+        (images / f"{i}.txt").write_text("an orange ball")
+    return images, controls
 
 
 def load_images(folder: Path, resolution: int) -> torch.Tensor:

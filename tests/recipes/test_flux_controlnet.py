@@ -17,11 +17,11 @@ from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from dreamstep.config.flux_controlnet import FluxControlNetConfig
 from dreamstep.config.schema import build_config
 from dreamstep.diffusion import flow_matching as fm
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
-from dreamstep.recipes.flux_controlnet import FluxControlNetConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PROMPT = "a red square"
@@ -188,7 +188,9 @@ def test_outputs_are_the_save_pretrained_layout(trained: Path) -> None:
     assert weights["controlnet_blocks.0.weight"].dtype == torch.float32
     assert weights["controlnet_blocks.0.weight"].abs().max() > 0
     # Two validation rows (control image + 2 results each) of 32x32 cells.
-    assert Image.open(trained / "samples" / "final-000040.png").size == (3 * RESOLUTION, 2 * RESOLUTION)
+    # 2 rows of (control image, 2 samples), with the label band (prompt, step, seed) below the grid
+    width, height = Image.open(trained / "samples" / "final-000040.png").size
+    assert width == 3 * RESOLUTION and height > 2 * RESOLUTION
     assert not list(trained.glob("checkpoint-*"))
 
 
@@ -242,6 +244,18 @@ def test_resume_equals_an_uninterrupted_run(flux_dir: Path, pairs: Path, tmp_pat
     assert expected.keys() == resumed.keys()
     for key in expected:
         torch.testing.assert_close(resumed[key], expected[key], atol=0, rtol=0)
+
+
+def test_swapping_the_base_blocks_trains_the_same_controlnet(flux_dir: Path, pairs: Path, tmp_path: Path) -> None:
+    extra = ("--learning_rate", "1e-2", "--max_train_steps", "2", "--gradient_checkpointing")
+    resident, swapped = tmp_path / "resident", tmp_path / "swapped"
+    assert run_cli(*_train_args(flux_dir, pairs, resident, *extra)) == 0
+    assert run_cli(*_train_args(flux_dir, pairs, swapped, *extra, "--blocks_to_swap", "2")) == 0
+    expected = load_file(resident / "diffusion_pytorch_model.safetensors")
+    got = load_file(swapped / "diffusion_pytorch_model.safetensors")
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=0, rtol=0)
+    assert expected["controlnet_blocks.0.weight"].abs().max() > 0  # zero at the start: training moved it
 
 
 def _kohya_toml(pairs: Path, path: Path) -> Path:

@@ -12,9 +12,12 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, fixed_noise_loss, generate, load_images, run_cli
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from dreamstep.files import default_file_mode
+from dreamstep.generation.outputs import read_parameters
 from dreamstep.lora.convert import load_lora_as_diffusers
 
 BASE_ARGS = ("--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--resolution", "64",
@@ -84,7 +87,8 @@ def test_kohya_file_has_sd_scripts_names_and_gives_the_same_image(trained: Path,
     np.testing.assert_allclose(generate(pipe), reference, atol=2e-4)
 
 
-def test_resume_equals_an_uninterrupted_run(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+def test_resume_equals_an_uninterrupted_run(tiny_flux_dev_dir: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
     common = ("--pretrained_model_name_or_path", tiny_flux_dev_dir, "--instance_data_dir", ROBOT_DIR,
               "--instance_prompt", ROBOT_PROMPT, "--resolution", "32", "--report_to", "none",
               "--train_batch_size", "2", "--gradient_accumulation_steps", "2", "--random_flip",
@@ -105,6 +109,19 @@ def test_resume_equals_an_uninterrupted_run(tiny_flux_dev_dir: Path, tmp_path: P
                  for run in (tmp_path / "straight", split)]
     assert [step for step, _ in histories[1]] == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose(histories[1], histories[0], atol=1e-6)
+
+    # Resuming with a flag that shapes the weights changed is refused before anything loads, naming the flag.
+    lora_before = (split / "pytorch_lora_weights.safetensors").read_bytes()
+    for flag, value, was in [("--rank", "8", "4"), ("--lora_layers", "all-linear", "attention"),
+                             ("--train_text_encoder", "true", "false"),
+                             ("--pretrained_model_name_or_path", tmp_path / "other", tiny_flux_dev_dir)]:
+        capsys.readouterr()
+        assert run_cli("train", "flux-lora", *common, "--output_dir", split, "--max_train_steps", "9",
+                       "--resume_from_checkpoint", "latest", flag, value) == 2
+        assert capsys.readouterr().err == (f"error: {flag} is {value} but {split / 'checkpoint-6'} was trained with "
+                                           f"{was}; resume with {flag} {was}, or start a new run in another "
+                                           "--output_dir\n")
+    assert (split / "pytorch_lora_weights.safetensors").read_bytes() == lora_before
 
 
 def test_prior_preservation_text_encoder_lora_and_checkpointing(tiny_flux_dir: Path, tmp_path: Path) -> None:
@@ -154,7 +171,7 @@ def _corrupt_copy(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "empty_dir", "corrupt_image", "bad_choice", "bad_number",
-                                  "toml_typo", "unknown_flag_value", "fp16_on_cpu"])
+                                  "toml_typo", "unknown_flag_value", "fp16_on_cpu", "bad_optimizer"])
 def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_dir: Path, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
@@ -171,6 +188,8 @@ def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_dir: P
                       "did you mean 'learning_rate'"),
         "unknown_flag_value": (["--instance_data_dir", ROBOT_DIR, "--lora_layers", "to_qq"], "--lora_layers"),
         "fp16_on_cpu": (["--instance_data_dir", ROBOT_DIR, "--mixed_precision", "fp16"], "use bf16 or no"),
+        # Found after the model loads: the cache folder must not be left behind either.
+        "bad_optimizer": (["--instance_data_dir", ROBOT_DIR, "--optimizer", "Adamm"], "did you mean 'AdamW'"),
     }[case]
     args += expected[0]
     code = run_cli("train", "flux-lora", *args)
@@ -231,3 +250,22 @@ def test_flags_without_effect_are_refused(flags: list[str], message: str, tmp_pa
     code = run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tmp_path, "--output_dir", tmp_path / "o",
                    *source, *flags)
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_sample_grids_carry_prompt_seed_and_step(trained: Path) -> None:
+    """The grids are labelled in the image and carry their parameters as `generate`'s PNGs do."""
+    grid_path = trained / "samples" / "validation-000100.png"
+    text, params = read_parameters(grid_path)
+    assert params["step"] == 100
+    assert [(cell["prompt"], cell["seed"]) for cell in params["images"]] == [(ROBOT_PROMPT, 0), (ROBOT_PROMPT, 1)]
+    assert text.startswith(ROBOT_PROMPT) and "Seed: 1" in text
+    with Image.open(grid_path) as grid:
+        assert grid.size[1] > 64  # the label band under the 64-pixel cells
+
+
+def test_every_file_written_honours_the_umask(trained: Path) -> None:
+    """safetensors writes 0600; a ComfyUI server account must be able to read what a run wrote."""
+    wanted = default_file_mode()
+    modes = {p.relative_to(trained): p.stat().st_mode & 0o777 for p in trained.rglob("*") if p.is_file()}
+    assert Path("pytorch_lora_weights.safetensors") in modes
+    assert {path: mode for path, mode in modes.items() if mode != wanted} == {}

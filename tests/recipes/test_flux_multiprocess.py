@@ -3,37 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from diffusers import FluxControlNetModel, FluxPipeline
-from flux_testkit import ROBOT_DIR, ROBOT_PROMPT
-from PIL import Image, ImageDraw
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch_two(*args: object) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), "-m", "dreamstep", *map(str, args)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, launch_two, write_control_pairs
 
 
 def test_two_processes_train_one_lora(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = _launch_two(
+    proc = launch_two(
         "train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir, "--instance_data_dir", ROBOT_DIR,
         "--instance_prompt", ROBOT_PROMPT, "--output_dir", out, "--resolution", "32", "--max_train_steps", "3",
         "--gradient_accumulation_steps", "2", "--checkpointing_steps", "3", "--report_to", "none",
@@ -50,17 +29,9 @@ def test_two_processes_train_one_lora(tiny_flux_dev_dir: Path, tmp_path: Path) -
 
 
 def test_two_processes_train_one_controlnet(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
-    images, controls, out = tmp_path / "images", tmp_path / "conditioning", tmp_path / "out"
-    images.mkdir()
-    controls.mkdir()
-    for i in range(4):
-        target, control = Image.new("RGB", (32, 32), "navy"), Image.new("RGB", (32, 32), "black")
-        ImageDraw.Draw(target).ellipse((4 * i, 4 * i, 4 * i + 12, 4 * i + 12), fill="orange")
-        ImageDraw.Draw(control).rectangle((4 * i, 4 * i, 4 * i + 12, 4 * i + 12), outline="white")
-        target.save(images / f"{i}.png")
-        control.save(controls / f"{i}.png")
-        (images / f"{i}.txt").write_text("an orange ball")
-    proc = _launch_two(
+    images, controls = write_control_pairs(tmp_path)
+    out = tmp_path / "out"
+    proc = launch_two(
         "train", "flux-controlnet", "--pretrained_model_name_or_path", tiny_flux_dev_dir, "--train_data_dir", images,
         "--conditioning_data_dir", controls, "--output_dir", out, "--resolution", "32", "--num_double_layers", "1",
         "--num_single_layers", "1", "--max_train_steps", "2", "--checkpointing_steps", "2", "--report_to", "none")

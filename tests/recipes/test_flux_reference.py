@@ -8,12 +8,14 @@ import argparse
 import pytest
 from torch import nn
 
-from dreamstep.config.schema import build_config
-from dreamstep.recipes import flux_controlnet, flux_lora
+from dreamstep.config.flux_controlnet import FluxControlNetConfig
+from dreamstep.config.flux_lora import FluxLoraConfig
+from dreamstep.config.schema import add_arguments, build_config
+from dreamstep.recipes import flux_lora
 
 
-def _lora_config(**values) -> flux_lora.FluxLoraConfig:
-    return build_config(flux_lora.FluxLoraConfig, {"pretrained_model_name_or_path": "unused", "output_dir": "unused",
+def _lora_config(**values) -> FluxLoraConfig:
+    return build_config(FluxLoraConfig, {"pretrained_model_name_or_path": "unused", "output_dir": "unused",
                                                    "instance_data_dir": "unused", "instance_prompt": "x", **values})
 
 
@@ -27,18 +29,18 @@ def test_flux_lora_text_encoder_group_has_diffusers_learning_rate_and_weight_dec
 
 
 def test_flux_controlnet_defaults_are_diffusers_controlnet_defaults() -> None:
-    config = build_config(flux_controlnet.FluxControlNetConfig, {
+    config = build_config(FluxControlNetConfig, {
         "pretrained_model_name_or_path": "unused", "output_dir": "unused", "train_data_dir": "unused"})
     assert (config.learning_rate, config.adam_weight_decay, config.weighting_scheme) == (5e-6, 1e-2, "logit_normal")
     assert (_lora_config().learning_rate, _lora_config().weighting_scheme) == (1e-4, "none")
 
 
-@pytest.mark.parametrize("module", [flux_lora, flux_controlnet])
-def test_help_says_where_differing_defaults_come_from(module, capsys) -> None:
+@pytest.mark.parametrize("config_class, source", [(FluxLoraConfig, "diffusers' default"),
+                                                  (FluxControlNetConfig, "diffusers' ControlNet default")])
+def test_help_says_where_differing_defaults_come_from(config_class: type, source: str) -> None:
     parser = argparse.ArgumentParser()
-    module.configure_parser(parser, ())
-    text = " ".join(parser.format_help().split())
-    assert "diffusers' ControlNet default" in text if module is flux_controlnet else "diffusers' default" in text
+    add_arguments(parser, config_class)
+    assert source in " ".join(parser.format_help().split())
 
 
 @pytest.mark.parametrize("batch_size", [1, 2])
@@ -68,7 +70,7 @@ def test_prior_preservation_pairs_every_batch_and_cycles_through_all_class_image
 
 def test_help_says_a_dataset_toml_keeps_sd_scripts_balancing() -> None:
     parser = argparse.ArgumentParser()
-    flux_lora.configure_parser(parser, ())
+    add_arguments(parser, FluxLoraConfig)
     text = " ".join(parser.format_help().split())
     assert "is_reg subsets are balanced against the training images as in sd-scripts" in text
     assert "every batch holds its instance samples and as many class samples" in text

@@ -14,6 +14,7 @@ from diffusers import StableDiffusionXLPipeline
 from safetensors import safe_open
 from sdxl_testkit import run_cli, write_method
 
+from dreamstep.generation.outputs import read_parameters
 from dreamstep.lora.kohya_network import NetworkOptions, create_network
 from dreamstep.models.tiny import build_tiny_sdxl
 
@@ -91,7 +92,14 @@ def test_features_run_writes_epochs_samples_and_metadata(features_run: Path) -> 
     assert (features_run / "last-000001.safetensors").is_file() and (features_run / "last.safetensors").is_file()
     assert not (features_run / "last-000002.safetensors").exists()  # the last epoch is the final file
     samples = sorted(p.name for p in (features_run / "sample").iterdir())
-    assert samples == [f"last_{step:06d}_{i:02d}.png" for step in (0, 4, 8) for i in (0, 1)]
+    assert samples == [f"last_{step:06d}_{i:02d}.png" for step in (0, 4, 8) for i in (0, 1)] + [
+        "validation-000004.png", "validation-000008.png"]  # the labelled grids, in the same one folder
+    assert not (features_run / "samples").exists()
+    _, params = read_parameters(features_run / "sample" / "last_000004_00.png")
+    assert (params["prompt"], params["negative_prompt"], params["seed"], params["step"]) == (
+        "a red dog", "blurry", 7, 4)
+    _, grid = read_parameters(features_run / "sample" / "validation-000008.png")
+    assert grid["step"] == 8 and [cell["prompt"] for cell in grid["images"]][0] == "a red dog"
     assert list((features_run / "cache" / "latents").rglob("*.safetensors"))  # --cache_latents_to_disk keeps it
     with safe_open(features_run / "last.safetensors", "pt") as f:
         meta, keys = f.metadata(), set(f.keys())

@@ -10,10 +10,11 @@ from PIL import Image
 from sdxl_testkit import run_cli, write_images, write_method
 
 from dreamstep.config.schema import build_config
+from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data import build_dataset
 from dreamstep.errors import UserError
 from dreamstep.models.sdxl import parse_sample_prompt
-from dreamstep.recipes.sdxl_lora import SDXLLoraConfig, load_datasets
+from dreamstep.recipes.sdxl_lora import load_datasets
 
 
 def _config(**values) -> SDXLLoraConfig:

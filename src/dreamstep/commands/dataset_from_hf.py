@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from dreamstep.config.schema import add_arguments, build_config, option
 from dreamstep.data.from_hf import CAPTION_COLUMNS, METADATA_NAME, TOML_NAME, Conversion, convert_dataset
-from dreamstep.errors import UserError
 
 
 @dataclass
@@ -20,12 +19,9 @@ class FromHfConfig:
                                               f"{', '.join(CAPTION_COLUMNS)})")
     split: str | None = option(None, "split to convert (default: train, or the only split)")
     dataset_config_name: str | None = option(None, "the hub dataset's configuration (subset) name")
-    limit: int | None = option(None, "convert only the first N rows (a later run without it continues)")
-    resolution: int = option(1024, "training resolution written into dataset.toml")
-
-    def __post_init__(self) -> None:
-        if self.limit is not None and self.limit < 1:
-            raise UserError(f"--limit must be at least 1 (got {self.limit})")
+    limit: int | None = option(None, "convert only the first N rows (a later run without it continues)",
+                               bounds="[1, inf)")
+    resolution: int = option(1024, "training resolution written into dataset.toml", bounds="[64, inf)")
 
 
 

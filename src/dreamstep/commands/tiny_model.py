@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dreamstep.models.tiny import ARCHS, SINGLE_FILE_NAME, check_out_dir, write_tiny_model
 
+
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
     parser.description = ("Write a tiny random FLUX.1 or SDXL pipeline folder (diffusers layout) for "
                           "offline tests and demos; loads with FluxPipeline / "

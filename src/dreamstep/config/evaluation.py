@@ -16,7 +16,8 @@ CONTROL_METRICS = ("edge",)
 @dataclass
 class EvaluationOptions:
     validation_split: float = option(
-        0.0, "fraction of the training images held out for a deterministic validation loss (0: none)", kw_only=True)
+        0.0, "fraction of the training images held out for a deterministic validation loss (0: none)",
+        bounds="[0, 1)", kw_only=True)
     eval_metrics: list[str] = option(
         [], "scores of the validation samples: dino, clip_i, clip_t (flux-controlnet also: edge, the agreement "
             "of the sample's edges with an edge-map control image)", kw_only=True)
@@ -29,21 +30,17 @@ class EvaluationOptions:
                                                      "ViT-S/16 as in the DreamBooth paper)", kw_only=True)
     clip_model: str = option("openai/clip-vit-base-patch32", "CLIP model for clip_i / clip_t (hub id or folder)",
                              kw_only=True)
-    eval_batch_size: int = option(16, "images per batch through the evaluation models", kw_only=True)
+    eval_batch_size: int = option(16, "images per batch through the evaluation models", bounds="[1, inf)",
+                                  kw_only=True)
 
     def check_evaluation(self, allowed: tuple[str, ...] = FIDELITY_METRICS) -> None:
         """Refuse unknown metric names and a split outside [0, 1) before any model loads; accepts
         ``--eval_metrics dino,clip_i`` as well as ``--eval_metrics dino clip_i``."""
         self.eval_metrics = list(dict.fromkeys(m.strip() for v in self.eval_metrics for m in v.split(",") if m.strip()))
-        if not 0.0 <= self.validation_split < 1.0:
-            raise UserError(f"--validation_split must be in [0, 1) (got {self.validation_split}); e.g. 0.2 "
-                            "holds out a fifth of the images")
         for name in self.eval_metrics:
             if name not in allowed:
                 raise UserError(f"--eval_metrics: unknown metric '{name}'{did_you_mean(name, allowed)}; "
                                 f"choose from {', '.join(allowed)}")
-        if self.eval_batch_size < 1:
-            raise UserError(f"--eval_batch_size must be at least 1 (got {self.eval_batch_size})")
         if self.eval_best_by is not None:
             known = ("val_loss", *self.eval_metrics)
             if self.eval_best_by not in known:

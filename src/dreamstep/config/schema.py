@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import re
 import sys
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
@@ -23,27 +26,79 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 T = TypeVar("T")
+# What numpy's and Python's seeding accept (accelerate's set_seed seeds numpy too).
+SEED_BOUNDS = "[0, 4294967296)"
 _MISSING = dataclasses.MISSING
 
 
-def option(default: Any = _MISSING, help: str = "", *, aliases: tuple[str, ...] = (), **kwargs: Any) -> Any:
-    """A dataclass field with a help text and optional extra flag names (e.g. Kohya's spellings)."""
-    metadata = {"help": help, "aliases": aliases}
+def option(default: Any = _MISSING, help: str = "", *, aliases: tuple[str, ...] = (), bounds: str | None = None,
+           **kwargs: Any) -> Any:
+    """A dataclass field with a help text, optional extra flag names (e.g. Kohya's spellings) and, for a
+    number, the interval its values must lie in, written as in mathematics: ``"[0, 1)"``, ``"(0, inf)"``.
+    Every numeric field declares one, so a value out of range stops the command before any work starts."""
+    metadata = {"help": help, "aliases": aliases, "bounds": Bounds.parse(bounds) if bounds else None}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML file; a missing file or a syntax error becomes one line naming the file."""
+@dataclass(frozen=True)
+class Bounds:
+    """An interval of allowed numbers; ``low_closed``/``high_closed`` say whether the ends are allowed."""
+
+    low: float
+    high: float
+    low_closed: bool
+    high_closed: bool
+
+    @classmethod
+    def parse(cls, text: str) -> Bounds:
+        match = re.fullmatch(r"([\[(])\s*([^,\s]+)\s*,\s*([^\])\s]+)\s*([\])])", text)
+        if match is None:
+            raise ValueError(f"bounds {text!r} is not an interval such as '[0, 1)'")
+        return cls(float(match[2]), float(match[3]), match[1] == "[", match[4] == "]")
+
+    def __contains__(self, value: float) -> bool:
+        above = value >= self.low if self.low_closed else value > self.low
+        below = value <= self.high if self.high_closed else value < self.high
+        return above and below
+
+    def describe(self) -> str:
+        """The rule in words, e.g. "at least 1", "positive", "in [0, 1)"."""
+        if math.isinf(self.high):
+            if self.low_closed:
+                return f"at least {_number(self.low)}"
+            return "positive" if self.low == 0 else f"greater than {_number(self.low)}"
+        low, high = "[" if self.low_closed else "(", "]" if self.high_closed else ")"
+        return f"in {low}{_number(self.low)}, {_number(self.high)}{high}"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+def check_bounds(value: Any, bounds: Bounds | None, where: str) -> None:
+    """Raise a UserError naming ``where`` when a number (or any number in a list) lies outside ``bounds``."""
+    if bounds is None or value is None:
+        return
+    for number in value if isinstance(value, (list, tuple)) else [value]:
+        if number not in bounds:
+            raise UserError(f"{where} must be {bounds.describe()} (got {_number(float(number))})")
+
+
+def load_toml(path: str | Path, flag: str = "--config") -> dict[str, Any]:
+    """Read a TOML file given with ``flag``; a missing file, a file that is not UTF-8 or a syntax error
+    becomes one line naming the file and the flag."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: config file not found; check the path given to --config")
+        raise UserError(f"{flag} {path}: file not found; check the path")
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
+    except UnicodeDecodeError as e:
+        raise UserError(f"{flag} {path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
     except tomllib.TOMLDecodeError as e:
-        raise UserError(f"{path}: not valid TOML ({e}); fix the syntax at that line") from None
+        raise UserError(f"{flag} {path}: not valid TOML ({e}); fix the syntax at that line") from None
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -64,13 +119,18 @@ def _parse_bool(text: str, where: str) -> bool:
     raise UserError(f"{where}: '{text}' is not a boolean; use true or false")
 
 
-def convert_value(value: Any, tp: Any, where: str) -> Any:
-    """Convert a CLI string or TOML value to ``tp``; ``where`` names the flag or key in errors."""
+def convert_value(value: Any, tp: Any, where: str, *, typed: bool = False) -> Any:
+    """Convert a CLI string or TOML value to ``tp``; ``where`` names the flag or key in errors. A ``typed``
+    value (from TOML, which has booleans and numbers) must already be a boolean or a number where one is
+    expected: ``enable_bucket = "yes"`` is a mistake to point at, not a string to interpret."""
     tp, optional = _unwrap_optional(tp)
     if value is None or (optional and isinstance(value, str) and value.strip().lower() == "none"):
         if optional:
             return None
         raise UserError(f"{where}: a value is required")
+    if typed and isinstance(value, str) and (tp is bool or tp in (int, float)):
+        example = "true or false" if tp is bool else "a number"
+        raise UserError(f"{where}: \"{value}\" is a string; write {example} without quotes")
     origin = typing.get_origin(tp)
     if origin is Literal:
         choices = typing.get_args(tp)
@@ -94,6 +154,8 @@ def convert_value(value: Any, tp: Any, where: str) -> Any:
         except ValueError:
             kind = "an integer" if tp is int else "a number"
             raise UserError(f"{where}: '{value}' is not {kind}") from None
+        if not math.isfinite(number):
+            raise UserError(f"{where}: '{value}' is not a finite number")
         return number
     if tp is str:
         if isinstance(value, (dict, list)):
@@ -125,7 +187,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = f.metadata.get("help", "")
         if typing.get_origin(base) is Literal:
             help_text += f" {{{', '.join(str(c) for c in typing.get_args(base))}}}"
-        help_text += f" (default: {default})" if default not in (None, [], "") else ""
+        if default not in (None, [], "") and "(default" not in help_text:
+            help_text += f" (default: {default})"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.strip()}
         if base is bool:
             kwargs.update(nargs="?", const="true", metavar="BOOL")
@@ -149,10 +212,13 @@ def build_config(cls: type[T], cli: dict[str, Any] | argparse.Namespace | None =
         if key not in fields:
             raise UserError(f"{toml_path}: unknown key '{key}'{did_you_mean(key, fields)}; "
                             f"see --help for the valid keys")
-        values[key] = convert_value(value, fields[key][1], f"{toml_path}: key '{key}'")
+        where = f"{toml_path}: key '{key}'"
+        values[key] = convert_value(value, fields[key][1], where, typed=True)
+        check_bounds(values[key], fields[key][0].metadata.get("bounds"), where)
     for key, value in cli.items():
         if key in fields:
             values[key] = convert_value(value, fields[key][1], f"--{key}")
+            check_bounds(values[key], fields[key][0].metadata.get("bounds"), f"--{key}")
     missing = [n for n, (f, _) in fields.items()
                if n not in values and f.default is _MISSING and f.default_factory is _MISSING]
     if missing:

@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
-from dreamstep.config.schema import option
+from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.errors import UserError
+
+# diffusers' get_scheduler names (all but piecewise_constant, which needs a rule string).
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
 @dataclass
@@ -22,67 +25,69 @@ class FluxTrainingConfig(EvaluationOptions):
     variant: Optional[str] = option(None, "weight file variant of the base model, e.g. fp16")
     transformer_single_file: Optional[str] = option(
         None, "a single-file FLUX transformer (.safetensors) to use instead of the folder's transformer")
-    seed: int = option(0, "seed for initialisation, data order, noise and timesteps")
-    resolution: int = option(512, "training resolution in pixels (images are resized and cropped to it)")
-    train_batch_size: int = option(1, "micro-batch size per device")
-    num_train_epochs: int = option(1, "epochs to train (ignored when --max_train_steps is set)")
-    max_train_steps: Optional[int] = option(None, "optimizer steps to train; overrides --num_train_epochs")
-    gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step")
-    learning_rate: float = option(1e-4, "learning rate")
-    lr_scheduler: str = option("constant", "diffusers LR schedule (constant, constant_with_warmup, linear, "
-                                           "cosine, cosine_with_restarts, polynomial)")
-    lr_warmup_steps: int = option(0, "warm-up optimizer steps")
-    lr_num_cycles: int = option(1, "cycles for cosine_with_restarts")
-    lr_power: float = option(1.0, "power of the polynomial schedule")
+    seed: int = option(0, "seed for initialisation, data order, noise and timesteps", bounds=SEED_BOUNDS)
+    resolution: int = option(512, "training resolution in pixels (images are resized and cropped to it)",
+                             bounds="[16, inf)")
+    train_batch_size: int = option(1, "micro-batch size per device", bounds="[1, inf)")
+    num_train_epochs: int = option(1, "epochs to train (ignored when --max_train_steps is set)", bounds="[1, inf)")
+    max_train_steps: Optional[int] = option(None, "optimizer steps to train; overrides --num_train_epochs",
+                                            bounds="[1, inf)")
+    gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", bounds="[1, inf)")
+    learning_rate: float = option(1e-4, "learning rate", bounds="(0, inf)")
+    lr_scheduler: Literal[LR_SCHEDULERS] = option("constant", "learning-rate schedule")  # type: ignore[valid-type]
+    lr_warmup_steps: int = option(0, "warm-up optimizer steps", bounds="[0, inf)")
+    lr_num_cycles: int = option(1, "cycles for cosine_with_restarts", bounds="[1, inf)")
+    lr_power: float = option(1.0, "power of the polynomial schedule", bounds="(0, inf)")
     optimizer: str = option("AdamW", "AdamW, AdamW8bit (bitsandbytes) or Prodigy (prodigyopt)")
-    adam_beta1: float = option(0.9, "Adam beta1")
-    adam_beta2: float = option(0.999, "Adam beta2")
-    adam_weight_decay: float = option(1e-4, "weight decay (diffusers' default, given to every optimizer)")
-    adam_epsilon: float = option(1e-8, "Adam epsilon")
-    max_grad_norm: float = option(1.0, "clip the global gradient norm to this (0 disables)")
+    adam_beta1: float = option(0.9, "Adam beta1", bounds="[0, 1)")
+    adam_beta2: float = option(0.999, "Adam beta2", bounds="[0, 1)")
+    adam_weight_decay: float = option(1e-4, "weight decay (diffusers' default, given to every optimizer)",
+                                     bounds="[0, inf)")
+    adam_epsilon: float = option(1e-8, "Adam epsilon", bounds="[0, inf)")
+    max_grad_norm: float = option(1.0, "clip the global gradient norm to this (0 disables)", bounds="[0, inf)")
     mixed_precision: Literal["no", "fp16", "bf16"] = option(
         "no", "frozen weights and compute in this precision; trainable weights stay fp32")
     weighting_scheme: Literal["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"] = option(
         "none", "timestep sampling / loss weighting (SD3 paper)")
-    logit_mean: float = option(0.0, "mean of logit_normal sampling")
-    logit_std: float = option(1.0, "std of logit_normal sampling")
-    mode_scale: float = option(1.29, "scale of mode sampling")
-    guidance_scale: float = option(3.5, "guidance value fed to guidance-distilled models (FLUX.1-dev)")
-    max_sequence_length: int = option(512, "T5 tokens per prompt")
+    logit_mean: float = option(0.0, "mean of logit_normal sampling", bounds="(-inf, inf)")
+    logit_std: float = option(1.0, "std of logit_normal sampling", bounds="(0, inf)")
+    mode_scale: float = option(1.29, "scale of mode sampling", bounds="[-1, 1.75]")
+    guidance_scale: float = option(3.5, "guidance value fed to guidance-distilled models (FLUX.1-dev)",
+                                   bounds="[0, inf)")
+    max_sequence_length: int = option(512, "T5 tokens per prompt", bounds="[1, 512]")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    blocks_to_swap: int = option(0, "keep the last N transformer blocks in host memory and bring each to the "
+                                    "device only while it runs (for small cards; needs --gradient_checkpointing)",
+                                 bounds="[0, inf)")
+    compile: bool = option(False, "torch.compile each transformer block (regional compilation; the first "
+                                  "steps are slower while it compiles)")
     cache_latents: bool = option(True, "encode each image with the VAE once and reuse the latents")
     cache_dir: Optional[str] = option(None, "where cached latents and text embeddings live "
                                             "(default: OUTPUT_DIR/cache)")
-    checkpointing_steps: int = option(500, "save a resumable checkpoint every N optimizer steps (0: never)")
-    checkpoints_total_limit: Optional[int] = option(None, "keep at most this many checkpoints")
+    checkpointing_steps: int = option(500, "save a resumable checkpoint every N optimizer steps (0: never)",
+                                      bounds="[0, inf)")
+    checkpoints_total_limit: Optional[int] = option(None, "keep at most this many checkpoints", bounds="[1, inf)")
     resume_from_checkpoint: Optional[str] = option(None, "a checkpoint folder, or 'latest'")
     validation_prompt: Optional[str] = option(None, "prompt for validation images during training")
-    num_validation_images: int = option(2, "validation images per validation run")
-    validation_steps: int = option(0, "run validation every N optimizer steps (0: only at the end)")
-    validation_inference_steps: int = option(20, "denoising steps for validation images")
+    num_validation_images: int = option(2, "validation images per validation run", bounds="[1, inf)")
+    validation_steps: int = option(0, "run validation every N optimizer steps (0: only at the end)", bounds="[0, inf)")
+    validation_inference_steps: int = option(20, "denoising steps for validation images", bounds="[1, inf)")
     report_to: Literal["tensorboard", "none"] = option("tensorboard", "where to log scalars")
     on_nonfinite_loss: Literal["stop", "skip"] = option(
         "stop", "a NaN/inf loss stops the run naming the step, or is skipped with a warning")
-    dataloader_num_workers: int = option(0, "data loading worker processes")
+    max_skipped_steps_fraction: float = option(
+        0.1, "with --on_nonfinite_loss skip: stop with an error once more than this share of the steps is skipped",
+        bounds="[0, 1]")
+    dataloader_num_workers: int = option(0, "data loading worker processes", bounds="[0, inf)")
     overwrite_output_dir: bool = option(False, "allow writing into a non-empty --output_dir")
 
     def __post_init__(self) -> None:
-        positive = {"resolution": self.resolution, "train_batch_size": self.train_batch_size,
-                    "num_train_epochs": self.num_train_epochs,
-                    "gradient_accumulation_steps": self.gradient_accumulation_steps,
-                    "max_sequence_length": self.max_sequence_length}
-        for name, value in positive.items():
-            if value < 1:
-                raise UserError(f"--{name} must be at least 1 (got {value})")
-        if self.max_train_steps is not None and self.max_train_steps < 1:
-            raise UserError(f"--max_train_steps must be at least 1 (got {self.max_train_steps})")
-        if self.learning_rate <= 0:
-            raise UserError(f"--learning_rate must be positive (got {self.learning_rate})")
         if self.resolution % 16:
             raise UserError(f"--resolution must be a multiple of 16 for FLUX's 2x2 latent packing "
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
-        if self.checkpoints_total_limit is not None and self.checkpoints_total_limit < 1:
-            raise UserError("--checkpoints_total_limit must be at least 1")
+        if self.blocks_to_swap and not self.gradient_checkpointing:
+            raise UserError("--blocks_to_swap needs --gradient_checkpointing: without it backward holds every "
+                            "block's weights on the device and swapping saves no memory")
         self.check_evaluation(self.metrics_allowed)
 
     metrics_allowed = FIDELITY_METRICS

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from dreamstep.data.buckets import Placement
 from dreamstep.errors import UserError
+from dreamstep.files import honour_umask
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class TensorCache:
             if self.root == folder or folder in self.root.parents:
                 raise UserError(f"cache directory {root} is inside the image folder {folder}; choose a cache "
                                 "directory outside your data (e.g. under the output directory)")
-        self.root.mkdir(parents=True, exist_ok=True)
+        # The folder is made by the first put(): a run that stops at a later input check leaves nothing.
 
     def path(self, content_key: str) -> Path:
         """Where an entry lives: sha256(model identity, content key), fanned out over 256 folders."""
@@ -77,6 +78,7 @@ class TensorCache:
         try:
             contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
             save_file(contiguous, tmp, metadata={"model_id": self.model_id, "content": content_key[:4096]})
+            honour_umask(tmp)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

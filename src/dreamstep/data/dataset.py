@@ -9,6 +9,7 @@ exactly the batches the interrupted run would have seen next.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from dreamstep.data.cache import TensorCache, image_content_key
 from dreamstep.data.captions import process_caption
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.images import load_rgb
-from dreamstep.data.records import ImageRecord, collect_records
+from dreamstep.data.records import ImageRecord, collect_records, skipped_in
 from dreamstep.errors import UserError
 
 SampleKey = tuple[int, int]  # (sample index, epoch)
@@ -56,6 +57,7 @@ class BucketDataset(Dataset):
             raise UserError("the dataset has no images; check the image folders")
         self.seed = seed
         self.latent_cache = latent_cache
+        self.skipped: list[tuple[Path, str]] = []  # files in the image folders not trained on, and why
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -67,13 +69,20 @@ class BucketDataset(Dataset):
         flip = bool(record.subset.flip_aug and rng.random() < 0.5)
         return place(record.bucket, record.resized, record.subset.random_crop, flip, rng), rng
 
+    def caption(self, index: int, epoch: int) -> tuple[str, Placement]:
+        """The caption sample ``index`` is trained with in ``epoch`` (shuffle, keep_tokens and dropout
+        applied), and its placement: exactly what :meth:`__getitem__` uses, without decoding the image."""
+        record = self.records[self.samples[index]]
+        placement, rng = self.placement(index, epoch)
+        return process_caption(record.caption, record.subset.captions, epoch, rng), placement
+
     def __getitem__(self, key: int | SampleKey) -> dict[str, Any]:
         index, epoch = (key, 0) if isinstance(key, int) else key
         record = self.records[self.samples[index]]
-        placement, rng = self.placement(index, epoch)
+        caption, placement = self.caption(index, epoch)
         (width, height), (bucket_w, bucket_h) = record.image.size, record.bucket
         item: dict[str, Any] = {
-            "caption": process_caption(record.caption, record.subset.captions, epoch, rng),
+            "caption": caption,
             "original_size": (height, width),
             "crop_top_left": placement.crop_top_left(),
             "target_size": (bucket_h, bucket_w),
@@ -116,8 +125,12 @@ def transform_image(image: Image.Image, size: tuple[int, int], placement: Placem
 
 def build_dataset(configs: Sequence[DatasetConfig], seed: int,
                   latent_cache: TensorCache | None = None) -> BucketDataset:
-    """Scan, validate and bucket every dataset (errors name the file) and return the torch dataset."""
-    return BucketDataset([(collect_records(c), c.batch_size, c.prior_pairs) for c in configs], seed, latent_cache)
+    """Scan, validate and bucket every dataset (errors name the file) and return the torch dataset; its
+    ``skipped`` lists the files in the image folders that are not trained on, with the reason."""
+    dataset = BucketDataset([(collect_records(c), c.batch_size, c.prior_pairs) for c in configs],
+                            seed, latent_cache)
+    dataset.skipped = [entry for c in configs for entry in skipped_in(c)]
+    return dataset
 
 
 class BucketBatchSampler(Sampler[list[SampleKey]]):
@@ -220,7 +233,15 @@ def make_dataloader(dataset: BucketDataset, seed: int, epoch: int = 0, skip_batc
     """A DataLoader over bucketed batches; call ``loader.batch_sampler.set_epoch(e)`` before each epoch."""
     sampler = BucketBatchSampler(dataset, seed, epoch, skip_batches, num_replicas, rank)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                      persistent_workers=False, pin_memory=torch.cuda.is_available())
+                      persistent_workers=False, pin_memory=torch.cuda.is_available(),
+                      worker_init_fn=_leave_signals_to_the_trainer)
+
+
+def _leave_signals_to_the_trainer(worker_id: int) -> None:
+    """Ctrl-C reaches every process of the terminal's group, and a scheduler's SIGTERM every process of
+    the job: workers ignore both, so the trainer can finish its step and save (the loader ends them)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class ConditionedBatches:

@@ -111,7 +111,7 @@ class DatasetConfig:
 
 def load_dataset_config(path: str | Path, cli: Mapping[str, Any] | None = None) -> list[DatasetConfig]:
     """Read a Kohya dataset TOML; ``cli`` holds the trainer's flags, the lowest-precedence values."""
-    return parse_dataset_config(load_toml(path), str(path), cli)
+    return parse_dataset_config(load_toml(path, "--dataset_config"), str(path), cli)
 
 
 def parse_dataset_config(data: Mapping[str, Any], source: str = "dataset config",
@@ -230,7 +230,7 @@ class _Resolver:
         spec = KEYS[key]
         for table, place in self.layers:
             if key in table:
-                return convert_value(table[key], spec.type, f"{self.source}: {place}: key '{key}'")
+                return convert_value(table[key], spec.type, f"{self.source}: {place}: key '{key}'", typed=True)
         return spec.default
 
     def resolution(self, place: str) -> tuple[int, int]:

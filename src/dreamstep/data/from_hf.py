@@ -276,11 +276,22 @@ def write_metadata(output_dir: Path, captions: dict[str, dict[str, str]]) -> Pat
     return path
 
 
+def bucket_limits(resolution: int) -> tuple[int, int, int]:
+    """``(min_bucket_reso, max_bucket_reso, bucket_reso_steps)`` that bracket ``resolution``: sd-scripts'
+    256..2048 in steps of 64 at 1024 px, scaled down for small test resolutions (whose buckets would
+    otherwise lie outside the defaults and be refused), with steps a multiple of 16 (FLUX's packing)."""
+    steps = 64 if resolution >= 512 else 16
+    low = max(steps, resolution // 4 // steps * steps)
+    return low, max(resolution * 2, 1024), steps
+
+
 def write_dataset_toml(output_dir: Path, resolution: int) -> Path:
-    """A fine-tuning dataset config over the folder, ready for ``--dataset_config``."""
+    """A fine-tuning dataset config over the folder, ready for ``--dataset_config`` at ``resolution``."""
     folder = output_dir.resolve()
+    low, high, steps = bucket_limits(resolution)
     text = (f"# Written by 'dreamstep dataset from-hf': images in this folder, captions in {METADATA_NAME}.\n"
-            f"[general]\nresolution = {resolution}\nenable_bucket = true\n\n"
+            f"[general]\nresolution = {resolution}\nenable_bucket = true\nmin_bucket_reso = {low}\n"
+            f"max_bucket_reso = {high}\nbucket_reso_steps = {steps}\n\n"
             f"[[datasets]]\n\n[[datasets.subsets]]\nimage_dir = {json.dumps(str(folder))}\n"
             f"metadata_file = {json.dumps(str(folder / METADATA_NAME))}\n")
     path = output_dir / TOML_NAME

@@ -8,8 +8,10 @@ palette's transparent index) is composited onto white, as a viewer shows it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,10 @@ from PIL import Image, ImageCms, ImageOps
 
 from dreamstep.errors import UserError
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+# .gif and animated .webp train on their first frame.
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".jfif", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+# Files that live beside training images on purpose (captions, metadata, sd-scripts' latent caches).
+COMPANION_EXTENSIONS = (".txt", ".caption", ".json", ".jsonl", ".npz", ".toml")
 _ORIENTATION_TAG = 0x0112
 _SWAPPED_ORIENTATIONS = (5, 6, 7, 8)
 
@@ -43,6 +48,31 @@ def list_images(folder: Path, where: str) -> list[Path]:
         kinds = ", ".join(IMAGE_EXTENSIONS)
         raise UserError(f"{where}: folder '{folder}' has no images ({kinds}); put the training images there")
     return paths
+
+
+def skipped_files(folder: Path, companions: tuple[str, ...] = ()) -> list[tuple[Path, str]]:
+    """The entries of ``folder`` that training leaves out, each with the reason: files of other types,
+    broken links, link loops and subfolders. Hidden files and caption/metadata files (``companions`` and
+    :data:`COMPANION_EXTENSIONS`) are expected there and not listed."""
+    expected = {*COMPANION_EXTENSIONS, *(c.lower() for c in companions)}
+    skipped = []
+    for path in sorted(Path(folder).iterdir()):
+        if path.name.startswith(".") or path.suffix.lower() in expected:
+            continue
+        if path.is_symlink() and not path.exists():
+            try:
+                path.stat()
+                reason = "broken link"
+            except OSError as e:
+                reason = "link loop" if e.errno == errno.ELOOP else "broken link (its target is missing)"
+        elif path.is_dir():
+            reason = "a folder (images in subfolders are not read)"
+        elif path.suffix.lower() not in IMAGE_EXTENSIONS:
+            reason = f"not an image type dreamstep reads ({path.suffix or 'no extension'})"
+        else:
+            continue
+        skipped.append((path, reason))
+    return skipped
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -94,7 +124,7 @@ def load_rgb(path: Path) -> Image.Image:
         raise UserError(f"{path}: cannot read image ({e}); replace or remove the file") from None
 
 
-def _inspect(path: Path) -> ImageInfo | str:
+def inspect_image(path: Path) -> ImageInfo | str:
     """Hash and fully decode one file; return its info, or the reason it cannot be used."""
     try:
         data = path.read_bytes()
@@ -105,7 +135,9 @@ def _inspect(path: Path) -> ImageInfo | str:
             image.load()
             orientation = image.getexif().get(_ORIENTATION_TAG, 1)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        return f"cannot read image ({e})"
+        # Pillow names its input in the message, here an in-memory buffer; the caller names the file.
+        reason = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(e)).strip() or type(e).__name__
+        return f"cannot read image ({reason})"
     if orientation in _SWAPPED_ORIENTATIONS:
         width, height = height, width
     return ImageInfo(path=path, size=(width, height), sha256=hashlib.sha256(data).hexdigest())
@@ -115,7 +147,7 @@ def validate_images(paths: list[Path], workers: int = 8) -> dict[Path, ImageInfo
     """Decode every image before training. Any failure is one UserError naming the first bad file
     (and how many more there are), so a run never trains on fewer images than it was given."""
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        results = list(pool.map(_inspect, paths))
+        results = list(pool.map(inspect_image, paths))
     failures = [(p, r) for p, r in zip(paths, results) if isinstance(r, str)]
     if failures:
         path, reason = failures[0]

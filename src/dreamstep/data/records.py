@@ -16,7 +16,7 @@ from typing import Any
 
 from dreamstep.data.buckets import BucketPlanner, Size
 from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig
-from dreamstep.data.images import IMAGE_EXTENSIONS, ImageInfo, list_images, validate_images
+from dreamstep.data.images import IMAGE_EXTENSIONS, ImageInfo, list_images, skipped_files, validate_images
 from dreamstep.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -49,16 +49,18 @@ class ImageRecord:
 
 def collect_records(config: DatasetConfig) -> list[ImageRecord]:
     """All images of one dataset, validated, balanced and bucketed."""
-    entries = [(subset, _subset_entries(subset, config.method)) for subset in config.subsets]
+    if config.subsets and all(subset.is_reg for subset in config.subsets):
+        raise UserError(f"{config.where}: every subset has is_reg = true, so there are only regularization "
+                        "images and nothing to learn; add a subset of training images (is_reg = false)")
+    entries = [(subset, subset_entries(subset, config.method)) for subset in config.subsets]
     paths = [e.path for _, es in entries for e in es] + [e.conditioning for _, es in entries for e in es
                                                           if e.conditioning is not None]
     infos = validate_images(list(dict.fromkeys(paths)))
-    repeats = ([[s.num_repeats] * len(es) for s, es in entries] if config.prior_pairs
-               else _balanced_repeats(entries))
+    repeats = dataset_repeats(config, entries)
     planner = BucketPlanner(config.buckets)
     records = []
-    for (subset, subset_entries), subset_repeats in zip(entries, repeats):
-        for entry, count in zip(subset_entries, subset_repeats):
+    for (subset, found), subset_repeats in zip(entries, repeats):
+        for entry, count in zip(found, subset_repeats):
             if count == 0:
                 continue
             image = infos[entry.path]
@@ -71,6 +73,17 @@ def collect_records(config: DatasetConfig) -> list[ImageRecord]:
                                 f"bucket_reso_steps ({config.buckets.bucket_reso_steps}); enlarge or remove it")
             records.append(ImageRecord(image, entry.caption, subset, conditioning, count, bucket, resized))
     return records
+
+
+def skipped_in(config: DatasetConfig) -> list[tuple[Path, str]]:
+    """Every file in the dataset's image folders that training leaves out, with the reason."""
+    skipped = []
+    for subset in config.subsets:
+        companions = (subset.caption_extension,) if subset.caption_extension else ()
+        for folder in (subset.image_dir, subset.conditioning_data_dir):
+            if folder is not None and Path(folder).is_dir():
+                skipped += skipped_files(Path(folder), companions)
+    return skipped
 
 
 def balance_regularization(num_train_images: int, reg_repeats: list[int]) -> list[int]:
@@ -95,7 +108,17 @@ def balance_regularization(num_train_images: int, reg_repeats: list[int]) -> lis
     return result
 
 
-def _balanced_repeats(entries: list[tuple[SubsetConfig, list[_Entry]]]) -> list[list[int]]:
+def dataset_repeats(config: DatasetConfig, entries: list[tuple[SubsetConfig, list[Any]]]) -> list[list[int]]:
+    """Each entry's repeats per epoch: sd-scripts' regularization balancing, or, for a dataset that pairs
+    class samples with instance samples (diffusers' prior preservation), every subset's own ``num_repeats``
+    (the batch sampler cycles the shorter side)."""
+    if config.prior_pairs:
+        return [[s.num_repeats] * len(es) for s, es in entries]
+    return balanced_repeats(entries)
+
+
+def balanced_repeats(entries: list[tuple[SubsetConfig, list[Any]]]) -> list[list[int]]:
+    """Each entry's repeats per epoch: its subset's ``num_repeats``, regularization balanced."""
     num_train = sum(s.num_repeats * len(es) for s, es in entries if not s.is_reg)
     reg_slots = [(i, j) for i, (s, es) in enumerate(entries) if s.is_reg for j in range(len(es))]
     repeats = [[s.num_repeats] * len(es) for s, es in entries]
@@ -109,12 +132,13 @@ def _balanced_repeats(entries: list[tuple[SubsetConfig, list[_Entry]]]) -> list[
     return repeats
 
 
-def _subset_entries(subset: SubsetConfig, method: str) -> list[_Entry]:
+def subset_entries(subset: SubsetConfig, method: str) -> list[_Entry]:
+    """A subset's images with their captions (and ControlNet partners), before the images are decoded."""
     if subset.metadata_file is not None:
         entries = _metadata_entries(subset)
     else:
         assert subset.image_dir is not None
-        entries = [_Entry(p, _folder_caption(p, subset), None) for p in list_images(subset.image_dir, subset.where)]
+        entries = [_Entry(p, folder_caption(p, subset), None) for p in list_images(subset.image_dir, subset.where)]
     if subset.conditioning_data_dir is not None:
         entries = _pair_with_conditioning(entries, subset)
     if method == "controlnet":
@@ -125,7 +149,7 @@ def _subset_entries(subset: SubsetConfig, method: str) -> list[_Entry]:
     return entries
 
 
-def _folder_caption(image: Path, subset: SubsetConfig) -> str:
+def folder_caption(image: Path, subset: SubsetConfig) -> str:
     """The caption file's first line, else ``class_tokens``; with neither the caption file is required."""
     if subset.caption_extension:
         caption_path = image.with_suffix(subset.caption_extension)
@@ -141,7 +165,8 @@ def _folder_caption(image: Path, subset: SubsetConfig) -> str:
 
 def _read_caption_file(path: Path) -> str:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the caption.
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError:
         raise UserError(f"{path}: caption file is not UTF-8 text; re-save it as UTF-8") from None
     if not lines or not lines[0].strip():
@@ -203,7 +228,7 @@ def _read_metadata(path: Path) -> list[tuple[str, dict[str, Any]]]:
     if not path.is_file():
         raise UserError(f"{path}: metadata file not found; check metadata_file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
         raise UserError(f"{path}: not UTF-8 text; save the metadata file as UTF-8") from None
     try:

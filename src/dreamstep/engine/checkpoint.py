@@ -3,7 +3,7 @@
 ``checkpoint-<step>/`` holds::
 
     trainable_weights.safetensors   the tensors the caller passes (e.g. the LoRA state dict)
-    optimizer.pt                    optimizer.state_dict()
+    optimizer.pt                    optimizer.state_dict() (sharded runs: the full state, by parameter name)
     lr_scheduler.pt                 lr_scheduler.state_dict() (when there is a scheduler)
     random_states.pt                per process: python, numpy, torch CPU (and CUDA) RNG, now and at the
                                     start of the current epoch
@@ -26,7 +26,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,15 +35,23 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from dreamstep.engine.disk import DiskFullError, disk_full_message, free_bytes, is_disk_full, require_space
+from dreamstep.engine.sharding import load_optimizer_state, optimizer_state
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
+from dreamstep.files import honour_umask
 
 __all__ = [
+    "DamagedCheckpointError",
     "LoadedCheckpoint",
     "TrainingPosition",
+    "broadcast_from_main",
     "capture_rng_state",
+    "checkpoint_bytes",
     "list_checkpoints",
     "load_checkpoint",
+    "read_checkpoint_extra",
+    "read_checkpoint_step",
     "prune_checkpoints",
     "resolve_resume",
     "restore_rng_state",
@@ -57,6 +65,7 @@ RNG_FILE = "random_states.pt"
 STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+_LEFTOVER = re.compile(r"^\.checkpoint-\d+\.(?:tmp|old|deleting)-(\d+)$")
 
 
 @dataclass
@@ -132,39 +141,94 @@ def save_checkpoint(output_dir: str | Path, train_step: TrainStep, position: Tra
                     total_limit: int | None = None) -> Path:
     """Write ``output_dir/checkpoint-<global_step>`` atomically and prune to ``total_limit`` checkpoints.
 
-    Call it on every process (RNG states are gathered collectively); only the main process writes.
+    Call it on every process (RNG states, and sharded optimizer state, are gathered collectively); only the
+    main process writes.
     ``weights`` are the trainable tensors (e.g. ``get_peft_model_state_dict(model)``); ``extra`` is any
-    JSON-able dict (e.g. the resolved config). Returns the checkpoint's path.
+    JSON-able dict (e.g. the resolved config). Returns the checkpoint's path. When the disk cannot take
+    the checkpoint (checked before writing, or found while writing) every process raises
+    :class:`~dreamstep.engine.disk.DiskFullError` and the earlier checkpoints stay as they were.
     """
     accelerator = train_step.accelerator
     rng = _gather({"current": capture_rng_state(), "epoch_start": position.epoch_start_rng}, accelerator)
+    optimizer = optimizer_state(train_step.model, train_step.optimizer)
     final = Path(output_dir) / f"checkpoint-{position.global_step}"
+    disk_full = None
     if _is_main(accelerator):
-        _remove_leftovers(final.parent)
-        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-        tmp.mkdir(parents=True)
-        _write_contents(tmp, train_step, position, weights, extra, rng)
-        _replace_dir(tmp, final)
-        if total_limit is not None:
+        try:
+            _write_checkpoint(final, train_step, position, weights, optimizer, extra, rng)
+        except DiskFullError as e:
+            disk_full = str(e)
+        if disk_full is None and total_limit is not None:
             prune_checkpoints(final.parent, total_limit)
-    if accelerator is not None:
-        accelerator.wait_for_everyone()
+    disk_full = broadcast_from_main(disk_full, accelerator)  # also the barrier: every process waits for the save
+    if disk_full is not None:
+        raise DiskFullError(disk_full)
     return final
 
 
+def checkpoint_bytes(optimizer: Mapping[str, Any], weights: Mapping[str, torch.Tensor]) -> int:
+    """About what a checkpoint takes on disk: the weights and the tensors of the optimizer's state dict."""
+    tensors = list(weights.values())
+    for state in optimizer.get("state", {}).values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors) + 2**20  # + RNG states, JSON, headers
+
+
+def _write_checkpoint(final: Path, train_step: TrainStep, position: TrainingPosition,
+                      weights: Mapping[str, torch.Tensor], optimizer: dict[str, Any],
+                      extra: Mapping[str, Any] | None, rng: list[dict[str, Any]]) -> None:
+    """Check the free space, write into a hidden folder, rename it into place."""
+    earlier = list_checkpoints(final.parent)
+    needed = max([checkpoint_bytes(optimizer, weights)] + [_tree_bytes(p) for p in earlier[-1:]])
+    keeps = (f"the last good checkpoint, {earlier[-1]}, is kept" if earlier else "no checkpoint was written yet")
+    require_space(final.parent, needed, final.name, keeps)
+    _remove_leftovers(final.parent)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    tmp.mkdir(parents=True)
+    try:
+        _write_contents(tmp, train_step, position, weights, optimizer, extra, rng)
+    except BaseException as e:  # a second Ctrl-C too: no half-written folder stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and (is_disk_full(e) or free_bytes(final.parent) < needed):
+            raise DiskFullError(disk_full_message(final.parent, needed, final.name, keeps)) from None
+        raise
+    _replace_dir(tmp, final)
+
+
+def _tree_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
 def _remove_leftovers(output_dir: Path) -> None:
-    """Delete hidden folders left by a save or prune that crashed (never a visible checkpoint)."""
-    if output_dir.is_dir():
-        for path in output_dir.glob(".checkpoint-*"):
+    """Delete hidden folders left by a save or prune of this process, or of a process that has died
+    (never a visible checkpoint, never the temporary folder of a live run)."""
+    for path in output_dir.glob(".checkpoint-*"):
+        match = _LEFTOVER.match(path.name)
+        if match and _gone_or_self(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _gone_or_self(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    if os.name == "nt":  # os.kill would end the process there
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, owned by someone else
+        return False
+    return False
+
+
 def _write_contents(folder: Path, train_step: TrainStep, position: TrainingPosition,
-                    weights: Mapping[str, torch.Tensor], extra: Mapping[str, Any] | None,
-                    rng: list[dict[str, Any]]) -> None:
+                    weights: Mapping[str, torch.Tensor], optimizer: dict[str, Any],
+                    extra: Mapping[str, Any] | None, rng: list[dict[str, Any]]) -> None:
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    torch.save(train_step.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+    honour_umask(folder / WEIGHTS_FILE)
+    torch.save(optimizer, folder / OPTIMIZER_FILE)
     if train_step.lr_scheduler is not None:
         torch.save(train_step.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
     torch.save(rng, folder / RNG_FILE)
@@ -208,8 +272,9 @@ def prune_checkpoints(output_dir: str | Path, total_limit: int) -> list[Path]:
     return removed
 
 
-def resolve_resume(output_dir: str | Path, resume_from_checkpoint: str | Path | None) -> Path | None:
-    """Turn ``--resume_from_checkpoint`` into a checkpoint folder.
+def resolve_resume(output_dir: str | Path, resume_from_checkpoint: str | Path | None,
+                   flag: str = "--resume_from_checkpoint") -> Path | None:
+    """Turn ``--resume_from_checkpoint`` (or the recipe's ``flag``) into a checkpoint folder.
 
     ``None``/``""``: start fresh. ``latest``: the newest ``checkpoint-<step>`` in ``output_dir``, or ``None``
     when there is none yet (a first run with ``latest`` starts fresh). A path, or a folder name inside
@@ -224,28 +289,37 @@ def resolve_resume(output_dir: str | Path, resume_from_checkpoint: str | Path | 
         if candidate.is_dir():
             return candidate
     available = ", ".join(p.name for p in list_checkpoints(output_dir)) or "none"
-    raise UserError(f"--resume_from_checkpoint: '{resume_from_checkpoint}' not found (checkpoints in "
+    raise UserError(f"{flag}: '{resume_from_checkpoint}' not found (checkpoints in "
                     f"{output_dir}: {available}); give a checkpoint folder or 'latest'")
+
+
+class DamagedCheckpointError(UserError):
+    """A file of the checkpoint is missing, truncated or unreadable; the message names it."""
 
 
 def load_checkpoint(path: str | Path, train_step: TrainStep) -> LoadedCheckpoint:
     """Restore optimizer, LR scheduler and TrainStep state from ``path``; return weights, position, RNG, extra.
 
-    The caller copies ``weights`` into its model; the loop applies the RNG states (pass the result to
-    ``run_training(resume=...)``).
+    Every file is read before anything is restored, so a damaged checkpoint
+    (:class:`DamagedCheckpointError`, naming the file) leaves the TrainStep untouched. The caller copies
+    ``weights`` into its model; the loop applies the RNG states (pass the result to ``run_training(resume=...)``).
     """
     path = Path(path)
-    state = _read_state(path)
-    weights = load_file(str(_require(path, WEIGHTS_FILE)), device="cpu")
-    train_step.optimizer.load_state_dict(_torch_load(_require(path, OPTIMIZER_FILE)))
-    if train_step.lr_scheduler is not None:
-        train_step.lr_scheduler.load_state_dict(_torch_load(_require(path, SCHEDULER_FILE)))
+    if not path.is_dir():
+        raise UserError(f"{path}: checkpoint folder not found; check the resume flag")
+    state = _read(path, STATE_FILE, _read_state)
+    weights = _read(path, WEIGHTS_FILE, lambda file: load_file(str(file), device="cpu"))
+    optimizer = _read(path, OPTIMIZER_FILE, _torch_load)
+    scheduler_state = _read(path, SCHEDULER_FILE, _torch_load) if train_step.lr_scheduler is not None else None
+    rng = _this_process_rng(_read(path, RNG_FILE, _torch_load), train_step.accelerator)
+    load_optimizer_state(train_step.model, train_step.optimizer, optimizer)
+    if scheduler_state is not None:
+        train_step.lr_scheduler.load_state_dict(scheduler_state)
     try:
         train_step.load_state_dict(state["train_step"])
     except (KeyError, ValueError) as e:
         raise UserError(f"{path / STATE_FILE}: TrainStep state does not match this run ({e}); resume with the "
                         "same loss scaler settings") from None
-    rng = _this_process_rng(_torch_load(_require(path, RNG_FILE)), train_step.accelerator)
     position = TrainingPosition(global_step=state["global_step"], epoch=state["epoch"],
                                 batch_in_epoch=state["batch_in_epoch"],
                                 epoch_start_rng=rng["epoch_start"] if rng else None)
@@ -253,25 +327,37 @@ def load_checkpoint(path: str | Path, train_step: TrainStep) -> LoadedCheckpoint
                             rng_state=rng["current"] if rng else None, extra=state["extra"])
 
 
-def _read_state(path: Path) -> dict[str, Any]:
-    state_file = _require(path, STATE_FILE)
-    try:
-        state = json.loads(state_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{state_file}: unreadable ({e}); pick another checkpoint") from None
-    if state.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"{state_file}: checkpoint format {state.get('format_version')} is not supported "
-                        f"(expected {FORMAT_VERSION})")
-    return state
+def read_checkpoint_extra(path: str | Path) -> dict[str, Any]:
+    """The ``extra`` a checkpoint was saved with, read without loading any tensor."""
+    return _read(Path(path), STATE_FILE, _read_state).get("extra", {})
 
 
-def _require(path: Path, name: str) -> Path:
-    if not path.is_dir():
-        raise UserError(f"{path}: checkpoint folder not found; check --resume_from_checkpoint")
+def read_checkpoint_step(path: str | Path) -> int:
+    """The optimizer step a checkpoint was saved at, read without loading any tensor."""
+    return int(_read(Path(path), STATE_FILE, _read_state)["global_step"])
+
+
+def _read(path: Path, name: str, reader: Callable[[Path], Any]) -> Any:
+    """``reader(path / name)``; any failure to read becomes a :class:`DamagedCheckpointError` naming the file."""
     file = path / name
     if not file.is_file():
-        raise UserError(f"{file}: missing from the checkpoint; it is incomplete, resume from another one")
-    return file
+        raise DamagedCheckpointError(f"{file}: missing from the checkpoint; it is incomplete, resume from another one")
+    try:
+        return reader(file)
+    except UserError:
+        raise
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise DamagedCheckpointError(f"{file}: unreadable, the file is damaged or truncated ({reason}); "
+                                     "resume from another checkpoint") from None
+
+
+def _read_state(file: Path) -> dict[str, Any]:
+    state = json.loads(file.read_text())
+    if state.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"{file}: checkpoint format {state.get('format_version')} is not supported "
+                        f"(expected {FORMAT_VERSION})")
+    return state
 
 
 def _torch_load(file: Path) -> Any:
@@ -286,6 +372,15 @@ def _this_process_rng(per_process: list[dict[str, Any]], accelerator: Any) -> di
 
 def _is_main(accelerator: Any) -> bool:
     return accelerator is None or accelerator.is_main_process
+
+
+def broadcast_from_main(value: Any, accelerator: Any) -> Any:
+    """The main process's ``value`` on every process; a barrier too."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value])[0]
 
 
 def _gather(obj: dict[str, Any], accelerator: Any) -> list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""Training logs: TensorBoard scalars, the loss history, a loss-curve PNG and image grids, all with Pillow.
+"""Training logs: TensorBoard scalars, the loss history, a plain-text ``train.log``, a loss-curve PNG and
+image grids, all with Pillow.
 
 TensorBoard is optional: with ``report_to="none"``, or when the ``tensorboard`` package is missing (one
 warning), scalars are still kept in memory and the loss curve is still drawn. Only the main process writes.
@@ -7,39 +8,51 @@ warning), scalars are still kept in memory and the loss curve is still drawn. On
 from __future__ import annotations
 
 import math
+import textwrap
 import warnings
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from dreamstep.engine.metrics import MetricsTable, draw_metrics
+from dreamstep.generation.outputs import JSON_KEY, grid_png_info
 
-__all__ = ["TrainingLogger", "draw_loss_curve", "save_image_grid", "smooth"]
+__all__ = ["TrainingLogger", "draw_loss_curve", "log_time", "save_image_grid", "smooth"]
 
 ReportTo = Literal["tensorboard", "none"]
 
 
 class TrainingLogger:
-    """Scalars to TensorBoard and memory; validation image grids; ``loss_curve.png`` on :meth:`close`.
+    """Scalars to TensorBoard, memory and ``train.log``; validation image grids; ``loss_curve.png`` on
+    :meth:`close`.
 
-    ``log_dir`` receives the TensorBoard event files, ``samples/`` and ``loss_curve.png``.
+    ``log_dir`` receives the TensorBoard event files, ``samples/``, ``train.log`` (one line per step and
+    every message of the run, appended across resumes, so a dashboard or ``tail -f`` can follow it) and
+    ``loss_curve.png``.
     """
 
     def __init__(self, log_dir: str | Path, *, report_to: ReportTo = "tensorboard",
-                 is_main_process: bool = True, tensorboard_dir: str | Path | None = None) -> None:
-        """``tensorboard_dir`` puts the event files elsewhere (Kohya's ``--logging_dir``); default ``log_dir``."""
+                 is_main_process: bool = True, tensorboard_dir: str | Path | None = None,
+                 samples_dir: str | Path | None = None, purge_step: int | None = None) -> None:
+        """``tensorboard_dir`` puts the event files elsewhere (Kohya's ``--logging_dir``; default ``log_dir``),
+        ``samples_dir`` the image grids (default ``log_dir/samples``). A resumed run passes ``purge_step``
+        (its first new step), so TensorBoard hides what the interrupted run logged from that step on
+        instead of drawing two overlapping curves."""
         if report_to not in ("tensorboard", "none"):
             raise ValueError(f"report_to must be 'tensorboard' or 'none', got {report_to!r}")
         self.log_dir = Path(log_dir)
         self.tensorboard_dir = Path(tensorboard_dir) if tensorboard_dir is not None else self.log_dir
+        self.samples_dir = Path(samples_dir) if samples_dir is not None else self.log_dir / "samples"
         self.is_main_process = is_main_process
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.metrics = MetricsTable()  # evaluation scores at validation points (validation loss, DINO, ...)
-        self._writer = (_open_writer(self.tensorboard_dir) if report_to == "tensorboard" and is_main_process
-                        else None)
+        self._writer = (_open_writer(self.tensorboard_dir, purge_step)
+                        if report_to == "tensorboard" and is_main_process else None)
+        self._text: TextIO | None = None
 
     @property
     def loss_history(self) -> list[tuple[int, float]]:
@@ -53,10 +66,21 @@ class TrainingLogger:
             self.history.setdefault(name, []).append((step, value))
             if self._writer is not None:
                 self._writer.add_scalar(f"train/{name}", value, step)
+        self.note(f"step {step} " + " ".join(f"{name}={float(value):.6g}" for name, value in scalars.items()))
+
+    def note(self, message: str) -> None:
+        """Append a timestamped line to ``train.log`` (main process only)."""
+        if not self.is_main_process:
+            return
+        if self._text is None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._text = open(self.log_dir / "train.log", "a", encoding="utf-8", buffering=1)  # line-buffered
+        self._text.write(f"{log_time()} {message}\n")
 
     def log_metrics(self, step: int, scores: Mapping[str, float]) -> None:
         """Record evaluation scores at ``step`` (TensorBoard tag ``eval/<name>``; ``metrics.csv`` on close)."""
         self.metrics.add(step, scores)
+        self.note(f"eval {step} " + " ".join(f"{name}={float(value):.6g}" for name, value in scores.items()))
         if self._writer is not None:
             for name, value in scores.items():
                 self._writer.add_scalar(f"eval/{name}", float(value), step)
@@ -69,10 +93,11 @@ class TrainingLogger:
                 "metrics plot": draw_metrics(self.metrics, self.log_dir / "metrics.png", marks=marks)}
 
     def log_images(self, step: int, images: Sequence[Image.Image], tag: str = "validation") -> Path | None:
-        """Save ``images`` as ``samples/<tag>-<step>.png`` (and to TensorBoard); return the PNG path."""
+        """Save ``images`` as ``<samples_dir>/<tag>-<step>.png`` (and to TensorBoard), labelled with their
+        prompts, seeds and the step; return the PNG path."""
         if not self.is_main_process or not images:
             return None
-        path = save_image_grid(images, self.log_dir / "samples" / f"{tag}-{step:06d}.png")
+        path = save_image_grid(images, self.samples_dir / f"{tag}-{step:06d}.png", step=step)
         if self._writer is not None:
             grid = np.asarray(Image.open(path).convert("RGB"))  # (H, W, 3) uint8
             self._writer.add_image(tag, grid, step, dataformats="HWC")
@@ -84,6 +109,9 @@ class TrainingLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._text is not None:
+            self._text.close()
+            self._text = None
         if not self.is_main_process or not self.loss_history:
             return None
         steps, losses = zip(*self.loss_history)
@@ -91,30 +119,62 @@ class TrainingLogger:
                                validation=self.metrics.series("val_loss"))
 
 
-def _open_writer(log_dir: Path) -> Any:
+def log_time() -> str:
+    """The local time that starts every ``train.log`` line, to the millisecond (for seconds per step)."""
+    return datetime.now().isoformat(sep=" ", timespec="milliseconds")
+
+
+def _open_writer(log_dir: Path, purge_step: int | None) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         warnings.warn("tensorboard is not installed, so no TensorBoard logs are written; "
                       "install it with 'pip install tensorboard' or set report_to to 'none'", stacklevel=3)
         return None
-    return SummaryWriter(log_dir=str(log_dir))
+    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
 
-def save_image_grid(images: Sequence[Image.Image], path: str | Path, columns: int | None = None) -> Path:
-    """Paste ``images`` row by row into one PNG (cells sized to the largest image); return ``path``."""
+def sample_parameters(image: Image.Image) -> list[dict[str, Any]]:
+    """The generation parameters a sampler attached to ``image.info["dreamstep"]`` (a dict, or a list for
+    an image that shows several samples), or ``[]``."""
+    value = image.info.get(JSON_KEY)
+    return [value] if isinstance(value, dict) else list(value) if isinstance(value, list) else []
+
+
+def _label(cells: list[dict[str, Any]], step: int | None, width: int) -> list[str]:
+    """Text under a grid cell: each prompt (wrapped to the cell), then its seed and the training step."""
+    lines = []
+    chars = max(8, width // 6)
+    for cell in cells:
+        lines += textwrap.wrap(str(cell.get("prompt", "")), chars) or [""]
+        lines.append(f"seed {cell.get('seed')}" + (f" | step {step}" if step is not None else ""))
+    return lines
+
+
+def save_image_grid(images: Sequence[Image.Image], path: str | Path, columns: int | None = None,
+                    step: int | None = None) -> Path:
+    """Paste ``images`` row by row into one PNG (cells sized to the largest image); return ``path``. Images
+    that carry their generation parameters (see :func:`sample_parameters`) are labelled with prompt, seed
+    and ``step`` under the cell, and the PNG holds them in text chunks as ``dreamstep generate`` writes."""
     if not images:
         raise ValueError("save_image_grid needs at least one image")
     columns = columns or math.ceil(math.sqrt(len(images)))
     rows = math.ceil(len(images) / columns)
     cell_w = max(im.width for im in images)
-    cell_h = max(im.height for im in images)
+    labels = [_label(sample_parameters(im), step, cell_w) for im in images]
+    band = max(len(lines) for lines in labels) * _LINE_HEIGHT + 4 if any(labels) else 0
+    cell_h = max(im.height for im in images) + band
     grid = Image.new("RGB", (columns * cell_w, rows * cell_h), "white")
-    for i, im in enumerate(images):
-        grid.paste(im.convert("RGB"), ((i % columns) * cell_w, (i // columns) * cell_h))
+    draw, font = ImageDraw.Draw(grid), ImageFont.load_default()
+    for i, (im, lines) in enumerate(zip(images, labels)):
+        x, y = (i % columns) * cell_w, (i // columns) * cell_h
+        grid.paste(im.convert("RGB"), (x, y))
+        for n, line in enumerate(lines):
+            draw.text((x + 2, y + cell_h - band + 2 + n * _LINE_HEIGHT), line, fill=_AXES, font=font)
+    cells = [cell for im in images for cell in sample_parameters(im)]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
+    grid.save(path, pnginfo=grid_png_info(step or 0, cells) if cells else None)
     return path
 
 
@@ -128,6 +188,7 @@ def smooth(values: Sequence[float], weight: float = 0.9) -> list[float]:
     return out
 
 
+_LINE_HEIGHT = 12  # pixels per line of Pillow's default font
 _SIZE = (800, 480)
 _MARGIN = (70, 30, 30, 50)  # left, top, right, bottom: room for tick labels and the title
 _RAW, _SMOOTH, _AXES, _VALIDATION = (170, 190, 230), (20, 70, 170), (60, 60, 60), (220, 100, 20)

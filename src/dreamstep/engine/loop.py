@@ -50,11 +50,16 @@ class NonFiniteLossError(UserError):
 class TrainingResult:
     """``losses``: one group-mean loss per optimizer step of this run (NaN/inf included when skipped);
     ``position``: where the run stopped (give it to ``save_checkpoint`` for a final checkpoint);
-    ``skipped_steps``: global steps whose update was skipped (non-finite gradients or loss)."""
+    ``skipped_steps``: global steps whose update was skipped (non-finite gradients or loss);
+    ``nonfinite_steps``: those of them whose loss was NaN/inf; ``total_steps``: the steps the run was
+    planned for; ``stopped``: True when ``on_step`` ended the run early."""
 
     losses: list[float] = field(default_factory=list)
     position: TrainingPosition = field(default_factory=TrainingPosition)
     skipped_steps: list[int] = field(default_factory=list)
+    nonfinite_steps: list[int] = field(default_factory=list)
+    total_steps: int = 0
+    stopped: bool = False
 
 
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
@@ -69,7 +74,9 @@ def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | No
                  save_checkpoint: Callable[[TrainingPosition], Any] | None = None,
                  validate_every_n_steps: int | None = None, validate: Callable[[int], Any] | None = None,
                  logger: TrainingLogger | None = None,
-                 on_nonfinite_loss: Literal["stop", "skip"] = "stop", progress: bool = True) -> TrainingResult:
+                 on_nonfinite_loss: Literal["stop", "skip"] = "stop", max_skipped_fraction: float = 1.0,
+                 on_step: Callable[[TrainingPosition, float, int], bool] | None = None,
+                 progress: bool = True) -> TrainingResult:
     """Train until ``max_train_steps`` optimizer steps or ``num_epochs`` epochs, whichever comes first.
 
     ``data`` is either a function ``epoch -> iterable of batches`` or an iterable with a deterministic
@@ -79,20 +86,27 @@ def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | No
     every ``validate_every_n_steps`` steps (after logging; validation first, so a checkpoint taken at the
     same step holds the RNG state after validation). ``resume`` is what ``load_checkpoint`` returned.
     ``on_nonfinite_loss``: ``"stop"`` raises :class:`NonFiniteLossError` naming the step; ``"skip"`` reports
-    it and goes on (TrainStep has already skipped the update, as the gradients are then non-finite too).
+    it and goes on (TrainStep has already skipped the update, as the gradients are then non-finite too), until
+    more than ``max_skipped_fraction`` of the planned steps were skipped: then the run has diverged and
+    :class:`NonFiniteLossError` says so. ``on_step(position, loss, total_steps)`` runs after each optimizer
+    step and its callbacks; when it returns True on any process, every process stops after that step
+    (``result.stopped``).
     """
     _check_arguments(max_train_steps, num_epochs, checkpoint_every_n_steps, save_checkpoint,
                      validate_every_n_steps, validate, on_nonfinite_loss)
+    if not 0.0 <= max_skipped_fraction <= 1.0:
+        raise ValueError(f"max_skipped_fraction must be in [0, 1], got {max_skipped_fraction}")
     position = dataclasses.replace(resume.position) if resume is not None else TrainingPosition()
     resume_rng = resume.rng_state if resume is not None else None
     result = TrainingResult(position=position)
     bar = None
     try:
-        while not _finished(position, max_train_steps, num_epochs):
+        while not result.stopped and not _finished(position, max_train_steps, num_epochs):
             batches = _open_epoch(data, position, resuming=resume is not None and bar is None)
             steps_per_epoch = _steps_per_epoch(step, batches)
             if max_train_steps is None:
                 max_train_steps = num_epochs * steps_per_epoch
+            result.total_steps = max_train_steps
             if bar is None:
                 bar = _progress_bar(step, position.global_step, max_train_steps, progress)
             iterator = _skip(iter(batches), position.batch_in_epoch)
@@ -100,8 +114,8 @@ def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | No
                 restore_rng_state(resume_rng)
                 resume_rng = None
             _check_alignment(step, position.batch_in_epoch)
-            if _train_epoch(step, iterator, position, result, max_train_steps, bar, logger, on_nonfinite_loss,
-                            (checkpoint_every_n_steps, save_checkpoint), (validate_every_n_steps, validate)):
+            if _train_epoch(step, iterator, position, result, bar, logger, (on_nonfinite_loss, max_skipped_fraction),
+                            (checkpoint_every_n_steps, save_checkpoint), (validate_every_n_steps, validate), on_step):
                 position.epoch += 1
                 position.batch_in_epoch = 0
     finally:
@@ -111,10 +125,11 @@ def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | No
 
 
 def _train_epoch(step: TrainStep, iterator: Iterator[Any], position: TrainingPosition, result: TrainingResult,
-                 max_train_steps: int, bar: Any, logger: TrainingLogger | None, on_nonfinite_loss: str,
-                 checkpointing: tuple[int | None, Callable | None],
-                 validation: tuple[int | None, Callable | None]) -> bool:
-    """Run the rest of an epoch; return True when the epoch's data ran out (False: max steps reached)."""
+                 bar: Any, logger: TrainingLogger | None, nonfinite: tuple[str, float],
+                 checkpointing: tuple[int | None, Callable | None], validation: tuple[int | None, Callable | None],
+                 on_step: Callable[[TrainingPosition, float, int], bool] | None) -> bool:
+    """Run the rest of an epoch; return True when the epoch's data ran out (False: max steps reached, or
+    ``on_step`` asked to stop)."""
     for batch in iterator:
         outputs = step(*batch) if isinstance(batch, (tuple, list)) else step(batch)
         position.batch_in_epoch += 1
@@ -122,16 +137,19 @@ def _train_epoch(step: TrainStep, iterator: Iterator[Any], position: TrainingPos
             continue
         position.global_step += 1
         loss = _global_loss(step, outputs[0])
-        _record(step, loss, position, result, bar, logger, on_nonfinite_loss)
+        _record(step, loss, position, result, bar, logger, *nonfinite)
         _every(validation, position.global_step, position.global_step)
         _every(checkpointing, position.global_step, dataclasses.replace(position))
-        if position.global_step >= max_train_steps:
+        if on_step is not None and _any_process(step, on_step(dataclasses.replace(position), loss, result.total_steps)):
+            result.stopped = True
+            return False
+        if position.global_step >= result.total_steps:
             return False
     return True
 
 
 def _record(step: TrainStep, loss: float, position: TrainingPosition, result: TrainingResult, bar: Any,
-            logger: TrainingLogger | None, on_nonfinite_loss: str) -> None:
+            logger: TrainingLogger | None, on_nonfinite_loss: str, max_skipped_fraction: float) -> None:
     """Append the loss, log the step's scalars, update the bar; handle a non-finite loss or skipped update."""
     result.losses.append(loss)
     where = f"step {position.global_step} (epoch {position.epoch}, batch {position.batch_in_epoch})"
@@ -140,6 +158,13 @@ def _record(step: TrainStep, loss: float, position: TrainingPosition, result: Tr
             raise NonFiniteLossError(
                 f"loss is {loss} at {where}; the update was not applied. Lower the learning rate, check the "
                 "data, prefer bf16 over fp16, or pass --on_nonfinite_loss skip to continue past such steps")
+        result.nonfinite_steps.append(position.global_step)
+        allowed = max_skipped_fraction * result.total_steps
+        if len(result.nonfinite_steps) > allowed:
+            raise NonFiniteLossError(
+                f"{len(result.nonfinite_steps)} of the {result.total_steps} steps had a non-finite loss (steps "
+                f"{_step_list(result.nonfinite_steps)}), more than --max_skipped_steps_fraction "
+                f"{max_skipped_fraction:g} allows: the run has diverged. Lower the learning rate or check the data")
         _say(step, bar, f"warning: loss is {loss} at {where}; skipping this step")
     if step.step_skipped:
         result.skipped_steps.append(position.global_step)
@@ -162,6 +187,20 @@ def _global_loss(step: TrainStep, loss: torch.Tensor) -> float:
     if accelerator is not None and accelerator.num_processes > 1:
         loss = accelerator.reduce(loss.detach().to(accelerator.device), reduction="mean")
     return float(loss)
+
+
+def _step_list(steps: list[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, steps[:limit]))
+    return shown + (f" and {len(steps) - limit} more" if len(steps) > limit else "")
+
+
+def _any_process(step: TrainStep, flag: bool) -> bool:
+    """True on every process when ``flag`` is True on any (one scalar all-reduce under several processes)."""
+    accelerator = step.accelerator
+    if accelerator is None or accelerator.num_processes == 1:
+        return flag
+    value = torch.tensor(float(flag), device=accelerator.device)
+    return bool(accelerator.reduce(value, reduction="sum") > 0)
 
 
 def _every(schedule: tuple[int | None, Callable | None], global_step: int, argument: Any) -> None:

@@ -12,12 +12,12 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
-from diffusers.optimization import SchedulerType, get_scheduler
+from diffusers.optimization import get_scheduler
 
+from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError, did_you_mean
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy", "Lion", "Adafactor")
-LR_SCHEDULERS = tuple(s.value for s in SchedulerType if s is not SchedulerType.PIECEWISE_CONSTANT)
 
 
 def parse_optimizer_args(items: Iterable[str], flag: str = "--optimizer_args") -> dict[str, Any]:

@@ -22,7 +22,8 @@ static scaler keeps its scale, so a static scale that overflows every step skips
 scale, or the dynamic scaler).
 
 Mixed precision with an accelerate ``Accelerator``: the accelerator provides the device, ``autocast`` for
-``forward`` and DDP/FSDP ``no_sync``; loss scaling is ours alone. With ``mixed_precision="fp16"`` on a GPU,
+``forward`` and DDP ``no_sync`` (FSDP2 modules from ``dreamstep.engine.sharding`` pause their gradient sync
+here); loss scaling is ours alone. With ``mixed_precision="fp16"`` on a GPU,
 accelerate creates its own ``GradScaler`` which would scale the loss a second time and unscale the gradients
 with the wrong factor, so ``TrainStep`` refuses an accelerator whose GradScaler is enabled: build it with
 :func:`make_accelerator` (or pass ``GradScalerKwargs(enabled=False)``). When the accelerator's
@@ -41,6 +42,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from dreamstep.engine.sharding import is_sharded, no_gradient_sync
 
 __all__ = ["DynamicLossScaler", "StaticLossScaler", "TrainStep", "make_accelerator"]
 
@@ -327,6 +330,8 @@ class TrainStep(abc.ABC):
         """No gradient all-reduce on micro-batches that do not close a group."""
         if closes_group:
             return contextlib.nullcontext()
+        if is_sharded(self.model):
+            return no_gradient_sync(self.model)
         if self.accelerator is not None:
             return self.accelerator.no_sync(self.model)
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):

@@ -16,16 +16,15 @@ again with its seed and ``--num_images 1``, on any device.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
 from dreamstep import __version__
-from dreamstep.config.schema import option
+from dreamstep.config.generate import FluxGenerateConfig, GenerateConfig
 from dreamstep.data.images import load_rgb
 from dreamstep.errors import UserError
 from dreamstep.generation.loras import LoraSpec, apply_loras, parse_lora_spec
@@ -36,75 +35,9 @@ from dreamstep.generation.pipelines import (
     choose_dtype,
     default_size,
 )
+from dreamstep.lora.convert import read_lora
 
-# Both models' VAEs downsample 8x; FLUX packs 2x2 latent patches on top.
-SIZE_MULTIPLE = {"flux": 16, "sdxl": 8}
 SDXL_DEFAULTS = {"steps": 50, "guidance_scale": 7.0}
-
-
-@dataclass
-class GenerateConfig:
-    model: str = option(help="diffusers pipeline folder, hub id, or single file (SDXL checkpoint such as "
-                             "sd_xl_base_1.0.safetensors; FLUX transformer such as flux1-dev.safetensors)")
-    model_config: str | None = option(None, "for a single-file --model: the diffusers folder or hub id "
-                                            "that supplies the other components and configs (default: "
-                                            "FLUX.1-dev / SDXL base 1.0 from the hub)")
-    prompt: str | None = option(None, "the prompt")
-    from_file: str | None = option(None, "text file with one prompt per line (blank lines skipped), "
-                                         "instead of --prompt")
-    negative_prompt: str | None = option(None, "what to steer away from (FLUX: needs --true_cfg_scale > 1)")
-    lora: list[str] = option([], "LoRA file, optionally FILE:WEIGHT (default weight 1); repeat the flag "
-                                 "or list several; Kohya, diffusers/PEFT and MindSpore .ckpt files load")
-    merge: bool = option(False, "fold the LoRAs into the model weights (faster sampling) instead of "
-                                "applying them as adapters")
-    controlnet: str | None = option(None, "FLUX ControlNet folder (config.json + weights)")
-    control_image: str | None = option(None, "the ControlNet's conditioning image")
-    controlnet_conditioning_scale: float = option(1.0, "strength of the ControlNet's residuals")
-    steps: int | None = option(None, "sampling steps (default: SDXL 50; FLUX 28, or 4 for a model "
-                                     "without guidance embedding such as FLUX.1-schnell)")
-    guidance_scale: float | None = option(None, "SDXL: classifier-free guidance (default 7); FLUX: the "
-                                                "distilled guidance value (default 3.5; schnell ignores it)")
-    true_cfg_scale: float = option(1.0, "FLUX: classifier-free guidance with --negative_prompt when > 1 "
-                                        "(two transformer passes per step)")
-    width: int | None = option(None, "image width (default: --height if given, else the model's native size "
-                                     "or the control image's)")
-    height: int | None = option(None, "image height (default: --width if given, else as for --width)")
-    num_images: int = option(1, "images per prompt")
-    batch_size: int = option(1, "images per pipeline call")
-    seed: int | None = option(None, "seed of the first image; image i uses seed + i (default: random)")
-    dtype: Literal["auto", "fp32", "fp16", "bf16"] = option("auto", "weight and compute precision; auto: fp32 "
-                                                            "on the CPU, bf16 (else fp16) on a GPU")
-    device: str | None = option(None, "cpu, cuda, cuda:N or mps (default: the best available)")
-    no_half_vae: bool = option(False, "keep the VAE in fp32 when --dtype is half precision")
-    cpu_offload: bool = option(False, "keep each model on the CPU until it runs (large models, small GPUs)")
-    output_dir: str = option("outputs", "folder for the PNGs; earlier images there are kept")
-
-    def __post_init__(self) -> None:
-        if (self.prompt is None) == (self.from_file is None):
-            raise UserError("give --prompt or --from_file (one of them)")
-        for flag in ("num_images", "batch_size", "steps", "width", "height"):
-            value = getattr(self, flag)
-            if value is not None and value < 1:
-                raise UserError(f"--{flag} must be at least 1 (got {value})")
-        if self.controlnet is not None and self.control_image is None:
-            raise UserError("--controlnet needs --control_image (the conditioning image)")
-        if self.control_image is not None and self.controlnet is None:
-            raise UserError("--control_image needs --controlnet (the ControlNet folder)")
-
-
-def check_for_model(config: GenerateConfig, model_type: str) -> None:
-    """The checks that depend on the model family."""
-    if model_type == "sdxl" and config.controlnet is not None:
-        raise UserError("--controlnet is supported for FLUX.1 only; use 'dreamstep generate flux'")
-    if model_type == "flux" and config.negative_prompt and config.true_cfg_scale <= 1.0:
-        raise UserError("--negative_prompt has no effect on FLUX unless --true_cfg_scale > 1 "
-                        "(e.g. --true_cfg_scale 4)")
-    multiple = SIZE_MULTIPLE[model_type]
-    for flag in ("width", "height"):
-        value = getattr(config, flag)
-        if value is not None and value % multiple:
-            raise UserError(f"--{flag} {value}: {model_type.upper()} needs a multiple of {multiple} "
-                            f"(e.g. {max(multiple, value // multiple * multiple)})")
 
 
 def read_prompts(config: GenerateConfig) -> list[str]:
@@ -123,7 +56,7 @@ def read_prompts(config: GenerateConfig) -> list[str]:
 
 
 def _control_image(config: GenerateConfig) -> Image.Image | None:
-    if config.control_image is None:
+    if not isinstance(config, FluxGenerateConfig) or config.control_image is None:
         return None
     path = Path(config.control_image).expanduser()
     if not path.is_file():
@@ -132,10 +65,10 @@ def _control_image(config: GenerateConfig) -> Image.Image | None:
 
 
 def _output_dir(config: GenerateConfig) -> Path:
+    """The folder for the PNGs, checked now and created when the first image is written."""
     path = Path(config.output_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise UserError(f"--output_dir {path} is a file; give a folder")
-    path.mkdir(parents=True, exist_ok=True)
     return path
 
 
@@ -148,7 +81,7 @@ def resolve_settings(config: GenerateConfig, model_type: str, pipe: Any,
         distilled = pipe.transformer.config.guidance_embeds
         steps, guidance = (28, 3.5) if distilled else (4, 0.0)
     if control is not None:
-        multiple = SIZE_MULTIPLE[model_type]
+        multiple = config.size_multiple
         native = (control.width // multiple * multiple, control.height // multiple * multiple)
     else:
         native = (default_size(pipe),) * 2
@@ -163,7 +96,7 @@ def _pipeline_kwargs(config: GenerateConfig, model_type: str, settings: dict[str
     kwargs = {"num_inference_steps": settings["steps"], "guidance_scale": settings["guidance_scale"],
               "width": settings["width"], "height": settings["height"],
               "negative_prompt": config.negative_prompt}
-    if model_type == "flux":
+    if isinstance(config, FluxGenerateConfig):
         kwargs["true_cfg_scale"] = config.true_cfg_scale
     if control is not None:
         kwargs.update(control_image=control, controlnet_conditioning_scale=config.controlnet_conditioning_scale)
@@ -179,9 +112,9 @@ def image_parameters(config: GenerateConfig, model_type: str, settings: dict[str
         **settings, "loras": [{"path": str(s.path), "weight": s.weight} for s in loras], "merge": config.merge,
         "dtype": str(dtype).removeprefix("torch."), "dreamstep_version": __version__,
     }
-    if model_type == "flux":
+    if isinstance(config, FluxGenerateConfig):
         params["true_cfg_scale"] = config.true_cfg_scale
-    if config.controlnet is not None:
+    if getattr(config, "controlnet", None) is not None:
         params.update(controlnet=config.controlnet, control_image=config.control_image,
                       controlnet_conditioning_scale=config.controlnet_conditioning_scale)
     return params
@@ -198,18 +131,20 @@ def _batches(prompts: list[str], num_images: int, batch_size: int, first_seed: i
     return calls
 
 
-def generate_images(config: GenerateConfig, model_type: str) -> list[Path]:
-    """Generate every image ``config`` asks for with ``model_type`` ('flux' or 'sdxl'); return the PNG paths.
-    All input is checked before the model loads."""
-    check_for_model(config, model_type)
+def generate_images(config: GenerateConfig) -> list[Path]:
+    """Generate every image ``config`` asks for; return the PNG paths. All input (prompts, LoRA files,
+    control image, output folder) is checked before the model loads, and nothing is written before."""
+    model_type = config.model_type
     prompts = read_prompts(config)
     loras = [parse_lora_spec(text) for text in config.lora]
+    for spec in loras:
+        read_lora(spec.path, model_type)
     control = _control_image(config)
     output_dir = _output_dir(config)
     device = choose_device(config.device)
     dtype = choose_dtype(config.dtype, device)
     pipe = build_pipeline(model_type, config.model, model_config=config.model_config, dtype=dtype, device=device,
-                          no_half_vae=config.no_half_vae, controlnet=config.controlnet,
+                          no_half_vae=config.no_half_vae, controlnet=getattr(config, "controlnet", None),
                           cpu_offload=config.cpu_offload)
     apply_loras(pipe, loras, model_type, config.merge)
     settings = resolve_settings(config, model_type, pipe, control)

@@ -54,6 +54,24 @@ def png_info(params: dict[str, Any]) -> PngInfo:
     return info
 
 
+def grid_png_info(step: int, cells: list[dict[str, Any]]) -> PngInfo:
+    """Text chunks for a grid of training samples: each cell's A1111 ``parameters`` (a blank line apart)
+    and, as JSON, the training step with every cell's parameters."""
+    info = PngInfo()
+    info.add_text(PARAMETERS_KEY, "\n\n".join(a1111_parameters(cell) for cell in cells))
+    info.add_text(JSON_KEY, json.dumps({"step": step, "images": cells}, ensure_ascii=False))
+    return info
+
+
+def sample_parameters(pipeline: Any, **settings: Any) -> dict[str, Any]:
+    """The parameters of one training sample, in the layout of a generated image's (model, sampler,
+    version filled in from ``pipeline``), for the grid's label and PNG text."""
+    from dreamstep import __version__
+
+    return {"model": pipeline.config.get("_name_or_path", ""), "sampler": type(pipeline.scheduler).__name__,
+            "negative_prompt": None, **settings, "dreamstep_version": __version__}
+
+
 def next_index(output_dir: Path) -> int:
     """The first index after every ``<index>-*.png`` already in ``output_dir``: earlier images stay."""
     taken = [int(m.group(1)) for p in output_dir.glob("*.png") if (m := _NAME.match(p.name))]
@@ -62,6 +80,7 @@ def next_index(output_dir: Path) -> int:
 
 def save_png(image: Image.Image, output_dir: Path, index: int, params: dict[str, Any]) -> Path:
     """Write ``<index:05d>-<seed>.png`` atomically (a temporary file renamed into place)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / f"{index:05d}-{params['seed']}.png"
     tmp = path.with_name(f".{path.name}.tmp")
     image.save(tmp, format="PNG", pnginfo=png_info(params))

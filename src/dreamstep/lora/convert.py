@@ -479,6 +479,8 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
         raise UserError(f"{dst} exists; choose another output path or pass --overwrite")
     if dst.resolve() == src.resolve():
         raise UserError(f"{dst}: the output must not be the input file")
+    if not dst.parent.is_dir():
+        raise UserError(f"{dst}: the folder {dst.parent} does not exist; create it or choose another output path")
     container = "mindspore" if to == "mindspore" else container_for(dst)
     if to == "mindspore" and dst.suffix.lower() != ".ckpt":
         raise UserError(f"{dst}: a MindSpore checkpoint must end in .ckpt")

@@ -18,6 +18,7 @@ import safetensors.torch
 import torch
 
 from dreamstep.errors import UserError
+from dreamstep.files import honour_umask
 from dreamstep.lora.formats import ADAPTER_METADATA_KEY
 from dreamstep.lora.mindspore_ckpt import load_mindspore_ckpt, save_mindspore_ckpt
 
@@ -62,7 +63,10 @@ def _read_safetensors(path: Path) -> LoraFile:
 
 def _read_torch(path: Path) -> LoraFile:
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        # A file object, not the path: torch.load hands any *.safetensors path to safetensors, and a pickle
+        # renamed to .safetensors must still be read as the pickle it is.
+        with open(path, "rb") as f:
+            obj = torch.load(f, map_location="cpu", weights_only=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile, OSError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{path}: not a readable torch checkpoint (truncated, corrupt or not plain tensors: "
@@ -114,6 +118,7 @@ def write_lora_file(path: str | Path, tensors: dict[str, torch.Tensor], metadata
         save_mindspore_ckpt(tensors, tmp)
     else:
         raise ValueError(f"unknown container {container!r}; expected one of {CONTAINERS}")
+    honour_umask(tmp)
     os.replace(tmp, path)
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from dreamstep.lora.kohya_network import NETWORK_MODULE, NetworkOptions
+from dreamstep.config.sdxl_lora import NETWORK_MODULE
+from dreamstep.lora.kohya_network import NetworkOptions
 
 # The ``ss_*`` entries that record one sd-scripts training flag as given, by the flag's name.
 SS_FLAG_KEYS = {

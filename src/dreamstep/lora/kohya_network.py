@@ -36,7 +36,6 @@ from dreamstep.errors import UserError, did_you_mean
 from dreamstep.lora.formats import ModelKeys, sdxl_keys
 from dreamstep.lora.io import container_for, read_lora_file, write_lora_file
 
-NETWORK_MODULE = "networks.lora"
 UNET_TARGETS = ("Transformer2DModel",)
 UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
 # --network_args keys of sd-scripts' networks.lora that dreamstep implements, and their types.

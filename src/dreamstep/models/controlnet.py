@@ -1,4 +1,4 @@
-"""FLUX.1 ControlNet (seed 003): built from the base transformer or loaded, checked against the base,
+"""FLUX.1 ControlNet: built from the base transformer or loaded, checked against the base,
 run beside it, and saved in the ``save_pretrained`` layout that ``FluxControlNetModel.from_pretrained``
 and ``FluxControlNetPipeline`` read.
 
@@ -10,6 +10,8 @@ start at zero, so at step 0 the base's prediction is unchanged.
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -18,12 +20,16 @@ from typing import Any
 import torch
 from diffusers import FluxControlNetModel, FluxTransformer2DModel
 from PIL import Image
+from safetensors.torch import save_file
 
 from dreamstep.errors import UserError
+from dreamstep.files import honour_umask
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 # Config keys a ControlNet must share with the base transformer for its residuals to fit.
+# The repeated blocks: one FSDP unit each when the ControlNet (or the base) is sharded.
+BLOCK_CLASSES = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
 _SHARED_KEYS = ("in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim",
                 "pooled_projection_dim")
 
@@ -89,26 +95,47 @@ def residuals(controlnet: torch.nn.Module, **inputs: Any) -> dict[str, list[torc
     return {"controlnet_block_samples": block_samples, "controlnet_single_block_samples": single_block_samples}
 
 
-def save(controlnet: FluxControlNetModel, output_dir: str | Path) -> Path:
+def save(controlnet: FluxControlNetModel, output_dir: str | Path,
+         state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """``config.json`` + ``diffusion_pytorch_model.safetensors`` in ``output_dir``; returns the weights path.
+    ``state_dict`` replaces the model's own tensors (a sharded model's full state, gathered beforehand).
 
     Written into a temporary folder beside them and renamed into place, so a crash never leaves a
     half-written model where a complete one was."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output_dir, prefix=".saving-") as tmp:
-        controlnet.save_pretrained(tmp, safe_serialization=True)
+        if state_dict is None:
+            controlnet.save_pretrained(tmp, safe_serialization=True)
+        else:
+            controlnet.save_config(tmp)
+            save_file({name: t.contiguous() for name, t in state_dict.items()}, str(Path(tmp) / WEIGHTS_NAME),
+                      metadata={"format": "pt"})
+        _drop_foreign_config_keys(Path(tmp) / CONFIG_NAME)
+        honour_umask(tmp)
         for file in Path(tmp).iterdir():
             os.replace(file, output_dir / file.name)
     return output_dir / WEIGHTS_NAME
 
 
+def _drop_foreign_config_keys(config_file: Path) -> None:
+    """A ControlNet built from a transformer inherits its config keys, some of which (``out_channels``)
+    FluxControlNetModel does not take: every later load would warn that they are ignored. Keep only its own."""
+    accepted = set(inspect.signature(FluxControlNetModel.__init__).parameters)
+    config = json.loads(config_file.read_text())
+    config = {k: v for k, v in config.items() if k.startswith("_") or k in accepted}
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def side_by_side(rows: list[list[Image.Image]]) -> Image.Image:
-    """One image: each row (a control image, then its results) left to right, rows top to bottom."""
+    """One image: each row (a control image, then its results) left to right, rows top to bottom. The
+    results' generation parameters (``info["dreamstep"]``) are carried over as a list."""
     cell_w = max(im.width for row in rows for im in row)
     cell_h = max(im.height for row in rows for im in row)
     grid = Image.new("RGB", (max(len(r) for r in rows) * cell_w, len(rows) * cell_h), "white")
     for y, row in enumerate(rows):
         for x, image in enumerate(row):
             grid.paste(image.convert("RGB").resize((cell_w, cell_h)), (x * cell_w, y * cell_h))
+    grid.info["dreamstep"] = [im.info["dreamstep"] for row in rows for im in row
+                              if isinstance(im.info.get("dreamstep"), dict)]
     return grid

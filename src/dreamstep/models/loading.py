@@ -162,7 +162,7 @@ def _load_sdxl_single_file(file: Path, config: str | Path | None,
     try:
         return StableDiffusionXLPipeline.from_single_file(str(file), **kwargs)
     except _LOAD_ERRORS as e:
-        hint = ("" if config is not None else "; offline, pass config= a diffusers SDXL folder "
+        hint = ("" if config is not None else "; offline, give --model_config a diffusers SDXL folder "
                 "(for the model configs and tokenizers)")
         raise UserError(f"could not load the SDXL checkpoint {file}: {e}{hint}") from e
 

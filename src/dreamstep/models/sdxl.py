@@ -24,6 +24,7 @@ from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
 from dreamstep.errors import UserError, did_you_mean
+from dreamstep.generation.outputs import JSON_KEY, png_info, sample_parameters
 from dreamstep.models.loading import component_identity, load_sdxl
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
@@ -50,17 +51,18 @@ def assemble_pipeline(components: Any, unet: torch.nn.Module | None = None) -> S
 
 def load_frozen_for_training(source: str, *, model_config: str | None, mixed_precision: str,
                              device: torch.device, vae_fp32: bool = False, sdpa: bool = False,
-                             gradient_checkpointing: bool = False) -> Any:
+                             gradient_checkpointing: bool = False, unet_on_host: bool = False) -> Any:
     """The SDXL components, frozen, in the half-precision dtype of ``mixed_precision`` (the VAE in fp32 with
-    ``vae_fp32``: SDXL's VAE overflows in fp16), on ``device``. A single file finds its configs in
-    ``model_config``, or in its own folder when that holds ``model_index.json``."""
+    ``vae_fp32``: SDXL's VAE overflows in fp16), on ``device`` (the UNet stays in host memory with
+    ``unet_on_host``, for a block swapper to place). A single file finds its configs in ``model_config``,
+    or in its own folder when that holds ``model_index.json``."""
     file = Path(source)
     if model_config is None and file.is_file() and (file.parent / "model_index.json").is_file():
         model_config = str(file.parent)
     base = load_sdxl(source, config=model_config, weight_dtype=weight_dtype_for(mixed_precision))
     freeze(base.unet, base.vae, base.text_encoder, base.text_encoder_2)
     for module in (base.unet, base.vae, base.text_encoder, base.text_encoder_2):
-        module.to(device).eval()
+        module.to("cpu" if module is base.unet and unet_on_host else device).eval()
     if vae_fp32:
         base.vae.to(torch.float32)
     if sdpa:
@@ -232,7 +234,12 @@ def generate_samples(pipeline: StableDiffusionXLPipeline, prompts: list[SamplePr
             result = pipeline(prompt=sample.prompt, negative_prompt=sample.negative_prompt or None,
                               width=sample.width, height=sample.height, num_inference_steps=sample.steps,
                               guidance_scale=sample.scale, generator=generator)
-            images.append(result.images[0])
+            image = result.images[0]
+            image.info[JSON_KEY] = sample_parameters(
+                pipeline, prompt=sample.prompt, negative_prompt=sample.negative_prompt,
+                seed=sample.seed if sample.seed is not None else seed + i, steps=sample.steps,
+                guidance_scale=sample.scale, width=sample.width, height=sample.height)
+            images.append(image)
     finally:
         pipeline.scheduler = base_scheduler
     return images
@@ -271,6 +278,6 @@ class SampleWriter:
         self.folder.mkdir(parents=True, exist_ok=True)
         for i, image in enumerate(images):
             path = self.folder / f"{self.name}_{global_step:06d}_{i:02d}.png"
-            image.save(path)
+            image.save(path, pnginfo=png_info({**image.info[JSON_KEY], "step": global_step}))
             self.written.append(path)
         return images

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from dreamstep.files import honour_umask
+
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
 CLIP_L_PREFIX = "conditioner.embedders.0.transformer."
@@ -327,5 +329,6 @@ def save_sdxl_single_file(pipe: Any, path: str | Path) -> Path:
     path = Path(path)
     save_file({k: v.contiguous() for k, v in checkpoint.items()}, str(path),
               metadata={"format": "pt", "modelspec.architecture": "stable-diffusion-xl-v1-base"})
+    honour_umask(path)
     return path
 

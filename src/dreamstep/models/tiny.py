@@ -49,6 +49,7 @@ from transformers import (
 )
 
 from dreamstep.errors import UserError
+from dreamstep.files import honour_umask
 from dreamstep.models.sgm_keys import save_sdxl_single_file
 
 ARCHS = ("flux", "sdxl")
@@ -284,6 +285,7 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, guidance_emb
     else:
         pipe = build_tiny_sdxl(seed=seed)
     pipe.save_pretrained(out_dir, safe_serialization=True)
+    honour_umask(out_dir)
     for name in ("tokenizer", "tokenizer_2"):
         if isinstance(getattr(pipe, name), CLIPTokenizer):
             _write_clip_vocab_files(out_dir / name)

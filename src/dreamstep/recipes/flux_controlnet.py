@@ -11,33 +11,32 @@ frozen transformer into the ControlNet. Data: a folder of pairs (``--train_data_
 in ``--train_data_dir``), or a Kohya dataset TOML whose subsets have ``conditioning_data_dir``; every
 pair is checked before a model loads. Text embeddings cached; target and control latents cached (except
 random crops of images larger than their bucket); ``--proportion_empty_prompts``; SD3 timestep sampling /
-weighting; guidance for guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy.
-Precision (seed 003):
+weighting; guidance for guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. Precision:
 frozen weights in ``--mixed_precision``, ControlNet weights fp32 with half-precision compute, or with
 ``--controlnet_weights_dtype bf16`` bf16 weights and an AdamW whose math is fp32 with stochastic rounding
 (12 instead of 16 bytes of trainable state per parameter). Resumable checkpoints, validation grids through
-diffusers' ``FluxControlNetPipeline`` (control image beside the results), TensorBoard, a loss curve PNG.
+diffusers' ``FluxControlNetPipeline`` (control image beside the results), TensorBoard, a loss curve PNG;
+evaluation at the validation points (validation loss on held-out pairs: --validation_split or a TOML subset
+with is_validation; --eval_metrics edge,clip_t,...: the samples' edge agreement with edge-map controls).
 
 Outputs in --output_dir: ``config.json`` + ``diffusion_pytorch_model.safetensors`` (what
-``FluxControlNetModel.from_pretrained`` loads), ``samples/``, ``loss_curve.png``, ``logs``,
+``FluxControlNetModel.from_pretrained`` loads), ``samples/``, ``loss_curve.png``, ``metrics.csv`` and
+``metrics.png`` with evaluation, ``logs``,
 ``checkpoint-N/`` and the run's ``config.toml``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from PIL import Image
 
-from dreamstep.config.evaluation import CONTROL_METRICS, FIDELITY_METRICS
-from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option, refuse_unused
-from dreamstep.config.training import FluxTrainingConfig
+from dreamstep.config.flux_controlnet import FluxControlNetConfig
+from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches, make_dataloader
 from dreamstep.data.dataset_config import DatasetConfig, load_dataset_config, require_methods
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
@@ -48,89 +47,15 @@ from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW
 from dreamstep.engine.loop import TrainingResult
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
+from dreamstep.engine.sharding import describe_processes, full_model_state, is_sharded, load_model_state, shard_model
+from dreamstep.engine.summary import print_run_summary
 from dreamstep.engine.train_step import TrainStep
-from dreamstep.errors import UserError
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
+from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.precision import autocast
 from dreamstep.models.vae import posterior_mean, sample_latents
-
-
-@dataclass
-class FluxControlNetConfig(FluxTrainingConfig):
-    train_data_dir: str | None = option(None, "folder of target images (paired with --conditioning_data_dir, "
-                                                 "or holding a metadata.jsonl)")
-    conditioning_data_dir: str | None = option(None, "folder of control images, each named like its target")
-    jsonl_for_train: str | None = option(None, "a metadata.jsonl with image, conditioning_image and text "
-                                                  "columns (paths relative to it or to --train_data_dir)")
-    caption_extension: str = option(".txt", "with folders: read each target's caption from a file with this "
-                                            "extension beside it")
-    default_caption: str | None = option(None, "with folders: the caption of targets without a caption file")
-    dataset_config: str | None = option(None, "a Kohya dataset TOML (subsets with conditioning_data_dir) "
-                                                 "instead of the folder flags")
-    repeats: int = option(1, "times each pair appears per epoch")
-    random_crop: bool = option(False, "crop at random (default: center crop, as diffusers' script does)")
-    random_flip: bool = option(False, "flip target and control image together, at random")
-    proportion_empty_prompts: float = option(0.0, "fraction of samples trained with the empty prompt (drawn per "
-                                                  "seed, epoch and sample; sets every subset's caption dropout)")
-    controlnet_model_name_or_path: str | None = option(None, "start from this ControlNet (save_pretrained "
-                                                                "folder or hub id) instead of building one")
-    num_double_layers: int = option(4, "double-stream blocks of a ControlNet built from the transformer")
-    num_single_layers: int = option(4, "single-stream blocks of a ControlNet built from the transformer")
-    controlnet_weights_dtype: Literal["fp32", "bf16"] = option(
-        "fp32", "ControlNet weight dtype; bf16 needs --mixed_precision bf16 and uses AdamW with fp32 update "
-                "math and stochastic rounding (less memory)")
-    # diffusers' train_controlnet_flux.py defaults (the LoRA trainers keep those of the DreamBooth LoRA script).
-    learning_rate: float = option(5e-6, "learning rate (diffusers' ControlNet default)")
-    adam_weight_decay: float = option(1e-2, "weight decay (diffusers' ControlNet default)")
-    weighting_scheme: Literal["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"] = option(
-        "logit_normal", "timestep sampling / loss weighting (SD3 paper; diffusers' ControlNet default)")
-    validation_prompt: list[str] = option([], "prompts for validation images (one, or one per --validation_image)")
-    validation_image: list[str] = option([], "control images for validation (one, or one per --validation_prompt)")
-
-    metrics_allowed = FIDELITY_METRICS + CONTROL_METRICS
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.eval_metrics and not self.validation_prompt:
-            raise UserError("--eval_metrics scores the validation samples: give --validation_prompt and "
-                            "--validation_image too")
-        flags_given = any(v is not None for v in (self.train_data_dir, self.jsonl_for_train))
-        if self.dataset_config is None and not flags_given:
-            raise UserError("give --train_data_dir with --conditioning_data_dir, --jsonl_for_train, "
-                            "or --dataset_config")
-        if self.dataset_config is not None and flags_given:
-            raise UserError("give either --dataset_config or the folder flags (--train_data_dir, "
-                            "--jsonl_for_train), not both")
-        if self.dataset_config is not None:
-            refuse_unused(self, ("conditioning_data_dir", "caption_extension", "default_caption", "repeats",
-                                 "random_crop", "random_flip"), "with --dataset_config (set it in the dataset TOML)")
-        if not 0.0 <= self.proportion_empty_prompts <= 1.0:
-            raise UserError(f"--proportion_empty_prompts must be in [0, 1] (got {self.proportion_empty_prompts})")
-        if self.repeats < 1:
-            raise UserError(f"--repeats must be at least 1 (got {self.repeats})")
-        if self.controlnet_weights_dtype == "bf16" and self.mixed_precision != "bf16":
-            raise UserError("--controlnet_weights_dtype bf16 needs --mixed_precision bf16 (bf16 compute)")
-        if self.controlnet_weights_dtype == "bf16" and self.optimizer.lower() != "adamw":
-            raise UserError(f"--controlnet_weights_dtype bf16 trains with AdamW (fp32 math, stochastic rounding); "
-                            f"drop --optimizer {self.optimizer} or use --controlnet_weights_dtype fp32")
-        self._check_validation_pairs()
-
-    def _check_validation_pairs(self) -> None:
-        prompts, images = len(self.validation_prompt), len(self.validation_image)
-        if (prompts == 0) != (images == 0):
-            raise UserError("validation needs both --validation_prompt and --validation_image")
-        if prompts > 1 and images > 1 and prompts != images:
-            raise UserError(f"{prompts} --validation_prompt values but {images} --validation_image values; "
-                            "give one of either, or the same number of both")
-
-    def validation_pairs(self) -> list[tuple[str, str]]:
-        """(control image path, prompt) pairs; a single prompt or image is shared by all of the other."""
-        count = max(len(self.validation_prompt), len(self.validation_image))
-        prompts = self.validation_prompt * count if len(self.validation_prompt) == 1 else self.validation_prompt
-        images = self.validation_image * count if len(self.validation_image) == 1 else self.validation_image
-        return list(zip(images, prompts))
 
 
 class FluxControlNetStep(TrainStep):
@@ -190,14 +115,6 @@ class FluxControlNetStep(TrainStep):
         return fm.weighted_mse(pred, fm.velocity_target(latents, noise), sigmas, weighting_scheme)
 
 
-def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
-    add_arguments(parser, FluxControlNetConfig)
-
-
-def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
-    train(build_config(FluxControlNetConfig, args))
-
-
 def _datasets(config: FluxControlNetConfig) -> list[DatasetConfig]:
     if config.dataset_config is not None:
         datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
@@ -233,13 +150,14 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     scorer = load_scorer(config)
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config))
+                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    command="dreamstep train flux-controlnet", overwrite=config.overwrite_output_dir)
 
     # 1. Models: the base frozen in --mixed_precision; the ControlNet built or loaded, in its weight dtype.
     base = flux.load_frozen_for_training(
         config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
         transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
-        device=run.device)
+        device=run.device, transformer_on_host=config.blocks_to_swap > 0)
     if config.controlnet_model_name_or_path is not None:
         controlnet = cn.load(config.controlnet_model_name_or_path, base.transformer)
     else:
@@ -251,6 +169,17 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
         controlnet.enable_gradient_checkpointing()
         base.transformer.enable_gradient_checkpointing()
     controlnet.train()
+    # --zero_stage: the ControlNet's weights, gradients and optimizer state (and with --shard_base the frozen
+    # blocks) are spread over the processes, one FSDP unit per block.
+    shard_model(controlnet, config.zero_stage, cn.BLOCK_CLASSES, run.device)
+    if config.shard_base:
+        shard_model(base.transformer, config.zero_stage, cn.BLOCK_CLASSES, run.device)
+    sharded = is_sharded(controlnet)
+    if run.is_main_process:
+        print(describe_processes(run.accelerator, config.zero_stage if sharded else 0))
+    # The frozen base's blocks may be swapped (after the ControlNet copied its weights) and compiled.
+    prepare_blocks(base.transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
+                   device=run.device, num_processes=run.accelerator.num_processes)
     pipeline = flux.assemble_pipeline(base, controlnet)
 
     # 2. Data: pairs; target and control posteriors cached (a random crop with room to move is encoded
@@ -279,7 +208,8 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=config.lr_warmup_steps,
                                       total_steps=total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
-    model, optimizer = run.accelerator.prepare(controlnet, optimizer)
+    # A sharded model talks to its peers itself; DDP comes from accelerate.
+    model, optimizer = (controlnet, optimizer) if sharded else run.accelerator.prepare(controlnet, optimizer)
     step = FluxControlNetStep(
         model, transformer=base.transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
         accelerator=run.accelerator, max_grad_norm=config.max_grad_norm or None,
@@ -288,6 +218,14 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
         weighting_scheme=config.weighting_scheme, logit_mean=config.logit_mean, logit_std=config.logit_std,
         mode_scale=config.mode_scale,
         guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)
+
+    print_run_summary(run, dataset, epochs=math.ceil(total_steps / steps_per_epoch), total_steps=total_steps,
+                      steps_per_epoch=steps_per_epoch, batch_size=config.train_batch_size,
+                      gradient_accumulation_steps=config.gradient_accumulation_steps,
+                      mixed_precision=config.mixed_precision, trainable=(controlnet,),
+                      caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
+                      tokenizers={"CLIP": (pipeline.tokenizer, pipeline.tokenizer.model_max_length),
+                                  "T5": (pipeline.tokenizer_2, config.max_sequence_length)})
 
     # 4. Loop: the engine trains, checkpoints and validates (samples, validation loss, scores).
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
@@ -303,19 +241,22 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
         return [cn.side_by_side([[control, *images] for control, _, images in rows])] if rows else []
 
     result = fit(run, step, batches, max_train_steps=config.max_train_steps,
-                 num_epochs=config.num_train_epochs, weights=controlnet.state_dict,
-                 load_weights=controlnet.load_state_dict, checkpointing_steps=config.checkpointing_steps,
+                 num_epochs=config.num_train_epochs, weights=lambda: full_model_state(controlnet),
+                 load_weights=lambda state: load_model_state(controlnet, state),
+                 checkpointing_steps=config.checkpointing_steps,
                  checkpoints_total_limit=config.checkpoints_total_limit,
                  validate=validate if validation or evaluator else None, validation_steps=config.validation_steps,
-                 on_nonfinite_loss=config.on_nonfinite_loss, validate_first=evaluator is not None)
+                 on_nonfinite_loss=config.on_nonfinite_loss, validate_first=evaluator is not None,
+                 max_skipped_steps_fraction=config.max_skipped_steps_fraction, validate_on_every_process=sharded)
 
     # 5. Save: the save_pretrained layout, final samples, loss curve, summary.
     written = {}
+    state = full_model_state(controlnet) if sharded else None  # every process helps gather it
     if run.is_main_process:
-        written["ControlNet"] = cn.save(controlnet, config.output_dir)
+        written["ControlNet"] = cn.save(controlnet, config.output_dir, state)
     final_step = result.position.global_step
     finish(run, written, validate_final=(lambda: validate(final_step)) if validation or evaluator else None,
-           final_step=final_step, best_by=config.best_metric(held_out is not None))
+           final_step=final_step, best_by=config.best_metric(held_out is not None), validate_on_every_process=sharded)
     return result
 
 

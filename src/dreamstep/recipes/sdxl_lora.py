@@ -14,29 +14,30 @@ module_dropout=``, ``--network_train_unet_only``, ``--network_train_text_encoder
 :mod:`dreamstep.engine.optim` with ``--optimizer_args``; LR schedules with warm-up; latents and text
 embeddings cached by content (exactly what encoding every step gives: the VAE posterior is cached and
 sampled each step); ``--save_every_n_steps``/``--save_every_n_epochs``; ``--save_state`` + ``--resume``
-(exact); ``--sample_prompts`` with sd-scripts' per-line options; TensorBoard and a loss curve.
+(exact); ``--sample_prompts`` with sd-scripts' per-line options; TensorBoard and a loss curve; evaluation
+every ``--validate_every_n_steps`` (validation loss on held-out images: ``--validation_split`` or a TOML
+subset with ``is_validation = true``; ``--eval_metrics`` scores of the sample prompts' images).
 
 Outputs in --output_dir: ``<output_name>.safetensors`` (or ``.ckpt``) with sd-scripts' ``ss_*`` metadata,
 ``<output_name>-step00000500.*`` and ``<output_name>-000001.*`` along the way, ``checkpoint-N/`` with
---save_state, ``sample/`` PNGs, ``config.toml``, TensorBoard logs and ``loss_curve.png``.
+--save_state, ``sample/`` PNGs, ``config.toml``, TensorBoard logs, ``loss_curve.png`` and with evaluation
+``metrics.csv`` and ``metrics.png``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import random
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from dreamstep.config.evaluation import EvaluationOptions
-from dreamstep.config.schema import add_arguments, build_config, config_to_toml, option
+from dreamstep.config.schema import config_to_toml
+from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data import (
     ConditionedBatches,
     DatasetConfig,
@@ -50,10 +51,11 @@ from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import kohya_folders_from_flags
 from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.engine.checkpoint import save_checkpoint
-from dreamstep.engine.optim import LR_SCHEDULERS, build_lr_scheduler, build_optimizer, parse_optimizer_args
+from dreamstep.engine.optim import build_lr_scheduler, build_optimizer, parse_optimizer_args
 from dreamstep.engine.run import claim_output_dir, finish, fit, start_run
+from dreamstep.engine.summary import print_run_summary
 from dreamstep.engine.train_step import TrainStep
-from dreamstep.errors import UserError, did_you_mean
+from dreamstep.errors import UserError
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.kohya_files import (
     KohyaLoraWriter,
@@ -63,146 +65,17 @@ from dreamstep.lora.kohya_files import (
     training_metadata,
 )
 from dreamstep.lora.kohya_network import (
-    NETWORK_MODULE,
     LoRANetwork,
     NetworkOptions,
     create_network,
     parse_network_args,
 )
 from dreamstep.models import sdxl
+from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.vae import sample_latents
 
-SchedulerName = Literal[LR_SCHEDULERS]  # type: ignore[valid-type]
+# sd-scripts' --save_precision names.
 SAVE_DTYPES = {"fp32": torch.float32, "float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass
-class SDXLLoraConfig(EvaluationOptions):
-    pretrained_model_name_or_path: str = option(
-        help="base SDXL: a diffusers folder, a hub id, or a single file such as sd_xl_base_1.0.safetensors")
-    output_dir: str = option(help="where the LoRA, step files, states, samples and logs are written")
-    output_name: str = option("last", "file name of the LoRA, without extension")
-    model_config: str | None = option(
-        None, "for a single-file model: a diffusers SDXL folder or hub id with the configs and tokenizers "
-              "(default: the file's folder when it holds model_index.json, else the SDXL base on the hub)")
-    dataset_config: str | None = option(None, "Kohya dataset TOML ([general], [[datasets]], [[datasets.subsets]])")
-    train_data_dir: str | None = option(None, "folder of <repeats>_<class tokens> image folders (DreamBooth), "
-                                              "or of images with --in_json (fine-tuning)")
-    reg_data_dir: str | None = option(None, "folder of <repeats>_<class> regularization image folders")
-    in_json: str | None = option(None, "fine-tuning metadata JSON for --train_data_dir")
-    caption_extension: str = option(".caption", "caption file extension (with --train_data_dir)")
-    resolution: str | None = option(None, "training resolution 'W,H' or 'S' (the dataset TOML may set it)")
-    enable_bucket: bool | None = option(None, "aspect-ratio buckets (with --train_data_dir)")
-    min_bucket_reso: int | None = option(None, "smallest bucket side")
-    max_bucket_reso: int | None = option(None, "largest bucket side")
-    bucket_reso_steps: int | None = option(None, "bucket sides are multiples of this")
-    bucket_no_upscale: bool | None = option(None, "never enlarge images to fill a bucket")
-    train_batch_size: int = option(1, "batch size (the dataset TOML's batch_size wins)")
-    seed: int | None = option(None, "seed for init, data order, noise and timesteps (default: random, saved "
-                                    "in config.toml)")
-    network_module: str = option(NETWORK_MODULE, "network type; networks.lora (Kohya LoRA / LoCon)")
-    network_dim: int = option(4, "LoRA rank")
-    network_alpha: float = option(1.0, "LoRA alpha; the update is scaled by alpha / dim")
-    network_dropout: float | None = option(None, "dropout on the LoRA down projection's output")
-    network_args: list[str] = option([], "key=value: conv_dim, conv_alpha (LoCon), rank_dropout, module_dropout")
-    network_weights: str | None = option(None, "continue from this LoRA file")
-    network_train_unet_only: bool = option(False, "LoRA on the UNet only")
-    network_train_text_encoder_only: bool = option(False, "LoRA on the text encoders only")
-    learning_rate: float = option(1e-4, "learning rate")
-    unet_lr: float | None = option(None, "learning rate of the UNet LoRA (default: --learning_rate; 0 freezes it, "
-                                         "as in sd-scripts)")
-    text_encoder_lr: float | None = option(None, "learning rate of the text-encoder LoRA (default: --learning_rate; "
-                                                 "0 freezes it, as in sd-scripts)")
-    optimizer_type: str = option("AdamW", "AdamW, AdamW8bit, Lion, Prodigy or Adafactor")
-    optimizer_args: list[str] = option([], "optimizer key=value arguments, e.g. weight_decay=0.05 betas=0.9,0.98; "
-                                           "unset ones keep the optimizer's own defaults as in sd-scripts (weight "
-                                           "decay 0.01 for AdamW, none for Lion, Prodigy, Adafactor; Adafactor "
-                                           "with relative_step=True and its own schedule)")
-    lr_scheduler: SchedulerName = option("constant", "learning-rate schedule")
-    lr_warmup_steps: float = option(0, "warm-up steps (a value below 1 is a fraction of the training steps)")
-    lr_scheduler_num_cycles: int = option(1, "cycles of cosine_with_restarts")
-    lr_scheduler_power: float = option(1.0, "power of the polynomial schedule")
-    max_grad_norm: float = option(1.0, "clip the gradient norm to this (0: no clipping)")
-    gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step")
-    max_train_steps: int = option(1600, "optimizer steps to train")
-    max_train_epochs: int | None = option(None, "epochs to train (overrides --max_train_steps)")
-    mixed_precision: Literal["no", "fp16", "bf16"] = option("no", "frozen weights and compute in this precision")
-    full_fp16: bool = option(False, "LoRA weights in fp16 too (needs --mixed_precision fp16)")
-    full_bf16: bool = option(False, "LoRA weights in bf16 too (needs --mixed_precision bf16)")
-    no_half_vae: bool = option(False, "keep the VAE in fp32 (SDXL's VAE overflows in fp16)")
-    gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
-    sdpa: bool = option(False, "PyTorch scaled-dot-product attention (the default attention)")
-    flash_attn: bool = option(False, "flash attention: PyTorch scaled-dot-product attention picks it where it can")
-    xformers: bool = option(False, "memory-efficient attention: PyTorch scaled-dot-product attention instead")
-    v_parameterization: bool = option(False, "train v-prediction instead of ε-prediction")
-    min_snr_gamma: float | None = option(None, "min-SNR loss weighting with this γ (5 is typical)")
-    noise_offset: float | None = option(None, "offset noise strength (e.g. 0.0357)")
-    adaptive_noise_scale: float | None = option(None, "raise the offset by this times |latent mean| "
-                                                      "(needs --noise_offset)")
-    multires_noise_iterations: int | None = option(None, "multi-resolution noise levels (6-10 typical)")
-    multires_noise_discount: float = option(0.3, "weight decay per multires noise level")
-    zero_terminal_snr: bool = option(False, "rescale the noise schedule to zero SNR at the last timestep "
-                                            "(sd-scripts' flag; usually with --v_parameterization)")
-    min_timestep: int = option(0, "smallest training timestep")
-    max_timestep: int = option(1000, "training timesteps are below this")
-    prior_loss_weight: float = option(1.0, "loss weight of regularization images")
-    cache_latents: bool = option(True, "encode each image with the VAE once (identical results, faster)")
-    cache_latents_to_disk: bool = option(False, "keep the latent cache in OUTPUT_DIR/cache after the run")
-    cache_text_encoder_outputs: bool = option(True, "encode each caption once while the text encoders are frozen")
-    cache_text_encoder_outputs_to_disk: bool = option(False, "keep the text cache in OUTPUT_DIR/cache after the run")
-    max_data_loader_n_workers: int = option(0, "data loading worker processes")
-    save_model_as: Literal["safetensors", "ckpt", "pt"] = option("safetensors", "LoRA file format")
-    save_precision: Literal["fp32", "float", "fp16", "bf16"] | None = option(
-        None, "dtype of saved LoRA files (default: the training dtype)")
-    save_every_n_steps: int | None = option(None, "write <output_name>-stepNNNNNNNN every N steps")
-    save_every_n_epochs: int | None = option(None, "write <output_name>-NNNNNN every N epochs")
-    save_state: bool = option(False, "with every saved LoRA also write a resumable checkpoint-N folder")
-    resume: str | None = option(None, "a checkpoint-N folder (or 'latest') to resume exactly")
-    sample_prompts: str | None = option(None, "prompt file; options per line: --n --w --h --s --l --d --ss")
-    sample_every_n_steps: int | None = option(None, "sample images every N steps")
-    sample_every_n_epochs: int | None = option(None, "sample images every N epochs")
-    sample_at_first: bool = option(False, "sample images before training")
-    validate_every_n_steps: int | None = option(
-        None, "score the validation loss (and --eval_metrics on the --sample_prompts) every N steps; "
-              "evaluation also runs before training and at the end")
-    sample_sampler: str = option("ddim", "sampler for samples: ddim, euler, euler_a, dpmsolver++, pndm, heun")
-    log_with: Literal["tensorboard", "none"] = option("tensorboard", "where scalars are logged")
-    logging_dir: str | None = option(None, "folder for the TensorBoard event files (default: --output_dir)")
-    overwrite_output_dir: bool = option(False, "allow writing into a non-empty --output_dir")
-
-    def __post_init__(self) -> None:
-        if self.network_module not in (NETWORK_MODULE, "lora"):
-            raise UserError(f"--network_module '{self.network_module}' is not supported; dreamstep trains "
-                            f"'{NETWORK_MODULE}' (LoRA, and LoCon with --network_args conv_dim=...)")
-        if self.network_train_unet_only and self.network_train_text_encoder_only:
-            raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
-        if self.unet_lr == 0 and self.text_encoder_lr == 0:
-            raise UserError("--unet_lr 0 and --text_encoder_lr 0 leave nothing to train; give one a learning rate")
-        if self.full_fp16 and self.mixed_precision != "fp16":
-            raise UserError("--full_fp16 needs --mixed_precision fp16")
-        if self.full_bf16 and self.mixed_precision != "bf16":
-            raise UserError("--full_bf16 needs --mixed_precision bf16")
-        if self.adaptive_noise_scale is not None and self.noise_offset is None:
-            raise UserError("--adaptive_noise_scale needs --noise_offset")
-        if not 0 <= self.min_timestep < self.max_timestep <= 1000:
-            raise UserError(f"need 0 <= --min_timestep < --max_timestep <= 1000 "
-                            f"(got {self.min_timestep}, {self.max_timestep})")
-        if (self.dataset_config is None) == (self.train_data_dir is None):
-            raise UserError("give the data with --dataset_config, or with --train_data_dir (not both)")
-        if self.max_train_steps < 1 or self.gradient_accumulation_steps < 1 or self.train_batch_size < 1:
-            raise UserError("--max_train_steps, --gradient_accumulation_steps and --train_batch_size must be >= 1")
-        for name in ("save_every_n_steps", "save_every_n_epochs", "sample_every_n_steps", "sample_every_n_epochs",
-                     "max_train_epochs", "validate_every_n_steps"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise UserError(f"--{name} must be at least 1")
-        if self.min_snr_gamma is not None and self.min_snr_gamma <= 0:
-            raise UserError("--min_snr_gamma must be positive")
-        self.check_evaluation()
-        if self.eval_metrics and not self.sample_prompts:
-            raise UserError("--eval_metrics scores samples of the --sample_prompts: give a prompt file too")
-        if self.sample_sampler not in sdxl.SAMPLERS:
-            raise UserError(f"--sample_sampler: unknown sampler '{self.sample_sampler}'"
-                            f"{did_you_mean(self.sample_sampler, sdxl.SAMPLERS)}; choose one of {', '.join(sdxl.SAMPLERS)}")
 
 
 # ------------------------------------------------------------------------------------------- builders
@@ -333,14 +206,6 @@ class SDXLLoraStep(TrainStep):
 
 # ------------------------------------------------------------------------------------------- main
 
-def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
-    add_arguments(parser, SDXLLoraConfig)
-
-
-def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
-    train(build_config(SDXLLoraConfig, args))
-
-
 def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     """Train as configured; return what was written where."""
     if config.seed is None:
@@ -350,7 +215,8 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         config = dataclasses.replace(config, network_train_unet_only=True)
     if config.unet_lr == 0:
         config = dataclasses.replace(config, network_train_text_encoder_only=True)
-    claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume)
+    claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume,
+                     resume_flag="--resume")
     datasets = load_datasets(config)  # every flag, key and folder is checked before a model loads
     optimizer_extra = check_optimizer(config)
     options, network_args = network_options(config)
@@ -361,16 +227,21 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     scorer = load_scorer(config)
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.log_with, resume_from_checkpoint=config.resume,
-                    config_toml=config_to_toml(config), tensorboard_dir=config.logging_dir)
+                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    tensorboard_dir=config.logging_dir, samples_dir=Path(config.output_dir) / "sample",
+                    command="dreamstep train sdxl-lora", resume_flag="--resume", overwrite=config.overwrite_output_dir)
 
     # 1. Models: the base frozen in the --mixed_precision dtype; the Kohya network on top.
     base = sdxl.load_frozen_for_training(
         config.pretrained_model_name_or_path, model_config=config.model_config,
         mixed_precision=config.mixed_precision, device=run.device, vae_fp32=config.no_half_vae,
-        sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing)
+        sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing,
+        unet_on_host=config.blocks_to_swap > 0)
     network = build_network(config, base, options)
     pipeline = sdxl.assemble_pipeline(base)
     model = SDXLLoraModel(base.unet, network, pipeline).train()
+    swapper = prepare_blocks(base.unet, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
+                             device=run.device, num_processes=run.accelerator.num_processes, place=model)
 
     # 2. Data: bucketed samples; VAE posteriors and prompt embeddings from the content-keyed caches.
     train_text = not config.network_train_unet_only
@@ -404,7 +275,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         from accelerate.utils import DistributedDataParallelKwargs
 
         run.accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
-    model, optimizer = run.accelerator.prepare(model, optimizer)
+    model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = SDXLLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -414,6 +285,13 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         noise_offset=config.noise_offset, adaptive_noise_scale=config.adaptive_noise_scale,
         multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
         timestep_range=(config.min_timestep, config.max_timestep), prior_loss_weight=config.prior_loss_weight)
+
+    print_run_summary(run, dataset, epochs=math.ceil(total_steps / steps_per_epoch), total_steps=total_steps,
+                      steps_per_epoch=steps_per_epoch, batch_size=config.train_batch_size,
+                      gradient_accumulation_steps=config.gradient_accumulation_steps,
+                      mixed_precision=config.mixed_precision, trainable=(network,),
+                      caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
+                      tokenizers={"CLIP": (pipeline.tokenizer, pipeline.tokenizer.model_max_length)})
 
     # 4. Loop: the engine trains and resumes; every step, our callback writes LoRA files and samples when due.
     folder = Path(config.output_dir)

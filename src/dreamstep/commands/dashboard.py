@@ -1,0 +1,95 @@
+"""``dreamstep dashboard [RUN_DIR ...] [--dataset TOML_OR_FOLDER]``: a local web page over run folders
+(live loss and LR, sample grids, metrics, config, LoRA files, log tail, run comparison) and a dataset
+check before training. Read-only; listens on 127.0.0.1 unless --host says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import ipaddress
+import secrets
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from dreamstep.errors import UserError
+
+DEFAULT_PORT = 7860
+
+
+def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
+    parser.add_argument("run_dirs", nargs="*", metavar="RUN_DIR",
+                        help="a run's --output_dir, or a folder whose subfolders are runs (e.g. demo_out)")
+    parser.add_argument("--dataset", metavar="TOML_OR_FOLDER",
+                        help="check a Kohya dataset TOML or an image folder as the trainer will read it")
+    parser.add_argument("--resolution", type=int, default=1024,
+                        help="for --dataset: the training resolution, where the TOML sets none (default 1024)")
+    parser.add_argument("--seed", type=int, default=0, help="for --dataset: the training seed (caption shuffles)")
+    parser.add_argument("--instance_prompt",
+                        help="for --dataset FOLDER: the caption of images without a caption file (.txt/.caption)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--token", nargs="?", const="random",
+                        help="require this token on every request; --token alone makes a random one")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_port(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); "
+                            "pick another --port") from None
+
+
+def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
+    if not args.run_dirs and not args.dataset:
+        raise UserError("give at least one RUN_DIR or --dataset TOML_OR_FOLDER; see 'dreamstep dashboard --help'")
+    for folder in args.run_dirs:
+        if not Path(folder).is_dir():
+            raise UserError(f"RUN_DIR {folder}: no such folder; give a run's --output_dir or a folder of runs")
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port {args.port}: must be between 1 and 65535")
+    try:
+        import uvicorn
+
+        from dreamstep.dashboard.app import create_app
+    except ImportError as e:
+        raise UserError(f"the dashboard needs the 'ui' extra ({e.name} is missing): "
+                        "pip install 'dreamstep[ui]'") from None
+    check = None
+    if args.dataset:
+        from dreamstep.dashboard.dataset_check import check_dataset
+
+        print(f"checking {args.dataset} ...", flush=True)
+        check = check_dataset(args.dataset, args.resolution, args.seed, args.instance_prompt)
+        print(f"  {len(check.images)} images, {len(check.problems)} problems")
+    token = secrets.token_urlsafe(16) if args.token == "random" else args.token
+    if not is_loopback(args.host):
+        print(f"warning: --host {args.host} lets other machines open the dashboard and read every file in "
+              f"{', '.join(args.run_dirs) or 'the dataset'}" + ("" if token else "; add --token to require a token"),
+              file=sys.stderr)
+    _check_port(args.host, args.port)
+    app = create_app([Path(d) for d in args.run_dirs], dataset=args.dataset, dataset_check=check,
+                     resolution=args.resolution, seed=args.seed, instance_prompt=args.instance_prompt,
+                     token=token)
+    shown_host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{shown_host}:{args.port}/" + (f"?token={token}" if token else "")
+    # The LoRA reports need torch and diffusers; importing them takes seconds, so start now, not on the
+    # first page that shows a LoRA file.
+    threading.Thread(target=importlib.import_module, args=("dreamstep.commands.lora_info",), daemon=True).start()
+    print(f"dashboard: {url}  (read-only; Ctrl-C stops it)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

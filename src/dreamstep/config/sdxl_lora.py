@@ -1,0 +1,152 @@
+"""Options of ``dreamstep train sdxl-lora``: sd-scripts' ``sdxl_train_network.py`` flags with their meaning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from dreamstep.config.evaluation import EvaluationOptions
+from dreamstep.config.schema import SEED_BOUNDS, option
+from dreamstep.config.training import LR_SCHEDULERS
+from dreamstep.errors import UserError
+
+NETWORK_MODULE = "networks.lora"
+# sd-scripts' --sample_sampler names (models/sdxl.py maps each to a diffusers scheduler).
+SAMPLERS = ("ddim", "pndm", "euler", "k_euler", "euler_a", "k_euler_a", "dpmsolver++", "heun")
+
+
+@dataclass
+class SDXLLoraConfig(EvaluationOptions):
+    # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
+    resume_must_match: ClassVar[tuple[str, ...]] = (
+        "pretrained_model_name_or_path", "network_dim", "network_alpha", "network_args", "network_train_unet_only",
+        "network_train_text_encoder_only")
+
+    pretrained_model_name_or_path: str = option(
+        help="base SDXL: a diffusers folder, a hub id, or a single file such as sd_xl_base_1.0.safetensors")
+    output_dir: str = option(help="where the LoRA, step files, states, samples and logs are written")
+    output_name: str = option("last", "file name of the LoRA, without extension")
+    model_config: str | None = option(
+        None, "for a single-file model: a diffusers SDXL folder or hub id with the configs and tokenizers "
+              "(default: the file's folder when it holds model_index.json, else the SDXL base on the hub)")
+    dataset_config: str | None = option(None, "Kohya dataset TOML ([general], [[datasets]], [[datasets.subsets]])")
+    train_data_dir: str | None = option(None, "folder of <repeats>_<class tokens> image folders (DreamBooth), "
+                                              "or of images with --in_json (fine-tuning)")
+    reg_data_dir: str | None = option(None, "folder of <repeats>_<class> regularization image folders")
+    in_json: str | None = option(None, "fine-tuning metadata JSON for --train_data_dir")
+    caption_extension: str = option(".caption", "caption file extension (with --train_data_dir)")
+    resolution: str | None = option(None, "training resolution 'W,H' or 'S' (the dataset TOML may set it)")
+    enable_bucket: bool | None = option(None, "aspect-ratio buckets (with --train_data_dir)")
+    min_bucket_reso: int | None = option(None, "smallest bucket side", bounds="[1, inf)")
+    max_bucket_reso: int | None = option(None, "largest bucket side", bounds="[1, inf)")
+    bucket_reso_steps: int | None = option(None, "bucket sides are multiples of this", bounds="[1, inf)")
+    bucket_no_upscale: bool | None = option(None, "never enlarge images to fill a bucket")
+    train_batch_size: int = option(1, "batch size (the dataset TOML's batch_size wins)", bounds="[1, inf)")
+    seed: int | None = option(None, "seed for init, data order, noise and timesteps (default: random, saved "
+                                    "in config.toml)", bounds=SEED_BOUNDS)
+    network_module: str = option(NETWORK_MODULE, "network type; networks.lora (Kohya LoRA / LoCon)")
+    network_dim: int = option(4, "LoRA rank", bounds="[1, inf)")
+    network_alpha: float = option(1.0, "LoRA alpha; the update is scaled by alpha / dim", bounds="(0, inf)")
+    network_dropout: float | None = option(None, "dropout on the LoRA down projection's output", bounds="[0, 1)")
+    network_args: list[str] = option([], "key=value: conv_dim, conv_alpha (LoCon), rank_dropout, module_dropout")
+    network_weights: str | None = option(None, "continue from this LoRA file")
+    network_train_unet_only: bool = option(False, "LoRA on the UNet only")
+    network_train_text_encoder_only: bool = option(False, "LoRA on the text encoders only")
+    learning_rate: float = option(1e-4, "learning rate", bounds="(0, inf)")
+    unet_lr: float | None = option(None, "learning rate of the UNet LoRA (default: --learning_rate; 0 freezes it, "
+                                         "as in sd-scripts)", bounds="[0, inf)")
+    text_encoder_lr: float | None = option(None, "learning rate of the text-encoder LoRA (default: --learning_rate; "
+                                                 "0 freezes it, as in sd-scripts)", bounds="[0, inf)")
+    optimizer_type: str = option("AdamW", "AdamW, AdamW8bit, Lion, Prodigy or Adafactor")
+    optimizer_args: list[str] = option([], "optimizer key=value arguments, e.g. weight_decay=0.05 betas=0.9,0.98; "
+                                           "unset ones keep the optimizer's own defaults as in sd-scripts (weight "
+                                           "decay 0.01 for AdamW, none for Lion, Prodigy, Adafactor; Adafactor "
+                                           "with relative_step=True and its own schedule)")
+    lr_scheduler: Literal[LR_SCHEDULERS] = option("constant", "learning-rate schedule")  # type: ignore[valid-type]
+    lr_warmup_steps: float = option(0, "warm-up steps (a value below 1 is a fraction of the training steps)",
+                                    bounds="[0, inf)")
+    lr_scheduler_num_cycles: int = option(1, "cycles of cosine_with_restarts", bounds="[1, inf)")
+    lr_scheduler_power: float = option(1.0, "power of the polynomial schedule", bounds="(0, inf)")
+    max_grad_norm: float = option(1.0, "clip the gradient norm to this (0: no clipping)", bounds="[0, inf)")
+    gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", bounds="[1, inf)")
+    max_train_steps: int = option(1600, "optimizer steps to train", bounds="[1, inf)")
+    max_train_epochs: int | None = option(None, "epochs to train (overrides --max_train_steps)", bounds="[1, inf)")
+    mixed_precision: Literal["no", "fp16", "bf16"] = option("no", "frozen weights and compute in this precision")
+    full_fp16: bool = option(False, "LoRA weights in fp16 too (needs --mixed_precision fp16)")
+    full_bf16: bool = option(False, "LoRA weights in bf16 too (needs --mixed_precision bf16)")
+    no_half_vae: bool = option(False, "keep the VAE in fp32 (SDXL's VAE overflows in fp16)")
+    gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    blocks_to_swap: int = option(0, "keep the last N UNet transformer blocks in host memory and bring each to "
+                                    "the device only while it runs (small cards; needs --gradient_checkpointing)",
+                                 bounds="[0, inf)")
+    compile: bool = option(False, "torch.compile each UNet transformer block (regional compilation)")
+    sdpa: bool = option(False, "PyTorch scaled-dot-product attention (the default attention)")
+    flash_attn: bool = option(False, "flash attention: PyTorch scaled-dot-product attention picks it where it can")
+    xformers: bool = option(False, "memory-efficient attention: PyTorch scaled-dot-product attention instead")
+    v_parameterization: bool = option(False, "train v-prediction instead of ε-prediction")
+    min_snr_gamma: float | None = option(None, "min-SNR loss weighting with this γ (5 is typical)", bounds="(0, inf)")
+    noise_offset: float | None = option(None, "offset noise strength (e.g. 0.0357)", bounds="[0, inf)")
+    adaptive_noise_scale: float | None = option(None, "raise the offset by this times |latent mean| "
+                                                      "(needs --noise_offset)", bounds="(-inf, inf)")
+    multires_noise_iterations: int | None = option(None, "multi-resolution noise levels (6-10 typical)",
+                                                   bounds="[1, inf)")
+    multires_noise_discount: float = option(0.3, "weight decay per multires noise level", bounds="[0, 1]")
+    zero_terminal_snr: bool = option(False, "rescale the noise schedule to zero SNR at the last timestep "
+                                            "(sd-scripts' flag; usually with --v_parameterization)")
+    min_timestep: int = option(0, "smallest training timestep", bounds="[0, 1000)")
+    max_timestep: int = option(1000, "training timesteps are below this", bounds="(0, 1000]")
+    prior_loss_weight: float = option(1.0, "loss weight of regularization images", bounds="[0, inf)")
+    cache_latents: bool = option(True, "encode each image with the VAE once (identical results, faster)")
+    cache_latents_to_disk: bool = option(False, "keep the latent cache in OUTPUT_DIR/cache after the run")
+    cache_text_encoder_outputs: bool = option(True, "encode each caption once while the text encoders are frozen")
+    cache_text_encoder_outputs_to_disk: bool = option(False, "keep the text cache in OUTPUT_DIR/cache after the run")
+    max_data_loader_n_workers: int = option(0, "data loading worker processes", bounds="[0, inf)")
+    save_model_as: Literal["safetensors", "ckpt", "pt"] = option("safetensors", "LoRA file format")
+    save_precision: Literal["fp32", "float", "fp16", "bf16"] | None = option(
+        None, "dtype of saved LoRA files (default: the training dtype)")
+    save_every_n_steps: int | None = option(None, "write <output_name>-stepNNNNNNNN every N steps", bounds="[1, inf)")
+    save_every_n_epochs: int | None = option(None, "write <output_name>-NNNNNN every N epochs", bounds="[1, inf)")
+    save_state: bool = option(False, "with every saved LoRA also write a resumable checkpoint-N folder")
+    resume: str | None = option(None, "a checkpoint-N folder (or 'latest') to resume exactly")
+    sample_prompts: str | None = option(None, "prompt file; options per line: --n --w --h --s --l --d --ss")
+    sample_every_n_steps: int | None = option(None, "sample images every N steps", bounds="[1, inf)")
+    sample_every_n_epochs: int | None = option(None, "sample images every N epochs", bounds="[1, inf)")
+    sample_at_first: bool = option(False, "sample images before training")
+    validate_every_n_steps: int | None = option(
+        None, "score the validation loss (and --eval_metrics on the --sample_prompts) every N steps; "
+              "evaluation also runs before training and at the end", bounds="[1, inf)")
+    sample_sampler: Literal[SAMPLERS] = option("ddim", "sampler of the sample images")  # type: ignore[valid-type]
+    log_with: Literal["tensorboard", "none"] = option("tensorboard", "where scalars are logged")
+    logging_dir: str | None = option(None, "folder for the TensorBoard event files (default: --output_dir)")
+    overwrite_output_dir: bool = option(False, "allow writing into a non-empty --output_dir")
+
+    def __post_init__(self) -> None:
+        if self.network_module not in (NETWORK_MODULE, "lora"):
+            raise UserError(f"--network_module '{self.network_module}' is not supported; dreamstep trains "
+                            f"'{NETWORK_MODULE}' (LoRA, and LoCon with --network_args conv_dim=...)")
+        if self.network_train_unet_only and self.network_train_text_encoder_only:
+            raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
+        if self.unet_lr == 0 and self.text_encoder_lr == 0:
+            raise UserError("--unet_lr 0 and --text_encoder_lr 0 leave nothing to train; give one a learning rate")
+        if self.full_fp16 and self.mixed_precision != "fp16":
+            raise UserError("--full_fp16 needs --mixed_precision fp16")
+        if self.full_bf16 and self.mixed_precision != "bf16":
+            raise UserError("--full_bf16 needs --mixed_precision bf16")
+        if self.blocks_to_swap and not self.gradient_checkpointing:
+            raise UserError("--blocks_to_swap needs --gradient_checkpointing: without it backward holds every "
+                            "block's weights on the device and swapping saves no memory")
+        if self.adaptive_noise_scale is not None and self.noise_offset is None:
+            raise UserError("--adaptive_noise_scale needs --noise_offset")
+        if self.min_timestep >= self.max_timestep:
+            raise UserError(f"--min_timestep must be below --max_timestep (got {self.min_timestep}, "
+                            f"{self.max_timestep})")
+        if (self.dataset_config is None) == (self.train_data_dir is None):
+            raise UserError("give the data with --dataset_config, or with --train_data_dir (not both)")
+        self.check_evaluation()
+        if self.eval_metrics and not self.sample_prompts:
+            raise UserError("--eval_metrics scores samples of the --sample_prompts: give a prompt file too")
+        if self.output_name != Path(self.output_name).name or self.output_name in ("", ".", ".."):
+            raise UserError(f"--output_name {self.output_name}: give a file name without folders (files go "
+                            f"into --output_dir), e.g. --output_name {Path(self.output_name).name or 'last'}")
+

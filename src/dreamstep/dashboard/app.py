@@ -1,0 +1,217 @@
+"""The dashboard's web application (Starlette): a static page, a JSON API and files from run folders.
+
+Read-only by construction: every request other than GET or HEAD is answered 405 before routing, and no
+route writes, deletes or starts anything. Files are served only through :func:`resolve_inside`, dataset
+images only by their index in the checked list. With a token, every request needs it (header
+``Authorization: Bearer``, ``?token=``, or the cookie set after a page opened with ``?token=``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import io
+import json
+import math
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from dreamstep.dashboard.dataset_check import DatasetCheck, check_dataset, summary
+from dreamstep.dashboard.paths import UnsafePath, resolve_inside
+from dreamstep.dashboard.runs import RunIndex, read_section
+
+__all__ = ["create_app"]
+
+STATIC = Path(__file__).parent / "static"
+TOKEN_COOKIE = "dreamstep_token"
+_HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    # Everything comes from this server: no CDN, no inline script, nothing framed.
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
+                               "frame-ancestors 'none'; form-action 'none'",
+}
+
+
+class _JSON(JSONResponse):
+    """JSON with NaN and infinities as ``null`` (a diverged loss is NaN; browsers reject NaN in JSON)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(_finite(content), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+class _Guard(BaseHTTPMiddleware):
+    """Only GET and HEAD; the token when one is set; security headers on every answer."""
+
+    def __init__(self, app: Any, token: str | None):
+        super().__init__(app)
+        self.token = token
+
+    async def dispatch(self, request: Request, call_next: Any) -> Response:
+        if request.method not in ("GET", "HEAD"):
+            return self._headers(PlainTextResponse("the dashboard is read-only", 405, headers={"Allow": "GET, HEAD"}))
+        from_query = request.query_params.get("token")
+        if self.token is not None:
+            offered = (request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+                       or from_query or request.cookies.get(TOKEN_COOKIE) or "")
+            if not hmac.compare_digest(offered.encode(), self.token.encode()):
+                return self._headers(PlainTextResponse("a token is needed: open the address printed by "
+                                                       "'dreamstep dashboard', which ends in ?token=...", 401))
+        response = await call_next(request)
+        if self.token is not None and from_query:
+            response.set_cookie(TOKEN_COOKIE, self.token, httponly=True, samesite="strict")
+        return self._headers(response)
+
+    @staticmethod
+    def _headers(response: Response) -> Response:
+        response.headers.update(_HEADERS)
+        if "cache-control" not in response.headers:
+            response.headers["Cache-Control"] = "no-store"
+        return response
+
+
+class _DatasetState:
+    """The dataset check, computed at start and again on ``?rescan=1``; thumbnails cached (LRU)."""
+
+    def __init__(self, source: str | None, resolution: int, seed: int, instance_prompt: str | None,
+                 check: DatasetCheck | None):
+        self.source, self.resolution, self.seed, self.instance_prompt = source, resolution, seed, instance_prompt
+        self.check = check
+        self.thumbs: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def rescan(self) -> None:
+        self.check = check_dataset(self.source, self.resolution, self.seed, self.instance_prompt)
+        self.thumbs.clear()
+
+
+def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_check: DatasetCheck | None = None,
+               resolution: int = 1024, seed: int = 0, instance_prompt: str | None = None,
+               token: str | None = None) -> Starlette:
+    """The application over ``run_dirs`` (and a dataset TOML or folder). ``dataset_check`` passes a check
+    already made (the command makes it before starting, so a bad TOML fails at the door)."""
+    index = RunIndex([Path(d) for d in run_dirs])
+    state = _DatasetState(dataset, resolution, seed, instance_prompt, dataset_check)
+    if dataset is not None and dataset_check is None:
+        state.rescan()
+
+    async def page(request: Request) -> Response:
+        return FileResponse(STATIC / "index.html")
+
+    def info(request: Request) -> Response:
+        return _JSON({"roots": [str(r) for r in index.roots], "dataset": state.source})
+
+    def runs(request: Request) -> Response:
+        return _JSON({"runs": [read_section(run.summary) for run in index.runs().values()]})
+
+    def run_detail(request: Request) -> Response:
+        run = index.get(request.path_params["run_id"])
+        if run is None:
+            return _JSON({"error": "no such run"}, 404)
+        return _JSON(run.detail())
+
+    def run_samples(request: Request) -> Response:
+        run = index.get(request.path_params["run_id"])
+        if run is None:
+            return _JSON({"error": "no such run"}, 404)
+        return _JSON({"samples": read_section(run.samples)})
+
+    def run_loras(request: Request) -> Response:
+        run = index.get(request.path_params["run_id"])
+        if run is None:
+            return _JSON({"error": "no such run"}, 404)
+        return _JSON({"loras": read_section(run.loras)})
+
+    def run_file(request: Request) -> Response:
+        run = index.get(request.path_params["run_id"])
+        if run is None:
+            return PlainTextResponse("no such run", 404)
+        try:
+            path = resolve_inside(run.folder, request.path_params["path"])
+        except UnsafePath as e:
+            return PlainTextResponse(f"refused: {e}", 404)
+        return FileResponse(path, headers={"Cache-Control": "no-cache"})
+
+    def dataset_summary(request: Request) -> Response:
+        if state.source is None:
+            return _JSON({"error": "no dataset: start with 'dreamstep dashboard --dataset TOML_OR_FOLDER'"},
+                                404)
+        with state.lock:
+            if request.query_params.get("rescan") == "1":
+                state.rescan()
+            epoch = _int(request.query_params.get("epoch"), 0)
+            return _JSON(summary(state.check, epoch))
+
+    def dataset_image(request: Request) -> Response:
+        check = state.check
+        number = _int(request.path_params["number"], -1)
+        if check is None or not 0 <= number < len(check.images):
+            return PlainTextResponse("no such image", 404)
+        size = min(1024, max(32, _int(request.query_params.get("size"), 256)))
+        key = (number, size)
+        with state.lock:
+            data = state.thumbs.get(key)
+        if data is None:
+            data = _thumbnail(check.images[number].path, size)
+            if data is None:
+                return PlainTextResponse("unreadable image", 404)
+            with state.lock:
+                state.thumbs[key] = data
+                while len(state.thumbs) > 4000:
+                    state.thumbs.popitem(last=False)
+        return Response(data, media_type="image/jpeg", headers={"Cache-Control": "max-age=60"})
+
+    routes = [
+        Route("/", page),
+        Route("/api/info", info),
+        Route("/api/runs", runs),
+        Route("/api/runs/{run_id}", run_detail),
+        Route("/api/runs/{run_id}/loras", run_loras),
+        Route("/api/runs/{run_id}/samples", run_samples),
+        Route("/files/{run_id}/{path:path}", run_file),
+        Route("/api/dataset", dataset_summary),
+        Route("/api/dataset/image/{number}", dataset_image),
+        Mount("/static", StaticFiles(directory=STATIC)),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(_Guard, token=token)])
+
+
+def _int(text: str | None, default: int) -> int:
+    try:
+        return int(text) if text is not None else default
+    except ValueError:
+        return default
+
+
+def _thumbnail(path: Path, size: int) -> bytes | None:
+    """A JPEG of the image as the trainer decodes it (EXIF orientation, any mode to RGB), at most ``size``."""
+    from dreamstep.data.images import load_rgb
+    from dreamstep.errors import UserError
+
+    try:
+        image = load_rgb(path)
+    except UserError:
+        return None
+    image.thumbnail((size, size))
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=85)
+    return buffer.getvalue()

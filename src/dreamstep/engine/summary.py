@@ -1,0 +1,131 @@
+"""The start-of-run summary: what a run is about to do, printed once before the first step, so a wrong
+folder, a skipped image, a lone process or a cold cache shows before hours are spent."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dreamstep.data.cache import TensorCache
+from dreamstep.data.dataset import BucketDataset
+
+
+def describe_data(dataset: BucketDataset) -> list[str]:
+    """Images and samples per subset, skipped files with their reason, and buckets with sample counts."""
+    lines = []
+    images: Counter[str] = Counter()
+    samples: Counter[str] = Counter()
+    for record in dataset.records:
+        name = str(record.subset.image_dir or record.subset.where)
+        name += " (regularization)" if record.subset.is_reg else ""
+        images[name] += 1
+        samples[name] += record.num_repeats
+    for name, count in images.items():
+        lines.append(f"images      {name}: {count} images, {samples[name]} samples per epoch")
+    for path, reason in dataset.skipped:
+        lines.append(f"skipped     {path}: {reason}")
+    buckets = Counter((w, h) for _, w, h in dataset.sample_group)
+    lines.append("buckets     " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(buckets.items())))
+    return lines
+
+
+def caption_source(record: Any) -> str:
+    """The file a record's caption came from: its caption file when there is one, else the image."""
+    subset = record.subset
+    if subset.caption_extension and subset.metadata_file is None:
+        caption_file = record.image.path.with_suffix(subset.caption_extension)
+        if caption_file.is_file():
+            return str(caption_file)
+    return f"{record.image.path} (its caption)"
+
+
+def describe_truncation(dataset: BucketDataset, tokenizers: Mapping[str, tuple[Any, int]]) -> list[str]:
+    """One line per caption longer than a text encoder reads (``tokenizers``: name -> (tokenizer, limit)),
+    naming the file and the token count; the words past the limit do not reach the model."""
+    lines = []
+    for name, (tokenizer, limit) in tokenizers.items():
+        lengths: dict[str, int] = {}
+        for record in dataset.records:
+            if record.caption not in lengths:
+                lengths[record.caption] = len(tokenizer(record.caption).input_ids)
+            if lengths[record.caption] > limit:
+                lines.append(f"truncated   {caption_source(record)}: {lengths[record.caption]} tokens, "
+                             f"{name} reads {limit}")
+    return lines
+
+
+def requested_processes() -> int | None:
+    """How many processes ``accelerate launch --num_processes N`` asked for, read from the launcher's
+    command line (Linux); None when unknown. Without --multi_gpu accelerate starts one process regardless."""
+    if "ACCELERATE_MIXED_PRECISION" not in os.environ:
+        return None
+    try:
+        words = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    for i, word in enumerate(words):
+        value = word.split("=", 1)[1] if word.startswith("--num_processes=") else (
+            words[i + 1] if word == "--num_processes" and i + 1 < len(words) else None)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+def describe_processes(accelerator: Any) -> list[str]:
+    running = accelerator.num_processes
+    lines = [f"processes   {running} on {accelerator.device.type}"
+             f"{f' ({accelerator.distributed_type.value})' if running > 1 else ''}"]
+    asked = requested_processes()
+    if asked is not None and asked != running:
+        lines.append(f"warning     accelerate launch asked for {asked} processes but {running} runs: without "
+                     "--multi_gpu (on CPUs too) accelerate starts one process; add --multi_gpu")
+    return lines
+
+
+def trainable_parameters(*modules: torch.nn.Module) -> tuple[int, str]:
+    """Count and dtype of the parameters that train."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    dtype = names.get(params[0].dtype, str(params[0].dtype)) if params else "-"
+    return sum(p.numel() for p in params), dtype
+
+
+def describe_caches(caches: Mapping[str, TensorCache | None]) -> str:
+    parts = []
+    for name, cache in caches.items():
+        if cache is None:
+            parts.append(f"{name}: off")
+        else:
+            entries = sum(1 for _ in cache.root.rglob("*.safetensors")) if cache.root.is_dir() else 0
+            parts.append(f"{name}: {cache.root} ({entries} entries already there)")
+    return "caches      " + "; ".join(parts)
+
+
+def print_run_summary(run: Any, dataset: BucketDataset, *, epochs: int, total_steps: int, steps_per_epoch: int,
+                      batch_size: int, gradient_accumulation_steps: int, mixed_precision: str,
+                      trainable: tuple[torch.nn.Module, ...], caches: Mapping[str, TensorCache | None],
+                      outputs: str, tokenizers: Mapping[str, tuple[Any, int]] | None = None) -> None:
+    """Print the summary on the main process (the others print nothing). ``tokenizers`` (name ->
+    (tokenizer, tokens the encoder reads)) name the captions that get cut."""
+    if not run.is_main_process:
+        return
+    processes = run.accelerator.num_processes
+    count, dtype = trainable_parameters(*trainable)
+    lines = [
+        *describe_data(dataset),
+        *describe_truncation(dataset, tokenizers or {}),
+        f"schedule    {epochs} epoch{'s' * (epochs != 1)}, {total_steps} optimizer steps ({steps_per_epoch} per "
+        f"epoch), effective batch {batch_size * gradient_accumulation_steps * processes} = {batch_size} per "
+        f"process x {gradient_accumulation_steps} accumulated x {processes} process{'es' * (processes != 1)}",
+        *describe_processes(run.accelerator),
+        f"precision   frozen weights {mixed_precision if mixed_precision != 'no' else 'fp32'}, trainable {dtype}",
+        f"trainable   {count:,} parameters",
+        describe_caches(caches),
+        f"outputs     {outputs}",
+    ]
+    print("\n".join(["run:", *(f"  {line}" for line in lines)]), flush=True)

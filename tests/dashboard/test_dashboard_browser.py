@@ -1,0 +1,156 @@
+"""The dashboard in a real headless browser: Debian's chromium driven by selenium through the system
+chromedriver (nothing is downloaded). It opens a finished tiny run and a run in progress, checks that the
+loss chart is drawn and the sample images decode, that the page follows the run as it grows, and saves
+screenshots under test-artifacts/.
+
+Set DREAMSTEP_DASHBOARD_SCREENSHOT=docs/dashboard.png (and optionally DREAMSTEP_DASHBOARD_RUNS=demo_out)
+to also write the README's screenshot of the runs' page.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from dashboard_testkit import GrowingRun, copy_run, serve
+from PIL import Image
+
+from dreamstep.dashboard.app import create_app
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--no-first-run", "--disable-sync", "--window-size=1280,1000"]
+TIMEOUT_S = 60
+
+if not (CHROMIUM.is_file() and CHROMEDRIVER.is_file()):
+    pytest.skip("no browser: Debian's chromium and chromium-driver are not installed "
+                "(apt-get install -y chromium chromium-driver); the HTTP tests still run", allow_module_level=True)
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in [*FLAGS, f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"]:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(TIMEOUT_S)
+    yield driver
+    driver.quit()
+
+
+def _version() -> str:
+    return subprocess.run([str(CHROMIUM), "--version"], capture_output=True, text=True).stdout.strip()
+
+
+def _wait(driver, condition, what: str):
+    return WebDriverWait(driver, TIMEOUT_S, poll_frequency=0.2).until(
+        lambda d: condition(d), message=f"timed out waiting for {what}")
+
+
+def _drawn_pixels(driver, canvas_id: str) -> int:
+    """How many pixels of the canvas are painted (not transparent)."""
+    return driver.execute_script("""
+        const c = document.getElementById(arguments[0]);
+        if (!c || !c.width) { return 0; }
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 3; i < d.length; i += 4) { if (d[i] > 0) { n++; } }
+        return n;""", canvas_id)
+
+
+def _sample_images(driver) -> list[dict]:
+    return driver.execute_script("""
+        return [...document.querySelectorAll('#samples img')].map(
+            (img) => ({complete: img.complete, width: img.naturalWidth, src: img.getAttribute('src')}));""")
+
+
+def _screenshot(driver, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / name
+    assert driver.save_screenshot(str(path)), f"no screenshot for {name}"
+    return path
+
+
+def _loaded(images: list[dict], count: int) -> bool:
+    return len(images) == count and all(i["complete"] and i["width"] > 0 for i in images)
+
+
+def test_finished_run_renders_its_chart_samples_and_lora_report(browser, finished_run, tmp_path):
+    root = tmp_path / "runs"
+    copy_run(finished_run, root)
+    with serve(create_app([root])) as url:
+        browser.get(f"{url}/#/")
+        _wait(browser, lambda d: d.execute_script(
+            "return document.querySelector('tr[data-run=\"0.robot\"] .badge')?.dataset.state") == "finished",
+            "the runs list")
+        browser.get(f"{url}/#/run/0.robot")
+        _wait(browser, lambda d: int(d.find_element("id", "loss-canvas").get_attribute("data-points") or 0) >= 4,
+              "the loss chart")
+        assert _drawn_pixels(browser, "loss-canvas") > 2000
+        _wait(browser, lambda d: _loaded(_sample_images(d), 3), "three decoded sample images")
+        captions = browser.find_element("id", "samples").text
+        assert "step 4" in captions and "seed 3" in captions and "sks robot on the beach" in captions
+        _wait(browser, lambda d: "diffusers/PEFT layout" in d.find_element("id", "loras").text, "the LoRA report")
+        assert "finished" in browser.find_element("id", "log").text
+        shot = _screenshot(browser, "dashboard-finished-run.png")
+    assert Image.open(shot).size[0] >= 1000
+    print(f"browser: {_version()}; screenshot: {shot}")
+
+
+def test_run_in_progress_updates_by_itself(browser, tmp_path):
+    run = GrowingRun(tmp_path / "runs" / "live", total=50)
+    run.add_steps(5)
+    run.add_sample()
+    with serve(create_app([tmp_path / "runs"])) as url:
+        browser.get(f"{url}/#/run/0.live")
+        _wait(browser, lambda d: "step 5 / 50" in d.find_element("tag name", "main").text, "step 5")
+        assert browser.find_element("css selector", ".badge").get_attribute("data-state") == "running"
+        _wait(browser, lambda d: _loaded(_sample_images(d), 1), "the first sample grid")
+        points_before = int(browser.find_element("id", "loss-canvas").get_attribute("data-points"))
+        run.add_steps(10)
+        run.add_sample()  # no reload: the page polls
+        _wait(browser, lambda d: "step 15 / 50" in d.find_element("tag name", "main").text, "step 15")
+        _wait(browser, lambda d: _loaded(_sample_images(d), 2), "the second sample grid")
+        assert int(browser.find_element("id", "loss-canvas").get_attribute("data-points")) > points_before
+        assert "ETA" in browser.find_element("tag name", "main").text
+        _screenshot(browser, "dashboard-run-in-progress.png")
+
+
+def test_compare_two_runs_and_the_readme_screenshot(browser, finished_run, tmp_path):
+    root = tmp_path / "runs"
+    copy_run(finished_run, root)
+    live = GrowingRun(root / "live", total=50)
+    live.add_steps(8)
+    live.add_sample()
+    with serve(create_app([root])) as url:
+        browser.get(f"{url}/#/compare/0.robot,0.live")
+        _wait(browser, lambda d: int(d.find_element("id", "compare-loss-canvas").get_attribute("data-points") or 0)
+              >= 4 + 8, "both smoothed curves")
+        _wait(browser, lambda d: d.execute_script(
+            "return [...document.querySelectorAll('#compare-samples img')].filter(i => i.naturalWidth > 0).length")
+              >= 2, "samples of both runs")
+        _screenshot(browser, "dashboard-compare.png")
+    readme_shot = os.environ.get("DREAMSTEP_DASHBOARD_SCREENSHOT")
+    if readme_shot:
+        runs = Path(os.environ.get("DREAMSTEP_DASHBOARD_RUNS", root))
+        with serve(create_app([runs])) as url:
+            browser.get(f"{url}/#/")
+            run_id = _wait(browser, lambda d: d.execute_script(
+                "return document.querySelector('tr[data-run]')?.dataset.run"), "a run")
+            browser.get(f"{url}/#/run/{run_id}")
+            _wait(browser, lambda d: int(d.find_element("id", "loss-canvas").get_attribute("data-points") or 0) > 0,
+                  "the loss chart")
+            _wait(browser, lambda d: all(i["complete"] and i["width"] > 0 for i in _sample_images(d)), "samples")
+            shot = _screenshot(browser, "dashboard-readme.png")
+        image = Image.open(shot).convert("RGB")
+        image = image.resize((image.width * 3 // 4, image.height * 3 // 4), Image.Resampling.LANCZOS)
+        image.quantize(colors=128).save(readme_shot, optimize=True)
+        shutil.copy(readme_shot, ARTIFACTS / Path(readme_shot).name)

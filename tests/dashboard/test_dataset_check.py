@@ -1,0 +1,134 @@
+"""The dataset check: problems the trainer would stop at, all at once; buckets; captions as training sees
+them (the trainer's own BucketDataset), train vs regularization subsets; and its page data over HTTP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dreamstep.dashboard.dataset_check import check_dataset, summary
+from dreamstep.data.dataset import build_dataset
+from dreamstep.data.dataset_config import load_dataset_config
+from dreamstep.errors import UserError
+
+CAPTION = "sks dog, red collar, sitting, grass, sunny"
+
+
+def _image(path: Path, size: tuple[int, int], caption: str | None = CAPTION, ext: str = ".txt") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(len(path.name))
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(path)
+    if caption is not None:
+        path.with_suffix(ext).write_text(caption)
+
+
+@pytest.fixture
+def dataset_toml(tmp_path: Path) -> Path:
+    train, reg = tmp_path / "train", tmp_path / "reg"
+    for i, size in enumerate([(512, 512), (768, 512), (512, 768), (640, 640)]):
+        _image(train / f"t{i}.png", size)
+    for i in range(3):
+        _image(reg / f"r{i}.png", (512, 512), caption=None)
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f"""
+[general]
+enable_bucket = true
+shuffle_caption = true
+keep_tokens = 1
+caption_extension = ".txt"
+
+[[datasets]]
+resolution = 512
+batch_size = 2
+
+  [[datasets.subsets]]
+  image_dir = "{train}"
+  num_repeats = 2
+
+  [[datasets.subsets]]
+  image_dir = "{reg}"
+  is_reg = true
+  class_tokens = "a dog"
+""")
+    return toml
+
+
+def test_captions_are_what_the_trainer_feeds_and_reshuffle_per_epoch(dataset_toml):
+    check = check_dataset(dataset_toml, seed=5)
+    trainer = build_dataset(load_dataset_config(dataset_toml), seed=5)
+    for epoch in (0, 1, 2):
+        captions = check.captions(epoch)
+        first = {}
+        for index in range(len(trainer)):
+            item = trainer[(index, epoch)]
+            first.setdefault(item["image_path"], item["caption"])
+        assert {str(check.images[n].path): c for n, c in captions.items()} == first
+    shown = [check.captions(e)[0] for e in range(6)]
+    assert all(c.startswith("sks dog, ") for c in shown)  # keep_tokens = 1 stays first
+    assert len(set(shown)) > 1  # the rest is shuffled, differently per epoch
+    assert sorted(shown[0].split(", ")) == sorted(CAPTION.split(", "))
+
+
+def test_buckets_subsets_and_regularization(dataset_toml):
+    data = summary(check_dataset(dataset_toml), epoch=0)
+    assert data["problems"] == []
+    train, reg = data["subsets"]
+    assert (train["is_reg"], train["images"], train["samples"]) == (False, 4, 8)
+    # sd-scripts' balancing: 3 regularization images supply 8 samples (repeats 3, 3, 2)
+    assert (reg["is_reg"], reg["images"], reg["used"], reg["samples"]) == (True, 3, 3, 8)
+    buckets = {tuple(b["size"]): (len(b["images"]), b["samples"]) for b in data["datasets"][0]["buckets"]}
+    assert sum(n for n, _ in buckets.values()) == 7 and sum(s for _, s in buckets.values()) == 16
+    assert buckets[(512, 512)] == (5, 12)  # t0 and t3 (2 repeats each) and the 3 regularization images
+    reg_images = [i for i in data["images"] if i["is_reg"]]
+    assert {i["caption"] for i in reg_images} == {"a dog"}
+
+
+def test_every_problem_is_listed_where_the_trainer_stops_at_the_first(tmp_path):
+    folder = tmp_path / "images"
+    _image(folder / "good.png", (1024, 1024))
+    _image(folder / "small.png", (300, 200))
+    _image(folder / "nocaption.png", (1024, 1024), caption=None)
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    (folder / "broken.txt").write_text("a caption")
+    check = check_dataset(folder, resolution=512)
+    by_name = {i.path.name: i for i in check.images}
+    assert by_name["good.png"].problems == [] and by_name["good.png"].record is not None
+    assert "missing caption" in by_name["nocaption.png"].problems[0] and by_name["nocaption.png"].record is None
+    assert by_name["broken.png"].problems[0].startswith("unreadable") and by_name["broken.png"].record is None
+    small = by_name["small.png"]
+    assert small.upscaled and "will be upscaled from 300x200" in small.problems[0] and small.record is not None
+    assert len(check.problems) == 3
+    with pytest.raises(UserError):  # the trainer itself stops at the first of them
+        build_dataset(check.configs, seed=0)
+
+
+def test_a_bad_toml_is_one_error_naming_the_key(tmp_path):
+    toml = tmp_path / "bad.toml"
+    toml.write_text('[[datasets]]\nresolution = 512\n  [[datasets.subsets]]\n  image_dri = "x"\n')
+    with pytest.raises(UserError, match="image_dri.*image_dir"):
+        check_dataset(toml)
+    with pytest.raises(UserError, match="no such file or folder"):
+        check_dataset(tmp_path / "missing")
+
+
+def test_dataset_page_data_over_http(dataset_toml):
+    pytest.importorskip("httpx")
+    from starlette.testclient import TestClient
+
+    from dreamstep.dashboard.app import create_app
+
+    c = TestClient(create_app([], dataset=str(dataset_toml), resolution=512))
+    assert c.get("/api/info").json()["dataset"] == str(dataset_toml)
+    epoch0, epoch1 = c.get("/api/dataset").json(), c.get("/api/dataset?epoch=1").json()
+    assert epoch1["epoch"] == 1 and [i["raw_caption"] for i in epoch0["images"]] == [i["raw_caption"] for i in epoch1["images"]]
+    assert [i["caption"] for i in epoch0["images"]] != [i["caption"] for i in epoch1["images"]]
+    thumb = c.get("/api/dataset/image/0?size=64")
+    assert thumb.headers["content-type"] == "image/jpeg" and max(Image.open(__import__("io").BytesIO(thumb.content)).size) == 64
+    assert c.get("/api/dataset/image/99").status_code == 404
+    assert c.get("/api/dataset/image/-1").status_code == 404
+    (Path(epoch0["images"][0]["path"]).parent / "new.png").write_bytes(b"not an image")
+    rescanned = c.get("/api/dataset?rescan=1").json()
+    assert any("new.png" in p for p in rescanned["problems"])

@@ -1,0 +1,110 @@
+"""The engine's run around the loop (start_run, fit, finish) on a tiny real model: run_status.json, damaged
+checkpoints named and skipped over with `latest`, and the share of non-finite steps a run may skip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_testkit import RegressionStep, flat_params, regression_batches, tiny_mlp
+
+from dreamstep.engine.checkpoint import DamagedCheckpointError, TrainingPosition, load_checkpoint, save_checkpoint
+from dreamstep.engine.loop import NonFiniteLossError
+from dreamstep.engine.run import finish, fit, start_run
+from dreamstep.engine.run_folder import LOCK_FILE, read_status
+from dreamstep.errors import UserError
+
+STEPS = 8
+
+
+def _train(folder: Path, *, steps: int = STEPS, nan_at: tuple[int, ...] = (), resume: str | None = None,
+           checkpointing_steps: int = 0, **fit_options) -> torch.Tensor:
+    """Train the tiny MLP one batch per step (SGD, so a resumed run must match exactly); return its weights."""
+    run = start_run(folder, mixed_precision="no", seed=0, report_to="none", resume_from_checkpoint=resume,
+                    config_toml="", command="dreamstep train test")
+    model = tiny_mlp()
+    step = RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    batches = regression_batches(STEPS, batch_size=2)
+    for index in nan_at:  # a NaN target makes that step's loss (and gradients) NaN
+        batches[index - 1][1][0, 0] = float("nan")
+    fit(run, step, batches, max_train_steps=steps, num_epochs=None, weights=model.state_dict,
+        load_weights=model.load_state_dict, checkpointing_steps=checkpointing_steps, checkpoints_total_limit=None,
+        **fit_options)
+    finish(run, {})
+    return flat_params(model)
+
+
+def test_run_status_follows_the_run_and_the_lock_goes_with_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    weights = _train(out, checkpointing_steps=4)
+    status = read_status(out)
+    assert status["state"] == "finished" and status["step"] == status["total_steps"] == STEPS
+    assert status["checkpoint"] == "checkpoint-8" and status["loss"] > 0 and status["message"] is None
+    assert not (out / LOCK_FILE).exists()
+    assert torch.isfinite(weights).all()
+
+
+@pytest.mark.parametrize("nan_at", [(3,), (2, 7)])
+def test_skipped_steps_within_the_allowed_share_are_reported(nan_at: tuple[int, ...], tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    weights = _train(tmp_path / "out", nan_at=nan_at, on_nonfinite_loss="skip", max_skipped_steps_fraction=0.25)
+    assert torch.isfinite(weights).all()
+    steps = ", ".join(map(str, nan_at))
+    assert (f"note: {len(nan_at)} of {STEPS} steps were skipped because the loss was not finite (steps {steps})"
+            in capsys.readouterr().out)
+    assert read_status(tmp_path / "out")["state"] == "finished"
+
+
+@pytest.mark.parametrize("nan_at, fraction", [((2, 4, 6), 0.25), ((1,), 0.0), (tuple(range(1, 9)), 0.5)])
+def test_more_skipped_steps_than_allowed_stop_the_run(nan_at: tuple[int, ...], fraction: float,
+                                                      tmp_path: Path) -> None:
+    allowed = int(fraction * STEPS)
+    with pytest.raises(NonFiniteLossError, match=rf"^{allowed + 1} of the {STEPS} steps had a non-finite loss "
+                                                 rf".*more than --max_skipped_steps_fraction {fraction:g} allows"):
+        _train(tmp_path / "out", nan_at=nan_at, on_nonfinite_loss="skip", max_skipped_steps_fraction=fraction)
+    status = read_status(tmp_path / "out")
+    assert status["state"] == "failed" and "non-finite" in status["message"]
+    assert status["step"] == nan_at[allowed] - 1  # stopped at the first step over the limit
+    assert not (tmp_path / "out" / LOCK_FILE).exists()
+
+
+def _saved_step(folder: Path) -> RegressionStep:
+    model = tiny_mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    step = RegressionStep(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    step(*regression_batches(1, batch_size=2)[0])
+    save_checkpoint(folder, step, TrainingPosition(global_step=1), model.state_dict())
+    return step
+
+
+@pytest.mark.parametrize("name", ["trainable_weights.safetensors", "optimizer.pt", "lr_scheduler.pt",
+                                  "random_states.pt", "trainer_state.json"])
+def test_a_truncated_file_is_named_and_nothing_is_restored(name: str, tmp_path: Path) -> None:
+    _saved_step(tmp_path)
+    file = tmp_path / "checkpoint-1" / name
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    optimizer = torch.optim.AdamW(tiny_mlp(1).parameters())
+    fresh = RegressionStep(tiny_mlp(1), optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    with pytest.raises(DamagedCheckpointError, match=rf"^{file}: unreadable, the file is damaged or truncated"):
+        load_checkpoint(tmp_path / "checkpoint-1", fresh)
+    assert fresh.optimizer.state_dict()["state"] == {}
+
+
+def test_latest_falls_back_to_the_newest_checkpoint_that_loads(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    straight = _train(tmp_path / "straight", steps=6)
+    out = tmp_path / "out"
+    _train(out, steps=4, checkpointing_steps=2)
+    damaged = out / "checkpoint-4" / "optimizer.pt"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    capsys.readouterr()
+    with pytest.raises(UserError, match=rf"^{damaged}: unreadable"):  # a checkpoint asked for by name
+        _train(out, steps=6, resume="checkpoint-4")
+    resumed = _train(out, steps=6, resume="latest", checkpointing_steps=2)
+    err = capsys.readouterr().out
+    assert f"warning: {damaged}: unreadable" in err
+    assert "checkpoint-4 cannot be read; resuming from checkpoint-2, the newest checkpoint that loads" in err
+    torch.testing.assert_close(resumed, straight, atol=0, rtol=0)
+    # The resumed run saved step 4 again, over the damaged checkpoint.
+    model = tiny_mlp()
+    load_checkpoint(out / "checkpoint-4", RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.05)))

@@ -1,0 +1,75 @@
+"""The start-of-run summary: images and skipped files, buckets, captions cut by the text encoder, and the
+number of processes that really run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from PIL import Image
+from transformers import CLIPTokenizer
+
+from dreamstep.data.dataset import build_dataset
+from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
+from dreamstep.engine import summary
+
+
+@pytest.fixture
+def captioned(tmp_path: Path) -> Path:
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for name, size in (("short", (32, 32)), ("long", (32, 32)), ("wide", (64, 32))):
+        Image.new("RGB", size, (120, 30, 30)).save(folder / f"{name}.png")
+    (folder / "short.txt").write_text("\ufeffa photo of sks robot", encoding="utf-8")  # with a byte-order mark
+    (folder / "long.txt").write_text(" ".join(["robot"] * 100), encoding="utf-8")
+    (folder / "wide.txt").write_text("a wide robot", encoding="utf-8")
+    (folder / "notes.md").write_text("x")
+    return folder
+
+
+def _dataset(folder: Path):
+    config = dreambooth_from_flags(folder, "sks robot", caption_extension=".txt",
+                                   buckets=bucket_spec(32, enable_bucket=True, min_bucket_reso=16,
+                                                       max_bucket_reso=64, bucket_reso_steps=16))
+    return build_dataset([config], seed=0)
+
+
+def test_images_skipped_files_and_buckets_are_listed(captioned: Path) -> None:
+    lines = summary.describe_data(_dataset(captioned))
+    assert lines[0] == f"images      {captioned}: 3 images, 3 samples per epoch"
+    assert f"skipped     {captioned / 'notes.md'}: not an image type dreamstep reads (.md)" in lines
+    assert lines[-1] == "buckets     32x32: 3"
+
+
+def test_a_caption_byte_order_mark_is_dropped_and_cut_captions_are_named(captioned: Path,
+                                                                       tiny_flux_dir: Path) -> None:
+    dataset = _dataset(captioned)
+    tokenizer = CLIPTokenizer.from_pretrained(tiny_flux_dir / "tokenizer")
+    short = next(r for r in dataset.records if r.image.path.stem == "short")
+    assert short.caption == "a photo of sks robot"
+    assert tokenizer(short.caption).input_ids == tokenizer("a photo of sks robot").input_ids
+    lines = summary.describe_truncation(dataset, {"CLIP": (tokenizer, 77)})
+    tokens = len(tokenizer(" ".join(["robot"] * 100)).input_ids)
+    assert lines == [f"truncated   {captioned / 'long.txt'}: {tokens} tokens, CLIP reads 77"]
+
+
+def test_a_launch_that_asked_for_more_processes_than_run_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`accelerate launch --cpu --num_processes 2` without --multi_gpu starts one process, silently."""
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--num_processes", "2"])
+    cmdline = Path(f"/proc/{launcher.pid}/cmdline")
+    deadline = time.monotonic() + 30
+    while b"--num_processes" not in cmdline.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the child has not exec'd yet
+    try:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+        monkeypatch.setattr(summary.os, "getppid", lambda: launcher.pid)
+        accelerator = SimpleNamespace(num_processes=1, device=SimpleNamespace(type="cpu"))
+        lines = summary.describe_processes(accelerator)
+    finally:
+        launcher.kill()
+    assert lines[0] == "processes   1 on cpu"
+    assert lines[1].startswith("warning     accelerate launch asked for 2 processes but 1 runs")

@@ -1,0 +1,230 @@
+"""A trainer never loses work and never writes over the user's files: real signals sent to a real training
+process, a full disk met on the real save path, a folder in use, and resumes with nothing to resume."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, run_cli
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+import dreamstep.engine.checkpoint as checkpoint_module
+import dreamstep.engine.disk as disk
+from dreamstep.engine.run_folder import LOCK_FILE, check_output_dir, read_status
+
+TRAIN = ("--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--resolution", "32", "--center_crop",
+         "--report_to", "none", "--learning_rate", "1e-3")
+
+
+def _flux(model: Path, out: Path, *extra: object) -> list[str]:
+    return [str(a) for a in ("train", "flux-lora", "--pretrained_model_name_or_path", model, "--output_dir", out,
+                             *TRAIN, *extra)]
+
+
+class Trainer:
+    """``python -m dreamstep ARGS`` in a subprocess of its own process group, its stderr collected as it
+    comes. Signals go to the whole group, as Ctrl-C in a terminal and a scheduler's SIGTERM do."""
+
+    def __init__(self, args: list[str]):
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen([sys.executable, "-m", "dreamstep", *args], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        self.stderr = ""
+        threading.Thread(target=self._collect, daemon=True).start()
+
+    def _collect(self) -> None:
+        for chunk in iter(lambda: self.process.stderr.read(1), ""):
+            self.stderr += chunk
+
+    def wait_for(self, ready, what: str, timeout: float = 240) -> None:
+        end = time.monotonic() + timeout
+        while not ready():
+            assert self.process.poll() is None, f"exited {self.process.returncode} before {what}: {self.stderr[-2000:]}"
+            assert time.monotonic() < end, f"no {what} after {timeout} s: {self.stderr[-2000:]}"
+            time.sleep(0.02)
+
+    def send(self, sig: signal.Signals) -> None:
+        os.killpg(self.process.pid, sig)
+
+    def finish(self, timeout: float = 120) -> int:
+        code = self.process.wait(timeout)
+        time.sleep(0.2)  # the reader thread drains the pipe
+        return code
+
+
+def _step(out: Path) -> int:
+    return (read_status(out) or {}).get("step", 0)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_the_step_and_the_printed_command_continues_exactly(sig: signal.Signals,
+                                                                           tiny_flux_dev_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # Data-loading workers get the signal too, and must leave the stopping to the trainer.
+    trainer = Trainer(_flux(tiny_flux_dev_dir, out, "--max_train_steps", "1000", "--checkpointing_steps", "0",
+                            "--dataloader_num_workers", "1"))
+    trainer.wait_for(lambda: _step(out) >= 2, "step 2")
+    trainer.send(sig)
+    assert trainer.finish() == 128 + sig
+    step = read_status(out)["step"]
+    assert f"stopped by {sig.name} at step {step}; the last checkpoint is {out / f'checkpoint-{step}'}" in trainer.stderr
+    command = shlex.split(trainer.stderr.split("continue with:\n")[1].splitlines()[0])
+    assert command[:3] == ["dreamstep", "train", "flux-lora"]
+    status = read_status(out)
+    assert status["state"] == "interrupted" and status["checkpoint"] == f"checkpoint-{step}"
+    assert not (out / LOCK_FILE).exists()
+
+    assert run_cli(*command[1:], "--max_train_steps", step + 1) == 0
+    assert read_status(out)["state"] == "finished"
+    if sig == signal.SIGINT:  # the step the signal cut short ends as it would have in an uninterrupted run
+        assert run_cli(*_flux(tiny_flux_dev_dir, tmp_path / "straight", "--max_train_steps", step + 1)) == 0
+        resumed = load_file(out / "pytorch_lora_weights.safetensors")
+        straight = load_file(tmp_path / "straight" / "pytorch_lora_weights.safetensors")
+        for key in straight:
+            torch.testing.assert_close(resumed[key], straight[key], atol=1e-6, rtol=0)
+
+
+def test_a_second_ctrl_c_stops_at_once(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # Slow validation after every step: the second Ctrl-C comes while the step is still running.
+    trainer = Trainer(_flux(tiny_flux_dev_dir, out, "--max_train_steps", "1000", "--checkpointing_steps", "0",
+                            "--validation_prompt", ROBOT_PROMPT, "--validation_steps", "1",
+                            "--validation_inference_steps", "300", "--num_validation_images", "1"))
+    trainer.wait_for(lambda: _step(out) >= 1, "step 1")
+    trainer.send(signal.SIGINT)
+    trainer.wait_for(lambda: "finishing this step and saving a checkpoint" in trainer.stderr, "the first notice")
+    trainer.send(signal.SIGINT)
+    assert trainer.finish() == 130
+    assert "stopped by SIGINT at once; no checkpoint was written; run the same command again" in trainer.stderr
+    assert not list(out.glob("checkpoint-*")) and read_status(out)["state"] == "interrupted"
+    check_output_dir(out, overwrite=False, resume=None, resume_request=None, resume_flag="--resume_from_checkpoint")
+
+
+def test_an_interrupt_while_loading_leaves_a_folder_the_same_command_accepts(tiny_flux_dev_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    command = _flux(tiny_flux_dev_dir, out, "--max_train_steps", "2", "--checkpointing_steps", "1")
+    trainer = Trainer(command)
+    trainer.wait_for(lambda: (out / "run_status.json").is_file(), "the run status")
+    trainer.send(signal.SIGTERM)
+    assert trainer.finish() == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM at once; nothing was trained yet; run the same command again" in trainer.stderr
+    assert read_status(out)["state"] == "interrupted"
+    assert run_cli(*command) == 0
+    assert (out / "pytorch_lora_weights.safetensors").is_file() and read_status(out)["state"] == "finished"
+
+
+def _no_room_after_the_first_checkpoint(monkeypatch: pytest.MonkeyPatch, out: Path) -> None:
+    real = disk.free_bytes
+    monkeypatch.setattr(disk, "free_bytes", lambda path: 2**20 if (out / "checkpoint-2").is_dir() else real(path))
+
+
+def _fail_second_save(out: Path, write_then_fail):
+    def writer(real):
+        def write(obj, path, *args, **kwargs):
+            if (out / "checkpoint-2").is_dir():
+                write_then_fail(obj, path, real)
+            return real(obj, path, *args, **kwargs)
+        return write
+    return writer
+
+
+def _torch_save_hits_enospc(monkeypatch: pytest.MonkeyPatch, out: Path) -> None:
+    def fail(obj, path, real):
+        Path(path).write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(checkpoint_module.torch, "save", _fail_second_save(out, fail)(torch.save))
+
+
+def _safetensors_hits_os_error_28(monkeypatch: pytest.MonkeyPatch, out: Path) -> None:
+    def fail(tensors, path, real):
+        Path(path).write_bytes(b"\0" * 100)
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+    monkeypatch.setattr(checkpoint_module, "save_file", _fail_second_save(out, fail)(checkpoint_module.save_file))
+
+
+@pytest.mark.parametrize("full_disk", [_no_room_after_the_first_checkpoint, _torch_save_hits_enospc,
+                                       _safetensors_hits_os_error_28])
+def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(full_disk, tiny_flux_dev_dir: Path,
+                                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    with monkeypatch.context() as patches:
+        full_disk(patches, out)
+        assert run_cli(*_flux(tiny_flux_dev_dir, out, "--max_train_steps", "4", "--checkpointing_steps", "2")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith(f"error: the disk is full: checkpoint-4 needs about ")
+    assert (f" MB in {out}, which has " in lines[-1]
+            and f"the last good checkpoint, {out / 'checkpoint-2'}, is kept" in lines[-1])
+    assert [p.name for p in out.glob("*checkpoint-*")] == ["checkpoint-2"]  # no half-written folder left
+    assert read_status(out)["state"] == "failed"
+    command = shlex.split(lines[-1].rsplit("and run again: ", 1)[1])
+    assert run_cli(*command[1:]) == 0  # the kept checkpoint loads and the run completes
+    assert f"resuming from {out / 'checkpoint-2'} (step 2)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("trainer, flag", [("flux-lora", "--resume_from_checkpoint"), ("sdxl-lora", "--resume")])
+@pytest.mark.parametrize("files", [{"config.toml": "rank = 4\n", "my_lora.safetensors": "x", "notes.txt": "mine"},
+                                   {"notes.txt": "mine"}, {"old/picture.png": "x"}])
+def test_a_resume_with_no_checkpoint_never_touches_the_users_files(trainer: str, flag: str, files: dict[str, str],
+                                                                   tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    before = {p: (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns) for p in out.rglob("*")}
+    data = ("--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT) if trainer == "flux-lora" else (
+        "--train_data_dir", tmp_path, "--resolution", "64")
+    assert run_cli("train", trainer, "--pretrained_model_name_or_path", tmp_path / "model", "--output_dir", out,
+                   *data, flag, "latest") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {flag} latest: {out} holds no checkpoint to resume") and "\n" not in err
+    assert {p: (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns) for p in out.rglob("*")} == before
+
+
+def test_a_second_run_in_a_busy_folder_gets_one_line_naming_the_first_and_a_dead_ones_lock_is_taken_over(tiny_flux_dev_dir: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    first = Trainer(_flux(tiny_flux_dev_dir, out, "--max_train_steps", "1000", "--checkpointing_steps", "0"))
+    try:
+        first.wait_for(lambda: (out / LOCK_FILE).is_file() and _step(out) >= 1, "the first run's step 1")
+        holder = json.loads((out / LOCK_FILE).read_text())
+        for resume in ((), ("--resume_from_checkpoint", "latest")):
+            assert run_cli(*_flux(tiny_flux_dev_dir, out, "--max_train_steps", "2", *resume)) == 2
+            err = capsys.readouterr().err.strip()
+            assert err == (f"error: --output_dir {out} is in use by another run (process {first.process.pid} on "
+                           f"{holder['host']}, started {time.strftime('%H:%M:%S', time.localtime(holder['started_at']))}"
+                           "); wait for it to end, or pick another folder")
+        first.process.kill()  # a killed run leaves its lock file: the next run takes it over
+        first.finish()
+        assert (out / LOCK_FILE).is_file()
+        assert run_cli(*_flux(tiny_flux_dev_dir, out, "--max_train_steps", "2")) == 0
+        assert f"took over the lock of process {first.process.pid}" in capsys.readouterr().out
+    finally:
+        first.process.kill()
+        first.finish()
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "nan"])
+def test_a_skipped_steps_share_outside_0_to_1_is_refused_in_one_line(value: str, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    assert run_cli(*_flux(tmp_path / "model", out, "--on_nonfinite_loss", "skip",
+                          f"--max_skipped_steps_fraction={value}")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --max_skipped_steps_fraction") and "\n" not in err
+    assert not out.exists()

@@ -1,0 +1,34 @@
+"""What dreamstep writes honours the umask (safetensors alone would write 0600, unreadable by the account a
+ComfyUI or A1111 server runs under)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dreamstep.files import default_file_mode
+from dreamstep.lora.io import write_lora_file
+
+
+@pytest.fixture
+def group_readable_umask():
+    previous = os.umask(0o027)
+    yield
+    os.umask(previous)
+
+
+@pytest.mark.parametrize("name, container", [("a.safetensors", "safetensors"), ("a.ckpt", "torch")])
+def test_lora_files_get_the_umask_mode(tmp_path: Path, group_readable_umask, name: str, container: str) -> None:
+    path = tmp_path / name
+    write_lora_file(path, {"lora_unet_x.lora_down.weight": torch.zeros(2, 2)}, {}, container)
+    assert default_file_mode() == 0o640
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_tiny_model_folder_is_readable_by_others(tiny_flux_dir: Path) -> None:
+    wrong = {p.name: oct(p.stat().st_mode & 0o777) for p in tiny_flux_dir.rglob("*")
+             if p.is_file() and p.stat().st_mode & 0o777 != default_file_mode()}
+    assert wrong == {}
