@@ -89,11 +89,17 @@ def test_random_crops_of_bucket_sized_images_are_cached(tiny_flux_dir, tmp_path)
     assert len([p for p in cache.rglob("*.safetensors") if "latents" in p.parts]) == 2
 
 
-def _final_sample_size(out) -> tuple[int, int]:
+def _final_grid(out) -> tuple[int, list[tuple[int, int]]]:
+    """The final validation grid's width, and each sample's (width, height) from its PNG text."""
+    import json
+
     from PIL import Image
 
+    from dreamstep.generation.outputs import JSON_KEY
+
     (path,) = (out / "samples").glob("final-*.png")
-    return Image.open(path).size
+    grid = Image.open(path)
+    return grid.width, [(cell["width"], cell["height"]) for cell in json.loads(grid.text[JSON_KEY])["images"]]
 
 
 def test_validation_runs_at_the_dataset_tomls_resolution(tiny_flux_dir, tmp_path) -> None:
@@ -107,7 +113,7 @@ def test_validation_runs_at_the_dataset_tomls_resolution(tiny_flux_dir, tmp_path
                    "--dataset_config", toml, "--max_train_steps", "1", "--report_to", "none", "--checkpointing_steps",
                    "0", "--validation_prompt", ROBOT_PROMPT, "--num_validation_images", "1",
                    "--validation_inference_steps", "1") == 0
-    assert _final_sample_size(out) == (32, 32)
+    assert _final_grid(out) == (32, [(32, 32)])
 
 
 def test_controlnet_validation_runs_at_the_training_resolution(tiny_flux_dir, tmp_path) -> None:
@@ -131,4 +137,4 @@ def test_controlnet_validation_runs_at_the_training_resolution(tiny_flux_dir, tm
                    "--max_train_steps", "1", "--report_to", "none", "--checkpointing_steps", "0",
                    "--validation_prompt", "a shape", "--validation_image", control, "--num_validation_images", "1",
                    "--validation_inference_steps", "1") == 0
-    assert _final_sample_size(out) == (2 * 32, 32)  # the control image beside one sample, both 32x32
+    assert _final_grid(out) == (2 * 32, [(32, 32)])  # the control image beside one sample, both 32 wide
