@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import FluxPipeline, StableDiffusionXLPipeline
-from diffusers.utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft
+from diffusers.configuration_utils import FrozenDict
+from diffusers.utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft, convert_unet_state_dict_to_peft
+from diffusers.utils.peft_utils import _create_lora_config
 from loader_rules import (
     Patch,
     Target,
@@ -22,6 +24,7 @@ from loader_rules import (
     probe_deltas,
     sd_scripts_load,
 )
+from peft.utils.other import get_pattern_key
 from safetensors.torch import load_file
 
 from dreamstep.lora.convert import (
@@ -81,21 +84,40 @@ def _diffusers_input(tmp_path: Path, modules: dict[str, LoraModule]) -> Path:
 
 
 def _diffusers_read(pipeline_class, path: Path) -> list[Patch]:
-    """diffusers' own reading of a file: its state dict after conversion, with alpha / rank where it keeps
-    alphas (``network_alphas``), as patches on diffusers-named weights."""
-    state, alphas = pipeline_class.lora_state_dict(str(path), return_alphas=True)
-    # Text-encoder keys may come in diffusers' older naming; its text-encoder loader converts them so.
-    text = {k: v for k, v in state.items() if k.startswith("text_encoder")}
-    if text:
-        state = {k: v for k, v in state.items() if k not in text}
-        state |= convert_state_dict_to_peft(convert_state_dict_to_diffusers(text))
+    """diffusers' own reading of a file, step by step as the pipeline's ``load_lora_weights`` does it:
+    ``lora_state_dict`` with that loader's arguments (SDXL's UNet config, which maps sd-scripts' SGM block
+    names; FLUX's alphas), then per
+    component its key conversion and the ``LoraConfig`` it builds from the header or the alphas; each
+    module's scale is the alpha / rank peft gives it from that config. CLIP names come as transformers 5
+    has them (no 'text_model.')."""
+    kwargs = ({"unet_config": FrozenDict(SDXL_UNET_CONFIG)} if pipeline_class is StableDiffusionXLPipeline
+              else {"return_alphas": True})
+    state, alphas, metadata = pipeline_class.lora_state_dict(str(path), return_lora_metadata=True, **kwargs)
     patches = []
-    for key, down in state.items():
-        if key.endswith(".lora_A.weight"):
-            name = key.removesuffix(".lora_A.weight")
-            alpha = (alphas or {}).get(f"{name}.alpha")
-            scale = float(alpha) / down.shape[0] if alpha is not None else 1.0
-            patches.append(Patch(Target(name), state[f"{name}.lora_B.weight"], down, scale))
+    for component in ("unet", "transformer", "text_encoder", "text_encoder_2"):
+        part = {k.removeprefix(f"{component}."): v for k, v in state.items() if k.startswith(f"{component}.")}
+        if not part:
+            continue
+        part_alphas = {k.removeprefix(f"{component}."): v for k, v in (alphas or {}).items()
+                       if k.split(".")[0] == component} or None
+        part_metadata = ({k.removeprefix(f"{component}."): v for k, v in metadata.items()
+                          if k.startswith(f"{component}.")} if metadata else None)
+        if component.startswith("text_encoder"):
+            part = convert_state_dict_to_peft(convert_state_dict_to_diffusers(part))
+            part = {k.removeprefix("text_model."): v for k, v in part.items()}
+        elif "lora_A" not in next(iter(part)):
+            part = convert_unet_state_dict_to_peft(part)
+        ranks = {f"^{k}": v.shape[1] for k, v in part.items() if "lora_B" in k and v.ndim > 1}
+        config = _create_lora_config(part, part_alphas, part_metadata, ranks,
+                                     is_unet=not component.startswith("text_encoder"))
+        for key, down in part.items():
+            if key.endswith(".lora_A.weight"):
+                name = key.removesuffix(".lora_A.weight")
+                rank = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), name), config.r)
+                alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), name),
+                                                 config.lora_alpha)
+                patches.append(Patch(Target(f"{component}.{name}"), part[f"{name}.lora_B.weight"], down,
+                                     alpha / rank))
     return patches
 
 
