@@ -3,6 +3,8 @@ import importlib.util
 import pytest
 import torch
 
+from transformers.optimization import AdafactorSchedule
+
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer, optimizer_kwargs, parse_optimizer_args
 from dreamstep.errors import UserError
 
@@ -70,7 +72,7 @@ def test_sd_scripts_adafactor_takes_its_relative_step_and_schedule():
     opt = build_optimizer("Adafactor", [{"params": params, "lr": 1e-3}], 1e-3, family="sd-scripts")
     assert opt.defaults["relative_step"] and opt.defaults["lr"] is None and opt.defaults["weight_decay"] == 0.0
     sched = build_lr_scheduler("constant", opt, warmup_steps=0, total_steps=10)
-    assert type(sched).__name__ == "AdafactorSchedule"
+    assert isinstance(sched, AdafactorSchedule)
     before = params[0].detach().clone()
     params[0].grad = torch.ones_like(params[0])
     opt.step()
@@ -78,3 +80,22 @@ def test_sd_scripts_adafactor_takes_its_relative_step_and_schedule():
     assert not torch.equal(before, params[0]) and sched.get_lr()[0] > 0
     fixed = build_optimizer("Adafactor", _params(), 1e-3, family="sd-scripts", extra={"relative_step": False})
     assert fixed.defaults["lr"] == 1e-3 and not fixed.defaults["relative_step"]
+
+
+def test_adafactor_schedule_reports_every_group_when_one_got_no_gradient():
+    """Module dropout can leave a whole group without gradients in a step; the schedule still gives one step
+    size per group (transformers' own skips that group, and torch's scheduler then fails)."""
+    unet, text = [torch.nn.Parameter(torch.ones(3))], _params()
+    opt = build_optimizer("Adafactor", [{"params": unet}, {"params": text}], 1e-3, family="sd-scripts")
+    sched = build_lr_scheduler("constant", opt, warmup_steps=0, total_steps=10)
+    for text_trains in (True, False):
+        unet[0].grad = torch.ones_like(unet[0])
+        text[0].grad = torch.ones_like(text[0]) if text_trains else None
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    # Relative step 1e-2 times each group's parameter scale (its weights' RMS, at least 1e-3): the text group
+    # keeps the size of its one step from zeros; the UNet group's second step is scaled by its weights near 1.
+    unet_size, text_size = sched.get_last_lr()
+    assert text_size == pytest.approx(1e-2 * 1e-3)
+    assert unet_size == pytest.approx(1e-2, rel=0.05)
