@@ -86,6 +86,9 @@ class FluxControlNetConfig(FluxTrainingConfig):
                             "weights; use --controlnet_weights_dtype fp32 with --zero_stage")
         if self.shard_base and not self.zero_stage:
             raise UserError("--shard_base needs --zero_stage 2 or 3")
+        if self.shard_base and self.base_quantization != "none":
+            raise UserError(f"--shard_base splits a bf16/fp32 base; a --base_quantization {self.base_quantization} "
+                            f"base is small enough to keep whole on each process: drop --shard_base")
         self._check_validation_pairs()
 
     def _check_validation_pairs(self) -> None:

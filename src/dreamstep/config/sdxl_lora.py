@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from dreamstep.config.evaluation import EvaluationOptions
+from dreamstep.config.memory import check_quantization, parse_bytes
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
@@ -81,6 +82,13 @@ class SDXLLoraConfig(EvaluationOptions):
                                     "the device only while it runs (small cards; needs --gradient_checkpointing)",
                                  bounds="[0, inf)")
     compile: bool = option(False, "torch.compile each UNet transformer block (regional compilation)")
+    base_quantization: Literal["none", "fp8", "int8", "nf4"] = option(
+        "none", "store the frozen UNet's linear weights in 8 or 4 bits (pip install 'dreamstep[quant]'; nf4 needs "
+                "a CUDA GPU)")
+    fp8_base: bool = option(False, "sd-scripts' spelling of --base_quantization fp8")
+    device_memory: str | None = option(None, "memory of the training device for the memory plan, e.g. 12GB "
+                                             "(default: detected on CUDA)")
+    dry_run: bool = option(False, "print the memory plan and stop before loading any model")
     sdpa: bool = option(False, "PyTorch scaled-dot-product attention (the default attention)")
     flash_attn: bool = option(False, "flash attention: PyTorch scaled-dot-product attention picks it where it can")
     xformers: bool = option(False, "memory-efficient attention: PyTorch scaled-dot-product attention instead")
@@ -136,6 +144,12 @@ class SDXLLoraConfig(EvaluationOptions):
         if self.blocks_to_swap and not self.gradient_checkpointing:
             raise UserError("--blocks_to_swap needs --gradient_checkpointing: without it backward holds every "
                             "block's weights on the device and swapping saves no memory")
+        if self.fp8_base and self.base_quantization not in ("none", "fp8"):
+            raise UserError(f"--fp8_base asks for an fp8 UNet but --base_quantization is "
+                            f"{self.base_quantization}; give one of the two")
+        check_quantization(self.unet_quantization, "--fp8_base" if self.fp8_base else "--base_quantization")
+        if self.device_memory is not None:
+            parse_bytes(self.device_memory, "--device_memory")
         if self.adaptive_noise_scale is not None and self.noise_offset is None:
             raise UserError("--adaptive_noise_scale needs --noise_offset")
         if self.min_timestep >= self.max_timestep:
@@ -150,3 +164,6 @@ class SDXLLoraConfig(EvaluationOptions):
             raise UserError(f"--output_name {self.output_name}: give a file name without folders (files go "
                             f"into --output_dir), e.g. --output_name {Path(self.output_name).name or 'last'}")
 
+    @property
+    def unet_quantization(self) -> str:
+        return "fp8" if self.fp8_base else self.base_quantization

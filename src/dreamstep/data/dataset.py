@@ -76,25 +76,44 @@ class BucketDataset(Dataset):
         placement, rng = self.placement(index, epoch)
         return process_caption(record.caption, record.subset.captions, epoch, rng), placement
 
+    def caption_and_keys(self, index: int, epoch: int) -> tuple[str, str | None, str | None]:
+        """What sample ``index`` of ``epoch`` will be encoded from, without loading its image: its caption,
+        its image's cache key and its conditioning image's (``None`` where there is no conditioning image,
+        or where the latents are not cached: see :meth:`__getitem__`)."""
+        caption, placement = self.caption(index, epoch)
+        return (caption, *self._cache_keys(self.records[self.samples[index]], placement))
+
+    def _cache_keys(self, record: ImageRecord, placement: Placement) -> tuple[str | None, str | None]:
+        # A crop drawn at random differs every epoch: its latents are encoded each time, never cached.
+        if not placement.is_fixed():
+            return None, None
+        conditioning = (image_content_key(record.conditioning.sha256, placement, record.image.size)
+                        if record.conditioning is not None else None)
+        return image_content_key(record.image.sha256, placement), conditioning
+
+    def encodes_in_the_loop(self) -> bool:
+        """Whether some sample is a random crop with room to move, whose latents the loop encodes each time
+        (so the VAE stays on the device)."""
+        return any(r.subset.random_crop and r.resized != r.bucket for r in self.records)
+
     def __getitem__(self, key: int | SampleKey) -> dict[str, Any]:
         index, epoch = (key, 0) if isinstance(key, int) else key
         record = self.records[self.samples[index]]
         caption, placement = self.caption(index, epoch)
         (width, height), (bucket_w, bucket_h) = record.image.size, record.bucket
+        image_key, conditioning_key = self._cache_keys(record, placement)
         item: dict[str, Any] = {
             "caption": caption,
             "original_size": (height, width),
             "crop_top_left": placement.crop_top_left(),
             "target_size": (bucket_h, bucket_w),
             "is_reg": record.subset.is_reg,
-            # A crop drawn at random differs every epoch: its latents are encoded each time, never cached.
-            "image_key": image_content_key(record.image.sha256, placement) if placement.is_fixed() else None,
+            "image_key": image_key,
             "image_path": str(record.image.path),
         }
         self._add_pixels(item, "", record.image.path, record.image.size, placement)
         if record.conditioning is not None:
-            item["conditioning_key"] = (image_content_key(record.conditioning.sha256, placement, record.image.size)
-                                        if placement.is_fixed() else None)
+            item["conditioning_key"] = conditioning_key
             self._add_pixels(item, "conditioning_", record.conditioning.path, record.image.size, placement)
         return item
 

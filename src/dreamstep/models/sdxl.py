@@ -49,17 +49,27 @@ def assemble_pipeline(components: Any, unet: torch.nn.Module | None = None) -> S
     return pipeline
 
 
-def load_frozen_for_training(source: str, *, model_config: str | None, mixed_precision: str,
-                             device: torch.device, vae_fp32: bool = False, sdpa: bool = False,
-                             gradient_checkpointing: bool = False, unet_on_host: bool = False) -> Any:
-    """The SDXL components, frozen, in the half-precision dtype of ``mixed_precision`` (the VAE in fp32 with
-    ``vae_fp32``: SDXL's VAE overflows in fp16), on ``device`` (the UNet stays in host memory with
-    ``unet_on_host``, for a block swapper to place). A single file finds its configs in ``model_config``,
-    or in its own folder when that holds ``model_index.json``."""
+def config_source(source: str, model_config: str | None) -> str:
+    """Where the model configs of ``source`` are: ``model_config``, a single file's own folder when that
+    holds ``model_index.json``, else ``source`` itself."""
     file = Path(source)
     if model_config is None and file.is_file() and (file.parent / "model_index.json").is_file():
-        model_config = str(file.parent)
-    base = load_sdxl(source, config=model_config, weight_dtype=weight_dtype_for(mixed_precision))
+        return str(file.parent)
+    return model_config or source
+
+
+def load_frozen_for_training(source: str, *, model_config: str | None, mixed_precision: str,
+                             device: torch.device, vae_fp32: bool = False, sdpa: bool = False,
+                             gradient_checkpointing: bool = False, unet_quantization: str = "none",
+                             unet_on_host: bool = False) -> Any:
+    """The SDXL components, frozen, in the half-precision dtype of ``mixed_precision`` (the VAE in fp32 with
+    ``vae_fp32``: SDXL's VAE overflows in fp16), on ``device``; the UNet's linear weights quantized as
+    ``unet_quantization`` says (:mod:`~dreamstep.models.quantization`), and kept in host memory with
+    ``unet_on_host``, for a block swapper to place. A single file finds its configs in ``model_config``,
+    or in its own folder when that holds ``model_index.json``."""
+    model_config = config_source(source, model_config) if model_config or Path(source).is_file() else None
+    base = load_sdxl(source, config=model_config, weight_dtype=weight_dtype_for(mixed_precision),
+                     unet_quantization=unet_quantization)
     freeze(base.unet, base.vae, base.text_encoder, base.text_encoder_2)
     for module in (base.unet, base.vae, base.text_encoder, base.text_encoder_2):
         module.to("cpu" if module is base.unet and unet_on_host else device).eval()

@@ -54,6 +54,7 @@ from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
 from dreamstep.models.blocks import prepare_blocks
+from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import autocast
 from dreamstep.models.vae import posterior_mean, sample_latents
 
@@ -140,24 +141,32 @@ def _with_empty_prompts(dataset: DatasetConfig, proportion: float) -> DatasetCon
     return dataclasses.replace(dataset, subsets=subsets)
 
 
-def train(config: FluxControlNetConfig) -> TrainingResult:
+def train(config: FluxControlNetConfig) -> TrainingResult | None:
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
-                     resume_from_checkpoint=config.resume_from_checkpoint)
+                     resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
+                     resume_must_match=config.resume_must_match)
     # Every flag, folder, pair and image (validation images too) is checked before a model loads.
     datasets = _datasets(config)
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
     validation = [(load_rgb(Path(image)), prompt) for image, prompt in config.validation_pairs()]
     scorer = load_scorer(config)
+    print_run_plan("flux-controlnet", config.pretrained_model_name_or_path, flux.plan_options(
+        config, rank=0, encoders_on_device=not config.cache_latents or dataset.encodes_in_the_loop()),
+        config.device_memory,
+        controlnet_layers=(config.num_double_layers, config.num_single_layers))
+    if config.dry_run:
+        return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    config_toml=config_to_toml(config),
                     command="dreamstep train flux-controlnet", overwrite=config.overwrite_output_dir)
 
     # 1. Models: the base frozen in --mixed_precision; the ControlNet built or loaded, in its weight dtype.
     base = flux.load_frozen_for_training(
         config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
         transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
-        device=run.device, transformer_on_host=config.blocks_to_swap > 0)
+        device=run.device, base_quantization=config.base_quantization,
+        text_encoder_quantization=config.text_encoder_quantization, transformer_on_host=config.blocks_to_swap > 0)
     if config.controlnet_model_name_or_path is not None:
         controlnet = cn.load(config.controlnet_model_name_or_path, base.transformer)
     else:
@@ -208,6 +217,10 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=config.lr_warmup_steps,
                                       total_steps=total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
+    # Every caption and cached latent of the run encoded now; the encoders wait off the device until needed.
+    flux.fill_caches(conditioner.conditioner, dataset, epochs=math.ceil(total_steps / steps_per_epoch))
+    encoders = flux.park_encoders(base, run.device, text_encoder_trains=False,
+                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     # A sharded model talks to its peers itself; DDP comes from accelerate.
     model, optimizer = (controlnet, optimizer) if sharded else run.accelerator.prepare(controlnet, optimizer)
     step = FluxControlNetStep(
@@ -233,11 +246,13 @@ def train(config: FluxControlNetConfig) -> TrainingResult:
                                 subject_images=subject_image_paths(dataset, held_out), device=run.device)
 
     def validate(global_step: int) -> list[Image.Image]:
-        rows = _validation_rows(config, pipeline, validation, run.device.type, datasets[0].buckets.resolution)
-        if evaluator is not None and global_step not in run.logger.metrics.rows:
-            samples = [(image, prompt, control) for control, prompt, images in rows for image in images]
-            run.logger.log_metrics(global_step, evaluator([s[0] for s in samples], [s[1] for s in samples],
-                                                          controls=[s[2] for s in samples]))
+        with encoders.on_device():
+            rows = _validation_rows(config, pipeline, validation, run.device.type,
+                                    datasets[0].buckets.resolution)
+            if evaluator is not None and global_step not in run.logger.metrics.rows:
+                samples = [(image, prompt, control) for control, prompt, images in rows for image in images]
+                run.logger.log_metrics(global_step, evaluator([s[0] for s in samples], [s[1] for s in samples],
+                                                              controls=[s[2] for s in samples]))
         return [cn.side_by_side([[control, *images] for control, _, images in rows])] if rows else []
 
     result = fit(run, step, batches, max_train_steps=config.max_train_steps,

@@ -48,6 +48,7 @@ from dreamstep.lora.inject import (
 )
 from dreamstep.models import flux
 from dreamstep.models.blocks import prepare_blocks
+from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.vae import sample_latents
 
@@ -149,20 +150,28 @@ def _datasets(config: FluxLoraConfig, class_dir: str | None) -> list:
 
 def train(config: FluxLoraConfig) -> None:
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
-                     resume_from_checkpoint=config.resume_from_checkpoint)
+                     resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
+                     resume_must_match=config.resume_must_match)
     # Every flag, folder and image is checked (each image decoded once) before a model loads.
     dataset, held_out = build_split_datasets(_datasets(config, None), config.seed, config.validation_split)
     scorer = load_scorer(config)
+    print_run_plan("flux", config.pretrained_model_name_or_path, flux.plan_options(
+        config, rank=config.rank,
+        encoders_on_device=config.train_text_encoder or not config.cache_latents or dataset.encodes_in_the_loop()),
+        config.device_memory, lora_layers=config.lora_layers)
+    if config.dry_run:
+        return
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    config_toml=config_to_toml(config),
                     command="dreamstep train flux-lora", overwrite=config.overwrite_output_dir)
 
     # 1. Models: frozen, in the --mixed_precision dtype; LoRA weights added in fp32.
     base = flux.load_frozen_for_training(
         config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
         transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
-        device=run.device, transformer_on_host=config.blocks_to_swap > 0)
+        device=run.device, base_quantization=config.base_quantization,
+        text_encoder_quantization=config.text_encoder_quantization, transformer_on_host=config.blocks_to_swap > 0)
     pipeline = flux.assemble_pipeline(base)
     alpha = config.lora_alpha if config.lora_alpha is not None else config.rank
     add_lora(base.transformer, flux_lora_targets(base.transformer, config.lora_layers), config.rank, alpha,
@@ -219,6 +228,10 @@ def train(config: FluxLoraConfig) -> None:
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=config.lr_warmup_steps,
                                       total_steps=total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
+    # Every caption and cached latent of the run encoded now; the encoders wait off the device until needed.
+    flux.fill_caches(conditioner, dataset, epochs=math.ceil(total_steps / steps_per_epoch))
+    encoders = flux.park_encoders(base, run.device, text_encoder_trains=text_encoder is not None,
+                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = FluxLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
@@ -244,9 +257,10 @@ def train(config: FluxLoraConfig) -> None:
     prompts = [config.validation_prompt] * config.num_validation_images if config.validation_prompt else []
 
     def validate(global_step: int) -> list:
-        images = _validation_images(config, pipeline, datasets[0].buckets.resolution) if prompts else []
-        if evaluator is not None and global_step not in run.logger.metrics.rows:
-            run.logger.log_metrics(global_step, evaluator(images, prompts))
+        with encoders.on_device():
+            images = _validation_images(config, pipeline, datasets[0].buckets.resolution) if prompts else []
+            if evaluator is not None and global_step not in run.logger.metrics.rows:
+                run.logger.log_metrics(global_step, evaluator(images, prompts))
         return images
 
     def weights() -> dict:

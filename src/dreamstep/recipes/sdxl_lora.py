@@ -72,6 +72,9 @@ from dreamstep.lora.kohya_network import (
 )
 from dreamstep.models import sdxl
 from dreamstep.models.blocks import prepare_blocks
+from dreamstep.models.memory_plan import PlanOptions
+from dreamstep.models.plans import print_run_plan
+from dreamstep.models.precision import weight_dtype_for
 from dreamstep.models.vae import sample_latents
 
 # sd-scripts' --save_precision names.
@@ -216,7 +219,8 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     if config.unet_lr == 0:
         config = dataclasses.replace(config, network_train_text_encoder_only=True)
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume,
-                     resume_flag="--resume")
+                     resume_flag="--resume", config_toml=config_to_toml(config),
+                     resume_must_match=config.resume_must_match)
     datasets = load_datasets(config)  # every flag, key and folder is checked before a model loads
     optimizer_extra = check_optimizer(config)
     options, network_args = network_options(config)
@@ -225,9 +229,17 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     # Every image is read once (errors name the file); held-out images are split off for the validation loss.
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
     scorer = load_scorer(config)
+    print_run_plan("sdxl", sdxl.config_source(config.pretrained_model_name_or_path, config.model_config), PlanOptions(
+        resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5), batch_size=config.train_batch_size,
+        rank=config.network_dim, gradient_checkpointing=config.gradient_checkpointing,
+        base_quantization=config.unet_quantization,
+        encoders_on_device=not config.network_train_unet_only or not config.cache_latents,
+        blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type, weight_dtype=weight_dtype_for(config.mixed_precision)), config.device_memory)
+    if config.dry_run:
+        return {}
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.log_with, resume_from_checkpoint=config.resume,
-                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    config_toml=config_to_toml(config),
                     tensorboard_dir=config.logging_dir, samples_dir=Path(config.output_dir) / "sample",
                     command="dreamstep train sdxl-lora", resume_flag="--resume", overwrite=config.overwrite_output_dir)
 
@@ -236,7 +248,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         config.pretrained_model_name_or_path, model_config=config.model_config,
         mixed_precision=config.mixed_precision, device=run.device, vae_fp32=config.no_half_vae,
         sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing,
-        unet_on_host=config.blocks_to_swap > 0)
+        unet_quantization=config.unet_quantization, unet_on_host=config.blocks_to_swap > 0)
     network = build_network(config, base, options)
     pipeline = sdxl.assemble_pipeline(base)
     model = SDXLLoraModel(base.unet, network, pipeline).train()
