@@ -45,6 +45,11 @@ class FluxControlNetConfig(FluxTrainingConfig):
     controlnet_weights_dtype: Literal["fp32", "bf16"] = option(
         "fp32", "ControlNet weight dtype; bf16 needs --mixed_precision bf16 and uses AdamW with fp32 update "
                 "math and stochastic rounding (less memory)")
+    # diffusers' train_controlnet_flux.py defaults (the LoRA trainers keep those of the DreamBooth LoRA script).
+    learning_rate: float = option(5e-6, "learning rate (diffusers' ControlNet default)", bounds="(0, inf)")
+    adam_weight_decay: float = option(1e-2, "weight decay (diffusers' ControlNet default)", bounds="[0, inf)")
+    weighting_scheme: Literal["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"] = option(
+        "logit_normal", "timestep sampling / loss weighting (SD3 paper; diffusers' ControlNet default)")
     validation_prompt: list[str] = option([], "prompts for validation images (one, or one per --validation_image)")
     validation_image: list[str] = option([], "control images for validation (one, or one per --validation_prompt)")
     zero_stage: Literal[0, 2, 3] = option(

@@ -55,11 +55,15 @@ class SDXLLoraConfig(EvaluationOptions):
     network_train_unet_only: bool = option(False, "LoRA on the UNet only")
     network_train_text_encoder_only: bool = option(False, "LoRA on the text encoders only")
     learning_rate: float = option(1e-4, "learning rate", bounds="(0, inf)")
-    unet_lr: float | None = option(None, "learning rate of the UNet LoRA (default: --learning_rate)", bounds="[0, inf)")
-    text_encoder_lr: float | None = option(None, "learning rate of the text-encoder LoRA (default: --learning_rate)",
-                                           bounds="[0, inf)")
+    unet_lr: float | None = option(None, "learning rate of the UNet LoRA (default: --learning_rate; 0 freezes it, "
+                                         "as in sd-scripts)", bounds="[0, inf)")
+    text_encoder_lr: float | None = option(None, "learning rate of the text-encoder LoRA (default: --learning_rate; "
+                                                 "0 freezes it, as in sd-scripts)", bounds="[0, inf)")
     optimizer_type: str = option("AdamW", "AdamW, AdamW8bit, Lion, Prodigy or Adafactor")
-    optimizer_args: list[str] = option([], "optimizer key=value arguments, e.g. weight_decay=0.05 betas=0.9,0.98")
+    optimizer_args: list[str] = option([], "optimizer key=value arguments, e.g. weight_decay=0.05 betas=0.9,0.98; "
+                                           "unset ones keep the optimizer's own defaults as in sd-scripts (weight "
+                                           "decay 0.01 for AdamW, none for Lion, Prodigy, Adafactor; Adafactor "
+                                           "with relative_step=True and its own schedule)")
     lr_scheduler: Literal[LR_SCHEDULERS] = option("constant", "learning-rate schedule")  # type: ignore[valid-type]
     lr_warmup_steps: float = option(0, "warm-up steps (a value below 1 is a fraction of the training steps)",
                                     bounds="[0, inf)")
@@ -96,6 +100,8 @@ class SDXLLoraConfig(EvaluationOptions):
     multires_noise_iterations: int | None = option(None, "multi-resolution noise levels (6-10 typical)",
                                                    bounds="[1, inf)")
     multires_noise_discount: float = option(0.3, "weight decay per multires noise level", bounds="[0, 1]")
+    zero_terminal_snr: bool = option(False, "rescale the noise schedule to zero SNR at the last timestep "
+                                            "(sd-scripts' flag; usually with --v_parameterization)")
     min_timestep: int = option(0, "smallest training timestep", bounds="[0, 1000)")
     max_timestep: int = option(1000, "training timesteps are below this", bounds="(0, 1000]")
     prior_loss_weight: float = option(1.0, "loss weight of regularization images", bounds="[0, inf)")
@@ -129,6 +135,8 @@ class SDXLLoraConfig(EvaluationOptions):
                             f"'{NETWORK_MODULE}' (LoRA, and LoCon with --network_args conv_dim=...)")
         if self.network_train_unet_only and self.network_train_text_encoder_only:
             raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
+        if self.unet_lr == 0 and self.text_encoder_lr == 0:
+            raise UserError("--unet_lr 0 and --text_encoder_lr 0 leave nothing to train; give one a learning rate")
         if self.full_fp16 and self.mixed_precision != "fp16":
             raise UserError("--full_fp16 needs --mixed_precision fp16")
         if self.full_bf16 and self.mixed_precision != "bf16":

@@ -42,7 +42,8 @@ class FluxTrainingConfig(EvaluationOptions):
     optimizer: str = option("AdamW", "AdamW, AdamW8bit (bitsandbytes) or Prodigy (prodigyopt)")
     adam_beta1: float = option(0.9, "Adam beta1", bounds="[0, 1)")
     adam_beta2: float = option(0.999, "Adam beta2", bounds="[0, 1)")
-    adam_weight_decay: float = option(1e-4, "weight decay", bounds="[0, inf)")
+    adam_weight_decay: float = option(1e-4, "weight decay (diffusers' default, given to every optimizer)",
+                                     bounds="[0, inf)")
     adam_epsilon: float = option(1e-8, "Adam epsilon", bounds="[0, inf)")
     max_grad_norm: float = option(1.0, "clip the global gradient norm to this (0 disables)", bounds="[0, inf)")
     mixed_precision: Literal["no", "fp16", "bf16"] = option(

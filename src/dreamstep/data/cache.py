@@ -84,21 +84,22 @@ class TensorCache:
             if os.path.exists(tmp):
                 os.remove(tmp)
 
-    def get_or_compute(self, content_keys: Sequence[str],
+    def get_or_compute(self, content_keys: Sequence[str | None],
                        compute: Callable[[list[int]], dict[str, torch.Tensor]],
                        known: Sequence[dict[str, torch.Tensor] | None] | None = None) -> dict[str, torch.Tensor]:
         """Batch lookup: entries already ``known`` or cached are used; ``compute(missing_positions)`` returns
-        batched tensors for the rest, which are stored. Returns every name stacked over the batch, on the CPU."""
+        batched tensors for the rest, which are stored (except those whose key is None: not cacheable). Returns every name stacked over the batch, on the CPU."""
         found = list(known) if known is not None else [None] * len(content_keys)
         for i, key in enumerate(content_keys):
-            if found[i] is None:
+            if found[i] is None and key is not None:
                 found[i] = self.get(key)
         missing = [i for i, entry in enumerate(found) if entry is None]
         if missing:
             computed = compute(missing)
             for row, i in enumerate(missing):
                 found[i] = {name: value[row].detach().cpu() for name, value in computed.items()}
-                self.put(content_keys[i], found[i])
+                if content_keys[i] is not None:
+                    self.put(content_keys[i], found[i])
         names = found[0].keys()
         return {name: torch.stack([entry[name] for entry in found]) for name in names}
 
@@ -109,15 +110,33 @@ def latents_for_batch(batch: dict[str, Any], encode: Callable[[torch.Tensor], to
     else ``encode(pixel_values)`` for the samples that came with pixels, stored for later epochs and runs.
     ``prefix="conditioning_"`` does the same for ControlNet conditioning images."""
     pixels, positions = batch[f"{prefix}pixel_values"], batch[f"{prefix}pixel_items"]
+
+    def checked(rows: list[int]) -> torch.Tensor:
+        latents = encode(pixels[rows])
+        _check_finite(latents, [batch["image_paths"][positions[row]] for row in rows], prefix)
+        return latents
+
     if cache is None:
         if len(positions) != len(batch["captions"]):
             raise ValueError("some samples came without pixels but no cache was given")
-        return encode(pixels)
+        return checked(list(range(len(positions))))
     keys = batch["image_keys" if not prefix else f"{prefix}keys"]
     known = [{"latents": t} if t is not None else None for t in batch[f"{prefix}latents"]]
 
     def compute(missing: list[int]) -> dict[str, torch.Tensor]:
-        rows = [positions.index(i) for i in missing]
-        return {"latents": encode(pixels[rows])}
+        return {"latents": checked([positions.index(i) for i in missing])}
 
     return cache.get_or_compute(keys, compute, known)["latents"]
+
+
+def _check_finite(latents: torch.Tensor, paths: list[str], prefix: str) -> None:
+    """Stop at the first image whose latents hold NaN or inf, before they are cached or trained on: an
+    fp16 VAE overflows on some images (SDXL's does), which would otherwise surface steps later as a
+    non-finite loss."""
+    finite = torch.isfinite(latents.flatten(1)).all(dim=1)
+    if not bool(finite.all()):
+        path = paths[int((~finite).nonzero()[0])]
+        which = "the conditioning image of " if prefix else ""
+        raise UserError(f"{which}{path}: the VAE encoded this image to NaN/inf latents (a half-precision VAE "
+                        f"overflows on some images); keep the VAE in fp32: --no_half_vae for sdxl-lora, "
+                        f"--mixed_precision bf16 or no for the FLUX trainers")

@@ -36,6 +36,7 @@ from dreamstep.lora.io import (
     read_lora_file,
     write_lora_file,
 )
+from dreamstep.models.full_size import with_text_model
 
 LAYOUTS = ("kohya", "diffusers", "mindspore")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -109,9 +110,25 @@ def _alpha_from_adapter(cfg: Mapping, module: str, rank: int) -> float:
     return alpha * math.sqrt(rank) if cfg.get("use_rslora") else alpha
 
 
+_FLAT_CLIP_NAMES = {
+    "kohya": (re.compile(r"^(lora_te\d)_encoder_layers_"), r"\1_text_model_encoder_layers_"),
+    "mindspore": (re.compile(r"^(lora_te\d)\.encoder\.layers\."), r"\1.text_model.encoder.layers."),
+}
+
+
+def canonical_name(name: str, layout: str) -> str:
+    """A module name with CLIP's ``text_model`` level, which transformers 5 dropped from CLIPTextModel: files
+    written under either version name the same module the same way from here on."""
+    if layout == "diffusers":
+        return with_text_model(name)
+    pattern, replacement = _FLAT_CLIP_NAMES[layout]
+    return pattern.sub(replacement, name)
+
+
 def modules_from_file(lora: LoraFile, layout: str) -> dict[str, LoraModule]:
     """Group a file's tensors into modules named in its layout (Kohya/MindSpore names keep their prefix,
-    diffusers names keep their component). A module's alpha defaults to its rank (scale 1)."""
+    diffusers names keep their component; CLIP names always with ``text_model``, see
+    :func:`canonical_name`). A module's alpha defaults to its rank (scale 1)."""
     source = str(lora.path)
     down_s, up_s = formats.DIFFUSERS_SUFFIXES if layout == "diffusers" else formats.KOHYA_SUFFIXES
     parts: dict[str, dict[str, torch.Tensor]] = collections.defaultdict(dict)
@@ -138,7 +155,7 @@ def modules_from_file(lora: LoraFile, layout: str) -> dict[str, LoraModule]:
             alpha = _alpha_from_adapter(cfg, module, rank)
         else:
             alpha = float(rank)
-        modules[name] = LoraModule(p["down"], p["up"], alpha)
+        modules[canonical_name(name, layout)] = LoraModule(p["down"], p["up"], alpha)
     return modules
 
 
@@ -164,6 +181,20 @@ def diffusers_state_dict(modules: Mapping[str, LoraModule]) -> dict[str, torch.T
     for name, m in modules.items():
         out |= {name + down_s: m.down, name + up_s: m.up}
     return out
+
+
+def diffusers_file_contents(modules: Mapping[str, LoraModule],
+                            container: str = "safetensors") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and header of a diffusers-layout file that diffusers, ComfyUI and our reader all apply at the
+    trained alpha / rank. ComfyUI reads alpha only from ``<module>.alpha`` keys, else scale 1; diffusers'
+    SDXL loader refuses such keys in this layout, its FLUX loader refuses them beside an adapter-config
+    header and, without the header, applies per-module ranks and alphas by unanchored name patterns
+    ('proj_out' also catches 'single_transformer_blocks.0.proj_out'). So each module's alpha / rank is
+    folded into lora_B (alpha = rank, scale 1 for every loader) and the header gives anchored rank
+    patterns. CLIP modules are named ``text_encoder.text_model.…`` (see :func:`canonical_name`), the only
+    form ComfyUI maps; diffusers drops 'text_model.' where transformers 5 has no such level."""
+    folded = fold_alpha(modules)
+    return diffusers_state_dict(folded), diffusers_adapter_metadata(folded) if container == "safetensors" else {}
 
 
 def _peft_pattern(module: str) -> str:
@@ -267,6 +298,14 @@ def _fuse(parts: list[LoraModule | None], rows: tuple[int, ...], name: str, sour
     if len(present) == len(parts) and len(scales) == 1 and all(torch.equal(p.down, present[0].down) for p in present):
         # Parts that share one down (a split Kohya module): stack the ups back, same rank and alpha.
         return LoraModule(present[0].down, torch.cat([p.up for p in parts]), present[0].alpha)
+    if len(present) < len(parts) and len(scales) == 1 and len({p.rank for p in present}) == 1:
+        # An absent part gets zero down rows and a zero up block of the same rank, so the fused module is
+        # sd-scripts' split layout (equal rank per part, block-diagonal up), which diffusers' Kohya reader
+        # splits back into each part's own down and up instead of copying the whole down into every part.
+        like = present[0]
+        parts = [p or LoraModule(torch.zeros_like(like.down), like.up.new_zeros(size, *like.up.shape[1:]), like.alpha)
+                 for p, size in zip(parts, sizes)]
+        present = parts
     rank = sum(p.rank for p in present)
     alpha = _exact_alpha(scales.pop(), rank) if len(scales) == 1 else None
     fold = alpha is None
@@ -430,8 +469,7 @@ class Converted:
 def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = None, dtype: str | None = None,
                  configs: Mapping[str, Mapping] | None = None, overwrite: bool = False) -> Converted:
     """Convert ``src`` to layout ``to`` ('kohya', 'diffusers', 'mindspore') at ``dst`` (the suffix picks the
-    container). diffusers layout in .safetensors keeps every alpha in the adapter-metadata header; in a torch
-    file, which has no header, alpha is folded into lora_B."""
+    container). How a diffusers-layout file carries alpha: :func:`diffusers_file_contents`."""
     if to not in LAYOUTS:
         raise UserError(f"--to {to}: unknown layout; use one of {', '.join(LAYOUTS)}{did_you_mean(to, LAYOUTS)}")
     if dtype is not None and dtype not in DTYPES:
@@ -457,17 +495,18 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
         out = diffusers_to_kohya(ours, keys, str(src), notes)
     elif to == "mindspore":
         out = diffusers_to_mindspore(ours, keys, str(src))
-    elif container == "safetensors":
-        out = ours
     else:
-        out = fold_alpha(ours)
+        out = ours
         if any(m.alpha != m.rank for m in ours.values()):
-            notes.append("a torch file has no header for the adapter config: alpha/rank is folded into lora_B")
+            notes.append("alpha/rank is folded into lora_B (alpha = rank), the one form diffusers and ComfyUI "
+                         "both apply at the trained strength")
+        if keys.model == "sdxl" and any(".attn" in name for name in ours):
+            notes.append("ComfyUI maps diffusers-layout SDXL attention modules only under the old "
+                         "'processor.to_q' names: give ComfyUI the Kohya-layout file")
     if dtype is not None:
         out = {k: LoraModule(m.down.to(DTYPES[dtype]), m.up.to(DTYPES[dtype]), m.alpha) for k, m in out.items()}
     if to == "diffusers":
-        tensors = diffusers_state_dict(out)
-        metadata = diffusers_adapter_metadata(out) if container == "safetensors" else {}
+        tensors, metadata = diffusers_file_contents(out, container)
     else:
         tensors = kohya_state_dict(out)
         metadata = {}

@@ -181,7 +181,8 @@ def plan_options(config: Any, *, rank: int, encoders_on_device: bool) -> PlanOpt
 def park_encoders(components: Any, device: torch.device, *, text_encoder_trains: bool,
                   latents_cached: bool) -> ParkedModules:
     """Move the encoders the loop does not use off ``device``: T5 always (its outputs are cached), CLIP
-    unless it trains, the VAE when the latents are cached. Call after :func:`~dreamstep.models.parking.fill_caches`."""
+    unless it trains, the VAE when the latents are cached. Call after
+    :func:`~dreamstep.models.parking.fill_caches`."""
     parked = {"text_encoder_2": components.text_encoder_2}
     if not text_encoder_trains:
         parked["text_encoder"] = components.text_encoder

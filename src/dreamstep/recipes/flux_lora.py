@@ -120,6 +120,18 @@ class FluxLoraStep(TrainStep):
             return self.per_sample_loss(self.unwrapped_model, batch, latents, noise, sigmas, "none")
 
 
+def optimizer_groups(config: FluxLoraConfig, transformer: nn.Module,
+                     text_encoder: nn.Module | None) -> list[dict[str, Any]]:
+    """diffusers' two groups: the transformer LoRA at --learning_rate with --adam_weight_decay, the
+    text-encoder LoRA at --text_encoder_lr with --adam_weight_decay_text_encoder."""
+    groups = [{"params": [p for p in transformer.parameters() if p.requires_grad], "lr": config.learning_rate,
+               "weight_decay": config.adam_weight_decay}]
+    if text_encoder is not None:
+        groups.append({"params": [p for p in text_encoder.parameters() if p.requires_grad],
+                       "lr": config.text_encoder_lr, "weight_decay": config.adam_weight_decay_text_encoder})
+    return groups
+
+
 def _datasets(config: FluxLoraConfig, class_dir: str | None) -> list:
     if config.dataset_config is not None:
         datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
@@ -144,7 +156,8 @@ def train(config: FluxLoraConfig) -> None:
     dataset, held_out = build_split_datasets(_datasets(config, None), config.seed, config.validation_split)
     scorer = load_scorer(config)
     print_run_plan("flux", config.pretrained_model_name_or_path, flux.plan_options(
-        config, rank=config.rank, encoders_on_device=config.train_text_encoder or not config.cache_latents),
+        config, rank=config.rank,
+        encoders_on_device=config.train_text_encoder or not config.cache_latents or dataset.encodes_in_the_loop()),
         config.device_memory, lora_layers=config.lora_layers)
     if config.dry_run:
         return
@@ -188,15 +201,12 @@ def train(config: FluxLoraConfig) -> None:
     datasets = _datasets(config, class_dir)
     if class_dir is not None:
         dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
-    # A random crop makes a new latent almost every step: caching those would only fill the disk.
-    random_crop = any(subset.random_crop for d in datasets for subset in d.subsets)
-    if config.cache_latents and random_crop and run.is_main_process:
-        print("note: random crops are on, so VAE latents are computed every step instead of cached "
-              "(pass --center_crop to cache them)")
+    # Random crops of images larger than their bucket are encoded every step (see BucketDataset); the
+    # rest, random crops of images that already have their bucket's size included, are cached.
     latent_cache, text_cache = flux.training_caches(
         Path(config.cache_dir or Path(config.output_dir) / "cache"), config.pretrained_model_name_or_path,
         revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
-        max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents and not random_crop,
+        max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents,
         image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
     for part in (dataset, held_out):
         if part is not None:
@@ -209,11 +219,8 @@ def train(config: FluxLoraConfig) -> None:
     batches = ConditionedBatches(loader, conditioner)
 
     # 3. The step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
-    groups = [{"params": [p for p in base.transformer.parameters() if p.requires_grad], "lr": config.learning_rate}]
-    if text_encoder is not None:
-        groups.append({"params": [p for p in text_encoder.parameters() if p.requires_grad],
-                       "lr": config.text_encoder_lr or config.learning_rate})
-    optimizer = build_optimizer(config.optimizer, groups, config.learning_rate,
+    optimizer = build_optimizer(config.optimizer, optimizer_groups(config, base.transformer, text_encoder),
+                                config.learning_rate,
                                 betas=(config.adam_beta1, config.adam_beta2),
                                 weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
     steps_per_epoch = math.ceil(len(loader) / config.gradient_accumulation_steps)
@@ -224,7 +231,7 @@ def train(config: FluxLoraConfig) -> None:
     # Every caption and cached latent of the run encoded now; the encoders wait off the device until needed.
     parking.fill_caches(conditioner, dataset, epochs=math.ceil(total_steps / steps_per_epoch))
     encoders = flux.park_encoders(base, run.device, text_encoder_trains=text_encoder is not None,
-                                  latents_cached=latent_cache is not None)
+                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = FluxLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
@@ -251,7 +258,7 @@ def train(config: FluxLoraConfig) -> None:
 
     def validate(global_step: int) -> list:
         with encoders.on_device():
-            images = _validation_images(config, pipeline) if prompts else []
+            images = _validation_images(config, pipeline, datasets[0].buckets.resolution) if prompts else []
             if evaluator is not None and global_step not in run.logger.metrics.rows:
                 run.logger.log_metrics(global_step, evaluator(images, prompts))
         return images
@@ -291,12 +298,13 @@ def train(config: FluxLoraConfig) -> None:
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
 
 
-def _validation_images(config: FluxLoraConfig, pipeline) -> list:
+def _validation_images(config: FluxLoraConfig, pipeline, size: tuple[int, int]) -> list:
+    """Samples at the training resolution ``size`` (width, height): the dataset TOML's, or --resolution."""
     was_training = pipeline.transformer.training
     pipeline.transformer.eval()
     images = flux.generate(pipeline, [config.validation_prompt] * config.num_validation_images, seed=config.seed,
                            steps=config.validation_inference_steps, guidance_scale=config.guidance_scale,
-                           height=config.resolution, width=config.resolution,
+                           width=size[0], height=size[1],
                            max_sequence_length=config.max_sequence_length)
     pipeline.transformer.train(was_training)
     return images

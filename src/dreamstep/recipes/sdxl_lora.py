@@ -103,8 +103,8 @@ def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
 def check_optimizer(config: SDXLLoraConfig) -> dict[str, Any]:
     """Name and arguments of the optimizer, checked on a dummy parameter before any model loads."""
     extra = parse_optimizer_args(config.optimizer_args)
-    build_optimizer(config.optimizer_type, [nn.Parameter(torch.zeros(1))], config.learning_rate, weight_decay=0.01,
-                    extra=extra, flag="--optimizer_type")
+    build_optimizer(config.optimizer_type, [nn.Parameter(torch.zeros(1))], config.learning_rate, extra=extra,
+                    flag="--optimizer_type", family="sd-scripts")
     return extra
 
 
@@ -213,6 +213,11 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     """Train as configured; return what was written where."""
     if config.seed is None:
         config = dataclasses.replace(config, seed=random.randrange(2**31))
+    # sd-scripts gives a part whose learning rate is 0 no optimizer group: it stays as it is.
+    if config.text_encoder_lr == 0:
+        config = dataclasses.replace(config, network_train_unet_only=True)
+    if config.unet_lr == 0:
+        config = dataclasses.replace(config, network_train_text_encoder_only=True)
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume,
                      resume_flag="--resume", config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
@@ -224,12 +229,14 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     # Every image is read once (errors name the file); held-out images are split off for the validation loss.
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
     scorer = load_scorer(config)
+    encoders_on_device = (not config.network_train_unet_only or not config.cache_latents
+                          or dataset.encodes_in_the_loop())
     print_run_plan("sdxl", sdxl.config_source(config.pretrained_model_name_or_path, config.model_config), PlanOptions(
         resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5), batch_size=config.train_batch_size,
         rank=config.network_dim, gradient_checkpointing=config.gradient_checkpointing,
-        base_quantization=config.unet_quantization,
-        encoders_on_device=not config.network_train_unet_only or not config.cache_latents,
-        blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type, weight_dtype=weight_dtype_for(config.mixed_precision)), config.device_memory)
+        base_quantization=config.unet_quantization, encoders_on_device=encoders_on_device,
+        blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
+        weight_dtype=weight_dtype_for(config.mixed_precision)), config.device_memory)
     if config.dry_run:
         return {}
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
@@ -271,7 +278,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     optimizer = build_optimizer(
         config.optimizer_type, network.param_groups(config.unet_lr or config.learning_rate,
                                                     config.text_encoder_lr or config.learning_rate),
-        config.learning_rate, weight_decay=0.01, extra=optimizer_extra, flag="--optimizer_type")
+        config.learning_rate, extra=optimizer_extra, flag="--optimizer_type", family="sd-scripts")
     warmup = config.lr_warmup_steps
     lr_scheduler = build_lr_scheduler(
         config.lr_scheduler, optimizer, warmup_steps=int(warmup * total_steps if warmup < 1 else warmup),
@@ -285,13 +292,13 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     # Every caption and latent of the run encoded now; the frozen encoders wait off the device until needed.
     parking.fill_caches(conditioner, dataset, epochs=math.ceil(total_steps / steps_per_epoch))
     encoders = sdxl.park_encoders(base, run.device, text_encoders_train=train_text,
-                                  latents_cached=latent_cache is not None)
+                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = SDXLLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
         length_of_dataloader=len(loader),
-        noise_scheduler=noise_math.training_scheduler(base.scheduler.config),
+        noise_scheduler=noise_math.training_scheduler(base.scheduler.config, config.zero_terminal_snr),
         v_prediction=config.v_parameterization, min_snr_gamma=config.min_snr_gamma,
         noise_offset=config.noise_offset, adaptive_noise_scale=config.adaptive_noise_scale,
         multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
