@@ -29,7 +29,7 @@ from flux_lora import FULL_TRANSFORMER, FULL_VAE, T5_DIM, T5_TOKENS, CLIP_DIM, a
 from measure import time_steps
 
 from dreamstep.engine.train_step import make_accelerator
-from dreamstep.models import flux
+from dreamstep.models import flux, quantization
 from dreamstep.models.blocks import BlockSwapper, compile_blocks
 from dreamstep.models.precision import freeze
 from dreamstep.recipes.flux_lora import FluxLoraModel, FluxLoraStep
@@ -56,9 +56,28 @@ def unavailable(mode: str, device: torch.device) -> str | None:
     """Why ``mode`` cannot run here, or ``None``."""
     if mode == "nf4" and device.type != "cuda":
         return "needs CUDA (bitsandbytes nf4 has no CPU kernels)"
-    if mode in ("fp8", "int8", "nf4"):
-        return "not measured: the quantized base loader (issue 9, items 1-2) is not on main yet"
     return None
+
+
+def quantize(model: FluxTransformer2DModel, mode: str) -> None:
+    """Quantize the linear weights of an already built ``model`` the way ``--base_quantization`` loads
+    them: torchao's weight-only int8 / fp8, or bitsandbytes NF4 (CUDA)."""
+    if mode in ("int8", "fp8"):
+        from torchao.quantization import quantize_
+
+        quantize_(model, quantization.torchao_weight_config(mode))
+    elif mode == "nf4":
+        import bitsandbytes as bnb
+
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                              compute_dtype=torch.bfloat16, quant_type="nf4")
+                    layer.weight = bnb.nn.Params4bit(child.weight.data.cpu(), requires_grad=False, quant_type="nf4")
+                    if child.bias is not None:
+                        layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+                    setattr(parent, name, layer.to(child.weight.device))
 
 
 def build_transformer(depth: tuple[int, int], device: torch.device | str) -> FluxTransformer2DModel:
@@ -116,6 +135,8 @@ def measure_row(row: Row | None, depth: tuple[int, int], vae: AutoencoderKL, dev
     """(s/step, peak MiB) of one row; mode "reference" is the reference loop at the row's size."""
     reference = row.mode == "reference"
     model = build_transformer(depth, "cpu" if row.offload else device)
+    if row.mode in ("fp8", "int8", "nf4"):
+        quantize(model, row.mode)
     model.enable_gradient_checkpointing()
     params = add_benchmark_lora(model)
     if row.offload:  # every block swapped: the smallest footprint

@@ -53,6 +53,8 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "show a LoRA file's format, target, ranks and metadata", "dreamstep.commands.lora_info"),
     ("dataset", "from-hf"): Command(
         "turn a Hugging Face dataset into an image folder", "dreamstep.commands.dataset_from_hf"),
+    ("plan",): Command(
+        "estimate a LoRA run's peak device memory and what fits a card", "dreamstep.commands.plan"),
     ("tiny-model",): Command(
         "write a tiny random FLUX or SDXL pipeline for offline tests", "dreamstep.commands.tiny_model"),
     ("eval", "flux"): Command(
@@ -101,7 +103,8 @@ _KNOWN_NOTICES = {
     "transformers.utils.import_utils": ("requires torchvision",),
     # torchao's optional GPU kernels and its enum registration, when torchao is installed at all.
     "torchao": ("Failed to load",),
-    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",
+                            "Calling register_constant() on Enum subclasses is deprecated"),
     "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
     # A LoRA for the transformer (or UNet) alone has no text-encoder keys: nothing is missing.
     "diffusers.loaders.peft": ("No LoRA keys associated to",),

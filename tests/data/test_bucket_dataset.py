@@ -84,7 +84,7 @@ def _dataset(tmp_path: Path, sizes, batch_size=2, repeats=1, seed=0) -> BucketDa
     folder = tmp_path / "mixed"
     for i, size in enumerate(sizes):
         write_image(folder / f"{i:02d}.png", size)
-    return BucketDataset([(collect_records(one_subset(folder, repeats=repeats)), batch_size)], seed)
+    return BucketDataset([(collect_records(one_subset(folder, repeats=repeats)), batch_size, False)], seed)
 
 
 SIZES = [(64, 64)] * 5 + [(100, 60)] * 4 + [(40, 120)] * 3
@@ -208,3 +208,15 @@ batch_size = 2
     assert int(sum(b["is_reg"].sum() for b in batches)) == 8
     sizes = {tuple(b["target_sizes"][0].tolist()) for b in batches}
     assert sizes == {(192, 320), (320, 192), (256, 256)}
+
+
+def test_only_random_crops_with_room_to_move_are_encoded_in_the_loop(tmp_path: Path):
+    """What the loop reads and what is cached before it agree: a random crop with room to move has no cache key
+    (it is encoded every step, so the VAE stays on the device); a bucket-sized image's crop, flipped or not, has."""
+    wide = write_gradient(tmp_path / "wide" / "a.png", (300, 200))
+    square = write_image(tmp_path / "square" / "a.png", (256, 256))
+    moving = build_dataset([one_subset(wide.parent, random_crop=True, flip_aug=True)], seed=0)
+    fixed = build_dataset([one_subset(square.parent, random_crop=True, flip_aug=True)], seed=0)
+    assert moving.encodes_in_the_loop() and not fixed.encodes_in_the_loop()
+    assert moving.caption_and_keys(0, 0)[1] is None and moving[(0, 0)]["image_key"] is None
+    assert fixed.caption_and_keys(0, 0)[1] == fixed[(0, 0)]["image_key"] is not None

@@ -100,3 +100,36 @@ def test_unreadable_entry_is_a_miss_and_is_rewritten(tmp_path: Path):
     cache.put("k", {"latents": torch.zeros(2)})
     assert torch.equal(cache.get("k")["latents"], torch.zeros(2))
     assert not list(cache.path("k").parent.glob("*.tmp"))
+
+
+def test_non_finite_latents_stop_at_encode_time_naming_the_image_and_the_fix(tmp_path: Path):
+    from dreamstep.models.sdxl import SDXLConditioner
+    from dreamstep.models.tiny import build_tiny_sdxl
+
+    folder = tmp_path / "imgs"
+    write_gradient(folder / "a.png", (64, 64))
+    pipe = build_tiny_sdxl(seed=0)
+    with torch.no_grad():  # what an fp16 VAE does on some images: activations past the float range
+        pipe.vae.encoder.conv_in.weight.mul_(1e38)
+    cache = TensorCache(tmp_path / "cache", "vae@v1")
+    conditioner = SDXLConditioner(pipe, device=torch.device("cpu"), latent_cache=cache, text_cache=None,
+                                  encode_text=False)
+    batch = collate([build_dataset([config(folder)], seed=0, latent_cache=cache)[0]])
+    with pytest.raises(UserError, match=r"a\.png: the VAE encoded this image to NaN/inf latents.*--no_half_vae"):
+        conditioner.latents(batch)
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))  # nothing non-finite was cached
+
+
+def test_a_random_crop_with_no_room_to_move_is_cached_and_one_with_room_is_not(tmp_path: Path):
+    folder = tmp_path / "imgs"
+    write_gradient(folder / "fits.png", (64, 64))  # already the bucket's size: every random crop is the image
+    write_gradient(folder / "wide.png", (96, 64))  # a random crop moves: new pixels every epoch
+    cache = TensorCache(tmp_path / "cache", "vae@v1")
+    dataset = build_dataset([config(folder, random_crop=True)], seed=0, latent_cache=cache)
+    encoder = CountingEncoder()
+    for epoch in range(3):
+        items = [dataset[(i, epoch)] for i in range(len(dataset))]
+        latents_for_batch(collate(items), encoder, cache)
+    # fits.png: encoded once, then served from the cache; wide.png: encoded every epoch, never stored.
+    assert encoder.calls == 1 + 3
+    assert len(list((tmp_path / "cache").rglob("*.safetensors"))) == 1

@@ -93,3 +93,23 @@ def test_per_sample_mse_averages_within_each_sample():
     pred = torch.zeros(2, 1, 2, 2)
     target = torch.stack([torch.ones(1, 2, 2), torch.full((1, 2, 2), 2.0)])
     torch.testing.assert_close(per_sample_mse(pred, target), torch.tensor([1.0, 4.0]))
+
+
+def _zero_terminal_snr_betas(betas: torch.Tensor) -> torch.Tensor:
+    """Lin et al. 2024, Algorithm 1, as sd-scripts' --zero_terminal_snr applies it: shift √ᾱ so the last
+    is 0, scale so the first is unchanged, back to β."""
+    root = (1 - betas).cumprod(0).sqrt()
+    first, last = root[0].clone(), root[-1].clone()
+    root = (root - last) * first / (first - last)
+    alphas_bar = root**2
+    return 1 - torch.cat([alphas_bar[:1], alphas_bar[1:] / alphas_bar[:-1]])
+
+
+def test_zero_terminal_snr_rescales_the_schedule_as_sd_scripts():
+    plain = training_scheduler(SDXL_SCHEDULER)
+    rescaled = training_scheduler(SDXL_SCHEDULER, zero_terminal_snr=True)
+    torch.testing.assert_close(rescaled.betas, _zero_terminal_snr_betas(plain.betas))
+    assert rescaled.alphas_cumprod[-1] == 0 and rescaled.alphas_cumprod[0] == plain.alphas_cumprod[0]
+    # min-SNR weighting stays finite at the zero-SNR step: the ε weight tends to 1, the v weight to 0.
+    last = snr(rescaled.alphas_cumprod, torch.tensor([999]))
+    assert min_snr_weight(last, 5.0).item() == 1.0 and min_snr_weight(last, 5.0, v_prediction=True).item() == 0.0

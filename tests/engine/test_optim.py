@@ -3,7 +3,9 @@ import importlib.util
 import pytest
 import torch
 
-from dreamstep.engine.optim import build_lr_scheduler, build_optimizer, parse_optimizer_args
+from transformers.optimization import AdafactorSchedule
+
+from dreamstep.engine.optim import build_lr_scheduler, build_optimizer, optimizer_kwargs, parse_optimizer_args
 from dreamstep.errors import UserError
 
 
@@ -49,3 +51,51 @@ def test_warmup_schedule_and_adafactor():
 def test_missing_optional_package_says_how_to_install():
     with pytest.raises(UserError, match="pip install prodigyopt"):
         build_optimizer("Prodigy", _params(), 1.0)
+
+
+def test_sd_scripts_family_keeps_each_optimizers_own_defaults():
+    def kwargs(name, extra=None):
+        return optimizer_kwargs(name, 1e-3, "sd-scripts", betas=(0.9, 0.999), weight_decay=1e-4, eps=1e-8,
+                                extra=extra)
+
+    # sd-scripts passes only --optimizer_args: no weight decay or betas of ours reach Lion or Prodigy.
+    assert kwargs("Lion") == {"lr": 1e-3} and kwargs("Prodigy") == {"lr": 1e-3}
+    assert kwargs("Lion", {"weight_decay": 0.1})["weight_decay"] == 0.1
+    assert build_optimizer("AdamW", _params(), 1e-3, family="sd-scripts").param_groups[0]["weight_decay"] == 0.01
+    # The diffusers scripts pass their --adam_* flags to every optimizer.
+    assert optimizer_kwargs("Lion", 1e-3, "diffusers", betas=(0.9, 0.99), weight_decay=1e-4, eps=1e-8,
+                            extra=None) == {"lr": 1e-3, "weight_decay": 1e-4, "betas": (0.9, 0.99)}
+
+
+def test_sd_scripts_adafactor_takes_its_relative_step_and_schedule():
+    params = _params()
+    opt = build_optimizer("Adafactor", [{"params": params, "lr": 1e-3}], 1e-3, family="sd-scripts")
+    assert opt.defaults["relative_step"] and opt.defaults["lr"] is None and opt.defaults["weight_decay"] == 0.0
+    sched = build_lr_scheduler("constant", opt, warmup_steps=0, total_steps=10)
+    assert isinstance(sched, AdafactorSchedule)
+    before = params[0].detach().clone()
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    sched.step()
+    assert not torch.equal(before, params[0]) and sched.get_lr()[0] > 0
+    fixed = build_optimizer("Adafactor", _params(), 1e-3, family="sd-scripts", extra={"relative_step": False})
+    assert fixed.defaults["lr"] == 1e-3 and not fixed.defaults["relative_step"]
+
+
+def test_adafactor_schedule_reports_every_group_when_one_got_no_gradient():
+    """Module dropout can leave a whole group without gradients in a step; the schedule still gives one step
+    size per group (transformers' own skips that group, and torch's scheduler then fails)."""
+    unet, text = [torch.nn.Parameter(torch.ones(3))], _params()
+    opt = build_optimizer("Adafactor", [{"params": unet}, {"params": text}], 1e-3, family="sd-scripts")
+    sched = build_lr_scheduler("constant", opt, warmup_steps=0, total_steps=10)
+    for text_trains in (True, False):
+        unet[0].grad = torch.ones_like(unet[0])
+        text[0].grad = torch.ones_like(text[0]) if text_trains else None
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    # Relative step 1e-2 times each group's parameter scale (its weights' RMS, at least 1e-3): the text group
+    # keeps the size of its one step from zeros; the UNet group's second step is scaled by its weights near 1.
+    unet_size, text_size = sched.get_last_lr()
+    assert text_size == pytest.approx(1e-2 * 1e-3)
+    assert unet_size == pytest.approx(1e-2, rel=0.05)

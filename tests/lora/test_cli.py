@@ -56,7 +56,7 @@ def test_convert_mindspore_to_diffusers_bf16(capsys, tmp_path):
 
 @pytest.mark.parametrize("kind", ["kohya-flux", "diffusers-flux", "kohya-sdxl", "diffusers-sdxl", "mindspore-sdxl",
                                   "kohya-sdxl-torch"])
-def test_info_on_each_format(capsys, tmp_path, kind):
+def test_info_on_each_format(capsys, tmp_path, kind, tiny_flux_dir, tiny_sdxl_dir):
     if kind == "mindspore-sdxl":
         path = MS_FP32
     elif kind.endswith("flux"):
@@ -69,21 +69,41 @@ def test_info_on_each_format(capsys, tmp_path, kind):
         path = tmp_path / ("lora.ckpt" if kind.endswith("torch") else "lora.safetensors")
         assert main(["convert", "lora", str(MS_FP32), str(path), "--to", layout]) == 0
     capsys.readouterr()
-    code, out, _ = _run(capsys, "lora", "info", path)
+    code, out, _ = _run(capsys, "lora", "info", path, "--base", tiny_flux_dir if kind.endswith("flux") else tiny_sdxl_dir)
     assert code == 0
     assert f"format:    {kind.removesuffix('-torch')}:" in out
-    assert "fits:      yes" in out
+    if kind.endswith("flux"):
+        assert "fits:      yes, every module exists with its shape" in out
+    else:  # the port's sample adapts a cross-attention 32 wide; the tiny SDXL's text width is 96
+        assert "fits:      NO: module 'unet.down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k' takes " \
+               "inputs of shape (32,)" in out and "the layer takes (96,)" in out
     if kind.endswith("flux"):
         # Kohya's fused single-block linear1 is four diffusers modules; each keeps rank 8 and alpha 8.
         assert f"modules:   {2 if kind == 'kohya-flux' else 5}" in out
         assert "ss_network_dim: 4" in out
-        assert "rank 8  alpha 8  (scale 1)" in out and "rank 4  alpha 2  (scale 0.5)" in out
+        assert "rank 8  alpha 8  (scale 1)" in out
+        # a diffusers-layout file of ours holds alpha / rank folded into lora_B
+        assert ("rank 4  alpha 2  (scale 0.5)" if kind == "kohya-flux" else "rank 4  alpha 4  (scale 1)") in out
     else:
         assert "modules:   4" in out and "rank 4  alpha 4  (scale 1)" in out
     if kind == "kohya-sdxl-torch":
         assert "torch)" in out
-    if kind == "diffusers-flux":
-        assert "lora_adapter_metadata: (PEFT adapter config for transformer)" in out
+
+
+@pytest.mark.parametrize("model", ["flux", "sdxl"])
+def test_info_says_a_tiny_model_lora_does_not_fit_the_released_model_and_why(capsys, tmp_path, model):
+    path = _kohya_flux(tmp_path / "kohya.safetensors") if model == "flux" else MS_FP32
+    code, out, _ = _run(capsys, "lora", "info", path)
+    assert code == 0
+    fits = next(line for line in out.splitlines() if line.startswith("fits:"))
+    if model == "flux":
+        assert "fits:      NO: module 'transformer.transformer_blocks.0.attn.to_out.0' takes inputs of shape (32,)" \
+               " (lora_down (4, 32)), the layer takes (3072,) in the FLUX.1 transformer with 19 double and 38 " \
+               "single blocks (FLUX.1-dev); the LoRA was trained on a model of another size" in fits, fits
+    else:
+        assert "fits:      NO: module 'unet." in fits and "(SDXL base 1.0); the LoRA was trained on a model of " \
+               "another size" in fits, fits
+    assert "give its folder with --base" in fits
 
 
 def test_truncated_safetensors_is_one_line_naming_the_file(capsys, tmp_path):

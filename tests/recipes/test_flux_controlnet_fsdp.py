@@ -69,6 +69,7 @@ def test_saved_controlnet_loads_and_drives_the_diffusers_pipeline(straight, tiny
     (["--zero_stage", "3", "--mixed_precision", "bf16", "--controlnet_weights_dtype", "bf16"], "--zero_stage"),
     (["--shard_base"], "--shard_base needs --zero_stage"),
     (["--zero_stage", "1"], "--zero_stage"),
+    (["--zero_stage", "3", "--shard_base", "--base_quantization", "int8"], "drop --shard_base"),
 ])
 def test_bad_sharding_combinations_get_one_line_before_loading(flags, message, tmp_path, capsys):
     out = tmp_path / "out"

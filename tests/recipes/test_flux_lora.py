@@ -30,6 +30,7 @@ def trained(tiny_flux_dev_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     code = run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir, "--output_dir", out,
                    *BASE_ARGS, "--lora_layers", "all-linear", "--rank", "8", "--lora_alpha", "4",
                    "--learning_rate", "3e-3", "--max_train_steps", "150", "--save_kohya_format",
+                   "--train_text_encoder", "--text_encoder_lr", "1e-3",
                    "--validation_prompt", ROBOT_PROMPT, "--num_validation_images", "2",
                    "--validation_inference_steps", "2", "--validation_steps", "100")
     assert code == 0
@@ -54,12 +55,16 @@ def test_outputs_are_written(trained: Path) -> None:
 
 def test_diffusers_file_keeps_alpha_and_changes_the_output(trained: Path, tiny_flux_dev_dir: Path) -> None:
     path = trained / "pytorch_lora_weights.safetensors"
-    keys = load_file(path).keys()
-    assert "transformer.single_transformer_blocks.0.attn.to_q.lora_A.weight" in keys
-    assert "transformer.transformer_blocks.0.norm1.linear.lora_B.weight" in keys
+    tensors = load_file(path)
+    assert "transformer.single_transformer_blocks.0.attn.to_q.lora_A.weight" in tensors
+    assert "transformer.transformer_blocks.0.norm1.linear.lora_B.weight" in tensors
+    # alpha / rank (4 / 8) folded into lora_B, the form ComfyUI (no alpha key: scale 1) and diffusers agree on;
+    # CLIP named as ComfyUI maps it, whatever transformers version named it.
     with safe_open(path, "pt") as f:
         adapter = json.loads(f.metadata()["lora_adapter_metadata"])
-    assert adapter["transformer.r"] == 8 and adapter["transformer.lora_alpha"] == 4
+    assert adapter["transformer.r"] == 8 and adapter["transformer.lora_alpha"] == 8
+    assert not any(k.endswith(".alpha") for k in tensors)
+    assert tensors["text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight"].abs().sum() > 0
     pipe = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
     plain = generate(pipe)
     pipe.load_lora_weights(path)

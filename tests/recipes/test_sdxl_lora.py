@@ -80,6 +80,9 @@ def features_run(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
                    "--network_dim", "4", "--network_alpha", "2", "--network_args", "conv_dim=4", "conv_alpha=2",
                    "rank_dropout=0.1", "module_dropout=0.1", "--v_parameterization", "--multires_noise_iterations",
                    "4", "--max_train_epochs", "2", "--save_every_n_epochs", "1", "--optimizer_type", "Adafactor",
+                   # a fixed learning rate, so the schedule (warm-up, restarts) drives it; sd-scripts' default
+                   # relative step would ignore --learning_rate and --lr_scheduler
+                   "--optimizer_args", "relative_step=False", "scale_parameter=False",
                    "--lr_scheduler", "cosine_with_restarts", "--lr_warmup_steps", "0.25", "--learning_rate", "1e-2",
                    "--sample_prompts", prompts, "--sample_every_n_steps", "4", "--sample_at_first", "--sdpa",
                    "--seed", "3",

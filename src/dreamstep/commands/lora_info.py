@@ -1,5 +1,5 @@
 """``dreamstep lora info FILE``: what to check before loading a LoRA from elsewhere: its layout and target
-model, whether its modules exist in that model, module count, rank and alpha per module group, dtypes, and
+model, whether its modules exist in that model with the right shapes, module count, rank and alpha per module group, dtypes, and
 the metadata it carries.
 """
 
@@ -14,6 +14,7 @@ from dreamstep.errors import UserError
 from dreamstep.lora import formats
 from dreamstep.lora.convert import Lora, read_lora, to_diffusers
 from dreamstep.lora.formats import folder_configs, model_keys
+from dreamstep.models.full_size import RELEASED_NAMES, lora_shape_problem, weight_shapes
 
 LAYOUT_NAMES = {
     "kohya": "Kohya sd-scripts layout (lora_down/lora_up/alpha)",
@@ -55,6 +56,25 @@ def _metadata_lines(metadata: dict[str, str], width: int = 76) -> list[str]:
     return lines
 
 
+def _fit(lora: Lora, base: str | None) -> str:
+    """Whether every module exists in the model, with the shape of the layer there: against ``base``'s
+    configs, or the released FLUX.1-dev / SDXL base 1.0, built on the meta device."""
+    configs = folder_configs(base) if base else None
+    keys = model_keys(lora.model, configs)
+    target = f"the {keys.description}" + (f" of {base}" if base else f" ({RELEASED_NAMES[lora.model]})")
+    try:
+        modules = to_diffusers(lora, keys)
+    except UserError as e:
+        return f"NO: {str(e).removeprefix(f'{lora.path}: ')}"
+    shapes = weight_shapes(lora.model, configs)
+    for name, m in modules.items():
+        problem = lora_shape_problem(name, m.down, m.up, shapes)
+        if problem is not None:
+            return (f"NO: {problem} in {target}; the LoRA was trained on a model of another size "
+                    f"(a small test model, or another variant){'' if base else '; give its folder with --base'}")
+    return f"yes, every module exists with its shape in {target}"
+
+
 def describe(path: str, model: str | None = None, base: str | None = None) -> str:
     """The ``lora info`` report for one file."""
     lora = read_lora(path, model)
@@ -69,12 +89,7 @@ def describe(path: str, model: str | None = None, base: str | None = None) -> st
         f"target:    {target}: {', '.join(components)}",
     ]
     if lora.model is not None:
-        keys = model_keys(lora.model, folder_configs(base) if base else None)
-        try:
-            to_diffusers(lora, keys)
-            lines.append(f"fits:      yes, every module exists in the {keys.description}")
-        except UserError as e:
-            lines.append(f"fits:      NO: {str(e).removeprefix(f'{lora.path}: ')}")
+        lines.append(f"fits:      {_fit(lora, base)}")
     lines += [f"modules:   {len(lora.modules)}", f"dtype:     {', '.join(dtypes)}", "groups:"]
     groups: dict[str, list] = collections.defaultdict(list)
     for name, m in lora.modules.items():
@@ -94,8 +109,8 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("file", help="LoRA file: .safetensors, torch .ckpt/.pt, or MindSpore .ckpt")
     parser.add_argument("--model", choices=("flux", "sdxl"), help="the model, when the keys do not tell")
     parser.add_argument("--base", metavar="DIR",
-                        help="diffusers pipeline folder to check the modules against (default: the "
-                             "released FLUX.1 / SDXL base 1.0)")
+                        help="diffusers pipeline folder to check the modules and shapes against (default: "
+                             "the released FLUX.1-dev / SDXL base 1.0, built without weights)")
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:

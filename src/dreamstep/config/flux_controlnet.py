@@ -45,6 +45,11 @@ class FluxControlNetConfig(FluxTrainingConfig):
     controlnet_weights_dtype: Literal["fp32", "bf16"] = option(
         "fp32", "ControlNet weight dtype; bf16 needs --mixed_precision bf16 and uses AdamW with fp32 update "
                 "math and stochastic rounding (less memory)")
+    # diffusers' train_controlnet_flux.py defaults (the LoRA trainers keep those of the DreamBooth LoRA script).
+    learning_rate: float = option(5e-6, "learning rate (diffusers' ControlNet default)", bounds="(0, inf)")
+    adam_weight_decay: float = option(1e-2, "weight decay (diffusers' ControlNet default)", bounds="[0, inf)")
+    weighting_scheme: Literal["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"] = option(
+        "logit_normal", "timestep sampling / loss weighting (SD3 paper; diffusers' ControlNet default)")
     validation_prompt: list[str] = option([], "prompts for validation images (one, or one per --validation_image)")
     validation_image: list[str] = option([], "control images for validation (one, or one per --validation_prompt)")
     zero_stage: Literal[0, 2, 3] = option(
@@ -81,6 +86,9 @@ class FluxControlNetConfig(FluxTrainingConfig):
                             "weights; use --controlnet_weights_dtype fp32 with --zero_stage")
         if self.shard_base and not self.zero_stage:
             raise UserError("--shard_base needs --zero_stage 2 or 3")
+        if self.shard_base and self.base_quantization != "none":
+            raise UserError(f"--shard_base splits a bf16/fp32 base; a --base_quantization {self.base_quantization} "
+                            f"base is small enough to keep whole on each process: drop --shard_base")
         self._check_validation_pairs()
 
     def _check_validation_pairs(self) -> None:

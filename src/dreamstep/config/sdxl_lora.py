@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from dreamstep.config.evaluation import EvaluationOptions
+from dreamstep.config.memory import check_quantization, parse_bytes
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
@@ -54,11 +55,15 @@ class SDXLLoraConfig(EvaluationOptions):
     network_train_unet_only: bool = option(False, "LoRA on the UNet only")
     network_train_text_encoder_only: bool = option(False, "LoRA on the text encoders only")
     learning_rate: float = option(1e-4, "learning rate", bounds="(0, inf)")
-    unet_lr: float | None = option(None, "learning rate of the UNet LoRA (default: --learning_rate)", bounds="[0, inf)")
-    text_encoder_lr: float | None = option(None, "learning rate of the text-encoder LoRA (default: --learning_rate)",
-                                           bounds="[0, inf)")
+    unet_lr: float | None = option(None, "learning rate of the UNet LoRA (default: --learning_rate; 0 freezes it, "
+                                         "as in sd-scripts)", bounds="[0, inf)")
+    text_encoder_lr: float | None = option(None, "learning rate of the text-encoder LoRA (default: --learning_rate; "
+                                                 "0 freezes it, as in sd-scripts)", bounds="[0, inf)")
     optimizer_type: str = option("AdamW", "AdamW, AdamW8bit, Lion, Prodigy or Adafactor")
-    optimizer_args: list[str] = option([], "optimizer key=value arguments, e.g. weight_decay=0.05 betas=0.9,0.98")
+    optimizer_args: list[str] = option([], "optimizer key=value arguments, e.g. weight_decay=0.05 betas=0.9,0.98; "
+                                           "unset ones keep the optimizer's own defaults as in sd-scripts (weight "
+                                           "decay 0.01 for AdamW, none for Lion, Prodigy, Adafactor; Adafactor "
+                                           "with relative_step=True and its own schedule)")
     lr_scheduler: Literal[LR_SCHEDULERS] = option("constant", "learning-rate schedule")  # type: ignore[valid-type]
     lr_warmup_steps: float = option(0, "warm-up steps (a value below 1 is a fraction of the training steps)",
                                     bounds="[0, inf)")
@@ -77,6 +82,13 @@ class SDXLLoraConfig(EvaluationOptions):
                                     "the device only while it runs (small cards; needs --gradient_checkpointing)",
                                  bounds="[0, inf)")
     compile: bool = option(False, "torch.compile each UNet transformer block (regional compilation)")
+    base_quantization: Literal["none", "fp8", "int8", "nf4"] = option(
+        "none", "store the frozen UNet's linear weights in 8 or 4 bits (pip install 'dreamstep[quant]'; nf4 needs "
+                "a CUDA GPU)")
+    fp8_base: bool = option(False, "sd-scripts' spelling of --base_quantization fp8")
+    device_memory: str | None = option(None, "memory of the training device for the memory plan, e.g. 12GB "
+                                             "(default: detected on CUDA)")
+    dry_run: bool = option(False, "print the memory plan and stop before loading any model")
     sdpa: bool = option(False, "PyTorch scaled-dot-product attention (the default attention)")
     flash_attn: bool = option(False, "flash attention: PyTorch scaled-dot-product attention picks it where it can")
     xformers: bool = option(False, "memory-efficient attention: PyTorch scaled-dot-product attention instead")
@@ -88,6 +100,8 @@ class SDXLLoraConfig(EvaluationOptions):
     multires_noise_iterations: int | None = option(None, "multi-resolution noise levels (6-10 typical)",
                                                    bounds="[1, inf)")
     multires_noise_discount: float = option(0.3, "weight decay per multires noise level", bounds="[0, 1]")
+    zero_terminal_snr: bool = option(False, "rescale the noise schedule to zero SNR at the last timestep "
+                                            "(sd-scripts' flag; usually with --v_parameterization)")
     min_timestep: int = option(0, "smallest training timestep", bounds="[0, 1000)")
     max_timestep: int = option(1000, "training timesteps are below this", bounds="(0, 1000]")
     prior_loss_weight: float = option(1.0, "loss weight of regularization images", bounds="[0, inf)")
@@ -121,6 +135,8 @@ class SDXLLoraConfig(EvaluationOptions):
                             f"'{NETWORK_MODULE}' (LoRA, and LoCon with --network_args conv_dim=...)")
         if self.network_train_unet_only and self.network_train_text_encoder_only:
             raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
+        if self.unet_lr == 0 and self.text_encoder_lr == 0:
+            raise UserError("--unet_lr 0 and --text_encoder_lr 0 leave nothing to train; give one a learning rate")
         if self.full_fp16 and self.mixed_precision != "fp16":
             raise UserError("--full_fp16 needs --mixed_precision fp16")
         if self.full_bf16 and self.mixed_precision != "bf16":
@@ -128,6 +144,12 @@ class SDXLLoraConfig(EvaluationOptions):
         if self.blocks_to_swap and not self.gradient_checkpointing:
             raise UserError("--blocks_to_swap needs --gradient_checkpointing: without it backward holds every "
                             "block's weights on the device and swapping saves no memory")
+        if self.fp8_base and self.base_quantization not in ("none", "fp8"):
+            raise UserError(f"--fp8_base asks for an fp8 UNet but --base_quantization is "
+                            f"{self.base_quantization}; give one of the two")
+        check_quantization(self.unet_quantization, "--fp8_base" if self.fp8_base else "--base_quantization")
+        if self.device_memory is not None:
+            parse_bytes(self.device_memory, "--device_memory")
         if self.adaptive_noise_scale is not None and self.noise_offset is None:
             raise UserError("--adaptive_noise_scale needs --noise_offset")
         if self.min_timestep >= self.max_timestep:
@@ -142,3 +164,6 @@ class SDXLLoraConfig(EvaluationOptions):
             raise UserError(f"--output_name {self.output_name}: give a file name without folders (files go "
                             f"into --output_dir), e.g. --output_name {Path(self.output_name).name or 'last'}")
 
+    @property
+    def unet_quantization(self) -> str:
+        return "fp8" if self.fp8_base else self.base_quantization

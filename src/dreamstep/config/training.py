@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional
 from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.errors import UserError
+from dreamstep.config.memory import check_quantization, parse_bytes
 
 # diffusers' get_scheduler names (all but piecewise_constant, which needs a rule string).
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -41,7 +42,8 @@ class FluxTrainingConfig(EvaluationOptions):
     optimizer: str = option("AdamW", "AdamW, AdamW8bit (bitsandbytes) or Prodigy (prodigyopt)")
     adam_beta1: float = option(0.9, "Adam beta1", bounds="[0, 1)")
     adam_beta2: float = option(0.999, "Adam beta2", bounds="[0, 1)")
-    adam_weight_decay: float = option(1e-4, "weight decay", bounds="[0, inf)")
+    adam_weight_decay: float = option(1e-4, "weight decay (diffusers' default, given to every optimizer)",
+                                     bounds="[0, inf)")
     adam_epsilon: float = option(1e-8, "Adam epsilon", bounds="[0, inf)")
     max_grad_norm: float = option(1.0, "clip the global gradient norm to this (0 disables)", bounds="[0, inf)")
     mixed_precision: Literal["no", "fp16", "bf16"] = option(
@@ -55,6 +57,14 @@ class FluxTrainingConfig(EvaluationOptions):
                                    bounds="[0, inf)")
     max_sequence_length: int = option(512, "T5 tokens per prompt", bounds="[1, 512]")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    base_quantization: Literal["none", "fp8", "int8", "nf4"] = option(
+        "none", "store the frozen transformer's linear weights in 8 or 4 bits (pip install 'dreamstep[quant]'; "
+                "nf4 needs a CUDA GPU)")
+    text_encoder_quantization: Literal["none", "fp8", "int8", "nf4"] = option(
+        "none", "store T5's linear weights in 8 or 4 bits while it encodes the prompts")
+    device_memory: Optional[str] = option(None, "memory of the training device for the memory plan, e.g. 12GB "
+                                                "(default: detected on CUDA)")
+    dry_run: bool = option(False, "print the memory plan and stop before loading any model")
     blocks_to_swap: int = option(0, "keep the last N transformer blocks in host memory and bring each to the "
                                     "device only while it runs (for small cards; needs --gradient_checkpointing)",
                                  bounds="[0, inf)")
@@ -96,6 +106,10 @@ class FluxTrainingConfig(EvaluationOptions):
         if self.resolution % 16:
             raise UserError(f"--resolution must be a multiple of 16 for FLUX's 2x2 latent packing "
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
+        check_quantization(self.base_quantization, "--base_quantization")
+        check_quantization(self.text_encoder_quantization, "--text_encoder_quantization")
+        if self.device_memory is not None:
+            parse_bytes(self.device_memory, "--device_memory")
         if self.blocks_to_swap and not self.gradient_checkpointing:
             raise UserError("--blocks_to_swap needs --gradient_checkpointing: without it backward holds every "
                             "block's weights on the device and swapping saves no memory")

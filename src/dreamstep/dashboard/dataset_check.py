@@ -17,7 +17,7 @@ from dreamstep.data.buckets import BucketPlanner
 from dreamstep.data.dataset import BucketDataset
 from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig, load_dataset_config
 from dreamstep.data.images import ImageInfo, inspect_image, list_images
-from dreamstep.data.records import ImageRecord, balanced_repeats, folder_caption, subset_entries
+from dreamstep.data.records import ImageRecord, dataset_repeats, folder_caption, subset_entries
 from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
 from dreamstep.errors import UserError
 
@@ -106,13 +106,14 @@ def check_dataset(source: str | Path, resolution: int = 1024, seed: int = 0,
             problems += subset_problems
             entries.append((subset, found))
         checked = [CheckedImage(path, first + s, caption, count, problems=[problem] if problem else [])
-                   for s, ((_, found), counts) in enumerate(zip(entries, balanced_repeats(entries)))
+                   for s, ((_, found), counts) in enumerate(zip(entries, dataset_repeats(config, entries)))
                    for (path, caption, problem), count in zip(found, counts)]
         _inspect_all(checked, BucketPlanner(config.buckets), subsets)
-        groups.append(([i.record for i in checked if i.record is not None], config.batch_size))
+        groups.append(([i.record for i in checked if i.record is not None], config.batch_size,
+                       config.prior_pairs))
         images += checked
     problems += [f"{i.path}: {p}" for i in images for p in i.problems]
-    dataset = BucketDataset(groups, seed) if any(records for records, _ in groups) else None
+    dataset = BucketDataset(groups, seed) if any(records for records, *_ in groups) else None
     return DatasetCheck(str(source), configs, subsets, images, problems, dataset, seed)
 
 

@@ -131,12 +131,18 @@ class Placement:
     crop_left: int
     crop_top: int
     flip: bool
+    random_crop: bool = False
 
     def crop_top_left(self) -> tuple[int, int]:
         """SDXL's ``crops_coords_top_left`` (top, left): the crop's offset in the resized image as the model
         sees it, so a flipped sample measures ``left`` from the mirrored side."""
         left = self.resized[0] - self.bucket[0] - self.crop_left if self.flip else self.crop_left
         return self.crop_top, left
+
+    def is_fixed(self) -> bool:
+        """Whether every epoch gives this sample the same pixels: no random crop, or a crop with no room to
+        move (the resized image is exactly the bucket). A random flip is fixed too: it is part of the key."""
+        return not self.random_crop or self.resized == self.bucket
 
     def describe(self) -> str:
         """A stable text form, used in cache keys."""
@@ -153,4 +159,4 @@ def place(bucket: Size, resized: Size, random_crop: bool, flip: bool, rng: np.ra
         left, top = int(rng.integers(0, over_w + 1)), int(rng.integers(0, over_h + 1))
     else:
         left, top = over_w // 2, over_h // 2
-    return Placement(bucket, resized, left, top, flip)
+    return Placement(bucket, resized, left, top, flip, random_crop)

@@ -76,21 +76,28 @@ class TensorCache:
         with atomic_path(path) as tmp:
             save_file(contiguous, str(tmp), metadata={"model_id": self.model_id, "content": content_key[:4096]})
 
-    def get_or_compute(self, content_keys: Sequence[str],
+    def get_or_compute(self, content_keys: Sequence[str | None],
                        compute: Callable[[list[int]], dict[str, torch.Tensor]],
                        known: Sequence[dict[str, torch.Tensor] | None] | None = None) -> dict[str, torch.Tensor]:
-        """Batch lookup: entries already ``known`` or cached are used; ``compute([position])`` returns the
-        tensors of one missing entry (batch dimension 1), which are stored. Returns every name stacked over
-        the batch, on the CPU."""
+        """Batch lookup: entries already ``known`` or cached are used; ``compute(positions)`` returns batched
+        tensors for missing ones. Entries whose key is None (not cacheable) are computed together and not
+        stored; the others are computed one per call and stored: batched kernels may round differently with
+        other batch mates, and an entry must not depend on which samples shared its first batch (a resumed
+        run meets them in other batches). Returns every name stacked over the batch, on the CPU."""
         found = list(known) if known is not None else [None] * len(content_keys)
         for i, key in enumerate(content_keys):
-            if found[i] is None:
+            if found[i] is None and key is not None:
                 found[i] = self.get(key)
-        # One entry per call: batched kernels may round differently with other batch mates, and an entry must
-        # not depend on which samples shared its first batch (a resumed run meets them in other batches).
-        for i in [i for i, entry in enumerate(found) if entry is None]:
-            found[i] = {name: value[0].detach().cpu() for name, value in compute([i]).items()}
-            self.put(content_keys[i], found[i])
+        missing = [i for i, entry in enumerate(found) if entry is None]
+        uncached = [i for i in missing if content_keys[i] is None]
+        if uncached:
+            computed = compute(uncached)
+            for row, i in enumerate(uncached):
+                found[i] = {name: value[row].detach().cpu() for name, value in computed.items()}
+        for i in missing:
+            if content_keys[i] is not None:
+                found[i] = {name: value[0].detach().cpu() for name, value in compute([i]).items()}
+                self.put(content_keys[i], found[i])
         names = found[0].keys()
         return {name: torch.stack([entry[name] for entry in found]) for name in names}
 
@@ -101,16 +108,21 @@ def latents_for_batch(batch: dict[str, Any], encode: Callable[[torch.Tensor], to
     else ``encode(pixel_values)`` for the samples that came with pixels, stored for later epochs and runs.
     ``prefix="conditioning_"`` does the same for ControlNet conditioning images."""
     pixels, positions = batch[f"{prefix}pixel_values"], batch[f"{prefix}pixel_items"]
+
+    def checked(rows: list[int]) -> torch.Tensor:
+        latents = encode(pixels[rows])
+        _check_finite(latents, [batch["image_paths"][positions[row]] for row in rows], prefix)
+        return latents
+
     if cache is None:
         if len(positions) != len(batch["captions"]):
             raise ValueError("some samples came without pixels but no cache was given")
-        return encode(pixels)
+        return checked(list(range(len(positions))))
     keys = batch["image_keys" if not prefix else f"{prefix}keys"]
     known = [{"latents": t} if t is not None else None for t in batch[f"{prefix}latents"]]
 
     def compute(missing: list[int]) -> dict[str, torch.Tensor]:
-        rows = [positions.index(i) for i in missing]
-        return {"latents": encode(pixels[rows])}
+        return {"latents": checked([positions.index(i) for i in missing])}
 
     return cache.get_or_compute(keys, compute, known)["latents"]
 
@@ -123,3 +135,14 @@ def remove_caches(root: Path, names: Iterable[str]) -> None:
             shutil.rmtree(root / name)
     if root.is_dir() and not any(root.iterdir()):
         root.rmdir()
+def _check_finite(latents: torch.Tensor, paths: list[str], prefix: str) -> None:
+    """Stop at the first image whose latents hold NaN or inf, before they are cached or trained on: an
+    fp16 VAE overflows on some images (SDXL's does), which would otherwise surface steps later as a
+    non-finite loss."""
+    finite = torch.isfinite(latents.flatten(1)).all(dim=1)
+    if not bool(finite.all()):
+        path = paths[int((~finite).nonzero()[0])]
+        which = "the conditioning image of " if prefix else ""
+        raise UserError(f"{which}{path}: the VAE encoded this image to NaN/inf latents (a half-precision VAE "
+                        f"overflows on some images); keep the VAE in fp32: --no_half_vae for sdxl-lora, "
+                        f"--mixed_precision bf16 or no for the FLUX trainers")

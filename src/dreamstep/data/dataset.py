@@ -38,14 +38,16 @@ class BucketDataset(Dataset):
     ``latent_cache``, a sample whose latents are cached comes with ``latents`` instead of ``pixel_values``.
     """
 
-    def __init__(self, groups: Sequence[tuple[list[ImageRecord], int]], seed: int,
+    def __init__(self, groups: Sequence[tuple[list[ImageRecord], int, bool]], seed: int,
                  latent_cache: TensorCache | None = None):
         self.records: list[ImageRecord] = []
         self.samples: list[int] = []  # sample index -> record index
         self.sample_group: list[tuple[int, int, int]] = []  # (dataset, bucket w, bucket h)
         self.batch_sizes: list[int] = []
-        for group_index, (records, batch_size) in enumerate(groups):
+        self.prior_pairs: list[bool] = []  # per dataset: batches pair instance and class samples
+        for group_index, (records, batch_size, prior_pairs) in enumerate(groups):
             self.batch_sizes.append(batch_size)
+            self.prior_pairs.append(prior_pairs)
             for record in records:
                 self.records.append(record)
                 for _ in range(record.num_repeats):
@@ -74,30 +76,51 @@ class BucketDataset(Dataset):
         placement, rng = self.placement(index, epoch)
         return process_caption(record.caption, record.subset.captions, epoch, rng), placement
 
+    def caption_and_keys(self, index: int, epoch: int) -> tuple[str, str | None, str | None]:
+        """What sample ``index`` of ``epoch`` will be encoded from, without loading its image: its caption,
+        its image's cache key and its conditioning image's (``None`` where there is no conditioning image,
+        or where the latents are not cached: see :meth:`__getitem__`)."""
+        caption, placement = self.caption(index, epoch)
+        return (caption, *self._cache_keys(self.records[self.samples[index]], placement))
+
+    def _cache_keys(self, record: ImageRecord, placement: Placement) -> tuple[str | None, str | None]:
+        # A crop drawn at random differs every epoch: its latents are encoded each time, never cached.
+        if not placement.is_fixed():
+            return None, None
+        conditioning = (image_content_key(record.conditioning.sha256, placement, record.image.size)
+                        if record.conditioning is not None else None)
+        return image_content_key(record.image.sha256, placement), conditioning
+
+    def encodes_in_the_loop(self) -> bool:
+        """Whether some sample is a random crop with room to move, whose latents the loop encodes each time
+        (so the VAE stays on the device)."""
+        return any(r.subset.random_crop and r.resized != r.bucket for r in self.records)
+
     def __getitem__(self, key: int | SampleKey) -> dict[str, Any]:
         index, epoch = (key, 0) if isinstance(key, int) else key
         record = self.records[self.samples[index]]
         caption, placement = self.caption(index, epoch)
         (width, height), (bucket_w, bucket_h) = record.image.size, record.bucket
+        image_key, conditioning_key = self._cache_keys(record, placement)
         item: dict[str, Any] = {
             "caption": caption,
             "original_size": (height, width),
             "crop_top_left": placement.crop_top_left(),
             "target_size": (bucket_h, bucket_w),
             "is_reg": record.subset.is_reg,
-            "image_key": image_content_key(record.image.sha256, placement),
+            "image_key": image_key,
             "image_path": str(record.image.path),
         }
         self._add_pixels(item, "", record.image.path, record.image.size, placement)
         if record.conditioning is not None:
-            item["conditioning_key"] = image_content_key(record.conditioning.sha256, placement, record.image.size)
+            item["conditioning_key"] = conditioning_key
             self._add_pixels(item, "conditioning_", record.conditioning.path, record.image.size, placement)
         return item
 
     def _add_pixels(self, item: dict[str, Any], prefix: str, path: Path, size: tuple[int, int],
                     placement: Placement) -> None:
         key = item[f"{prefix or 'image_'}key"]
-        cached = self.latent_cache.get(key) if self.latent_cache is not None else None
+        cached = self.latent_cache.get(key) if self.latent_cache is not None and key is not None else None
         if cached is not None:
             item[f"{prefix}latents"] = cached["latents"]
         else:
@@ -123,7 +146,8 @@ def build_dataset(configs: Sequence[DatasetConfig], seed: int,
                   latent_cache: TensorCache | None = None) -> BucketDataset:
     """Scan, validate and bucket every dataset (errors name the file) and return the torch dataset; its
     ``skipped`` lists the files in the image folders that are not trained on, with the reason."""
-    dataset = BucketDataset([(collect_records(c), c.batch_size) for c in configs], seed, latent_cache)
+    dataset = BucketDataset([(collect_records(c), c.batch_size, c.prior_pairs) for c in configs],
+                            seed, latent_cache)
     dataset.skipped = [entry for c in configs for entry in skipped_in(c)]
     return dataset
 
@@ -131,8 +155,11 @@ def build_dataset(configs: Sequence[DatasetConfig], seed: int,
 class BucketBatchSampler(Sampler[list[SampleKey]]):
     """Batches of samples from one bucket, in an order fixed by (seed, epoch), like sd-scripts: each bucket's
     samples are shuffled and cut into batches of its dataset's batch size (the last may be shorter),
-    then all batches are shuffled. ``skip_batches`` drops the first batches of this epoch (exact resume).
-    With ``num_replicas`` > 1 the list is padded by repeating its start, then dealt round robin."""
+    then all batches are shuffled. A dataset with ``prior_pairs`` batches as diffusers' DreamBooth script
+    does: its instance and class samples are shuffled apart, the shorter list is cycled to the length of
+    the longer, and each batch holds the next instance samples followed by as many class samples.
+    ``skip_batches`` drops the first batches of this epoch (exact resume). With ``num_replicas`` > 1
+    the list is padded by repeating its start, then dealt round robin."""
 
     def __init__(self, dataset: BucketDataset, seed: int, epoch: int = 0, skip_batches: int = 0,
                  num_replicas: int = 1, rank: int = 0):
@@ -157,12 +184,28 @@ class BucketBatchSampler(Sampler[list[SampleKey]]):
         for group in sorted(groups):
             members = [groups[group][i] for i in rng.permutation(len(groups[group]))]
             size = self.dataset.batch_sizes[group[0]]
-            batches += [members[i:i + size] for i in range(0, len(members), size)]
+            if self.dataset.prior_pairs[group[0]]:
+                batches += self._prior_pairs(members, size)
+            else:
+                batches += [members[i:i + size] for i in range(0, len(members), size)]
         batches = [batches[i] for i in rng.permutation(len(batches))]
         if self.num_replicas > 1:
             padding = (-len(batches)) % self.num_replicas
             batches = (batches + batches[:padding])[self.rank::self.num_replicas]
         return batches
+
+    def _prior_pairs(self, members: list[int], size: int) -> list[list[int]]:
+        """Batches of ``size`` instance samples, each followed by ``size`` class samples (shuffled members)."""
+        dataset = self.dataset
+        is_reg = [dataset.records[dataset.samples[i]].subset.is_reg for i in members]
+        instance = [i for i, reg in zip(members, is_reg) if not reg]
+        prior = [i for i, reg in zip(members, is_reg) if reg]
+        if not instance or not prior:
+            raise UserError("prior preservation needs instance and class images of the same size; "
+                            "check --instance_data_dir and --class_data_dir")
+        count = max(len(instance), len(prior))
+        instance, prior = ([lst[i % len(lst)] for i in range(count)] for lst in (instance, prior))
+        return [instance[i:i + size] + prior[i:i + size] for i in range(0, count, size)]
 
     def batches_per_epoch(self) -> int:
         """Batches per epoch for this rank (the same in every epoch)."""

@@ -104,6 +104,9 @@ class DatasetConfig:
     buckets: BucketSpec
     batch_size: int
     subsets: tuple[SubsetConfig, ...]
+    # diffusers' prior preservation instead of sd-scripts' balancing: every batch holds batch_size instance
+    # samples and as many class samples, and an epoch cycles the shorter list to the length of the longer.
+    prior_pairs: bool = False
 
 
 def load_dataset_config(path: str | Path, cli: Mapping[str, Any] | None = None) -> list[DatasetConfig]:

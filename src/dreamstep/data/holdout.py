@@ -48,9 +48,9 @@ def build_split_datasets(configs: Sequence[DatasetConfig], seed: int, validation
         train_records, held = split_records(collect_records(config), validation_split, seed)
         if not train_records:
             raise UserError(f"{config.where}: every image is held out for validation; keep some to train on")
-        training.append((train_records, config.batch_size))
+        training.append((train_records, config.batch_size, config.prior_pairs))
         if held:
-            held_out.append(([dataclasses.replace(r, num_repeats=1) for r in held], config.batch_size))
+            held_out.append(([dataclasses.replace(r, num_repeats=1) for r in held], config.batch_size, False))
     return BucketDataset(training, seed), (BucketDataset(held_out, seed) if held_out else None)
 
 

@@ -1,6 +1,8 @@
 """From a :class:`DatasetConfig` to the list of images it trains on: folders are scanned, captions read
 (caption files, ``class_tokens``, or a JSON/JSONL metadata file), ControlNet partners matched, every
-image decoded once, regularization repeats balanced as sd-scripts does, and each image given its bucket.
+image decoded once, regularization repeats balanced as sd-scripts does (unless the dataset pairs class
+samples with instance samples, diffusers' way: see :class:`~dreamstep.data.dataset.BucketBatchSampler`),
+and each image given its bucket.
 Every problem is found here, before training, and reported by file.
 """
 
@@ -54,7 +56,7 @@ def collect_records(config: DatasetConfig) -> list[ImageRecord]:
     paths = [e.path for _, es in entries for e in es] + [e.conditioning for _, es in entries for e in es
                                                           if e.conditioning is not None]
     infos = validate_images(list(dict.fromkeys(paths)))
-    repeats = balanced_repeats(entries)
+    repeats = dataset_repeats(config, entries)
     planner = BucketPlanner(config.buckets)
     records = []
     for (subset, found), subset_repeats in zip(entries, repeats):
@@ -104,6 +106,15 @@ def balance_regularization(num_train_images: int, reg_repeats: list[int]) -> lis
                 break
         first_pass = False
     return result
+
+
+def dataset_repeats(config: DatasetConfig, entries: list[tuple[SubsetConfig, list[Any]]]) -> list[list[int]]:
+    """Each entry's repeats per epoch: sd-scripts' regularization balancing, or, for a dataset that pairs
+    class samples with instance samples (diffusers' prior preservation), every subset's own ``num_repeats``
+    (the batch sampler cycles the shorter side)."""
+    if config.prior_pairs:
+        return [[s.num_repeats] * len(es) for s, es in entries]
+    return balanced_repeats(entries)
 
 
 def balanced_repeats(entries: list[tuple[SubsetConfig, list[Any]]]) -> list[list[int]]:

@@ -3,7 +3,8 @@ TOML produces, so every trainer has one data pipeline.
 
 - DreamBooth (FLUX LoRA): ``--instance_data_dir`` + ``--instance_prompt`` (optionally per-image caption
   files via ``--caption_extension``, with the instance prompt as the fallback), and for prior
-  preservation ``--class_data_dir`` + ``--class_prompt``: a regularization subset, balanced as in sd-scripts.
+  preservation ``--class_data_dir`` + ``--class_prompt``: a regularization subset whose samples are paired
+  with the instance samples in every batch, as diffusers' DreamBooth script does.
 - ControlNet pairs: ``--train_data_dir`` + ``--conditioning_data_dir`` (same-named files), or a
   ``--jsonl_for_train`` file with ``image``, ``conditioning_image`` and ``text`` columns (a
   ``metadata.jsonl`` inside ``--train_data_dir`` is found on its own).
@@ -68,7 +69,7 @@ def dreambooth_from_flags(instance_data_dir: str | Path, instance_prompt: str | 
         subsets.append(SubsetConfig(where="--class_data_dir", image_dir=class_dir, num_repeats=class_repeats,
                                     is_reg=True, class_tokens=class_prompt, caption_extension=None, **common))
     return DatasetConfig("--instance_data_dir", "dreambooth", buckets or bucket_spec(512), batch_size,
-                         tuple(subsets))
+                         tuple(subsets), prior_pairs=class_data_dir is not None)
 
 
 def controlnet_from_flags(*, train_data_dir: str | Path | None = None,

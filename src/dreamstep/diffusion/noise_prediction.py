@@ -21,11 +21,13 @@ from diffusers import DDPMScheduler
 PredictionType = Literal["epsilon", "v_prediction"]
 
 
-def training_scheduler(scheduler_config: dict) -> DDPMScheduler:
+def training_scheduler(scheduler_config: dict, zero_terminal_snr: bool = False) -> DDPMScheduler:
     """The DDPM schedule of the base model (SDXL: 1000 steps, scaled-linear β 0.00085..0.012), as sd-scripts
-    trains with it (``clip_sample=False``)."""
+    trains with it (``clip_sample=False``). ``zero_terminal_snr`` rescales β so that ᾱ_T = 0 while ᾱ_1 is
+    kept (Lin et al. 2024, "Common Diffusion Noise Schedules and Sample Steps are Flawed", Algorithm 1),
+    sd-scripts' ``--zero_terminal_snr``."""
     config = {k: v for k, v in dict(scheduler_config).items() if not k.startswith("_")}
-    return DDPMScheduler.from_config({**config, "clip_sample": False})
+    return DDPMScheduler.from_config({**config, "clip_sample": False, "rescale_betas_zero_snr": zero_terminal_snr})
 
 
 def snr(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
@@ -38,7 +40,10 @@ def min_snr_weight(snr_values: torch.Tensor, gamma: float, v_prediction: bool = 
     """Per-sample loss weight min(SNR, γ) / SNR for ε-prediction, min(SNR, γ) / (SNR + 1) for v-prediction
     (the v loss already carries a factor SNR + 1 relative to the ε loss)."""
     clipped = torch.clamp(snr_values, max=gamma)
-    return clipped / (snr_values + 1.0) if v_prediction else clipped / snr_values
+    if v_prediction:
+        return clipped / (snr_values + 1.0)
+    # At SNR 0 (the last step of a zero-terminal-SNR schedule) the ratio's limit is 1, not 0/0.
+    return torch.where(snr_values > 0, clipped / snr_values, torch.ones_like(snr_values))
 
 
 def offset_noise(noise: torch.Tensor, latents: torch.Tensor, offset: float,

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from diffusers.optimization import get_scheduler
+from transformers.optimization import Adafactor, AdafactorSchedule
 
 from dreamstep.config.schema import parse_key_values
 from dreamstep.config.training import LR_SCHEDULERS
@@ -40,24 +41,56 @@ def _import(package: str, extra: str) -> Any:
                         f"run: pip install {package}  (or pip install 'dreamstep[optim]')") from None
 
 
-def build_optimizer(name: str, params: Iterable[Any], lr: float, *, betas: tuple[float, float] = (0.9, 0.999),
-                    weight_decay: float = 1e-4, eps: float = 1e-8, extra: dict[str, Any] | None = None,
-                    flag: str = "--optimizer") -> torch.optim.Optimizer:
-    """The optimizer called ``name`` over ``params`` (tensors or param groups); ``extra`` overrides
-    any keyword, as Kohya's ``--optimizer_args`` do."""
+Family = Literal["diffusers", "sd-scripts"]
+
+
+def canonical_optimizer(name: str, flag: str = "--optimizer") -> str:
+    """The optimizer's name as :data:`OPTIMIZERS` spells it (matched case-insensitively)."""
     canonical = {o.lower(): o for o in OPTIMIZERS}.get(name.lower())
     if canonical is None:
         raise UserError(f"{flag}: unknown optimizer '{name}'{did_you_mean(name, OPTIMIZERS)}; "
                         f"choose one of {', '.join(OPTIMIZERS)}")
-    kwargs: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay}
-    if canonical in ("AdamW", "AdamW8bit", "Prodigy"):
-        kwargs.update(betas=betas, eps=eps)
-    elif canonical == "Lion":
-        kwargs.update(betas=betas)
-    kwargs.update(extra or {})
+    return canonical
+
+
+def optimizer_kwargs(canonical: str, lr: float, family: Family, *, betas: tuple[float, float], weight_decay: float,
+                     eps: float, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The keyword arguments the reference scripts give each optimizer. diffusers' scripts pass their
+    --adam_* flags to every optimizer. sd-scripts passes only --optimizer_args, so each optimizer keeps its
+    library's defaults (weight decay 0.01 for AdamW and AdamW8bit, none for Lion, Prodigy and Adafactor;
+    Lion's betas 0.9, 0.99), and Adafactor uses its relative step (no learning rate) unless
+    ``relative_step=False`` is given."""
+    if family == "sd-scripts":
+        kwargs: dict[str, Any] = {"lr": lr, **(extra or {})}
+        if canonical == "Adafactor":
+            kwargs.setdefault("relative_step", True)
+            if kwargs["relative_step"] or kwargs.get("warmup_init"):
+                kwargs.update(relative_step=True, lr=None)
+    else:
+        kwargs = {"lr": lr, "weight_decay": weight_decay}
+        if canonical in ("AdamW", "AdamW8bit", "Prodigy"):
+            kwargs.update(betas=betas, eps=eps)
+        elif canonical == "Lion":
+            kwargs.update(betas=betas)
+        elif canonical == "Adafactor":
+            kwargs.update(relative_step=False, scale_parameter=False)
+        kwargs.update(extra or {})
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
+    return kwargs
+
+
+def build_optimizer(name: str, params: Iterable[Any], lr: float, *, betas: tuple[float, float] = (0.9, 0.999),
+                    weight_decay: float = 1e-4, eps: float = 1e-8, extra: dict[str, Any] | None = None,
+                    flag: str = "--optimizer", family: Family = "diffusers") -> torch.optim.Optimizer:
+    """The optimizer called ``name`` over ``params`` (tensors or param groups), with the keyword defaults of
+    ``family``'s scripts (see :func:`optimizer_kwargs`); ``extra`` overrides any keyword, as Kohya's
+    ``--optimizer_args`` do. An Adafactor with relative step takes no learning rate, so groups lose theirs."""
+    canonical = canonical_optimizer(name, flag)
+    kwargs = optimizer_kwargs(canonical, lr, family, betas=betas, weight_decay=weight_decay, eps=eps, extra=extra)
     params = list(params)
+    if kwargs.get("lr", lr) is None:
+        params = [{k: v for k, v in p.items() if k != "lr"} if isinstance(p, dict) else p for p in params]
     try:
         if canonical == "AdamW":
             return torch.optim.AdamW(params, **kwargs)
@@ -67,21 +100,36 @@ def build_optimizer(name: str, params: Iterable[Any], lr: float, *, betas: tuple
             return _import("bitsandbytes", canonical).optim.Lion(params, **kwargs)
         if canonical == "Prodigy":
             return _import("prodigyopt", canonical).Prodigy(params, **kwargs)
-        from transformers.optimization import Adafactor
-
-        kwargs.setdefault("relative_step", False)
-        kwargs.setdefault("scale_parameter", False)
         return Adafactor(params, **kwargs)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise UserError(f"{flag} {canonical}: bad optimizer argument ({e}); check --optimizer_args") from None
 
 
 def build_lr_scheduler(name: str, optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
                        num_cycles: int = 1, power: float = 1.0,
                        flag: str = "--lr_scheduler") -> torch.optim.lr_scheduler.LRScheduler:
-    """diffusers' schedule ``name``; the counts are optimizer steps (not micro-batches)."""
+    """diffusers' schedule ``name``; the counts are optimizer steps (not micro-batches). An Adafactor with
+    relative step sets its own step size: it gets transformers' AdafactorSchedule, as in sd-scripts."""
     if name not in LR_SCHEDULERS:
         raise UserError(f"{flag}: unknown scheduler '{name}'{did_you_mean(name, LR_SCHEDULERS)}; "
                         f"choose one of {', '.join(LR_SCHEDULERS)}")
+    if isinstance(optimizer, Adafactor) and optimizer.defaults["relative_step"]:
+        return AdafactorStepSizes(optimizer)
     return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps,
                          num_cycles=num_cycles, power=power)
+
+
+class AdafactorStepSizes(AdafactorSchedule):
+    """transformers' proxy schedule for an Adafactor with relative step: it reports the step size Adafactor
+    computed for each group (for the logs). transformers' own ``get_lr`` leaves out the groups whose first
+    parameter got no gradient this step (a LoRA module dropped by ``module_dropout``), and torch's schedulers
+    refuse a list shorter than the groups; here such a group keeps its last value."""
+
+    def get_lr(self) -> list[float]:
+        optimizer = self.optimizer
+        last = getattr(self, "_last_lr", self.base_lrs)
+        sizes = []
+        for group, before in zip(optimizer.param_groups, last):
+            state = optimizer.state.get(group["params"][0], {})
+            sizes.append(optimizer._get_lr(group, state) if "step" in state else before)
+        return sizes

@@ -106,11 +106,16 @@ def end_unfinished_run(message: str) -> None:
 
 
 def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_checkpoint: str | None,
-                     resume_flag: str = "--resume_from_checkpoint") -> Path:
+                     resume_flag: str = "--resume_from_checkpoint", config_toml: str = "",
+                     resume_must_match: tuple[str, ...] = ()) -> Path:
     """Refuse an ``--output_dir`` this run must not write into (see ``dreamstep.engine.run_folder``):
-    another live run's, or one holding files a fresh run would overwrite. Writes nothing."""
+    another live run's, or one holding files a fresh run would overwrite; and a checkpoint to resume that
+    was trained with other ``resume_must_match`` settings (the flags that shape the trained weights) than
+    ``config_toml``'s. Writes nothing."""
     end_unfinished_run("a later run in the same process started")
     resume = resolve_resume(output_dir, resume_from_checkpoint, resume_flag)
+    if resume is not None:
+        check_resume_settings(resume, config_toml, resume_must_match)
     return check_output_dir(output_dir, overwrite=overwrite, resume=resume, resume_request=resume_from_checkpoint,
                             resume_flag=resume_flag)
 
@@ -118,11 +123,10 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_che
 def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report_to: str,
               resume_from_checkpoint: str | None, config_toml: str, tensorboard_dir: str | Path | None = None,
               command: str = "dreamstep train", resume_flag: str = "--resume_from_checkpoint",
-              overwrite: bool = False, resume_must_match: tuple[str, ...] = (),
-              samples_dir: str | Path | None = None, find_unused_parameters: bool = False) -> Run:
+              overwrite: bool = False, samples_dir: str | Path | None = None,
+              find_unused_parameters: bool = False) -> Run:
     """Set up the accelerator (devices, autocast, processes), seed everything, find the checkpoint to
-    resume from, which must have been trained with the same ``resume_must_match`` settings (the flags that
-    shape the trained weights), and take the output folder: its lock and ``run_status.json`` (main
+    resume from (checked by :func:`claim_output_dir`), and take the output folder: its lock and ``run_status.json`` (main
     process). ``config.toml`` and the logs are written when training starts. TensorBoard event files go to
     ``tensorboard_dir`` (default: ``output_dir``), sample grids to ``samples_dir`` (default:
     ``output_dir/samples``). ``command`` (e.g. ``dreamstep train flux-lora``) and ``resume_flag`` make
@@ -141,8 +145,6 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
     set_seed(seed)
     folder = Path(output_dir)
     resume_from = resolve_resume(folder, resume_from_checkpoint, resume_flag)
-    if resume_from is not None:
-        check_resume_settings(resume_from, config_toml, resume_must_match)
     run = Run(folder, accelerator, resume_from, config_toml, report_to,
               Path(tensorboard_dir) if tensorboard_dir is not None else None,
               Path(samples_dir) if samples_dir is not None else None, resume_request=resume_from_checkpoint,

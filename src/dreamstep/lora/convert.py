@@ -30,7 +30,7 @@ from dreamstep.lora.layouts import (
     LAYOUTS,
     LoraWeights,
     detect_layout,
-    diffusers_adapter_metadata,
+    diffusers_file_contents,
     diffusers_state_dict,
     fold_alpha,
     guess_model,
@@ -96,6 +96,14 @@ def _fuse(parts: list[LoraWeights | None], rows: tuple[int, ...], name: str, sou
     if len(present) == len(parts) and len(scales) == 1 and all(torch.equal(p.down, present[0].down) for p in present):
         # Parts that share one down (a split Kohya module): stack the ups back, same rank and alpha.
         return LoraWeights(present[0].down, torch.cat([p.up for p in parts]), present[0].alpha)
+    if len(present) < len(parts) and len(scales) == 1 and len({p.rank for p in present}) == 1:
+        # An absent part gets zero down rows and a zero up block of the same rank, so the fused module is
+        # sd-scripts' split layout (equal rank per part, block-diagonal up), which diffusers' Kohya reader
+        # splits back into each part's own down and up instead of copying the whole down into every part.
+        like = present[0]
+        parts = [p or LoraWeights(torch.zeros_like(like.down), like.up.new_zeros(size, *like.up.shape[1:]), like.alpha)
+                 for p, size in zip(parts, sizes)]
+        present = parts
     rank = sum(p.rank for p in present)
     alpha = _exact_alpha(scales.pop(), rank) if len(scales) == 1 else None
     fold = alpha is None
@@ -259,8 +267,7 @@ class Converted:
 def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = None, dtype: str | None = None,
                  configs: Mapping[str, Mapping] | None = None, overwrite: bool = False) -> Converted:
     """Convert ``src`` to layout ``to`` ('kohya', 'diffusers', 'mindspore') at ``dst`` (the suffix picks the
-    container). diffusers layout in .safetensors keeps every alpha in the adapter-metadata header; in a torch
-    file, which has no header, alpha is folded into lora_B."""
+    container). How a diffusers-layout file carries alpha: :func:`diffusers_file_contents`."""
     if to not in LAYOUTS:
         raise UserError(f"--to {to}: unknown layout; use one of {', '.join(LAYOUTS)}{did_you_mean(to, LAYOUTS)}")
     cast_to = dtype_named(dtype, "--dtype") if dtype is not None else None
@@ -285,17 +292,18 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
         out = diffusers_to_kohya(ours, keys, str(src), notes)
     elif to == "mindspore":
         out = diffusers_to_mindspore(ours, keys, str(src))
-    elif container == "safetensors":
-        out = ours
     else:
-        out = fold_alpha(ours)
+        out = ours
         if any(m.alpha != m.rank for m in ours.values()):
-            notes.append("a torch file has no header for the adapter config: alpha/rank is folded into lora_B")
+            notes.append("alpha/rank is folded into lora_B (alpha = rank), the one form diffusers and ComfyUI "
+                         "both apply at the trained strength")
+        if keys.model == "sdxl" and any(".attn" in name for name in ours):
+            notes.append("ComfyUI maps diffusers-layout SDXL attention modules only under the old "
+                         "'processor.to_q' names: give ComfyUI the Kohya-layout file")
     if dtype is not None:
         out = {k: LoraWeights(m.down.to(cast_to), m.up.to(cast_to), m.alpha) for k, m in out.items()}
     if to == "diffusers":
-        tensors = diffusers_state_dict(out)
-        metadata = diffusers_adapter_metadata(out) if container == "safetensors" else {}
+        tensors, metadata = diffusers_file_contents(out, container)
     else:
         tensors = kohya_state_dict(out)
         metadata = {}

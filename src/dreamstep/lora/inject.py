@@ -9,10 +9,13 @@ from pathlib import Path
 import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from peft.utils.other import get_pattern_key
 from torch import nn
 
 from dreamstep.errors import UserError
-from dreamstep.files import atomic_files
+from dreamstep.lora.layouts import LoraWeights, canonical_name, diffusers_file_contents
+from dreamstep.lora.formats import DIFFUSERS_SUFFIXES
+from dreamstep.lora.io import write_lora_file
 
 # Module-name suffixes per preset, matched against the transformer blocks' nn.Linear layers.
 # "attention" is the seed's default set; "attention+ff" follows diffusers' wider FLUX example set.
@@ -90,25 +93,34 @@ class TrainableState:
         for name, model in self.models.items():
             prefix = f"{name}."
             load_trainable_state(model, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+def lora_modules(model: nn.Module, component: str) -> dict[str, LoraWeights]:
+    """The LoRA of ``model`` as diffusers-named modules ``<component>.<module>`` with each one's alpha
+    (PEFT's ``lora_alpha``, or its ``alpha_pattern`` entry), detached, on the CPU."""
+    config = model.peft_config["default"]
+    state = get_peft_model_state_dict(model)
+    down_s, up_s = DIFFUSERS_SUFFIXES
+    modules = {}
+    for key, down in state.items():
+        if key.endswith(down_s):
+            module = key.removesuffix(down_s)
+            alpha = config.alpha_pattern.get(get_pattern_key(list(config.alpha_pattern), module), config.lora_alpha)
+            modules[canonical_name(f"{component}.{module}", "diffusers")] = LoraWeights(
+                down.detach().cpu(), state[module + up_s].detach().cpu(), float(alpha))
+    return modules
 
 
 def save_flux_lora(out_dir: str | Path, transformer: nn.Module, text_encoder: nn.Module | None = None,
                    weight_name: str = "pytorch_lora_weights.safetensors",
                    dtype: torch.dtype = torch.float32) -> Path:
-    """Write ``out_dir/weight_name`` in the diffusers layout, with each adapter's config (rank and
-    alpha) in the safetensors header so that alpha != rank loads with the right scale."""
-    from diffusers import FluxPipeline
-
-    def cast(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
-
-    kwargs = {
-        "transformer_lora_layers": cast(get_peft_model_state_dict(transformer)),
-        "transformer_lora_adapter_metadata": transformer.peft_config["default"].to_dict(),
-    }
+    """Write ``out_dir/weight_name`` in the diffusers layout so that diffusers and ComfyUI apply the
+    trained alpha / rank (see :func:`~dreamstep.lora.convert.diffusers_file_contents`)."""
+    modules = lora_modules(transformer, "transformer")
     if text_encoder is not None:
-        kwargs["text_encoder_lora_layers"] = cast(get_peft_model_state_dict(text_encoder))
-        kwargs["text_encoder_lora_adapter_metadata"] = text_encoder.peft_config["default"].to_dict()
-    with atomic_files(out_dir) as tmp:
-        FluxPipeline.save_lora_weights(tmp, weight_name=weight_name, **kwargs)
-    return Path(out_dir) / weight_name
+        modules |= lora_modules(text_encoder, "text_encoder")
+    modules = {k: LoraWeights(m.down.to(dtype).contiguous(), m.up.to(dtype).contiguous(), m.alpha)
+               for k, m in modules.items()}
+    tensors, metadata = diffusers_file_contents(modules)
+    path = Path(out_dir) / weight_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_lora_file(path, tensors, metadata, "safetensors")  # atomic: a crash never leaves half a file
+    return path

@@ -29,6 +29,7 @@ SS_FLAG_KEYS = {
     "ss_min_snr_gamma": "min_snr_gamma", "ss_noise_offset": "noise_offset",
     "ss_adaptive_noise_scale": "adaptive_noise_scale", "ss_multires_noise_iterations": "multires_noise_iterations",
     "ss_multires_noise_discount": "multires_noise_discount", "ss_v_parameterization": "v_parameterization",
+    "ss_zero_terminal_snr": "zero_terminal_snr",
     "ss_prior_loss_weight": "prior_loss_weight", "ss_max_grad_norm": "max_grad_norm",
 }
 SDXL_BASE_MODEL_VERSION = "sdxl_base_v1-0"

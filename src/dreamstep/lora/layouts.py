@@ -17,6 +17,7 @@ from peft.utils.other import get_pattern_key
 from dreamstep.errors import UserError
 from dreamstep.lora import formats
 from dreamstep.lora.io import LoraFile, adapter_metadata
+from dreamstep.models.full_size import with_text_model
 
 LAYOUTS = ("kohya", "diffusers", "mindspore")
 
@@ -89,9 +90,25 @@ def _alpha_from_adapter(cfg: Mapping, module: str, rank: int) -> float:
     return alpha * math.sqrt(rank) if cfg.get("use_rslora") else alpha
 
 
+_FLAT_CLIP_NAMES = {
+    "kohya": (re.compile(r"^(lora_te\d)_encoder_layers_"), r"\1_text_model_encoder_layers_"),
+    "mindspore": (re.compile(r"^(lora_te\d)\.encoder\.layers\."), r"\1.text_model.encoder.layers."),
+}
+
+
+def canonical_name(name: str, layout: str) -> str:
+    """A module name with CLIP's ``text_model`` level, which transformers 5 dropped from CLIPTextModel: files
+    written under either version name the same module the same way from here on."""
+    if layout == "diffusers":
+        return with_text_model(name)
+    pattern, replacement = _FLAT_CLIP_NAMES[layout]
+    return pattern.sub(replacement, name)
+
+
 def modules_from_file(lora: LoraFile, layout: str) -> dict[str, LoraWeights]:
     """Group a file's tensors into modules named in its layout (Kohya/MindSpore names keep their prefix,
-    diffusers names keep their component). A module's alpha defaults to its rank (scale 1)."""
+    diffusers names keep their component; CLIP names always with ``text_model``, see
+    :func:`canonical_name`). A module's alpha defaults to its rank (scale 1)."""
     source = str(lora.path)
     down_s, up_s = formats.DIFFUSERS_SUFFIXES if layout == "diffusers" else formats.KOHYA_SUFFIXES
     parts: dict[str, dict[str, torch.Tensor]] = collections.defaultdict(dict)
@@ -118,7 +135,7 @@ def modules_from_file(lora: LoraFile, layout: str) -> dict[str, LoraWeights]:
             alpha = _alpha_from_adapter(cfg, module, rank)
         else:
             alpha = float(rank)
-        modules[name] = LoraWeights(p["down"], p["up"], alpha)
+        modules[canonical_name(name, layout)] = LoraWeights(p["down"], p["up"], alpha)
     return modules
 
 
@@ -144,6 +161,20 @@ def diffusers_state_dict(modules: Mapping[str, LoraWeights]) -> dict[str, torch.
     for name, m in modules.items():
         out |= {name + down_s: m.down, name + up_s: m.up}
     return out
+
+
+def diffusers_file_contents(modules: Mapping[str, LoraWeights],
+                            container: str = "safetensors") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and header of a diffusers-layout file that diffusers, ComfyUI and our reader all apply at the
+    trained alpha / rank. ComfyUI reads alpha only from ``<module>.alpha`` keys, else scale 1; diffusers'
+    SDXL loader refuses such keys in this layout, its FLUX loader refuses them beside an adapter-config
+    header and, without the header, applies per-module ranks and alphas by unanchored name patterns
+    ('proj_out' also catches 'single_transformer_blocks.0.proj_out'). So each module's alpha / rank is
+    folded into lora_B (alpha = rank, scale 1 for every loader) and the header gives anchored rank
+    patterns. CLIP modules are named ``text_encoder.text_model.…`` (see :func:`canonical_name`), the only
+    form ComfyUI maps; diffusers drops 'text_model.' where transformers 5 has no such level."""
+    folded = fold_alpha(modules)
+    return diffusers_state_dict(folded), diffusers_adapter_metadata(folded) if container == "safetensors" else {}
 
 
 def _peft_pattern(module: str) -> str:

@@ -128,7 +128,9 @@ class BlockSwapper:
         """Replace block ``index``'s frozen tensors by meta placeholders; the device copies are freed
         once nothing (autograd included) holds them."""
         for slot, host in self._host[index].items():
-            _put(slot, torch.empty_like(host, device="meta"))
+            # A plain meta tensor of the same shape and dtype: quantized weights (torchao tensor
+            # subclasses) have no meta form of their own.
+            _put(slot, torch.empty(host.shape, dtype=host.dtype, device="meta"))
         self._loaded.pop(index, None)
 
     def _before(self, index: int) -> None:
@@ -172,7 +174,6 @@ def _move_rest(model: nn.Module, swapped: set[_Slot], device: torch.device) -> N
         for name, buffer in module._buffers.items():
             if buffer is not None and (module, name, False) not in swapped:
                 module._buffers[name] = buffer.to(device)
-
 
 
 def prepare_blocks(model: nn.Module, *, blocks_to_swap: int, compile: bool, device: torch.device,

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from dreamstep.errors import UserError
 from dreamstep.files import atomic_files
+from dreamstep.models.quantization import dequantized
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -45,10 +46,29 @@ def build_from_transformer(transformer: FluxTransformer2DModel, num_double_layer
     if num_double_layers + num_single_layers == 0:
         raise UserError("--num_double_layers and --num_single_layers are both 0; the ControlNet needs a block")
     config = transformer.config
-    return FluxControlNetModel.from_transformer(
+    controlnet = FluxControlNetModel.from_transformer(
         transformer, num_layers=num_double_layers, num_single_layers=num_single_layers,
         attention_head_dim=config.attention_head_dim, num_attention_heads=config.num_attention_heads,
-        load_weights_from_transformer=True)
+        load_weights_from_transformer=False)
+    _copy_from_transformer(controlnet, transformer)
+    return controlnet
+
+
+# The parts a ControlNet built from the transformer starts from (what diffusers' from_transformer copies).
+_COPIED = ("pos_embed.", "time_text_embed.", "context_embedder.", "x_embedder.", "transformer_blocks.",
+           "single_transformer_blocks.")
+
+
+@torch.no_grad()
+def _copy_from_transformer(controlnet: FluxControlNetModel, transformer: FluxTransformer2DModel) -> None:
+    """Copy the shared parts' weights; a quantized transformer (``--base_quantization``) gives its
+    dequantized values, the weights it computes with. The control-input projection starts at zero."""
+    source = dict(transformer.named_parameters()) | dict(transformer.named_buffers())
+    for name, target in [*controlnet.named_parameters(), *controlnet.named_buffers()]:
+        if name.startswith(_COPIED) and name in source:
+            target.copy_(dequantized(source[name]).to(target.dtype))
+    torch.nn.init.zeros_(controlnet.controlnet_x_embedder.weight)
+    torch.nn.init.zeros_(controlnet.controlnet_x_embedder.bias)
 
 
 def load(path: str, transformer: FluxTransformer2DModel) -> FluxControlNetModel:

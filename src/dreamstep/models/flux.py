@@ -15,6 +15,8 @@ from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_ke
 from dreamstep.files import atomic_path
 from dreamstep.generation.outputs import JSON_KEY, sample_parameters
 from dreamstep.models.loading import component_identity, load_flux
+from dreamstep.models.memory_plan import PlanOptions
+from dreamstep.models.parking import ParkedModules
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
 
@@ -150,14 +152,17 @@ def generate(pipeline: FluxPipeline, prompts: list[str], *, seed: int, steps: in
 
 def load_frozen_for_training(source: str, *, revision: str | None, variant: str | None,
                              transformer_single_file: str | None, mixed_precision: str,
-                             device: torch.device, transformer_on_host: bool = False) -> Any:
+                             device: torch.device, base_quantization: str = "none",
+                             text_encoder_quantization: str = "none", transformer_on_host: bool = False) -> Any:
     """The base model for training under seed 001's policy: every weight frozen, in the half-precision
-    dtype of ``mixed_precision`` (fp32 for "no"), on ``device``. Trainable adapters are added (in fp32)
-    by the caller. ``transformer_on_host`` leaves the transformer in host memory, for a
+    dtype of ``mixed_precision`` (fp32 for "no"), on ``device``; the transformer's and T5's linear
+    weights quantized as asked (:mod:`~dreamstep.models.quantization`). Trainable adapters are added
+    (in fp32) by the caller. ``transformer_on_host`` leaves the transformer in host memory, for a
     :class:`~dreamstep.models.blocks.BlockSwapper` to place part by part."""
     components = load_flux(source, revision=revision, variant=variant,
                            transformer_single_file=transformer_single_file,
-                           weight_dtype=weight_dtype_for(mixed_precision))
+                           weight_dtype=weight_dtype_for(mixed_precision),
+                           quantize={"transformer": base_quantization, "text_encoder_2": text_encoder_quantization})
     for name in ("text_encoder", "text_encoder_2", "vae", "transformer"):
         module = getattr(components, name)
         freeze(module)
@@ -165,6 +170,32 @@ def load_frozen_for_training(source: str, *, revision: str | None, variant: str 
             module.to(device)
         module.eval()
     return components
+
+
+def plan_options(config: Any, *, rank: int, encoders_on_device: bool) -> PlanOptions:
+    """The memory-plan inputs of a FLUX trainer's config (any :class:`FluxTrainingConfig`)."""
+    return PlanOptions(resolution=config.resolution, batch_size=config.train_batch_size, rank=rank,
+                       gradient_checkpointing=config.gradient_checkpointing,
+                       base_quantization=config.base_quantization,
+                       text_encoder_quantization=config.text_encoder_quantization,
+                       encoders_on_device=encoders_on_device, blocks_to_swap=getattr(config, "blocks_to_swap", 0),
+                       optimizer=config.optimizer, weight_dtype=weight_dtype_for(config.mixed_precision),
+                       max_sequence_length=config.max_sequence_length)
+
+
+def park_encoders(components: Any, device: torch.device, *, text_encoder_trains: bool,
+                  latents_cached: bool) -> ParkedModules:
+    """Move the encoders the loop does not use off ``device``: T5 always (its outputs are cached), CLIP
+    unless it trains, the VAE when the latents are cached. Call after
+    :func:`~dreamstep.models.parking.fill_caches`."""
+    parked = {"text_encoder_2": components.text_encoder_2}
+    if not text_encoder_trains:
+        parked["text_encoder"] = components.text_encoder
+    if latents_cached:
+        parked["vae"] = components.vae
+    encoders = ParkedModules(parked, device)
+    encoders.park()
+    return encoders
 
 
 def generate_class_images(pipeline: FluxPipeline, class_dir: str | Path, class_prompt: str, wanted: int, *,

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import FluxPipeline, FluxTransformer2DModel, StableDiffusionXLPipeline
+from diffusers import FluxPipeline, FluxTransformer2DModel, StableDiffusionXLPipeline, UNet2DConditionModel
 from diffusers.utils import deprecation_utils
 from safetensors import SafetensorError, safe_open
 
 from dreamstep.errors import UserError
+from dreamstep.models import quantization
 from dreamstep.models.sgm_keys import UNET_PREFIX
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
@@ -94,6 +95,17 @@ def _folder_or_hub_id(source: str | Path, cls: type, pipeline: str) -> str:
                     "Hugging Face hub id such as 'owner/model'")
 
 
+def check_pipeline_source(source: str | Path, arch: str) -> None:
+    """Fail with one line, before anything loads, when ``source`` is neither a complete diffusers folder of
+    ``arch`` ("flux" or "sdxl"), a single-file SDXL checkpoint, nor a hub id."""
+    if arch == "sdxl" and (Path(source).expanduser().is_file() or str(source).endswith(CHECKPOINT_SUFFIXES)):
+        _check_checkpoint_file(Path(source).expanduser(), "SDXL checkpoint")
+        return
+    cls, pipeline = ((FluxComponents, "FluxPipeline") if arch == "flux"
+                     else (SDXLComponents, "StableDiffusionXLPipeline"))
+    _folder_or_hub_id(source, cls, pipeline)
+
+
 def _load_error(source: str, error: Exception) -> UserError:
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if not Path(source).exists():
@@ -105,22 +117,29 @@ def _load_error(source: str, error: Exception) -> UserError:
 
 def load_flux(pretrained_model_name_or_path: str | Path, *, revision: str | None = None,
               variant: str | None = None, transformer_single_file: str | Path | None = None,
-              weight_dtype: torch.dtype = torch.float32) -> FluxComponents:
+              weight_dtype: torch.dtype = torch.float32, quantize: dict[str, str] | None = None) -> FluxComponents:
     """Load a FLUX.1 pipeline's components, all in ``weight_dtype``.
 
     ``transformer_single_file`` replaces the folder's transformer with one file (original BFL layout,
     like ``flux1-dev.safetensors``, or diffusers layout), configured from the folder's
-    ``transformer/config.json``.
+    ``transformer/config.json``. ``quantize`` maps component names to a
+    :mod:`~dreamstep.models.quantization` mode, e.g. ``{"transformer": "int8", "text_encoder_2": "fp8"}``.
     """
     source = _folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
+    quantize = {name: mode for name, mode in (quantize or {}).items() if mode != "none"}
     overrides = {}
     if transformer_single_file is not None:
         file = _check_checkpoint_file(transformer_single_file, "transformer single file")
+        config = quantization.diffusers_config(quantize.pop("transformer", "none"), weight_dtype)
         try:
             overrides["transformer"] = FluxTransformer2DModel.from_single_file(
-                str(file), config=source, subfolder="transformer", **{_DTYPE_KWARG: weight_dtype})
+                str(file), config=source, subfolder="transformer", quantization_config=config,
+                **{_DTYPE_KWARG: weight_dtype})
         except _LOAD_ERRORS as e:
             raise UserError(f"could not load the FLUX transformer from {file}: {e}") from e
+    pipeline_quantization = quantization.pipeline_config(quantize, weight_dtype)
+    if pipeline_quantization is not None:
+        overrides["quantization_config"] = pipeline_quantization
     try:
         pipe = FluxPipeline.from_pretrained(source, revision=revision, variant=variant,
                                             **{_DTYPE_KWARG: weight_dtype}, **overrides)
@@ -152,14 +171,19 @@ def _check_sdxl_safetensors(file: Path) -> None:
                         "sd_xl_base_1.0.safetensors, or a diffusers folder")
 
 
-def _load_sdxl_single_file(file: Path, config: str | Path | None,
-                           weight_dtype: torch.dtype) -> StableDiffusionXLPipeline:
+def _load_sdxl_single_file(file: Path, config: str | Path | None, weight_dtype: torch.dtype,
+                           unet_quantization: str) -> StableDiffusionXLPipeline:
     if file.suffix == ".safetensors":
         _check_sdxl_safetensors(file)
     kwargs: dict[str, Any] = {_DTYPE_KWARG: weight_dtype}
     if config is not None:
         kwargs["config"] = _folder_or_hub_id(config, SDXLComponents, "StableDiffusionXLPipeline")
     try:
+        if unet_quantization != "none":
+            # The pipeline's single-file loader takes no quantization_config; its UNet's loader does.
+            kwargs["unet"] = UNet2DConditionModel.from_single_file(
+                str(file), subfolder="unet", **kwargs,
+                quantization_config=quantization.diffusers_config(unet_quantization, weight_dtype))
         return StableDiffusionXLPipeline.from_single_file(str(file), **kwargs)
     except _LOAD_ERRORS as e:
         hint = ("" if config is not None else "; offline, give --model_config a diffusers SDXL folder "
@@ -169,21 +193,24 @@ def _load_sdxl_single_file(file: Path, config: str | Path | None,
 
 def load_sdxl(path_or_id_or_single_file: str | Path, *, revision: str | None = None,
               variant: str | None = None, config: str | Path | None = None,
-              weight_dtype: torch.dtype = torch.float32) -> SDXLComponents:
+              weight_dtype: torch.dtype = torch.float32, unet_quantization: str = "none") -> SDXLComponents:
     """Load an SDXL pipeline's components, all in ``weight_dtype``, from a diffusers folder, a hub id
     or a single-file checkpoint (``.safetensors`` / ``.ckpt``, original SGM layout).
 
     For a single file, ``config`` names a diffusers SDXL folder or hub id that supplies the model
     configs, tokenizers and scheduler; without it diffusers fetches them from the hub.
+    ``unet_quantization`` is a :mod:`~dreamstep.models.quantization` mode for the UNet's linear layers.
     """
     source = Path(path_or_id_or_single_file).expanduser()
     if source.is_file() or str(path_or_id_or_single_file).endswith(CHECKPOINT_SUFFIXES):
         file = _check_checkpoint_file(source, "SDXL checkpoint")
-        return _components(_load_sdxl_single_file(file, config, weight_dtype), SDXLComponents)
+        return _components(_load_sdxl_single_file(file, config, weight_dtype, unet_quantization), SDXLComponents)
     name = _folder_or_hub_id(path_or_id_or_single_file, SDXLComponents, "StableDiffusionXLPipeline")
+    pipeline_quantization = quantization.pipeline_config({"unet": unet_quantization}, weight_dtype)
+    extra = {"quantization_config": pipeline_quantization} if pipeline_quantization is not None else {}
     try:
         pipe = StableDiffusionXLPipeline.from_pretrained(name, revision=revision, variant=variant,
-                                                         **{_DTYPE_KWARG: weight_dtype})
+                                                         **{_DTYPE_KWARG: weight_dtype}, **extra)
     except _LOAD_ERRORS as e:
         raise _load_error(name, e) from e
     return _components(pipe, SDXLComponents)

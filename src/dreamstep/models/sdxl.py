@@ -5,6 +5,7 @@ inference sees), the size conditioning ``add_time_ids``, VAE posteriors, and sd-
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_ke
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.generation.outputs import JSON_KEY, png_info, sample_parameters
 from dreamstep.models.loading import component_identity, load_sdxl
+from dreamstep.models.parking import ParkedModules
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
 
@@ -57,17 +59,27 @@ def assemble_pipeline(components: Any, unet: torch.nn.Module | None = None) -> S
     return pipeline
 
 
-def load_frozen_for_training(source: str, *, model_config: str | None, mixed_precision: str,
-                             device: torch.device, vae_fp32: bool = False, sdpa: bool = False,
-                             gradient_checkpointing: bool = False, unet_on_host: bool = False) -> Any:
-    """The SDXL components, frozen, in the half-precision dtype of ``mixed_precision`` (the VAE in fp32 with
-    ``vae_fp32``: SDXL's VAE overflows in fp16), on ``device`` (the UNet stays in host memory with
-    ``unet_on_host``, for a block swapper to place). A single file finds its configs in ``model_config``,
-    or in its own folder when that holds ``model_index.json``."""
+def config_source(source: str, model_config: str | None) -> str:
+    """Where the model configs of ``source`` are: ``model_config``, a single file's own folder when that
+    holds ``model_index.json``, else ``source`` itself."""
     file = Path(source)
     if model_config is None and file.is_file() and (file.parent / "model_index.json").is_file():
-        model_config = str(file.parent)
-    base = load_sdxl(source, config=model_config, weight_dtype=weight_dtype_for(mixed_precision))
+        return str(file.parent)
+    return model_config or source
+
+
+def load_frozen_for_training(source: str, *, model_config: str | None, mixed_precision: str,
+                             device: torch.device, vae_fp32: bool = False, sdpa: bool = False,
+                             gradient_checkpointing: bool = False, unet_quantization: str = "none",
+                             unet_on_host: bool = False) -> Any:
+    """The SDXL components, frozen, in the half-precision dtype of ``mixed_precision`` (the VAE in fp32 with
+    ``vae_fp32``: SDXL's VAE overflows in fp16), on ``device``; the UNet's linear weights quantized as
+    ``unet_quantization`` says (:mod:`~dreamstep.models.quantization`), and kept in host memory with
+    ``unet_on_host``, for a block swapper to place. A single file finds its configs in ``model_config``,
+    or in its own folder when that holds ``model_index.json``."""
+    model_config = config_source(source, model_config) if model_config or Path(source).is_file() else None
+    base = load_sdxl(source, config=model_config, weight_dtype=weight_dtype_for(mixed_precision),
+                     unet_quantization=unet_quantization)
     freeze(base.unet, base.vae, base.text_encoder, base.text_encoder_2)
     for module in (base.unet, base.vae, base.text_encoder, base.text_encoder_2):
         module.to("cpu" if module is base.unet and unet_on_host else device).eval()
@@ -137,6 +149,17 @@ class SDXLLoraModel(torch.nn.Module):
         conditions = {"text_embeds": pooled, "time_ids": add_time_ids}
         return self.unet(noisy, timesteps, encoder_hidden_states=prompt_embeds, added_cond_kwargs=conditions,
                          return_dict=False)[0]
+def park_encoders(base: Any, device: torch.device, *, text_encoders_train: bool,
+                  latents_cached: bool) -> ParkedModules:
+    """Move the encoders the loop does not use off ``device``: both CLIP encoders unless they train (their
+    outputs are cached then), the VAE when the latents are cached. Call after
+    :func:`~dreamstep.models.parking.fill_caches`."""
+    parked = {} if text_encoders_train else {"text_encoder": base.text_encoder, "text_encoder_2": base.text_encoder_2}
+    if latents_cached:
+        parked["vae"] = base.vae
+    encoders = ParkedModules(parked, device)
+    encoders.park()
+    return encoders
 
 
 class SDXLConditioner:
@@ -275,8 +298,10 @@ class SampleWriter:
     sd-scripts names them, and the images are returned for the log's grid."""
 
     def __init__(self, pipeline: StableDiffusionXLPipeline, network: torch.nn.Module, prompts: list[SamplePrompt], *,
-                 folder: Path, name: str, sampler: str, seed: int, v_prediction: bool, autocast: Any):
+                 folder: Path, name: str, sampler: str, seed: int, v_prediction: bool, autocast: Any,
+                 encoders: ParkedModules | None = None):
         self.pipeline, self.network, self.prompts = pipeline, network, prompts
+        self.encoders = encoders  # brought to the device only while sampling
         self.folder, self.name = folder, name
         self.sampler, self.seed, self.v_prediction = sampler, seed, v_prediction
         self.autocast = autocast
@@ -285,7 +310,7 @@ class SampleWriter:
     def __call__(self, global_step: int) -> list[Image.Image]:
         self.network.eval()
         try:
-            with self.autocast():
+            with self.encoders.on_device() if self.encoders else contextlib.nullcontext(), self.autocast():
                 images = generate_samples(self.pipeline, self.prompts, default_sampler=self.sampler,
                                           seed=self.seed, v_prediction=self.v_prediction)
         finally:

@@ -9,9 +9,9 @@ frozen transformer into the ControlNet. Data: a folder of pairs (``--train_data_
 ``--conditioning_data_dir``, same-named files, captions from ``--caption_extension`` files), a
 ``metadata.jsonl`` with ``image``, ``conditioning_image`` and ``text`` (``--jsonl_for_train``, or found
 in ``--train_data_dir``), or a Kohya dataset TOML whose subsets have ``conditioning_data_dir``; every
-pair is checked before a model loads. Text embeddings cached; target and control latents cached when no
-random crop or flip is on; ``--proportion_empty_prompts``; SD3 timestep sampling / weighting; guidance for
-guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. Precision:
+pair is checked before a model loads. Text embeddings cached; target and control latents cached (except
+random crops of images larger than their bucket); ``--proportion_empty_prompts``; SD3 timestep sampling /
+weighting; guidance for guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. Precision:
 frozen weights in ``--mixed_precision``, ControlNet weights fp32 with half-precision compute, or with
 ``--controlnet_weights_dtype bf16`` bf16 weights and an AdamW whose math is fp32 with stochastic rounding
 (12 instead of 16 bytes of trainable state per parameter). Resumable checkpoints, validation grids through
@@ -53,8 +53,9 @@ from dreamstep.engine.summary import print_run_summary
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.models import controlnet as cn
-from dreamstep.models import flux
+from dreamstep.models import flux, parking
 from dreamstep.models.blocks import prepare_blocks
+from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import autocast
 from dreamstep.models.vae import posterior_mean, sample_latents
 
@@ -141,24 +142,27 @@ def _with_empty_prompts(dataset: DatasetConfig, proportion: float) -> DatasetCon
     return dataclasses.replace(dataset, subsets=subsets)
 
 
-def _randomly_augmented(datasets: list[DatasetConfig]) -> bool:
-    return any(s.random_crop or s.flip_aug for d in datasets for s in d.subsets)
-
-
-def train(config: FluxControlNetConfig) -> FinishedRun:
-    """Train as configured; return what was written where."""
+def train(config: FluxControlNetConfig) -> FinishedRun | None:
+    """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder, pair and image (validation images too) and the optimizer,
     # before a model loads.
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
-                     resume_from_checkpoint=config.resume_from_checkpoint)
+                     resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
+                     resume_must_match=config.resume_must_match)
     check_optimization(**config.optimization())
     datasets = _datasets(config)
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
     validation = [(load_rgb(Path(image)), prompt) for image, prompt in config.validation_pairs()]
     scorer = load_scorer(config)
+    print_run_plan("flux-controlnet", config.pretrained_model_name_or_path, flux.plan_options(
+        config, rank=0, encoders_on_device=not config.cache_latents or dataset.encodes_in_the_loop()),
+        config.device_memory,
+        controlnet_layers=(config.num_double_layers, config.num_single_layers))
+    if config.dry_run:
+        return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    config_toml=config_to_toml(config),
                     command="dreamstep train flux-controlnet", overwrite=config.overwrite_output_dir)
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
@@ -168,7 +172,8 @@ def train(config: FluxControlNetConfig) -> FinishedRun:
     base = flux.load_frozen_for_training(
         config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
         transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
-        device=run.device, transformer_on_host=config.blocks_to_swap > 0)
+        device=run.device, base_quantization=config.base_quantization,
+        text_encoder_quantization=config.text_encoder_quantization, transformer_on_host=config.blocks_to_swap > 0)
     if config.controlnet_model_name_or_path is not None:
         controlnet = cn.load(config.controlnet_model_name_or_path, base.transformer)
     else:
@@ -193,12 +198,13 @@ def train(config: FluxControlNetConfig) -> FinishedRun:
                    device=run.device, num_processes=run.accelerator.num_processes)
     pipeline = flux.assemble_pipeline(base, controlnet)
 
-    # 3. Data: pairs; target and control posteriors cached unless augmented, prompt embeddings cached.
+    # 3. Data: pairs; target and control posteriors cached (a random crop with room to move is encoded
+    # every step), prompt embeddings cached.
     latent_cache, text_cache = flux.training_caches(
         Path(config.cache_dir or Path(config.output_dir) / "cache"), config.pretrained_model_name_or_path,
         revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
         max_sequence_length=config.max_sequence_length,
-        cache_latents=config.cache_latents and not _randomly_augmented(datasets),
+        cache_latents=config.cache_latents,
         image_dirs=[d for ds in datasets for s in ds.subsets for d in (s.image_dir, s.conditioning_data_dir)
                     if d is not None])
     for part in (dataset, held_out):
@@ -214,6 +220,10 @@ def train(config: FluxControlNetConfig) -> FinishedRun:
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
                                       total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
+    # Every caption and cached latent of the run encoded now; the encoders wait off the device until needed.
+    parking.fill_caches(conditioner.conditioner, dataset, epochs=plan.num_epochs)
+    encoders = flux.park_encoders(base, run.device, text_encoder_trains=False,
+                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     # A sharded model talks to its peers itself; DDP comes from accelerate.
     model, optimizer = (controlnet, optimizer) if sharded else run.accelerator.prepare(controlnet, optimizer)
     step = FluxControlNetStep(
@@ -238,11 +248,13 @@ def train(config: FluxControlNetConfig) -> FinishedRun:
                                 subject_images=subject_image_paths(dataset, held_out), device=run.device)
 
     def validate(global_step: int) -> list[Image.Image]:
-        rows = _validation_rows(config, pipeline, validation, run.device.type)
-        if evaluator is not None and global_step not in run.logger.metrics.rows:
-            samples = [(image, prompt, control) for control, prompt, images in rows for image in images]
-            run.logger.log_metrics(global_step, evaluator([s[0] for s in samples], [s[1] for s in samples],
-                                                          controls=[s[2] for s in samples]))
+        with encoders.on_device():
+            rows = _validation_rows(config, pipeline, validation, run.device.type,
+                                    datasets[0].buckets.resolution)
+            if evaluator is not None and global_step not in run.logger.metrics.rows:
+                samples = [(image, prompt, control) for control, prompt, images in rows for image in images]
+                run.logger.log_metrics(global_step, evaluator([s[0] for s in samples], [s[1] for s in samples],
+                                                              controls=[s[2] for s in samples]))
         return [cn.side_by_side([[control, *images] for control, _, images in rows])] if rows else []
 
     sample = validate if validation or evaluator else None
@@ -286,17 +298,19 @@ class ControlConditioner:
 
 
 def _validation_rows(config: FluxControlNetConfig, pipeline, validation: list[tuple[Image.Image, str]],
-                     device_type: str) -> list[tuple[Image.Image, str, list[Image.Image]]]:
-    """(control image, prompt, samples) per validation pair; the grid shows a row per pair."""
+                     device_type: str, size: tuple[int, int]) -> list[tuple[Image.Image, str, list[Image.Image]]]:
+    """(control image, prompt, samples) per validation pair, at the training resolution ``size`` (width,
+    height; the control image resized to it); the grid shows a row per pair."""
     was_training = pipeline.controlnet.training
     pipeline.controlnet.eval()
     rows = []
     # Under autocast, as in training: the fp32 (or bf16) ControlNet meets the base's half-precision tensors.
     with autocast(device_type, config.mixed_precision):
         for control, prompt in validation:
+            control = control if control.size == size else control.resize(size, Image.Resampling.LANCZOS)
             images = flux.generate(pipeline, [prompt] * config.num_validation_images, seed=config.seed,
                                    steps=config.validation_inference_steps, guidance_scale=config.guidance_scale,
-                                   height=config.resolution, width=config.resolution,
+                                   width=size[0], height=size[1],
                                    max_sequence_length=config.max_sequence_length, control_image=control)
             rows.append((control, prompt, images))
     pipeline.controlnet.train(was_training)

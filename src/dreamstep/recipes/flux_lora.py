@@ -47,8 +47,9 @@ from dreamstep.lora.inject import (
     flux_lora_targets,
     save_flux_lora,
 )
-from dreamstep.models import flux
+from dreamstep.models import flux, parking
 from dreamstep.models.blocks import prepare_blocks
+from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.vae import sample_latents
 
@@ -120,6 +121,18 @@ class FluxLoraStep(TrainStep):
             return self.per_sample_loss(self.unwrapped_model, batch, latents, noise, sigmas, "none")
 
 
+def optimizer_groups(config: FluxLoraConfig, transformer: nn.Module,
+                     text_encoder: nn.Module | None) -> list[dict[str, Any]]:
+    """diffusers' two groups: the transformer LoRA at --learning_rate with --adam_weight_decay, the
+    text-encoder LoRA at --text_encoder_lr with --adam_weight_decay_text_encoder."""
+    groups = [{"params": [p for p in transformer.parameters() if p.requires_grad], "lr": config.learning_rate,
+               "weight_decay": config.adam_weight_decay}]
+    if text_encoder is not None:
+        groups.append({"params": [p for p in text_encoder.parameters() if p.requires_grad],
+                       "lr": config.text_encoder_lr, "weight_decay": config.adam_weight_decay_text_encoder})
+    return groups
+
+
 def _datasets(config: FluxLoraConfig, class_dir: str | None) -> list:
     if config.dataset_config is not None:
         datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
@@ -136,24 +149,32 @@ def _datasets(config: FluxLoraConfig, class_dir: str | None) -> list:
     return [dataset]
 
 
-def train(config: FluxLoraConfig) -> FinishedRun:
-    """Train as configured; return what was written where."""
+def train(config: FluxLoraConfig) -> FinishedRun | None:
+    """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder and image (each decoded once) and the optimizer, before a model loads.
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
-                     resume_from_checkpoint=config.resume_from_checkpoint)
+                     resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
+                     resume_must_match=config.resume_must_match)
     check_optimization(**config.optimization())
     dataset, held_out = build_split_datasets(_datasets(config, None), config.seed, config.validation_split)
     scorer = load_scorer(config)
+    print_run_plan("flux", config.pretrained_model_name_or_path, flux.plan_options(
+        config, rank=config.rank,
+        encoders_on_device=config.train_text_encoder or not config.cache_latents or dataset.encodes_in_the_loop()),
+        config.device_memory, lora_layers=config.lora_layers)
+    if config.dry_run:
+        return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    config_toml=config_to_toml(config),
                     command="dreamstep train flux-lora", overwrite=config.overwrite_output_dir)
 
     # 2. Load: the base frozen in the --mixed_precision dtype; LoRA weights added in fp32; class images.
     base = flux.load_frozen_for_training(
         config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
         transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
-        device=run.device, transformer_on_host=config.blocks_to_swap > 0)
+        device=run.device, base_quantization=config.base_quantization,
+        text_encoder_quantization=config.text_encoder_quantization, transformer_on_host=config.blocks_to_swap > 0)
     pipeline = flux.assemble_pipeline(base)
     alpha = config.lora_alpha if config.lora_alpha is not None else config.rank
     add_lora(base.transformer, flux_lora_targets(base.transformer, config.lora_layers), config.rank, alpha,
@@ -184,15 +205,12 @@ def train(config: FluxLoraConfig) -> FinishedRun:
     datasets = _datasets(config, class_dir)
     if class_dir is not None:
         dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
-    # A random crop makes a new latent almost every step: caching those would only fill the disk.
-    random_crop = any(subset.random_crop for d in datasets for subset in d.subsets)
-    if config.cache_latents and random_crop and run.is_main_process:
-        print("note: random crops are on, so VAE latents are computed every step instead of cached "
-              "(pass --center_crop to cache them)")
+    # Random crops of images larger than their bucket are encoded every step (see BucketDataset); the
+    # rest, random crops of images that already have their bucket's size included, are cached.
     latent_cache, text_cache = flux.training_caches(
         Path(config.cache_dir or Path(config.output_dir) / "cache"), config.pretrained_model_name_or_path,
         revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
-        max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents and not random_crop,
+        max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents,
         image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
     for part in (dataset, held_out):
         if part is not None:
@@ -207,16 +225,17 @@ def train(config: FluxLoraConfig) -> FinishedRun:
     batches = ConditionedBatches(loader, conditioner)
 
     # 4. Step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
-    groups = [{"params": [p for p in base.transformer.parameters() if p.requires_grad], "lr": config.learning_rate}]
-    if text_encoder is not None:
-        groups.append({"params": [p for p in text_encoder.parameters() if p.requires_grad],
-                       "lr": config.text_encoder_lr or config.learning_rate})
-    optimizer = build_optimizer(config.optimizer, groups, config.learning_rate,
+    optimizer = build_optimizer(config.optimizer, optimizer_groups(config, base.transformer, text_encoder),
+                                config.learning_rate,
                                 betas=(config.adam_beta1, config.adam_beta2),
                                 weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
                                       total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
+    # Every caption and cached latent of the run encoded now; the encoders wait off the device until needed.
+    parking.fill_caches(conditioner, dataset, epochs=plan.num_epochs)
+    encoders = flux.park_encoders(base, run.device, text_encoder_trains=text_encoder is not None,
+                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = FluxLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
@@ -241,9 +260,10 @@ def train(config: FluxLoraConfig) -> FinishedRun:
     prompts = [config.validation_prompt] * config.num_validation_images if config.validation_prompt else []
 
     def validate(global_step: int) -> list:
-        images = _validation_images(config, pipeline) if prompts else []
-        if evaluator is not None and global_step not in run.logger.metrics.rows:
-            run.logger.log_metrics(global_step, evaluator(images, prompts))
+        with encoders.on_device():
+            images = _validation_images(config, pipeline, datasets[0].buckets.resolution) if prompts else []
+            if evaluator is not None and global_step not in run.logger.metrics.rows:
+                run.logger.log_metrics(global_step, evaluator(images, prompts))
         return images
 
     sample = validate if prompts or evaluator else None
@@ -270,12 +290,13 @@ def train(config: FluxLoraConfig) -> FinishedRun:
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
 
 
-def _validation_images(config: FluxLoraConfig, pipeline) -> list:
+def _validation_images(config: FluxLoraConfig, pipeline, size: tuple[int, int]) -> list:
+    """Samples at the training resolution ``size`` (width, height): the dataset TOML's, or --resolution."""
     was_training = pipeline.transformer.training
     pipeline.transformer.eval()
     images = flux.generate(pipeline, [config.validation_prompt] * config.num_validation_images, seed=config.seed,
                            steps=config.validation_inference_steps, guidance_scale=config.guidance_scale,
-                           height=config.resolution, width=config.resolution,
+                           width=size[0], height=size[1],
                            max_sequence_length=config.max_sequence_length)
     pipeline.transformer.train(was_training)
     return images

@@ -27,6 +27,7 @@ Outputs in --output_dir: ``<output_name>.safetensors`` (or ``.ckpt``) with sd-sc
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -64,12 +65,12 @@ from dreamstep.lora.kohya_network import (
     NetworkOptions,
     create_network,
 )
-from dreamstep.models import sdxl
+from dreamstep.models import parking, sdxl
 from dreamstep.models.blocks import prepare_blocks
+from dreamstep.models.memory_plan import PlanOptions
+from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import dtype_named, weight_dtype_for
 from dreamstep.models.vae import sample_latents
-
-ADAMW_WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default, which sd-scripts leaves in place
 
 
 # ------------------------------------------------------------------------------------------- builders
@@ -161,18 +162,24 @@ class SDXLLoraStep(TrainStep):
 
 # ------------------------------------------------------------------------------------------- main
 
-def train(config: SDXLLoraConfig) -> FinishedRun:
-    """Train as configured; return what was written where."""
+def train(config: SDXLLoraConfig) -> FinishedRun | None:
+    """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, key, folder, image and the optimizer, before a model loads.
     if config.seed is None:
         config = dataclasses.replace(config, seed=random.randrange(2**31))
+    # sd-scripts gives a part whose learning rate is 0 no optimizer group: it stays as it is.
+    if config.text_encoder_lr == 0:
+        config = dataclasses.replace(config, network_train_unet_only=True)
+    if config.unet_lr == 0:
+        config = dataclasses.replace(config, network_train_text_encoder_only=True)
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume,
-                     resume_flag="--resume")
+                     resume_flag="--resume", config_toml=config_to_toml(config),
+                     resume_must_match=config.resume_must_match)
     datasets = load_datasets(config)
     optimizer_args = parse_optimizer_args(config.optimizer_args)
     check_optimization(config.optimizer_type, config.learning_rate, lr_scheduler=config.lr_scheduler,
                        num_cycles=config.lr_scheduler_num_cycles, power=config.lr_scheduler_power,
-                       optimizer_flag="--optimizer_type", weight_decay=ADAMW_WEIGHT_DECAY, extra=optimizer_args)
+                       optimizer_flag="--optimizer_type", extra=optimizer_args, family="sd-scripts")
     options, network_args = NetworkOptions.from_flags(config.network_dim, config.network_alpha,
                                                       config.network_dropout, config.network_args)
     prompts = (sdxl.read_sample_prompts(config.sample_prompts, datasets[0].buckets.resolution)
@@ -181,11 +188,20 @@ def train(config: SDXLLoraConfig) -> FinishedRun:
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
     scorer = load_scorer(config)
     train_text = not config.network_train_unet_only
+    encoders_on_device = train_text or not config.cache_latents or dataset.encodes_in_the_loop()
+    print_run_plan("sdxl", sdxl.config_source(config.pretrained_model_name_or_path, config.model_config), PlanOptions(
+        resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5), batch_size=config.train_batch_size,
+        rank=config.network_dim, gradient_checkpointing=config.gradient_checkpointing,
+        base_quantization=config.unet_quantization, encoders_on_device=encoders_on_device,
+        blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
+        weight_dtype=weight_dtype_for(config.mixed_precision)), config.device_memory)
+    if config.dry_run:
+        return None
     # Module dropout skips whole LoRAs, and SDXL reads CLIP-L's penultimate layer, so the LoRAs on its
     # last layer never get a gradient: DDP must then look for unused parameters.
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.log_with, resume_from_checkpoint=config.resume,
-                    config_toml=config_to_toml(config), resume_must_match=config.resume_must_match,
+                    config_toml=config_to_toml(config),
                     tensorboard_dir=config.logging_dir, samples_dir=Path(config.output_dir) / "sample",
                     command="dreamstep train sdxl-lora", resume_flag="--resume", overwrite=config.overwrite_output_dir,
                     find_unused_parameters=bool(options.module_dropout) or train_text)
@@ -200,7 +216,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun:
         config.pretrained_model_name_or_path, model_config=config.model_config,
         mixed_precision=config.mixed_precision, device=run.device, vae_fp32=config.no_half_vae,
         sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing,
-        unet_on_host=config.blocks_to_swap > 0)
+        unet_quantization=config.unet_quantization, unet_on_host=config.blocks_to_swap > 0)
     network = build_network(config, base, options)
     pipeline = sdxl.assemble_pipeline(base)
     model = sdxl.SDXLLoraModel(base.unet, network, pipeline).train()
@@ -223,16 +239,20 @@ def train(config: SDXLLoraConfig) -> FinishedRun:
     optimizer = build_optimizer(
         config.optimizer_type, network.param_groups(config.unet_lr or config.learning_rate,
                                                     config.text_encoder_lr or config.learning_rate),
-        config.learning_rate, weight_decay=ADAMW_WEIGHT_DECAY, extra=optimizer_args, flag="--optimizer_type")
+        config.learning_rate, extra=optimizer_args, flag="--optimizer_type", family="sd-scripts")
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
                                       total_steps=plan.total_steps, num_cycles=config.lr_scheduler_num_cycles,
                                       power=config.lr_scheduler_power)
+    # Every caption and latent of the run encoded now; the frozen encoders wait off the device until needed.
+    parking.fill_caches(conditioner, dataset, epochs=plan.num_epochs)
+    encoders = sdxl.park_encoders(base, run.device, text_encoders_train=train_text,
+                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = SDXLLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
         length_of_dataloader=len(loader),
-        noise_scheduler=noise_math.training_scheduler(base.scheduler.config),
+        noise_scheduler=noise_math.training_scheduler(base.scheduler.config, config.zero_terminal_snr),
         v_prediction=config.v_parameterization, min_snr_gamma=config.min_snr_gamma,
         noise_offset=config.noise_offset, adaptive_noise_scale=config.adaptive_noise_scale,
         multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
@@ -254,7 +274,8 @@ def train(config: SDXLLoraConfig) -> FinishedRun:
                              plan.steps_per_epoch, plan.total_steps, save_dtype, metadata)
     sampler = (sdxl.SampleWriter(pipeline, network, prompts, folder=folder / "sample", name=config.output_name,
                                  sampler=config.sample_sampler, seed=config.seed,
-                                 v_prediction=config.v_parameterization, autocast=run.accelerator.autocast)
+                                 v_prediction=config.v_parameterization, autocast=run.accelerator.autocast,
+                                 encoders=encoders)
                if prompts else None)
     if config.sample_at_first and sampler is not None and not run.resume_from and run.is_main_process:
         sampler(0)
@@ -270,7 +291,8 @@ def train(config: SDXLLoraConfig) -> FinishedRun:
             return images
         if config.eval_metrics and not images:
             images = sampler(global_step)  # --eval_metrics needs --sample_prompts
-        run.logger.log_metrics(global_step, evaluator(images, [p.prompt for p in prompts or []]))
+        with encoders.on_device():
+            run.logger.log_metrics(global_step, evaluator(images, [p.prompt for p in prompts or []]))
         return images
 
     def sample_and_score(global_step: int) -> list:

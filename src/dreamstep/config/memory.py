@@ -1,0 +1,44 @@
+"""The memory options checked at the door, before torch is imported: the quantization modes of a frozen
+base or T5 (``--base_quantization``), and memory sizes (``--device_memory 12GB``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+from dreamstep.errors import UserError
+
+QUANTIZATION_MODES = ("none", "fp8", "int8", "nf4")
+QUANTIZATION_EXTRA = "dreamstep[quant]"
+# The package each mode needs (installed by QUANTIZATION_EXTRA).
+_PACKAGES = {"fp8": "torchao", "int8": "torchao", "nf4": "bitsandbytes"}
+GIB = 1024 ** 3
+
+
+def check_quantization(mode: str, flag: str, *, cuda_available: bool | None = None) -> None:
+    """Refuse, before any model loads, a mode that is unknown, whose package is missing, or that needs a
+    CUDA GPU this machine lacks."""
+    if mode not in QUANTIZATION_MODES:
+        raise UserError(f"{flag} '{mode}' is not one of {', '.join(QUANTIZATION_MODES)}")
+    if mode == "none":
+        return
+    if mode == "nf4":
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+        if not cuda_available:
+            raise UserError(f"{flag} nf4 needs a CUDA GPU (bitsandbytes 4-bit); on this machine use "
+                            f"{flag} int8 or fp8")
+    package = _PACKAGES[mode]
+    if importlib.util.find_spec(package) is None:
+        raise UserError(f"{flag} {mode} needs the '{package}' package: pip install '{QUANTIZATION_EXTRA}'")
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """'12GB', '12 GiB', '24g' or '8000MB' -> bytes (GB and GiB both taken as 2**30: card sizes are)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([GgMm])(?:i?[Bb])?\s*", text)
+    if not match:
+        raise UserError(f"{flag} '{text}' is not a memory size; write it like 12GB or 8000MB")
+    value, unit = float(match.group(1)), match.group(2).upper()
+    return int(value * (GIB if unit == "G" else 1024 ** 2))

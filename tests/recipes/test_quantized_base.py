@@ -1,0 +1,174 @@
+"""Training on a quantized frozen base (``--base_quantization``, ``--fp8_base``) and with the encoders off the
+device: the LoRA learns, its file loads on the unquantized base in diffusers and changes the image, resume is
+exact, the loop never touches the encoders, and bad combinations stop before any model loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxPipeline
+from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, fixed_noise_loss, generate, load_images, run_cli
+from safetensors.torch import load_file
+from sdxl_testkit import write_method
+
+from dreamstep.models import flux, parking, sdxl
+
+pytest.importorskip("torchao", reason="the quantized modes need the 'quant' extra")
+
+ARGS = ("--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--resolution", "32",
+        "--center_crop", "--report_to", "none", "--checkpointing_steps", "0")
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_lora_on_a_quantized_base_learns_and_loads_on_the_unquantized_base(
+        mode: str, tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir, "--output_dir", out,
+                   *ARGS, "--base_quantization", mode, "--lora_layers", "all-linear", "--rank", "8", "--learning_rate", "1e-2",
+                   "--max_train_steps", "40", "--validation_prompt", ROBOT_PROMPT, "--num_validation_images", "1",
+                   "--validation_inference_steps", "2") == 0
+    assert (out / "samples").is_dir()  # validation ran on the quantized base, encoders brought back
+    lora = out / "pytorch_lora_weights.safetensors"
+    plain = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    reference = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    # The same keys as a LoRA trained on the unquantized base: peft names, no quantizer internals.
+    assert all(k.startswith("transformer.") and ".lora_" in k and k.endswith(".weight") for k in load_file(lora))
+    pixels = load_images(ROBOT_DIR, 32)
+    before = fixed_noise_loss(plain, pixels, ROBOT_PROMPT)
+    plain.load_lora_weights(lora)
+    assert fixed_noise_loss(plain, pixels, ROBOT_PROMPT) < 0.9 * before  # fixed noise and σ: a fair comparison
+    assert abs(generate(plain) - generate(reference)).max() > 1e-2
+
+
+def test_base_loads_quantized_and_resume_is_exact(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    from torchao.utils import TorchAOBaseTensor
+
+    base = flux.load_frozen_for_training(str(tiny_flux_dev_dir), revision=None, variant=None,
+                                         transformer_single_file=None, mixed_precision="no",
+                                         device=torch.device("cpu"), base_quantization="int8",
+                                         text_encoder_quantization="int8")
+    assert isinstance(base.transformer.transformer_blocks[0].attn.to_q.weight, TorchAOBaseTensor)
+    assert isinstance(base.text_encoder_2.encoder.block[0].layer[0].SelfAttention.q.weight, TorchAOBaseTensor)
+
+    common = ("--pretrained_model_name_or_path", tiny_flux_dev_dir, *ARGS[:-2], "--checkpointing_steps", "2",
+              "--base_quantization", "int8", "--text_encoder_quantization", "int8", "--learning_rate", "1e-3")
+    assert run_cli("train", "flux-lora", *common, "--output_dir", tmp_path / "straight", "--max_train_steps", "4") == 0
+    split = tmp_path / "split"
+    assert run_cli("train", "flux-lora", *common, "--output_dir", split, "--max_train_steps", "2") == 0
+    assert run_cli("train", "flux-lora", *common, "--output_dir", split, "--max_train_steps", "4",
+                   "--resume_from_checkpoint", "latest") == 0
+    straight = load_file(tmp_path / "straight" / "pytorch_lora_weights.safetensors")
+    resumed = load_file(split / "pytorch_lora_weights.safetensors")
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], atol=1e-6, rtol=0)
+
+
+def test_the_encoders_are_off_the_device_in_every_step(tiny_flux_dev_dir: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # Parked modules go to the meta device here: any use of them in the loop fails, and their parameters'
+    # device, read by a hook at every transformer call, shows where they were.
+    monkeypatch.setattr(parking, "PARKING_DEVICE", torch.device("meta"))
+    seen: list[set[str]] = []
+    load = flux.load_frozen_for_training
+
+    def load_and_watch(*args, **kwargs):
+        base = load(*args, **kwargs)
+
+        def record(module, inputs):
+            if module.training:  # training steps only (class images and validation run in eval mode)
+                seen.append({p.device.type for m in (base.text_encoder, base.text_encoder_2, base.vae)
+                             for p in m.parameters()})
+        base.transformer.register_forward_pre_hook(record)
+        return base
+
+    monkeypatch.setattr(flux, "load_frozen_for_training", load_and_watch)
+    assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir,
+                   "--output_dir", tmp_path / "out", *ARGS, "--max_train_steps", "3") == 0
+    assert seen == [{"meta"}] * 3
+
+
+def test_sdxl_text_encoders_are_off_the_device_in_every_step(
+        tiny_sdxl_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parking, "PARKING_DEVICE", torch.device("meta"))
+    seen: list[set[str]] = []
+    load = sdxl.load_frozen_for_training
+
+    def load_and_watch(*args, **kwargs):
+        base = load(*args, **kwargs)
+
+        def record(module, inputs):
+            if module.training:
+                seen.append({p.device.type for m in (base.text_encoder, base.text_encoder_2) for p in m.parameters()})
+        base.unet.register_forward_pre_hook(record)
+        return base
+
+    monkeypatch.setattr(sdxl, "load_frozen_for_training", load_and_watch)
+    # (Samples bring the encoders back: test_sdxl_lora's UNet-only runs with --sample_prompts cover that.)
+    assert run_cli("train", "sdxl-lora", f"--pretrained_model_name_or_path={tiny_sdxl_dir}",
+                   f"--dataset_config={write_method(tmp_path, 'class_tokens')}", "--network_train_unet_only",
+                   "--max_train_steps=3", "--log_with=none", f"--output_dir={tmp_path / 'out'}") == 0
+    assert seen == [{"meta"}] * 3
+
+
+def test_nf4_without_a_gpu_is_one_line_before_anything_loads(tiny_flux_dev_dir: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU, so nf4 is allowed")
+    code = run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tmp_path / "no-such-model",
+                   "--output_dir", tmp_path / "out", *ARGS, "--base_quantization", "nf4")
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0
+    assert "--base_quantization nf4 needs a CUDA GPU" in err and "int8" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_sdxl_fp8_base_trains_and_conflicting_flags_are_refused(tiny_sdxl_dir: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    toml = write_method(tmp_path, "dreambooth")
+    common = (f"--pretrained_model_name_or_path={tiny_sdxl_dir}", f"--dataset_config={toml}",
+              "--network_train_unet_only", "--max_train_steps=2", "--log_with=none")
+    assert run_cli("train", "sdxl-lora", *common, "--fp8_base", "--base_quantization=int8",
+                   f"--output_dir={tmp_path / 'bad'}") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--fp8_base" in err and "--base_quantization is int8" in err
+    assert not (tmp_path / "bad").exists()
+    assert run_cli("train", "sdxl-lora", *common, "--fp8_base", f"--output_dir={tmp_path / 'out'}") == 0
+    weights = load_file(next((tmp_path / "out").glob("*.safetensors")))
+    assert any(k.startswith("lora_unet_") for k in weights)
+
+
+def test_controlnet_trains_beside_an_int8_base_and_starts_from_its_dequantized_blocks(
+        tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    from diffusers import FluxControlNetModel, FluxTransformer2DModel
+    from test_flux_controlnet import COMMON, make_pairs
+
+    pairs = make_pairs(tmp_path / "pairs")
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-controlnet", "--pretrained_model_name_or_path", tiny_flux_dev_dir,
+                   "--output_dir", out, "--train_data_dir", pairs / "images", "--conditioning_data_dir",
+                   pairs / "conditioning", *COMMON, "--base_quantization", "int8", "--max_train_steps", "2",
+                   "--learning_rate", "1e-12", "--validation_image", pairs / "conditioning" / "pair_0.png",
+                   "--validation_prompt", "a red square", "--num_validation_images", "1",
+                   "--validation_inference_steps", "2") == 0
+    controlnet = FluxControlNetModel.from_pretrained(out)
+    plain = FluxTransformer2DModel.from_pretrained(tiny_flux_dev_dir, subfolder="transformer")
+    copied, original = (m.transformer_blocks[0].attn.to_q.weight for m in (controlnet, plain))
+    # int8 per-row scales: each weight within half a quantization step of the bf16/fp32 original.
+    step = original.abs().amax(dim=1, keepdim=True) / 127
+    assert ((copied - original).abs() <= step).all() and not torch.equal(copied, torch.zeros_like(copied))
+
+
+def test_swapped_blocks_of_an_int8_base_train_the_same_lora(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    # sd-scripts' smallest-card recipe: a quantized base with blocks swapped to host memory.
+    common = ("--pretrained_model_name_or_path", tiny_flux_dev_dir, *ARGS, "--base_quantization", "int8",
+              "--gradient_checkpointing", "--max_train_steps", "3", "--learning_rate", "1e-3")
+    assert run_cli("train", "flux-lora", *common, "--output_dir", tmp_path / "resident") == 0
+    assert run_cli("train", "flux-lora", *common, "--output_dir", tmp_path / "swapped", "--blocks_to_swap", "2") == 0
+    resident, swapped = (load_file(tmp_path / name / "pytorch_lora_weights.safetensors")
+                         for name in ("resident", "swapped"))
+    assert resident.keys() == swapped.keys()
+    for key in resident:
+        torch.testing.assert_close(swapped[key], resident[key], atol=1e-6, rtol=0)
