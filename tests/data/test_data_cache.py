@@ -73,14 +73,16 @@ def test_text_entries_keyed_by_caption(tmp_path: Path):
     cache = TensorCache(tmp_path / "cache", "t5@abc")
     calls = []
 
-    def encode(missing):
+    def encode(missing):  # each computed entry holds the number of its call
         calls.append(list(missing))
-        return {"prompt_embeds": torch.arange(len(missing), dtype=torch.float32)[:, None].repeat(1, 3)}
+        return {"prompt_embeds": torch.full((len(missing), 3), float(len(calls)))}
 
     keys = [text_content_key(c) for c in ["a dog", "a cat"]]
     first = cache.get_or_compute(keys, encode)
     second = cache.get_or_compute([keys[1], text_content_key("a cow"), keys[0]], encode)
-    assert calls == [[0, 1], [1]]
+    # Stored entries are computed one at a time, so none depends on its batch mates.
+    assert calls == [[0], [1], [1]]
+    assert second["prompt_embeds"][:, 0].tolist() == [2.0, 3.0, 1.0]
     assert torch.equal(second["prompt_embeds"][0], first["prompt_embeds"][1])
     assert torch.equal(second["prompt_embeds"][2], first["prompt_embeds"][0])
 

@@ -18,13 +18,13 @@ from lora_testkit import (
 from dreamstep.lora.convert import (
     LoraWeights,
     convert_lora,
-    diffusers_adapter_metadata,
     diffusers_state_dict,
     kohya_state_dict,
     load_lora_as_diffusers,
     read_lora,
 )
 from dreamstep.lora.io import write_lora_file
+from dreamstep.lora.layouts import diffusers_adapter_metadata
 from dreamstep.models.tiny import build_tiny_flux
 
 PROMPT = "a photo of sks robot"

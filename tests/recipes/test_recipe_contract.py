@@ -57,7 +57,8 @@ def test_sdxl_step_files_are_announced_saved_as_pt_and_timesteps_stay_in_range(
     forward = UNet2DConditionModel.forward
 
     def recording_forward(self, sample, timestep, *args, **kwargs):
-        seen.append(torch.as_tensor(timestep).flatten().clone())
+        if sample.device.type != "meta":  # the memory plan measures activations on the meta device
+            seen.append(torch.as_tensor(timestep).flatten().clone())
         return forward(self, sample, timestep, *args, **kwargs)
 
     monkeypatch.setattr(UNet2DConditionModel, "forward", recording_forward)
@@ -77,9 +78,9 @@ def test_sdxl_step_files_are_announced_saved_as_pt_and_timesteps_stay_in_range(
     assert ((timesteps >= 500) & (timesteps < 510)).all()
 
 
-def test_a_second_precision_in_one_process_is_one_clear_line(tmp_path: Path, capsys) -> None:
+def test_a_second_precision_in_one_process_is_one_clear_line(tiny_flux_dir: Path, tmp_path: Path, capsys) -> None:
     # accelerate allows one mixed precision per process; the first run sets fp16 (and stops: no GPU here).
-    args = (*FLUX_ARGS, "--pretrained_model_name_or_path", tmp_path / "no-model", "--max_train_steps", "1")
+    args = (*FLUX_ARGS, "--pretrained_model_name_or_path", tiny_flux_dir, "--max_train_steps", "1")
     assert run_cli(*args, "--output_dir", tmp_path / "a", "--mixed_precision", "fp16") == 2
     assert run_cli(*args, "--output_dir", tmp_path / "b", "--mixed_precision", "no") == 2
     assert "this process already trained in another precision; run this training in a new process" in \
