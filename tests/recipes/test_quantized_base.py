@@ -13,7 +13,7 @@ from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, fixed_noise_loss, generate, lo
 from safetensors.torch import load_file
 from sdxl_testkit import write_method
 
-from dreamstep.models import flux, parking
+from dreamstep.models import flux, parking, sdxl
 
 pytest.importorskip("torchao", reason="the quantized modes need the 'quant' extra")
 
@@ -87,6 +87,29 @@ def test_the_encoders_are_off_the_device_in_every_step(tiny_flux_dev_dir: Path, 
     monkeypatch.setattr(flux, "load_frozen_for_training", load_and_watch)
     assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir,
                    "--output_dir", tmp_path / "out", *ARGS, "--max_train_steps", "3") == 0
+    assert seen == [{"meta"}] * 3
+
+
+def test_sdxl_text_encoders_are_off_the_device_in_every_step(
+        tiny_sdxl_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parking, "PARKING_DEVICE", torch.device("meta"))
+    seen: list[set[str]] = []
+    load = sdxl.load_frozen_for_training
+
+    def load_and_watch(*args, **kwargs):
+        base = load(*args, **kwargs)
+
+        def record(module, inputs):
+            if module.training:
+                seen.append({p.device.type for m in (base.text_encoder, base.text_encoder_2) for p in m.parameters()})
+        base.unet.register_forward_pre_hook(record)
+        return base
+
+    monkeypatch.setattr(sdxl, "load_frozen_for_training", load_and_watch)
+    # (Samples bring the encoders back: test_sdxl_lora's UNet-only runs with --sample_prompts cover that.)
+    assert run_cli("train", "sdxl-lora", f"--pretrained_model_name_or_path={tiny_sdxl_dir}",
+                   f"--dataset_config={write_method(tmp_path, 'class_tokens')}", "--network_train_unet_only",
+                   "--max_train_steps=3", "--log_with=none", f"--output_dir={tmp_path / 'out'}") == 0
     assert seen == [{"meta"}] * 3
 
 

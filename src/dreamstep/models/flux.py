@@ -114,36 +114,6 @@ class FluxConditioner:
                 "is_reg": batch["is_reg"].to(self.device)}
 
 
-def fill_caches(conditioner: FluxConditioner, dataset: Any, epochs: int, batch_size: int = 8) -> None:
-    """Encode, before the loop, every caption and (with a latent cache) every image placement that the
-    run's ``epochs`` will use, so that the encoders need not be on the device while it trains."""
-    from tqdm.auto import tqdm
-
-    from dreamstep.data.dataset import collate
-
-    captions: dict[str, None] = {}
-    images: dict[str, tuple[int, int]] = {}
-    for epoch in range(epochs):
-        for index in range(len(dataset)):
-            caption, image_key, conditioning_key = dataset.caption_and_keys(index, epoch)
-            captions.setdefault(caption)
-            for key in (image_key, conditioning_key):
-                if key is not None:
-                    images.setdefault(key, (index, epoch))
-    texts = list(captions)
-    for start in range(0, len(texts), batch_size):
-        conditioner.prompts(texts[start:start + batch_size])
-    cache = conditioner.latent_cache
-    if cache is None:
-        return
-    missing = list(dict.fromkeys(sample for key, sample in images.items() if not cache.path(key).is_file()))
-    for sample in tqdm(missing, desc="caching latents", unit="img", disable=not missing):
-        batch = collate([dataset[sample]])
-        conditioner.latents(batch)
-        if "conditioning_keys" in batch:
-            conditioner.latents(batch, prefix="conditioning_")
-
-
 def training_caches(root: Path, source: str, *, revision: str | None, variant: str | None, mixed_precision: str,
                     max_sequence_length: int, cache_latents: bool, image_dirs: list[Path]
                     ) -> tuple[TensorCache | None, TensorCache]:
@@ -211,7 +181,8 @@ def plan_options(config: Any, *, rank: int, encoders_on_device: bool) -> PlanOpt
 def park_encoders(components: Any, device: torch.device, *, text_encoder_trains: bool,
                   latents_cached: bool) -> ParkedModules:
     """Move the encoders the loop does not use off ``device``: T5 always (its outputs are cached), CLIP
-    unless it trains, the VAE when the latents are cached. Call after :func:`fill_caches`."""
+    unless it trains, the VAE when the latents are cached. Call after
+    :func:`~dreamstep.models.parking.fill_caches`."""
     parked = {"text_encoder_2": components.text_encoder_2}
     if not text_encoder_trains:
         parked["text_encoder"] = components.text_encoder

@@ -1,4 +1,4 @@
-"""Frozen encoders parked off the training device while the loop runs.
+"""Frozen encoders parked off the training device while the loop runs, and the caches filled first.
 
 Once every caption and image of a run is encoded into the caches, the text encoders (T5-XXL alone is
 9.5 GB in bf16) and the VAE have nothing to do until validation or the end of the run. They wait in CPU
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,3 +43,35 @@ class ParkedModules:
 
     def describe(self) -> str:
         return ", ".join(self.modules) if self.modules else "none"
+
+
+def fill_caches(conditioner: Any, dataset: Any, epochs: int, batch_size: int = 8) -> None:
+    """Encode, before the loop, every caption (with a text cache) and every image placement (with a latent
+    cache) that the run's ``epochs`` of ``dataset`` will use, so that the encoders need not be on the device
+    while it trains. ``conditioner`` is a FLUX or SDXL conditioner: ``prompts(captions)``,
+    ``latents(batch)`` and the two caches."""
+    from tqdm.auto import tqdm
+
+    from dreamstep.data.dataset import collate
+
+    captions: dict[str, None] = {}
+    images: dict[str, tuple[int, int]] = {}
+    for epoch in range(epochs):
+        for index in range(len(dataset)):
+            caption, image_key, conditioning_key = dataset.caption_and_keys(index, epoch)
+            captions.setdefault(caption)
+            for key in (image_key, conditioning_key):
+                if key is not None:
+                    images.setdefault(key, (index, epoch))
+    texts = list(captions) if conditioner.text_cache is not None else []
+    for start in range(0, len(texts), batch_size):
+        conditioner.prompts(texts[start:start + batch_size])
+    cache = conditioner.latent_cache
+    if cache is None:
+        return
+    missing = list(dict.fromkeys(sample for key, sample in images.items() if not cache.path(key).is_file()))
+    for sample in tqdm(missing, desc="caching latents", unit="img", disable=not missing):
+        batch = collate([dataset[sample]])
+        conditioner.latents(batch)
+        if "conditioning_keys" in batch:
+            conditioner.latents(batch, prefix="conditioning_")

@@ -5,6 +5,7 @@ inference sees), the size conditioning ``add_time_ids``, VAE posteriors, and sd-
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_ke
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.generation.outputs import JSON_KEY, png_info, sample_parameters
 from dreamstep.models.loading import component_identity, load_sdxl
+from dreamstep.models.parking import ParkedModules
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
 
@@ -118,6 +120,19 @@ def add_time_ids(original_sizes: torch.Tensor, crop_top_lefts: torch.Tensor,
     """SDXL's micro-conditioning, (B, 6): original (h, w), crop (top, left), target (h, w) of each sample
     (each (B, 2), from the data pipeline's true sizes and crops)."""
     return torch.cat([original_sizes, crop_top_lefts, target_sizes], dim=1)
+
+
+def park_encoders(base: Any, device: torch.device, *, text_encoders_train: bool,
+                  latents_cached: bool) -> ParkedModules:
+    """Move the encoders the loop does not use off ``device``: both CLIP encoders unless they train (their
+    outputs are cached then), the VAE when the latents are cached. Call after
+    :func:`~dreamstep.models.parking.fill_caches`."""
+    parked = {} if text_encoders_train else {"text_encoder": base.text_encoder, "text_encoder_2": base.text_encoder_2}
+    if latents_cached:
+        parked["vae"] = base.vae
+    encoders = ParkedModules(parked, device)
+    encoders.park()
+    return encoders
 
 
 class SDXLConditioner:
@@ -262,8 +277,10 @@ class SampleWriter:
 
     def __init__(self, pipeline: StableDiffusionXLPipeline, network: torch.nn.Module, prompts: list | None, *,
                  folder: Path, name: str, every_n_steps: int | None, every_n_epochs: int | None,
-                 steps_per_epoch: int, sampler: str, seed: int, v_prediction: bool, accelerator: Any):
+                 steps_per_epoch: int, sampler: str, seed: int, v_prediction: bool, accelerator: Any,
+                 encoders: ParkedModules | None = None):
         self.pipeline, self.network, self.prompts = pipeline, network, prompts
+        self.encoders = encoders  # brought to the device only while sampling
         self.folder, self.name = folder, name
         self.every_n_steps, self.every_n_epochs, self.steps_per_epoch = every_n_steps, every_n_epochs, steps_per_epoch
         self.sampler, self.seed, self.v_prediction = sampler, seed, v_prediction
@@ -280,7 +297,7 @@ class SampleWriter:
             return []
         self.network.eval()
         try:
-            with self.accelerator.autocast():
+            with self.encoders.on_device() if self.encoders else contextlib.nullcontext(), self.accelerator.autocast():
                 images = generate_samples(self.pipeline, self.prompts, default_sampler=self.sampler,
                                           seed=self.seed, v_prediction=self.v_prediction)
         finally:

@@ -52,7 +52,7 @@ from dreamstep.engine.summary import print_run_summary
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.models import controlnet as cn
-from dreamstep.models import flux
+from dreamstep.models import flux, parking
 from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import autocast
@@ -218,7 +218,7 @@ def train(config: FluxControlNetConfig) -> TrainingResult | None:
                                       total_steps=total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
     # Every caption and cached latent of the run encoded now; the encoders wait off the device until needed.
-    flux.fill_caches(conditioner.conditioner, dataset, epochs=math.ceil(total_steps / steps_per_epoch))
+    parking.fill_caches(conditioner.conditioner, dataset, epochs=math.ceil(total_steps / steps_per_epoch))
     encoders = flux.park_encoders(base, run.device, text_encoder_trains=False,
                                   latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     # A sharded model talks to its peers itself; DDP comes from accelerate.

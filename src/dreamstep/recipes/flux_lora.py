@@ -46,7 +46,7 @@ from dreamstep.lora.inject import (
     save_flux_lora,
     trainable_state,
 )
-from dreamstep.models import flux
+from dreamstep.models import flux, parking
 from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import cast_trainable_params_to_fp32
@@ -229,7 +229,7 @@ def train(config: FluxLoraConfig) -> None:
                                       total_steps=total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
     # Every caption and cached latent of the run encoded now; the encoders wait off the device until needed.
-    flux.fill_caches(conditioner, dataset, epochs=math.ceil(total_steps / steps_per_epoch))
+    parking.fill_caches(conditioner, dataset, epochs=math.ceil(total_steps / steps_per_epoch))
     encoders = flux.park_encoders(base, run.device, text_encoder_trains=text_encoder is not None,
                                   latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])

@@ -70,7 +70,7 @@ from dreamstep.lora.kohya_network import (
     create_network,
     parse_network_args,
 )
-from dreamstep.models import sdxl
+from dreamstep.models import parking, sdxl
 from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.plans import print_run_plan
@@ -229,12 +229,14 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
     # Every image is read once (errors name the file); held-out images are split off for the validation loss.
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
     scorer = load_scorer(config)
+    encoders_on_device = (not config.network_train_unet_only or not config.cache_latents
+                          or dataset.encodes_in_the_loop())
     print_run_plan("sdxl", sdxl.config_source(config.pretrained_model_name_or_path, config.model_config), PlanOptions(
         resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5), batch_size=config.train_batch_size,
         rank=config.network_dim, gradient_checkpointing=config.gradient_checkpointing,
-        base_quantization=config.unet_quantization,
-        encoders_on_device=not config.network_train_unet_only or not config.cache_latents,
-        blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type, weight_dtype=weight_dtype_for(config.mixed_precision)), config.device_memory)
+        base_quantization=config.unet_quantization, encoders_on_device=encoders_on_device,
+        blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
+        weight_dtype=weight_dtype_for(config.mixed_precision)), config.device_memory)
     if config.dry_run:
         return {}
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
@@ -287,6 +289,10 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         from accelerate.utils import DistributedDataParallelKwargs
 
         run.accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+    # Every caption and latent of the run encoded now; the frozen encoders wait off the device until needed.
+    parking.fill_caches(conditioner, dataset, epochs=math.ceil(total_steps / steps_per_epoch))
+    encoders = sdxl.park_encoders(base, run.device, text_encoders_train=train_text,
+                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = SDXLLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
@@ -319,7 +325,7 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
         pipeline, network, prompts, folder=folder / "sample", name=config.output_name,
         every_n_steps=config.sample_every_n_steps, every_n_epochs=config.sample_every_n_epochs,
         steps_per_epoch=steps_per_epoch, sampler=config.sample_sampler, seed=config.seed,
-        v_prediction=config.v_parameterization, accelerator=run.accelerator)
+        v_prediction=config.v_parameterization, accelerator=run.accelerator, encoders=encoders)
     if config.sample_at_first and prompts and not run.resume_from:
         sampler(0, force=True)
 
@@ -333,7 +339,8 @@ def train(config: SDXLLoraConfig) -> dict[str, Path | None]:
             return images
         if config.eval_metrics and not images:
             images = sampler(global_step, force=True)
-        run.logger.log_metrics(global_step, evaluator(images, [p.prompt for p in prompts or []]))
+        with encoders.on_device():
+            run.logger.log_metrics(global_step, evaluator(images, [p.prompt for p in prompts or []]))
         return images
 
     def every_step(global_step: int) -> list:
