@@ -4,38 +4,21 @@ non-boundary micro-batches trigger no gradient all-reduce."""
 from __future__ import annotations
 
 import itertools
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from engine_testkit import reference_train, regression_batches, tiny_mlp
+from launch_testkit import accelerate_launch
 
 from dreamstep.engine.checkpoint import list_checkpoints
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path: Path) -> dict:
     out = tmp_path / "result.pt"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),  # no user accelerate config
-           "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    # --multi_gpu selects the torchrun launcher; the worker's Accelerator(cpu=True) then uses gloo on CPU
-    # (`--cpu --num_processes 2` would need mpirun).
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), str(WORKER), str(out), str(tmp_path / "ckpt")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    accelerate_launch(WORKER, out, tmp_path / "ckpt", hf_home=tmp_path / "hf", timeout=180)
     return torch.load(out, weights_only=False)
 
 

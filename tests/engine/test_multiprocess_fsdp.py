@@ -4,39 +4,20 @@ trainable state, and sharded checkpoints resume exactly, at the same or another 
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from engine_testkit import reference_train, regression_batches, tiny_mlp
+from launch_testkit import accelerate_launch
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path: Path, name: str, zero_stage: int, phase: str, processes: int = 2) -> dict:
     out = tmp_path / f"{name}.pt"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "CUDA_VISIBLE_DEVICES": "",
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
-    args = [str(WORKER), str(out), str(tmp_path / "ckpt"), str(zero_stage), phase]
-    if processes == 1:
-        cmd = [sys.executable, *args]
-    else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(_free_port()), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    accelerate_launch(WORKER, out, tmp_path / "ckpt", zero_stage, phase, processes=processes, hf_home=tmp_path / "hf",
+                      pythonpath=WORKER.parent, timeout=180)
     return torch.load(out, weights_only=False)
 
 

@@ -71,5 +71,5 @@ def test_a_launch_that_asked_for_more_processes_than_run_is_reported(monkeypatch
         lines = summary.describe_processes(accelerator)
     finally:
         launcher.kill()
-    assert lines[0] == "processes   1 on cpu"
+    assert lines[0] == "processes   1 on 1 node (cpu)"
     assert lines[1].startswith("warning     accelerate launch asked for 2 processes but 1 runs")

@@ -3,7 +3,8 @@ at full size, on the meta device, that every key of a file we write lands with t
 
 ComfyUI (``comfy/lora.py``, ``comfy/utils.py``, ``comfy/weight_adapter/lora.py``): a key map from LoRA module
 names to the model's weights, where a diffusers FLUX name lands on a row slice of BFL's fused weight
-(``flux_to_diffusers``); per module the up tensor is ``.lora_up.weight`` or ``.lora_B.weight``, the scale is
+(``flux_to_diffusers``); per module the up tensor is ``.lora_up.weight``, ``_lora.up.weight``, ``.lora_B.weight``
+or ``.lora.up.weight`` (down alike), the scale is
 ``<module>.alpha`` / rank, or 1 when the file has no alpha key; a key no rule consumes is "lora key not
 loaded". Diffusers-named SDXL UNet attention layers map only as ``….processor.to_q`` (the old
 attention-processor format). CLIP maps as ``lora_te1_text_model_…`` / ``text_encoder.text_model.…``.
@@ -114,7 +115,9 @@ def comfy_load(tensors: Mapping[str, torch.Tensor], key_map: Mapping[str, Target
     patches, loaded = [], set()
     for name, target in key_map.items():
         for up_key, down_key in ((f"{name}.lora_up.weight", f"{name}.lora_down.weight"),
-                                 (f"{name}.lora_B.weight", f"{name}.lora_A.weight")):
+                                 (f"{name}_lora.up.weight", f"{name}_lora.down.weight"),
+                                 (f"{name}.lora_B.weight", f"{name}.lora_A.weight"),
+                                 (f"{name}.lora.up.weight", f"{name}.lora.down.weight")):
             if up_key in tensors:
                 down = tensors[down_key]
                 alpha = tensors.get(f"{name}.alpha")

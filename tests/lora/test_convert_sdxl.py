@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from lora_testkit import inference_mode, loaded_image, merge_into, module_of, random_lora
+from safetensors.torch import load_file
 
 from dreamstep.lora.convert import (
     convert_lora,
@@ -69,11 +70,15 @@ def test_diffusers_loads_our_files_as_the_merged_reference(sdxl_pipe, sdxl_keys,
     write_lora_file(src, diffusers_state_dict(ours), diffusers_adapter_metadata(ours), "safetensors")
     convert_lora(src, tmp_path / "kohya.ckpt", "kohya")
     state_dict, _ = load_lora_as_diffusers(tmp_path / "kohya.ckpt", "sdxl")
+    # Our diffusers-layout file: the UNet in diffusers' older attention-processor names (ComfyUI's only map).
+    converted = tmp_path / "converted.safetensors"
+    convert_lora(tmp_path / "kohya.ckpt", converted, "diffusers")
+    assert any(k.endswith(".processor.to_q_lora.down.weight") for k in load_file(converted))
 
     base = _image(sdxl_pipe)
     expected = _reference_image(ours)
     assert (expected - base).abs().max() > 1e-2  # the LoRA changes the image
-    for source in (src, state_dict):
+    for source in (src, state_dict, converted):
         torch.testing.assert_close(loaded_image(sdxl_pipe, source, _image), expected, atol=2e-4, rtol=0)
 
 

@@ -3,15 +3,13 @@ pipeline on a set of images with fixed noise and fixed σ (so before/after compa
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from diffusers import FluxPipeline
+from launch_testkit import accelerate_launch
 from PIL import Image, ImageDraw
 
 from dreamstep.cli import main
@@ -28,16 +26,7 @@ def run_cli(*args: str) -> int:
 
 def launch_two(*args: object) -> subprocess.CompletedProcess:
     """``dreamstep *args`` under ``accelerate launch`` with 2 CPU processes (gloo); asserts success."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(port), "-m", "dreamstep", *map(str, args)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return accelerate_launch("-m", "dreamstep", *args)
 
 
 def write_control_pairs(root: Path, count: int = 4, size: int = 32) -> tuple[Path, Path]:

@@ -32,9 +32,11 @@ def straight(tiny_flux_dev_dir: Path, pairs, tmp_path_factory) -> Path:
     """4 steps in one go, with the frozen base sharded too and validation images (every process generates)."""
     out = tmp_path_factory.mktemp("straight") / "out"
     images, controls = pairs
-    launch_two(*_args(tiny_flux_dev_dir, images, controls, out, "--max_train_steps", "4", "--shard_base",
-                      "--validation_prompt", "an orange ball", "--validation_image", controls / "0.png",
-                      "--validation_steps", "2", "--num_validation_images", "1", "--validation_inference_steps", "1"))
+    run = launch_two(*_args(tiny_flux_dev_dir, images, controls, out, "--max_train_steps", "4", "--shard_base",
+                            "--validation_prompt", "an orange ball", "--validation_image", controls / "0.png",
+                            "--validation_steps", "2", "--num_validation_images", "1",
+                            "--validation_inference_steps", "1"))
+    assert "processes   2 on 1 node (cpu); FSDP2 --zero_stage 3: each holds 1/2 of the trainable state" in run.stdout
     return out
 
 

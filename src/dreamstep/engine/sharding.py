@@ -24,7 +24,6 @@ takes over; FSDP2 shards the same state and keeps those semantics.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -32,7 +31,6 @@ import torch
 
 __all__ = [
     "ZERO_STAGES",
-    "describe_processes",
     "full_model_state",
     "is_sharded",
     "load_model_state",
@@ -68,17 +66,6 @@ def shard_model(model: torch.nn.Module, zero_stage: int, block_classes: Iterable
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return model
-
-
-def describe_processes(accelerator: Any, sharded_stage: int) -> str:
-    """One line for the start of a run: world size, nodes, device and how the trainable state is held."""
-    world = accelerator.num_processes
-    nodes = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if sharded_stage:
-        strategy = f"FSDP2 --zero_stage {sharded_stage} (each process holds 1/{world} of the trainable state)"
-    else:
-        strategy = "DDP (each process holds all of the trainable state)" if world > 1 else "none (one process)"
-    return f"processes: {world} on {nodes} node{'s' if nodes > 1 else ''} ({accelerator.device.type}); sharding: {strategy}"
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -77,10 +77,17 @@ def requested_processes() -> int | None:
     return None
 
 
-def describe_processes(accelerator: Any) -> list[str]:
+def describe_processes(accelerator: Any, sharded_stage: int = 0) -> list[str]:
+    """Processes, nodes and device, and how the trainable state is held (``sharded_stage``: FSDP2's
+    --zero_stage, 0 when not sharded)."""
     running = accelerator.num_processes
-    lines = [f"processes   {running} on {accelerator.device.type}"
-             f"{f' ({accelerator.distributed_type.value})' if running > 1 else ''}"]
+    nodes = max(1, running // int(os.environ.get("LOCAL_WORLD_SIZE", running)))
+    if sharded_stage:
+        holding = f"FSDP2 --zero_stage {sharded_stage}: each holds 1/{running} of the trainable state"
+    else:
+        holding = f"{accelerator.distributed_type.value}: each holds all of the trainable state" if running > 1 else ""
+    lines = [f"processes   {running} on {nodes} node{'s' * (nodes > 1)} ({accelerator.device.type})"
+             f"{f'; {holding}' if holding else ''}"]
     asked = requested_processes()
     if asked is not None and asked != running:
         lines.append(f"warning     accelerate launch asked for {asked} processes but {running} runs: without "
@@ -110,9 +117,11 @@ def describe_caches(caches: Mapping[str, TensorCache | None]) -> str:
 def print_run_summary(run: Any, dataset: BucketDataset, plan: TrainingPlan, *,
                       batch_size: int, gradient_accumulation_steps: int, mixed_precision: str,
                       trainable: tuple[torch.nn.Module, ...], caches: Mapping[str, TensorCache | None],
-                      outputs: str, tokenizers: Mapping[str, tuple[Any, int]] | None = None) -> None:
+                      outputs: str, tokenizers: Mapping[str, tuple[Any, int]] | None = None,
+                      sharded_stage: int = 0) -> None:
     """Print the summary on the main process (the others print nothing). ``tokenizers`` (name ->
-    (tokenizer, tokens the encoder reads)) name the captions that get cut."""
+    (tokenizer, tokens the encoder reads)) name the captions that get cut; ``sharded_stage`` is the
+    FSDP2 stage the trainable state is sharded with (0: not sharded)."""
     if not run.is_main_process:
         return
     processes = run.accelerator.num_processes
@@ -124,7 +133,7 @@ def print_run_summary(run: Any, dataset: BucketDataset, plan: TrainingPlan, *,
         f"schedule    {epochs} epoch{'s' * (epochs != 1)}, {plan.total_steps} optimizer steps ({plan.steps_per_epoch} per "
         f"epoch), effective batch {batch_size * gradient_accumulation_steps * processes} = {batch_size} per "
         f"process x {gradient_accumulation_steps} accumulated x {processes} process{'es' * (processes != 1)}",
-        *describe_processes(run.accelerator),
+        *describe_processes(run.accelerator, sharded_stage),
         f"precision   frozen weights {mixed_precision if mixed_precision != 'no' else 'fp32'}, trainable {dtype}",
         f"trainable   {count:,} parameters",
         describe_caches(caches),

@@ -297,9 +297,6 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
         if any(m.alpha != m.rank for m in ours.values()):
             notes.append("alpha/rank is folded into lora_B (alpha = rank), the one form diffusers and ComfyUI "
                          "both apply at the trained strength")
-        if keys.model == "sdxl" and any(".attn" in name for name in ours):
-            notes.append("ComfyUI maps diffusers-layout SDXL attention modules only under the old "
-                         "'processor.to_q' names: give ComfyUI the Kohya-layout file")
     if dtype is not None:
         out = {k: LoraWeights(m.down.to(cast_to), m.up.to(cast_to), m.alpha) for k, m in out.items()}
     if to == "diffusers":

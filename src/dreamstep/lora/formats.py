@@ -7,6 +7,7 @@ Three layouts name the same LoRA differently:
   one fused Linear; SDXL UNet modules use the SGM names (``input_blocks.4.1...``).
 * **diffusers** (PEFT): ``<component>.<diffusers module>.lora_A.weight`` / ``.lora_B.weight``; alpha lives in
   the ``lora_adapter_metadata`` safetensors header (a PEFT ``LoraConfig`` per component) or is folded in.
+  An SDXL UNet may come in diffusers' older attention-processor names (see :func:`legacy_unet_key`).
 * **mindspore** (the mindone port, SDXL): ``<kohya prefix>.<diffusers module>.lora_down.weight`` / ... .
 
 The facts come first; :func:`model_keys` then expands them into the tables of one concrete model (its block
@@ -16,6 +17,7 @@ and layer counts), which :mod:`dreamstep.lora.convert` maps through.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -32,6 +34,38 @@ if TYPE_CHECKING:
 KOHYA_SUFFIXES: Final = (".lora_down.weight", ".lora_up.weight")
 DIFFUSERS_SUFFIXES: Final = (".lora_A.weight", ".lora_B.weight")
 ALPHA_SUFFIX: Final = ".alpha"
+
+# diffusers' older names for SDXL UNet LoRA tensors: '<attention>.processor.to_q_lora.down.weight' ('to_out.0'
+# as 'to_out'), any other module '<module>.lora.down.weight'. diffusers still reads them, and they are the
+# only names under which ComfyUI maps SDXL attention layers.
+_LEGACY_UNET_KEY = re.compile(r"^(unet\..+?)(?:\.processor\.(to_[qkv]|to_out)_lora|\.lora)\.(down|up)\.weight$")
+_PEFT_UNET_KEY = re.compile(r"^(unet\..+?)(\.(to_[qkv]|to_out\.0))?\.lora_(A|B)\.weight$")
+
+
+def legacy_unet_key(key: str) -> str:
+    """A PEFT-named SDXL UNet key ('unet.<module>.lora_A.weight') in diffusers' older names, which both
+    diffusers and ComfyUI read; other keys unchanged."""
+    match = _PEFT_UNET_KEY.match(key)
+    if match is None:
+        return key
+    module, _, projection, role = match.groups()
+    role = "down" if role == "A" else "up"
+    if projection is not None and module.split(".")[-1].startswith("attn"):
+        return f"{module}.processor.{projection.removesuffix('.0')}_lora.{role}.weight"
+    return f"{module}{match[2] or ''}.lora.{role}.weight"
+
+
+def peft_key(key: str) -> str:
+    """An SDXL UNet key in diffusers' older names as PEFT names it (the inverse of :func:`legacy_unet_key`);
+    other keys unchanged."""
+    match = _LEGACY_UNET_KEY.match(key)
+    if match is None:
+        return key
+    module, projection, role = match.groups()
+    if projection is not None:
+        module += ".to_out.0" if projection == "to_out" else f".{projection}"
+    return f"{module}.lora_{'A' if role == 'down' else 'B'}.weight"
+
 
 # The safetensors header key under which diffusers stores each component's PEFT LoraConfig (JSON),
 # flattened as "<component>.<field>" (diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY).

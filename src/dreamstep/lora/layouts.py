@@ -43,6 +43,7 @@ class LoraWeights:
 
 
 def _layout_of_key(key: str) -> str | None:
+    key = formats.peft_key(key)
     if re.match(r"lora_(unet|te\d?)_\w+\.(lora_down\.weight|lora_up\.weight|alpha)$", key):
         return "kohya"
     if re.match(r"lora_(unet|te\d)\.\S+\.(lora_down\.weight|lora_up\.weight|alpha)$", key):
@@ -113,6 +114,7 @@ def modules_from_file(lora: LoraFile, layout: str) -> dict[str, LoraWeights]:
     down_s, up_s = formats.DIFFUSERS_SUFFIXES if layout == "diffusers" else formats.KOHYA_SUFFIXES
     parts: dict[str, dict[str, torch.Tensor]] = collections.defaultdict(dict)
     for key, tensor in lora.tensors.items():
+        key = formats.peft_key(key) if layout == "diffusers" else key
         for role, suffix in (("down", down_s), ("up", up_s), ("alpha", formats.ALPHA_SUFFIX)):
             if key.endswith(suffix):
                 parts[key[: -len(suffix)]][role] = tensor
@@ -172,9 +174,12 @@ def diffusers_file_contents(modules: Mapping[str, LoraWeights],
     ('proj_out' also catches 'single_transformer_blocks.0.proj_out'). So each module's alpha / rank is
     folded into lora_B (alpha = rank, scale 1 for every loader) and the header gives anchored rank
     patterns. CLIP modules are named ``text_encoder.text_model.…`` (see :func:`canonical_name`), the only
-    form ComfyUI maps; diffusers drops 'text_model.' where transformers 5 has no such level."""
+    form ComfyUI maps; diffusers drops 'text_model.' where transformers 5 has no such level. An SDXL UNet
+    takes diffusers' older names (:func:`~dreamstep.lora.formats.legacy_unet_key`), the only ones under
+    which ComfyUI maps its attention layers."""
     folded = fold_alpha(modules)
-    return diffusers_state_dict(folded), diffusers_adapter_metadata(folded) if container == "safetensors" else {}
+    tensors = {formats.legacy_unet_key(k): v for k, v in diffusers_state_dict(folded).items()}
+    return tensors, diffusers_adapter_metadata(folded) if container == "safetensors" else {}
 
 
 def _peft_pattern(module: str) -> str:

@@ -48,7 +48,7 @@ from dreamstep.engine.loop import Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.plan import check_optimization, plan_steps
 from dreamstep.engine.run import claim_output_dir, start_run
-from dreamstep.engine.sharding import FullState, describe_processes, full_model_state, is_sharded, shard_model
+from dreamstep.engine.sharding import FullState, full_model_state, is_sharded, shard_model
 from dreamstep.engine.summary import print_run_summary
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
@@ -191,8 +191,6 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     if config.shard_base:
         shard_model(base.transformer, config.zero_stage, cn.BLOCK_CLASSES, run.device)
     sharded = is_sharded(controlnet)
-    if run.is_main_process:
-        print(describe_processes(run.accelerator, config.zero_stage if sharded else 0))
     # The frozen base's blocks may be swapped (after the ControlNet copied its weights) and compiled.
     prepare_blocks(base.transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
                    device=run.device, num_processes=run.accelerator.num_processes)
@@ -240,7 +238,8 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                       mixed_precision=config.mixed_precision, trainable=(controlnet,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
                       tokenizers={"CLIP": (pipeline.tokenizer, pipeline.tokenizer.model_max_length),
-                                  "T5": (pipeline.tokenizer_2, config.max_sequence_length)})
+                                  "T5": (pipeline.tokenizer_2, config.max_sequence_length)},
+                      sharded_stage=config.zero_stage if sharded else 0)
 
     # 5. Loop: the engine trains, checkpoints and validates (samples, validation loss, scores).
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
