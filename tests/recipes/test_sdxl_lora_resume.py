@@ -67,12 +67,13 @@ def test_two_processes_then_resume_in_one(tiny_sdxl_dir: Path, tmp_path: Path) -
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "last.safetensors").is_file() and (out / "last-step00000001.safetensors").is_file()
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
-    # 8 samples in batches of 2 are 4 batches: 2 per process, so after step 2 the next epoch starts.
-    assert (state["num_processes"], state["epoch"], state["batch_in_epoch"]) == (2, 1, 0)
+    # 8 samples in batches of 2 are 4 batches: 2 per process, so step 2 ends the first epoch of two processes.
+    assert (state["num_processes"], state["epoch"], state["batch_in_epoch"]) == (2, 0, 2)
     assert result.stdout.count("wrote:") == 1  # one summary, from the main process
     assert any(k.startswith("lora_te1_") for k in load_file(out / "last.safetensors"))  # text encoders trained too
-    # One process continues the two-process run from its checkpoint.
-    assert run_cli(*args, "--max_train_steps", "4", "--resume", "latest") == 0
+    # One process continues the two-process run from its mid-epoch checkpoint (step 1: one batch into the
+    # epoch on each process; one process then reads that epoch as 4 batches and goes on after the first).
+    assert run_cli(*args, "--max_train_steps", "4", "--resume", "checkpoint-1") == 0
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert (state["global_step"], state["num_processes"]) == (4, 1)
     assert (out / "last-step00000003.safetensors").is_file()

@@ -135,7 +135,7 @@ def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | No
     bar = None
     try:
         while not result.stopped and not _finished(position, max_train_steps, num_epochs):
-            batches = _open_epoch(data, position, resume_rng if resume is not None and bar is None else None)
+            batches = _open_epoch(data, position, resuming=resume is not None and bar is None)
             steps_per_epoch = _steps_per_epoch(step, batches)
             if max_train_steps is None:
                 max_train_steps = num_epochs * steps_per_epoch
@@ -147,10 +147,10 @@ def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | No
                 restore_rng_state(resume_rng)
                 resume_rng = None
             _check_alignment(step, position.batch_in_epoch)
-            if _train_epoch(step, iterator, position, result, (len(batches), steps_per_epoch), bar,
-                            logger, (on_nonfinite_loss, max_skipped_fraction), hooks, on_step) \
-                    and position.batch_in_epoch:
-                _next_epoch(position)
+            if _train_epoch(step, iterator, position, result, steps_per_epoch, bar, logger,
+                            (on_nonfinite_loss, max_skipped_fraction), hooks, on_step):
+                position.epoch += 1
+                position.batch_in_epoch = 0
     finally:
         if bar is not None:
             bar.close()
@@ -158,17 +158,13 @@ def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | No
 
 
 def _train_epoch(step: TrainStep, iterator: Iterator[Any], position: TrainingPosition, result: TrainingResult,
-                 epoch_size: tuple[int, int], bar: Any, logger: TrainingLogger | None, nonfinite: tuple[str, float],
+                 steps_per_epoch: int, bar: Any, logger: TrainingLogger | None, nonfinite: tuple[str, float],
                  hooks: Sequence[Hook], on_step: Callable[[TrainingPosition, float, int], bool] | None) -> bool:
-    """Run the rest of an epoch (``epoch_size``: its batches and optimizer steps); return True when the
-    epoch's data ran out (False: max steps reached, or ``on_step`` asked to stop). After the epoch's last
-    batch the position is the next epoch's start, so a checkpoint taken there resumes with any process count."""
-    batches_per_epoch, steps_per_epoch = epoch_size
+    """Run the rest of an epoch; return True when the epoch's data ran out (False: max steps reached, or
+    ``on_step`` asked to stop)."""
     for batch in iterator:
         outputs = step(*batch) if isinstance(batch, (tuple, list)) else step(batch)
         position.batch_in_epoch += 1
-        if position.batch_in_epoch == batches_per_epoch:
-            _next_epoch(position)
         if not step.sync_gradients:
             continue
         position.global_step += 1
@@ -254,18 +250,10 @@ def _epoch_target(data: DataSource) -> Any:
     return None
 
 
-def _next_epoch(position: TrainingPosition) -> None:
-    position.epoch += 1
-    position.batch_in_epoch = 0
-    position.epoch_start_rng = None  # recorded when the epoch's batches are made
-
-
-def _open_epoch(data: DataSource, position: TrainingPosition, resume_rng: dict[str, Any] | None) -> Iterable[Any]:
-    """Record (or, resuming with ``resume_rng``, restore) the epoch's starting RNG state, then make the epoch's
-    batches. A checkpoint taken at an epoch's start has no recorded state yet: its own RNG state (taken right
-    after the previous epoch's last step) is where the epoch starts."""
-    if resume_rng is not None:
-        restore_rng_state(position.epoch_start_rng if position.epoch_start_rng is not None else resume_rng)
+def _open_epoch(data: DataSource, position: TrainingPosition, resuming: bool) -> Iterable[Any]:
+    """Record (or, resuming, restore) the epoch's starting RNG state, then make the epoch's batches."""
+    if resuming and position.epoch_start_rng is not None:
+        restore_rng_state(position.epoch_start_rng)
     position.epoch_start_rng = capture_rng_state()
     if callable(data) and not hasattr(data, "__iter__"):
         return data(position.epoch)
