@@ -172,6 +172,12 @@ def load_frozen_for_training(source: str, *, revision: str | None, variant: str 
     return components
 
 
+def tokenizer_limits(pipeline: FluxPipeline, max_sequence_length: int) -> dict[str, tuple[Any, int]]:
+    """Each text encoder's tokenizer and how many tokens the encoder reads (for the start-of-run summary)."""
+    return {"CLIP": (pipeline.tokenizer, pipeline.tokenizer.model_max_length),
+            "T5": (pipeline.tokenizer_2, max_sequence_length)}
+
+
 def plan_options(config: Any, *, rank: int, encoders_on_device: bool) -> PlanOptions:
     """The memory-plan inputs of a FLUX trainer's config (any :class:`FluxTrainingConfig`)."""
     return PlanOptions(resolution=config.resolution, batch_size=config.train_batch_size, rank=rank,

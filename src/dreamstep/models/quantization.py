@@ -29,30 +29,27 @@ import torch
 
 def diffusers_config(mode: str, compute_dtype: torch.dtype) -> Any:
     """The diffusers ``quantization_config`` of a transformer / UNet for ``mode`` (``None`` for none)."""
-    if mode == "none":
-        return None
-    if mode == "nf4":
-        from diffusers import BitsAndBytesConfig
+    import diffusers
 
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                  bnb_4bit_compute_dtype=compute_dtype)
-    from diffusers import TorchAoConfig
-
-    return TorchAoConfig(torchao_weight_config(mode))
+    return _library_config(diffusers, mode, compute_dtype)
 
 
 def transformers_config(mode: str, compute_dtype: torch.dtype) -> Any:
     """The transformers ``quantization_config`` of a text encoder for ``mode`` (``None`` for none)."""
+    import transformers
+
+    return _library_config(transformers, mode, compute_dtype)
+
+
+def _library_config(library: Any, mode: str, compute_dtype: torch.dtype) -> Any:
+    """diffusers and transformers each have their own ``BitsAndBytesConfig`` and ``TorchAoConfig`` classes,
+    with the same arguments."""
     if mode == "none":
         return None
     if mode == "nf4":
-        from transformers import BitsAndBytesConfig
-
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                  bnb_4bit_compute_dtype=compute_dtype)
-    from transformers import TorchAoConfig
-
-    return TorchAoConfig(torchao_weight_config(mode))
+        return library.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_compute_dtype=compute_dtype)
+    return library.TorchAoConfig(torchao_weight_config(mode))
 
 
 def torchao_weight_config(mode: str) -> Any:

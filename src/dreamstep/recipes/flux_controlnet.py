@@ -237,8 +237,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                       gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(controlnet,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
-                      tokenizers={"CLIP": (pipeline.tokenizer, pipeline.tokenizer.model_max_length),
-                                  "T5": (pipeline.tokenizer_2, config.max_sequence_length)},
+                      tokenizers=flux.tokenizer_limits(pipeline, config.max_sequence_length),
                       sharded_stage=config.zero_stage if sharded else 0)
 
     # 5. Loop: the engine trains, checkpoints and validates (samples, validation loss, scores).

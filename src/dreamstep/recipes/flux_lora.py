@@ -250,8 +250,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                       mixed_precision=config.mixed_precision,
                       trainable=(base.transformer, *([text_encoder] if text_encoder is not None else [])),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
-                      tokenizers={"CLIP": (pipeline.tokenizer, pipeline.tokenizer.model_max_length),
-                                  "T5": (pipeline.tokenizer_2, config.max_sequence_length)})
+                      tokenizers=flux.tokenizer_limits(pipeline, config.max_sequence_length))
 
     # 5. Loop: the engine trains, checkpoints and validates (samples, validation loss, fidelity scores).
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
