@@ -110,6 +110,9 @@ _KNOWN_NOTICES = {
     "diffusers.loaders.peft": ("No LoRA keys associated to",),
     "diffusers.loaders.lora_pipeline": ("No LoRA keys associated to",),
     "diffusers.loaders.lora_base": ("No LoRA keys associated to",),
+    # Offline (HF_HUB_OFFLINE), a hub id is read from the local cache; when it is not there, our error says so.
+    "diffusers.pipelines.pipeline_utils": ("offline mode is enabled",),
+    "diffusers.loaders.single_file": ("`local_files_only` is True but no local configs were found",),
 }
 # The same, for notices given as Python warnings (diffusers' own modules use a deprecated import path).
 _KNOWN_WARNINGS = ("Importing and using `FluxPosEmbed`", "Already found a `peft_config` attribute")

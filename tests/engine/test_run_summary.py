@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 from transformers import CLIPTokenizer
 
+from dreamstep.cli import main
 from dreamstep.data.dataset import build_dataset
 from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
 from dreamstep.engine import summary
@@ -43,6 +44,22 @@ def test_images_skipped_files_and_buckets_are_listed(captioned: Path) -> None:
     assert lines[0] == f"images      {captioned}: 3 images, 3 samples per epoch"
     assert f"skipped     {captioned / 'notes.md'}: not an image type dreamstep reads (.md)" in lines
     assert lines[-1] == "buckets     32x32: 3"
+
+
+def test_the_trainer_lists_the_skipped_files_before_training(captioned: Path, tiny_flux_dir: Path,
+                                                             tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The trainers split off held-out images before the summary: the skipped files must survive that."""
+    (captioned / "dangling.png").symlink_to(captioned / "gone.png")
+    (captioned / "loop.png").symlink_to(captioned / "loop.png")
+    assert main(["train", "flux-lora", "--pretrained_model_name_or_path", str(tiny_flux_dir), "--output_dir",
+                 str(tmp_path / "out"), "--instance_data_dir", str(captioned), "--instance_prompt", "sks robot",
+                 "--caption_extension", ".txt", "--resolution", "32", "--center_crop", "--validation_split", "0.3",
+                 "--max_train_steps", "1", "--report_to", "none"]) == 0
+    out = capsys.readouterr().out
+    assert f"images      {captioned}: 2 images, 2 samples per epoch" in out
+    for name, reason in (("dangling.png", "broken link (its target is missing)"), ("loop.png", "link loop"),
+                         ("notes.md", "not an image type dreamstep reads (.md)")):
+        assert f"skipped     {captioned / name}: {reason}" in out
 
 
 def test_a_caption_byte_order_mark_is_dropped_and_cut_captions_are_named(captioned: Path,

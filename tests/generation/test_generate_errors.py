@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,6 +62,21 @@ def test_bad_model_writes_nothing(tmp_path: Path, capsys) -> None:
     line = _error_line(capsys, "generate", "sdxl", "--model", tmp_path / "nowhere", "--prompt", "a",
                        "--output_dir", tmp_path / "out")
     assert "nowhere' does not exist" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_lone_single_file_offline_names_the_model_config_flag(tiny_sdxl_single_file: Path, tmp_path: Path) -> None:
+    """Run as a user runs it: diffusers' own offline notices must not come before the line."""
+    lone = tmp_path / "sd_xl_base_1.0.safetensors"
+    shutil.copy(tiny_sdxl_single_file, lone)
+    proc = subprocess.run([sys.executable, "-m", "dreamstep", "generate", "sdxl", "--model", str(lone), "--prompt", "a",
+                           "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    err = proc.stderr
+    assert proc.returncode == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: could not load the SDXL checkpoint {lone}: ")
+    assert err.endswith("; offline, give --model_config a diffusers SDXL folder (for the model configs and "
+                        "tokenizers)\n")
     assert not (tmp_path / "out").exists()
 
 

@@ -3,6 +3,7 @@ and one clear line with a non-zero exit for each kind of bad input."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,17 @@ def test_other_bad_flags(tiny_sdxl_dir: Path, tmp_path: Path, capsys) -> None:
     missing = _fails(capsys, "--pretrained_model_name_or_path", tmp_path / "nope.safetensors", "--dataset_config",
                      toml, "--output_dir", tmp_path / "d")
     assert "nope.safetensors" in missing
+
+
+def test_a_lone_single_file_offline_names_the_model_config_flag(tiny_sdxl_single_file: Path, tmp_path: Path,
+                                                                capsys) -> None:
+    """No model_index.json beside the file: its configs come from the hub's SDXL base, out of reach offline."""
+    lone = tmp_path / "model" / "sd_xl_base_1.0.safetensors"
+    lone.parent.mkdir()
+    shutil.copy(tiny_sdxl_single_file, lone)
+    err = _fails(capsys, "--pretrained_model_name_or_path", lone, "--output_dir", tmp_path / "o",
+                 "--dataset_config", write_method(tmp_path, "class_tokens"))
+    assert err.startswith(f"error: could not load the SDXL checkpoint {lone}: ")
+    assert err.endswith("; offline, give --model_config a diffusers SDXL folder (for the model configs and "
+                        "tokenizers)")
+    assert not (tmp_path / "o").exists()

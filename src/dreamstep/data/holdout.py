@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dreamstep.data.dataset import BucketDataset
 from dreamstep.data.dataset_config import DatasetConfig
-from dreamstep.data.records import ImageRecord, collect_records
+from dreamstep.data.records import ImageRecord, collect_records, skipped_in
 from dreamstep.errors import UserError
 
 
@@ -42,7 +42,8 @@ def split_records(records: list[ImageRecord], fraction: float, seed: int
 def build_split_datasets(configs: Sequence[DatasetConfig], seed: int, validation_split: float = 0.0
                          ) -> tuple[BucketDataset, BucketDataset | None]:
     """The training dataset and the held-out one (``None`` without held-out images); each held-out image
-    appears once, whatever its ``num_repeats``."""
+    appears once, whatever its ``num_repeats``. The training dataset's ``skipped`` lists the files in the
+    image folders that are not trained on, with the reason."""
     training, held_out = [], []
     for config in configs:
         train_records, held = split_records(collect_records(config), validation_split, seed)
@@ -51,7 +52,9 @@ def build_split_datasets(configs: Sequence[DatasetConfig], seed: int, validation
         training.append((train_records, config.batch_size, config.prior_pairs))
         if held:
             held_out.append(([dataclasses.replace(r, num_repeats=1) for r in held], config.batch_size, False))
-    return BucketDataset(training, seed), (BucketDataset(held_out, seed) if held_out else None)
+    dataset = BucketDataset(training, seed)
+    dataset.skipped = [entry for config in configs for entry in skipped_in(config)]
+    return dataset, (BucketDataset(held_out, seed) if held_out else None)
 
 
 def subject_image_paths(dataset: BucketDataset, held_out: BucketDataset | None) -> list[Path]:

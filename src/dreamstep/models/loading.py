@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel, StableDiffusionXLPipeline, UNet2DConditionModel
 from diffusers.utils import deprecation_utils
+from huggingface_hub import constants as hf_constants
 from safetensors import SafetensorError, safe_open
 
 from dreamstep.errors import UserError
@@ -108,6 +109,10 @@ def check_pipeline_source(source: str | Path, arch: str) -> None:
 
 def _load_error(source: str, error: Exception) -> UserError:
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if not Path(source).exists() and hf_constants.HF_HUB_OFFLINE:
+        return UserError(f"could not load '{source}' from the Hugging Face hub: it is not (fully) in the local "
+                         "cache and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to download it, or give a local "
+                         "folder")
     if not Path(source).exists():
         return UserError(f"could not load '{source}' from the Hugging Face hub ({reason}); check the "
                          "id and your network (HF_HUB_OFFLINE must be unset to download), or give a "
@@ -186,8 +191,9 @@ def _load_sdxl_single_file(file: Path, config: str | Path | None, weight_dtype: 
                 quantization_config=quantization.diffusers_config(unet_quantization, weight_dtype))
         return StableDiffusionXLPipeline.from_single_file(str(file), **kwargs)
     except _LOAD_ERRORS as e:
-        hint = ("" if config is not None else "; offline, give --model_config a diffusers SDXL folder "
-                "(for the model configs and tokenizers)")
+        # Configs from the hub (diffusers' default for the file, or a hub id) are out of reach offline.
+        hint = ("" if config is not None and Path(config).expanduser().is_dir() else
+                "; offline, give --model_config a diffusers SDXL folder (for the model configs and tokenizers)")
         raise UserError(f"could not load the SDXL checkpoint {file}: {e}{hint}") from e
 
 

@@ -76,10 +76,10 @@ def load_frozen_for_training(source: str, *, model_config: str | None, mixed_pre
     ``vae_fp32``: SDXL's VAE overflows in fp16), on ``device``; the UNet's linear weights quantized as
     ``unet_quantization`` says (:mod:`~dreamstep.models.quantization`), and kept in host memory with
     ``unet_on_host``, for a block swapper to place. A single file finds its configs in ``model_config``,
-    or in its own folder when that holds ``model_index.json``."""
-    model_config = config_source(source, model_config) if model_config or Path(source).is_file() else None
-    base = load_sdxl(source, config=model_config, weight_dtype=weight_dtype_for(mixed_precision),
-                     unet_quantization=unet_quantization)
+    or in its own folder when that holds ``model_index.json``, else diffusers fetches the SDXL base's."""
+    configs = config_source(source, model_config)
+    base = load_sdxl(source, config=configs if configs != source else None,
+                     weight_dtype=weight_dtype_for(mixed_precision), unet_quantization=unet_quantization)
     freeze(base.unet, base.vae, base.text_encoder, base.text_encoder_2)
     for module in (base.unet, base.vae, base.text_encoder, base.text_encoder_2):
         module.to("cpu" if module is base.unet and unet_on_host else device).eval()
