@@ -99,3 +99,33 @@ def test_adafactor_schedule_reports_every_group_when_one_got_no_gradient():
     unet_size, text_size = sched.get_last_lr()
     assert text_size == pytest.approx(1e-2 * 1e-3)
     assert unet_size == pytest.approx(1e-2, rel=0.05)
+
+
+
+def _weights_after_steps(optimizer_for, steps=5):
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8))]
+    optimizer = optimizer_for(({"params": (w for w in weights), "lr": 1e-2},))
+    for step in range(steps):
+        for w in weights:
+            w.grad = torch.sin(w.detach() * (step + 1))
+        optimizer.step()
+    return optimizer, weights
+
+
+def test_adamw_uses_torchs_fused_kernel_and_updates_as_the_per_tensor_loop():
+    start = _weights_after_steps(lambda groups: torch.optim.SGD(groups, lr=0.0))[1]
+    fused, fused_weights = _weights_after_steps(lambda groups: build_optimizer("AdamW", groups, 1e-2))
+    loop, loop_weights = _weights_after_steps(lambda groups: torch.optim.AdamW(groups, weight_decay=1e-4,
+                                                                               foreach=False))
+    assert fused.defaults["fused"] is True and len(fused.param_groups[0]["params"]) == 2
+    for ours, reference, before in zip(fused_weights, loop_weights, start):
+        assert (ours - before).abs().mean() > 1e-2
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_adamw_keeps_a_chosen_implementation_and_fuses_only_where_torch_can():
+    chosen = build_optimizer("AdamW", _params(), 1e-3, extra={"foreach": True})
+    assert chosen.defaults["foreach"] is True and not chosen.defaults["fused"]
+    on_meta = build_optimizer("AdamW", [torch.nn.Parameter(torch.zeros(2, device="meta"))], 1e-3)
+    assert not on_meta.defaults["fused"]

@@ -88,12 +88,12 @@ def build_optimizer(name: str, params: Iterable[Any], lr: float, *, betas: tuple
     ``--optimizer_args`` do. An Adafactor with relative step takes no learning rate, so groups lose theirs."""
     canonical = canonical_optimizer(name, flag)
     kwargs = optimizer_kwargs(canonical, lr, family, betas=betas, weight_decay=weight_decay, eps=eps, extra=extra)
-    params = list(params)
+    params = [dict(p, params=_group_tensors(p["params"])) if isinstance(p, dict) else p for p in params]
     if kwargs.get("lr", lr) is None:
         params = [{k: v for k, v in p.items() if k != "lr"} if isinstance(p, dict) else p for p in params]
     try:
         if canonical == "AdamW":
-            return torch.optim.AdamW(params, **kwargs)
+            return torch.optim.AdamW(params, **_with_fused_kernel(params, kwargs))
         if canonical == "AdamW8bit":
             return _import("bitsandbytes", canonical).optim.AdamW8bit(params, **kwargs)
         if canonical == "Lion":
@@ -103,6 +103,22 @@ def build_optimizer(name: str, params: Iterable[Any], lr: float, *, betas: tuple
         return Adafactor(params, **kwargs)
     except (TypeError, ValueError) as e:
         raise UserError(f"{flag} {canonical}: bad optimizer argument ({e}); check --optimizer_args") from None
+
+
+def _with_fused_kernel(params: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """torch's fused AdamW (one kernel over every tensor) unless the user chose ``fused`` or ``foreach``, or a
+    parameter is not a floating tensor on a CPU or CUDA device. ``benchmarks/optimizer_step.py`` measures it:
+    on a CPU, over FLUX.1-dev's rank-16 attention LoRA (380 tensors), a fused step took 12-14 ms against 53 ms
+    for the per-tensor loop torch picks there and 160 ms for ``foreach``. Only the rounding of the update differs."""
+    if "fused" in kwargs or "foreach" in kwargs:
+        return kwargs
+    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    fusable = all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors)
+    return {**kwargs, "fused": True} if fusable else kwargs
+
+
+def _group_tensors(group_params: Any) -> list[torch.Tensor]:
+    return [group_params] if isinstance(group_params, torch.Tensor) else list(group_params)
 
 
 def build_lr_scheduler(name: str, optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
