@@ -65,7 +65,8 @@ def worker(args: argparse.Namespace) -> None:
     batch = {"latent_dist": torch.randn(1, 32, latent, latent, device=device),
              "control_dist": torch.randn(1, 32, latent, latent, device=device),
              "prompt_embeds": torch.randn(1, tokens, t5_dim, device=device),
-             "pooled": torch.randn(1, clip_dim, device=device), "text_ids": flux.text_ids(tokens, device, torch.float32)}
+             "pooled": torch.randn(1, clip_dim, device=device),
+             "text_ids": flux.text_ids(tokens, device, torch.float32)}
     seconds, peak = time_steps(lambda: step(batch), args.steps, args.warmup, device)
     row = {"seconds": seconds, "peak_mib": peak, "state_mib": local_state_bytes(controlnet, optimizer) / 2**20}
     rows = accelerator.gather_for_metrics([row], use_gather_object=True)

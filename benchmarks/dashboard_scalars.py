@@ -64,7 +64,8 @@ def main() -> None:
               f"{len(raw[0])} + {len(smoothed[0])} points)")
         print(f"TensorBoard loader, reference:  {reference / args.reference_steps * 1e6:.1f} us/step "
               f"({args.reference_steps} steps in {reference:.2f} s)")
-        print(f"ratio per step, TensorBoard / train.log: {reference / args.reference_steps / (first / args.steps):.0f}x")
+        ratio = reference / args.reference_steps / (first / args.steps)
+        print(f"ratio per step, TensorBoard / train.log: {ratio:.0f}x")
 
 
 if __name__ == "__main__":

@@ -78,7 +78,8 @@ def one_mode(folder: Path, mode: str, tokens: int, text_tokens: int, steps: int)
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(device)
 
-    inputs = dict(hidden_states=randn(1, tokens, c.in_channels), encoder_hidden_states=randn(1, text_tokens, c.joint_attention_dim),
+    inputs = dict(hidden_states=randn(1, tokens, c.in_channels),
+                  encoder_hidden_states=randn(1, text_tokens, c.joint_attention_dim),
                   pooled_projections=randn(1, c.pooled_projection_dim), timestep=torch.full((1,), 0.5, device=device),
                   guidance=torch.full((1,), 3.5, device=device), img_ids=torch.zeros(tokens, 3, device=device),
                   txt_ids=torch.zeros(text_tokens, 3, device=device))

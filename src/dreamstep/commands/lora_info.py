@@ -1,6 +1,6 @@
 """``dreamstep lora info FILE``: what to check before loading a LoRA from elsewhere: its layout and target
-model, whether its modules exist in that model with the right shapes, module count, rank and alpha per module group, dtypes, and
-the metadata it carries.
+model, whether its modules exist in that model with the right shapes, module count, rank and alpha per
+module group, dtypes, and the metadata it carries.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def describe(path: str, model: str | None = None, base: str | None = None) -> st
     for group, mods in groups.items():
         scales = {m.scale for m in mods}
         scale = f"scale {_values(scales)}" if len(scales) == 1 else "scales vary"
-        lines.append(f"  {group:<{width}}  {len(mods):>4} module{'s' if len(mods) != 1 else ' '}  rank {_values({m.rank for m in mods})}  "
+        modules = f"{len(mods):>4} module{'s' if len(mods) != 1 else ' '}"
+        lines.append(f"  {group:<{width}}  {modules}  rank {_values({m.rank for m in mods})}  "
                      f"alpha {_values({m.alpha for m in mods})}  ({scale})")
     lines.append(f"metadata:  {len(lora.metadata)} keys" + (":" if lora.metadata else ""))
     lines += _metadata_lines(lora.metadata)

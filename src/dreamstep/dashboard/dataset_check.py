@@ -185,7 +185,8 @@ def summary(check: DatasetCheck, epoch: int) -> dict[str, Any]:
             "buckets": [{"size": list(size), "images": members,
                          "samples": sum(check.images[n].repeats for n in members)}
                         for size, members in sorted(buckets.items())]})
-    images = [{"name": i.path.name, "path": str(i.path), "subset": i.subset, "is_reg": check.subsets[i.subset][1].is_reg,
+    images = [{"name": i.path.name, "path": str(i.path), "subset": i.subset,
+               "is_reg": check.subsets[i.subset][1].is_reg,
                "raw_caption": i.caption, "caption": captions.get(n), "repeats": i.repeats,
                "size": list(i.size) if i.size else None, "bucket": list(i.bucket) if i.bucket else None,
                "problems": i.problems, "used": i.record is not None}

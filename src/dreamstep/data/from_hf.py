@@ -96,7 +96,8 @@ def load_source(source: str, split: str | None = None, config_name: str | None =
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         where = "local" if path.exists() else "hub"
-        hint = "" if where == "local" else " (a hub name needs a network, with HF_HUB_OFFLINE unset; or give local files)"
+        hint = ("" if where == "local" else
+                " (a hub name needs a network, with HF_HUB_OFFLINE unset; or give local files)")
         raise UserError(f"SOURCE {source}: could not load it as a dataset ({reason}){hint}") from e
     return _pick_split(data, split, source)
 

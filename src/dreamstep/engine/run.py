@@ -126,12 +126,12 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
               overwrite: bool = False, samples_dir: str | Path | None = None,
               find_unused_parameters: bool = False) -> Run:
     """Set up the accelerator (devices, autocast, processes), seed everything, find the checkpoint to
-    resume from (checked by :func:`claim_output_dir`), and take the output folder: its lock and ``run_status.json`` (main
-    process). ``config.toml`` and the logs are written when training starts. TensorBoard event files go to
-    ``tensorboard_dir`` (default: ``output_dir``), sample grids to ``samples_dir`` (default:
-    ``output_dir/samples``). ``command`` (e.g. ``dreamstep train flux-lora``) and ``resume_flag`` make
-    the command printed to continue an interrupted run. ``find_unused_parameters``: DDP looks for trainable
-    parameters that got no gradient in a step (slower; needed when some may not)."""
+    resume from (checked by :func:`claim_output_dir`), and take the output folder: its lock and
+    ``run_status.json`` (main process). ``config.toml`` and the logs are written when training starts.
+    TensorBoard event files go to ``tensorboard_dir`` (default: ``output_dir``), sample grids to
+    ``samples_dir`` (default: ``output_dir/samples``). ``command`` (e.g. ``dreamstep train flux-lora``)
+    and ``resume_flag`` make the command printed to continue an interrupted run. ``find_unused_parameters``:
+    DDP looks for trainable parameters that got no gradient in a step (slower; needed when some may not)."""
     end_unfinished_run("a later run in the same process started")
     accelerator = _accelerator(mixed_precision, find_unused_parameters)
     if accelerator.distributed_type == "DEEPSPEED":

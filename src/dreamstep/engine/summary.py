@@ -130,9 +130,10 @@ def print_run_summary(run: Any, dataset: BucketDataset, plan: TrainingPlan, *,
     lines = [
         *describe_data(dataset),
         *describe_truncation(dataset, tokenizers or {}),
-        f"schedule    {epochs} epoch{'s' * (epochs != 1)}, {plan.total_steps} optimizer steps ({plan.steps_per_epoch} per "
-        f"epoch), effective batch {batch_size * gradient_accumulation_steps * processes} = {batch_size} per "
-        f"process x {gradient_accumulation_steps} accumulated x {processes} process{'es' * (processes != 1)}",
+        f"schedule    {epochs} epoch{'s' * (epochs != 1)}, {plan.total_steps} optimizer steps "
+        f"({plan.steps_per_epoch} per epoch), "
+        f"effective batch {batch_size * gradient_accumulation_steps * processes} = {batch_size} per process x "
+        f"{gradient_accumulation_steps} accumulated x {processes} process{'es' * (processes != 1)}",
         *describe_processes(run.accelerator, sharded_stage),
         f"precision   frozen weights {mixed_precision if mixed_precision != 'no' else 'fp32'}, trainable {dtype}",
         f"trainable   {count:,} parameters",

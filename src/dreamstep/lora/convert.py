@@ -242,8 +242,8 @@ def _keys_for(lora: Lora, configs: Mapping[str, Mapping] | None) -> ModelKeys:
     return model_keys(lora.model, configs)
 
 
-def load_lora_as_diffusers(path: str | Path, model: str,
-                           configs: Mapping[str, Mapping] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def load_lora_as_diffusers(path: str | Path, model: str, configs: Mapping[str, Mapping] | None = None
+                           ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Any LoRA file as a diffusers-layout state dict that ``pipe.load_lora_weights(state_dict)`` loads with
     the right scales, and the file's metadata. diffusers reads no alpha from an in-memory dict, so each
     module's alpha/rank is folded into lora_B. ``configs`` (from :func:`pipeline_configs` or

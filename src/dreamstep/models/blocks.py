@@ -98,7 +98,8 @@ class BlockSwapper:
     def _take_to_host(self, block: nn.Module) -> dict[_Slot, torch.Tensor]:
         host = {}
         for module in block.modules():
-            tensors = [(name, p, True) for name, p in module._parameters.items() if p is not None and not p.requires_grad]
+            tensors = [(name, p, True) for name, p in module._parameters.items()
+                       if p is not None and not p.requires_grad]
             tensors += [(name, b, False) for name, b in module._buffers.items() if b is not None]
             for name, tensor, is_param in tensors:
                 copy = tensor.detach().to("cpu")

@@ -86,7 +86,8 @@ def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
     if config.resolution is None:
         raise UserError("--resolution is required with --train_data_dir (e.g. --resolution 1024,1024)")
     buckets = bucket_spec(parse_resolution(config.resolution, "--resolution"), bool(config.enable_bucket),
-                          **{k: v for k, v in cli.items() if k.endswith(("reso", "steps", "upscale")) and v is not None})
+                          **{k: v for k, v in cli.items()
+                             if k.endswith(("reso", "steps", "upscale")) and v is not None})
     return [kohya_folders_from_flags(config.train_data_dir, reg_data_dir=config.reg_data_dir, in_json=config.in_json,
                                      caption_extension=config.caption_extension, buckets=buckets,
                                      batch_size=config.train_batch_size)]
