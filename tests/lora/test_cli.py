@@ -3,6 +3,8 @@ user gets for a broken file, an unknown key layout and a LoRA for another model.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from lora_testkit import MINDSPORE_DIR
@@ -136,23 +138,37 @@ def test_lora_for_a_larger_model_names_the_missing_module(capsys, tmp_path, tiny
     assert code == 0 and "fits:      NO: module 'lora_unet_double_blocks_5_img_attn_proj'" in out
 
 
-@pytest.fixture
-def pickle_named_safetensors(tmp_path):
-    """A torch pickle with a .safetensors name (torch.load alone would hand it to safetensors and crash)."""
-    path = tmp_path / "renamed.safetensors"
-    torch.save({"model.weight": torch.zeros(2, 2)}, path)
-    return path
+class _RunsCode:
+    """Unpickles as a call to print: a stand-in for a pickle that runs code."""
+
+    def __reduce__(self):
+        return print, ("PICKLED CODE RAN",)
 
 
+# A torch pickle with a .safetensors name (torch.load alone would hand it to safetensors and crash): plain
+# tensors under a key that is no LoRA's, or pickled code, which is refused without running it.
+_PICKLES = {
+    "tensors": (lambda path: torch.save({"model.weight": torch.zeros(2, 2)}, path),
+                ": key 'model.weight' is not a LoRA key"),
+    "code": (lambda path: path.write_bytes(pickle.dumps(_RunsCode(), protocol=2)),
+             ": the torch checkpoint holds pickled objects other than tensors, which may run code, so dreamstep "
+             "does not load it; get the LoRA as a .safetensors file"),
+}
+
+
+@pytest.mark.parametrize("kind", list(_PICKLES))
 @pytest.mark.parametrize("command", ["info", "convert", "generate"])
-def test_a_pickle_named_safetensors_gets_one_line(command, pickle_named_safetensors, tmp_path, tiny_flux_dir,
-                                                 capsys):
-    argv = {"info": ["lora", "info", pickle_named_safetensors],
-            "convert": ["convert", "lora", pickle_named_safetensors, tmp_path / "out.safetensors", "--to", "kohya"],
-            "generate": ["generate", "flux", "--model", tiny_flux_dir, "--prompt", "x", "--lora",
-                         pickle_named_safetensors, "--output_dir", tmp_path / "images"]}[command]
-    line = _error(capsys, *argv)
-    assert line.startswith(f"error: {pickle_named_safetensors}: key 'model.weight' is not a LoRA key")
+def test_a_pickle_named_safetensors_gets_one_line(command, kind, tmp_path, tiny_flux_dir, capsys):
+    renamed = tmp_path / "renamed.safetensors"
+    write, message = _PICKLES[kind]
+    write(renamed)
+    argv = {"info": ["lora", "info", renamed],
+            "convert": ["convert", "lora", renamed, tmp_path / "out.safetensors", "--to", "kohya"],
+            "generate": ["generate", "flux", "--model", tiny_flux_dir, "--prompt", "x", "--lora", renamed,
+                         "--output_dir", tmp_path / "images"]}[command]
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and err.startswith(f"error: {renamed}{message}") and err.count("\n") == 1, err
+    assert "PICKLED CODE RAN" not in out + err
     assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "images").exists()
 
 

@@ -67,6 +67,10 @@ def _read_torch(path: Path) -> LoraFile:
         with open(path, "rb") as f:
             obj = torch.load(f, map_location="cpu", weights_only=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile, OSError) as e:
+        if "Weights only load failed" in str(e):
+            # torch's own text suggests loading it unsafely (with terminal escape codes): not advice to pass on.
+            raise UserError(f"{path}: the torch checkpoint holds pickled objects other than tensors, which may "
+                            "run code, so dreamstep does not load it; get the LoRA as a .safetensors file") from None
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{path}: not a readable torch checkpoint (truncated, corrupt or not plain tensors: "
                         f"{first_line})") from None
