@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dreamstep.cli import hide_known_notices
+from dreamstep.notices import hide_known_notices
 
 hide_known_notices()
 

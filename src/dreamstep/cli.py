@@ -13,15 +13,14 @@ import argparse
 import ast
 import importlib
 import importlib.util
-import logging
 import re
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 from dreamstep.errors import UserError, did_you_mean
+from dreamstep.notices import hide_known_notices
 
 
 @dataclass(frozen=True)
@@ -83,47 +82,6 @@ def _match(argv: list[str], commands: dict[tuple[str, ...], Command]) -> tuple[s
         if key in commands:
             return key
     return None
-
-
-class _HideMessages(logging.Filter):
-    """Drops log records whose message contains one of ``fragments``."""
-
-    def __init__(self, *fragments: str):
-        super().__init__()
-        self.fragments = fragments
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not any(fragment in message for fragment in self.fragments)
-
-
-# Start-up and loading notices of dependencies that say nothing about the user's run, by logger.
-_KNOWN_NOTICES = {
-    # dreamstep uses no transformers image processor, so the missing torchvision does not matter.
-    "transformers.utils.import_utils": ("requires torchvision",),
-    # torchao's optional GPU kernels and its enum registration, when torchao is installed at all.
-    "torchao": ("Failed to load",),
-    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",
-                            "Calling register_constant() on Enum subclasses is deprecated"),
-    "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
-    # A LoRA for the transformer (or UNet) alone has no text-encoder keys: nothing is missing.
-    "diffusers.loaders.peft": ("No LoRA keys associated to",),
-    "diffusers.loaders.lora_pipeline": ("No LoRA keys associated to",),
-    "diffusers.loaders.lora_base": ("No LoRA keys associated to",),
-    # Offline (HF_HUB_OFFLINE), a hub id is read from the local cache; when it is not there, our error says so.
-    "diffusers.pipelines.pipeline_utils": ("offline mode is enabled",),
-    "diffusers.loaders.single_file": ("`local_files_only` is True but no local configs were found",),
-}
-# The same, for notices given as Python warnings (diffusers' own modules use a deprecated import path).
-_KNOWN_WARNINGS = ("Importing and using `FluxPosEmbed`", "Already found a `peft_config` attribute")
-
-
-def hide_known_notices() -> None:
-    """Silence notices from dependencies that say nothing about the user's run."""
-    for name, fragments in _KNOWN_NOTICES.items():
-        logging.getLogger(name).addFilter(_HideMessages(*fragments))
-    for message in _KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=re.escape(message))
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -10,10 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from PIL import Image
 from transformers import CLIPTokenizer
 
 from dreamstep.cli import main
+from dreamstep.data.cache import TensorCache
 from dreamstep.data.dataset import build_dataset
 from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
 from dreamstep.engine import summary
@@ -60,6 +62,7 @@ def test_the_trainer_lists_the_skipped_files_before_training(captioned: Path, ti
     for name, reason in (("dangling.png", "broken link (its target is missing)"), ("loop.png", "link loop"),
                          ("notes.md", "not an image type dreamstep reads (.md)")):
         assert f"skipped     {captioned / name}: {reason}" in out
+    assert "written now, 0 were there already" in out
 
 
 def test_a_caption_byte_order_mark_is_dropped_and_cut_captions_are_named(captioned: Path,
@@ -90,3 +93,14 @@ def test_a_launch_that_asked_for_more_processes_than_run_is_reported(monkeypatch
         launcher.kill()
     assert lines[0] == "processes   1 on 1 node (cpu)"
     assert lines[1].startswith("warning     accelerate launch asked for 2 processes but 1 runs")
+
+
+def test_the_caches_line_tells_entries_written_now_from_those_of_earlier_runs(tmp_path: Path) -> None:
+    earlier = TensorCache(tmp_path / "latents", "model-a")
+    for key in ("one", "two"):
+        earlier.put(key, {"x": torch.zeros(1)})
+    now = TensorCache(tmp_path / "latents", "model-a")
+    now.put("three", {"x": torch.zeros(1)})
+    assert now.get("one") is not None
+    line = summary.describe_caches({"latents": now, "text": None})
+    assert line == f"caches      latents: {tmp_path / 'latents'} (1 entry written now, 2 were there already); text: off"

@@ -51,6 +51,7 @@ class TensorCache:
                 raise UserError(f"cache directory {root} is inside the image folder {folder}; choose a cache "
                                 "directory outside your data (e.g. under the output directory)")
         # The folder is made by the first put(): a run that stops at a later input check leaves nothing.
+        self.written = 0  # entries this object stored (the run's cache misses)
 
     def path(self, content_key: str) -> Path:
         """Where an entry lives: sha256(model identity, content key), fanned out over 256 folders."""
@@ -75,6 +76,7 @@ class TensorCache:
         contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         with atomic_path(path) as tmp:
             save_file(contiguous, str(tmp), metadata={"model_id": self.model_id, "content": content_key[:4096]})
+        self.written += 1
 
     def get_or_compute(self, content_keys: Sequence[str | None],
                        compute: Callable[[list[int]], dict[str, torch.Tensor]],

@@ -110,7 +110,8 @@ def describe_caches(caches: Mapping[str, TensorCache | None]) -> str:
             parts.append(f"{name}: off")
         else:
             entries = sum(1 for _ in cache.root.rglob("*.safetensors")) if cache.root.is_dir() else 0
-            parts.append(f"{name}: {cache.root} ({entries} entries already there)")
+            written = f"{cache.written} entr{'y' if cache.written == 1 else 'ies'}"
+            parts.append(f"{name}: {cache.root} ({written} written now, {entries - cache.written} were there already)")
     return "caches      " + "; ".join(parts)
 
 

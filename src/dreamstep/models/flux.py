@@ -19,6 +19,7 @@ from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.parking import ParkedModules
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
+from dreamstep.notices import CAPTION_CUT, hidden
 
 
 # FLUX.1-dev's recommended sampling: 28 steps at distilled guidance 3.5.
@@ -53,10 +54,12 @@ def latent_image_ids(height: int, width: int, device: torch.device, dtype: torch
 @torch.no_grad()
 def encode_prompts(pipeline: FluxPipeline, prompts: list[str], max_sequence_length: int
                    ) -> dict[str, torch.Tensor]:
-    """T5 sequence embeddings (B, S, D) and CLIP pooled embeddings (B, P) for each prompt."""
-    prompt_embeds, pooled, _ = pipeline.encode_prompt(prompt=prompts, prompt_2=prompts,
-                                                      device=pipeline.text_encoder.device,
-                                                      max_sequence_length=max_sequence_length)
+    """T5 sequence embeddings (B, S, D) and CLIP pooled embeddings (B, P) for each prompt (training
+    captions: the run summary names those that get cut, so the pipeline's notices are hidden)."""
+    with hidden(CAPTION_CUT):
+        prompt_embeds, pooled, _ = pipeline.encode_prompt(prompt=prompts, prompt_2=prompts,
+                                                          device=pipeline.text_encoder.device,
+                                                          max_sequence_length=max_sequence_length)
     return {"prompt_embeds": prompt_embeds.float().cpu(), "pooled": pooled.float().cpu()}
 
 

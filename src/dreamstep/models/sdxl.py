@@ -30,6 +30,7 @@ from dreamstep.models.loading import component_identity, load_sdxl
 from dreamstep.models.parking import ParkedModules
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
+from dreamstep.notices import CAPTION_CUT, hidden
 
 # sd-scripts' --sample_sampler names -> diffusers schedulers.
 SAMPLERS = {
@@ -117,9 +118,12 @@ def training_caches(root: Path, source: str, *, mixed_precision: str, vae_fp32: 
 
 def encode_prompts(pipeline: StableDiffusionXLPipeline, prompts: list[str]) -> dict[str, torch.Tensor]:
     """Penultimate hidden states of CLIP-L and CLIP-G, concatenated: (B, 77, 768 + 1280 for SDXL), and
-    CLIP-G's projected pooled output (B, 1280). Differentiable when a text encoder trains."""
+    CLIP-G's projected pooled output (B, 1280). Differentiable when a text encoder trains. The prompts are
+    training captions: the run summary names those that get cut, so the pipeline's notices are hidden."""
     device = pipeline.text_encoder_2.device
-    embeds, _, pooled, _ = pipeline.encode_prompt(prompt=prompts, device=device, do_classifier_free_guidance=False)
+    with hidden(CAPTION_CUT):
+        embeds, _, pooled, _ = pipeline.encode_prompt(prompt=prompts, device=device,
+                                                      do_classifier_free_guidance=False)
     return {"prompt_embeds": embeds, "pooled": pooled}
 
 
