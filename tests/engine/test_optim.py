@@ -127,5 +127,7 @@ def test_adamw_uses_torchs_fused_kernel_and_updates_as_the_per_tensor_loop():
 def test_adamw_keeps_a_chosen_implementation_and_fuses_only_where_torch_can():
     chosen = build_optimizer("AdamW", _params(), 1e-3, extra={"foreach": True})
     assert chosen.defaults["foreach"] is True and not chosen.defaults["fused"]
+    differentiable = build_optimizer("AdamW", _params(), 1e-3, extra={"differentiable": True})
+    assert differentiable.defaults["differentiable"] is True and not differentiable.defaults["fused"]
     on_meta = build_optimizer("AdamW", [torch.nn.Parameter(torch.zeros(2, device="meta"))], 1e-3)
     assert not on_meta.defaults["fused"]

@@ -106,11 +106,12 @@ def build_optimizer(name: str, params: Iterable[Any], lr: float, *, betas: tuple
 
 
 def _with_fused_kernel(params: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """torch's fused AdamW (one kernel over every tensor) unless the user chose ``fused`` or ``foreach``, or a
-    parameter is not a floating tensor on a CPU or CUDA device. ``benchmarks/optimizer_step.py`` measures it:
-    on a CPU, over FLUX.1-dev's rank-16 attention LoRA (380 tensors), a fused step took 12-14 ms against 53 ms
-    for the per-tensor loop torch picks there and 160 ms for ``foreach``. Only the rounding of the update differs."""
-    if "fused" in kwargs or "foreach" in kwargs:
+    """torch's fused AdamW (one kernel over every tensor) unless the user chose ``fused`` or ``foreach`` (or
+    ``differentiable``, which the fused kernel lacks), or a parameter is not a floating tensor on a CPU or
+    CUDA device. ``benchmarks/optimizer_step.py`` measures it: on a CPU, over FLUX.1-dev's rank-16 attention
+    LoRA (380 tensors), a fused step took 12-14 ms against 53 ms for the per-tensor loop torch picks there
+    and 160 ms for ``foreach``. Only the rounding of the update differs."""
+    if {"fused", "foreach", "differentiable"} & kwargs.keys():
         return kwargs
     tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
     fusable = all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors)
