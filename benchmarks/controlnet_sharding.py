@@ -27,6 +27,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FluxControlNetModel, Flux
 from flux_lora import CLIP_DIM, FULL_TRANSFORMER, T5_DIM, T5_TOKENS
 from measure import time_steps
 
+from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.sharding import local_state_bytes, shard_model
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.models import controlnet as cn
@@ -53,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
         transformer.bfloat16()
     controlnet = cn.build_from_transformer(transformer, args.double, args.single).float().to(device).train()
     shard_model(controlnet, args.zero_stage, cn.BLOCK_CLASSES, device)
-    optimizer = torch.optim.AdamW(controlnet.parameters(), lr=1e-4)
+    optimizer = build_optimizer("AdamW", controlnet.parameters(), 1e-4)
     if args.zero_stage == 0 and accelerator.num_processes > 1:
         controlnet, optimizer = accelerator.prepare(controlnet, optimizer)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)

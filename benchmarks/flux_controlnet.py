@@ -26,6 +26,7 @@ from measure import time_steps
 
 from dreamstep.diffusion import flow_matching as fm
 from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW, trainable_state_bytes
+from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
@@ -116,13 +117,14 @@ def main() -> None:
     # The posteriors come from the latent cache in training.
     batch = {"latent_dist": flux.encode_posterior(vae, pixels),
              "control_dist": flux.encode_posterior(vae, control_pixels), **embeds}
-    variants = [("dreamstep (cached latents)", torch.float32, torch.optim.AdamW)]
+    variants = [("dreamstep (cached latents)", torch.float32, lambda params: build_optimizer("AdamW", params, 1e-4))]
     if half:
-        variants.append(("dreamstep, bf16 weights + SR AdamW", torch.bfloat16, StochasticRoundingAdamW))
-    for name, weights, optimizer_class in variants:
+        variants.append(("dreamstep, bf16 weights + SR AdamW", torch.bfloat16,
+                         lambda params: StochasticRoundingAdamW(params, lr=1e-4)))
+    for name, weights, make_optimizer in variants:
         del controlnet, optimizer
         controlnet = new_controlnet(weights)
-        optimizer = optimizer_class(controlnet.parameters(), lr=1e-4)
+        optimizer = make_optimizer(controlnet.parameters())
         step = dreamstep_step(transformer, controlnet, optimizer, sigmas, mixed_precision)
         seconds, peak = time_steps(lambda: step(batch), args.steps, args.warmup, device)
         rows.append((name, seconds, peak, trainable_state_bytes(optimizer)))

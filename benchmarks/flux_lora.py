@@ -18,6 +18,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransf
 from measure import time_steps
 
 from dreamstep.diffusion import flow_matching as fm
+from dreamstep.engine.optim import build_optimizer
 from dreamstep.lora.inject import add_lora, flux_lora_targets
 from dreamstep.models import flux
 from dreamstep.models.precision import cast_trainable_params_to_fp32, freeze
@@ -113,7 +114,7 @@ def main() -> None:
     from dreamstep.engine.train_step import make_accelerator
 
     accelerator = make_accelerator(mixed_precision="bf16" if device.type == "cuda" else "no")
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer = build_optimizer("AdamW", params, 1e-4)
     step = FluxLoraStep(FluxLoraModel(transformer), optimizer=optimizer, accelerator=accelerator, max_grad_norm=1.0,
                         sigmas=sigmas, weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29,
                         guidance_scale=3.5, prior_loss_weight=1.0)

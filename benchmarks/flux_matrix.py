@@ -28,6 +28,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransf
 from flux_lora import FULL_TRANSFORMER, FULL_VAE, T5_DIM, T5_TOKENS, CLIP_DIM, add_benchmark_lora, reference_step
 from measure import time_steps
 
+from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.models import flux, quantization
 from dreamstep.models.blocks import BlockSwapper, compile_blocks
@@ -151,7 +152,7 @@ def measure_row(row: Row | None, depth: tuple[int, int], vae: AutoencoderKL, dev
         seconds, peak = time_steps(lambda: reference_step(model, vae, sigmas, optimizer, pixels, embeds, autocast),
                                    steps, warmup, device)
     else:
-        step = FluxLoraStep(FluxLoraModel(model), optimizer=torch.optim.AdamW(params, lr=1e-4),
+        step = FluxLoraStep(FluxLoraModel(model), optimizer=build_optimizer("AdamW", params, 1e-4),
                             accelerator=make_accelerator(mixed_precision="bf16"), max_grad_norm=1.0, sigmas=sigmas,
                             weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29,
                             guidance_scale=3.5, prior_loss_weight=1.0)

@@ -25,6 +25,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from dreamstep.data import TensorCache
 from dreamstep.diffusion import noise_prediction as noise_math
+from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.lora.formats import SDXL_UNET_CONFIG
 from dreamstep.lora.kohya_network import NetworkOptions, create_network
@@ -90,7 +91,7 @@ def dreamstep_step(pipe, network, scheduler, mixed_precision: str) -> SDXLLoraSt
 
     AcceleratorState._reset_state()
     accelerator = make_accelerator(mixed_precision=mixed_precision)
-    optimizer = torch.optim.AdamW(network.parameters(), lr=1e-4, betas=(0.9, 0.98), weight_decay=0.05)
+    optimizer = build_optimizer("AdamW", network.parameters(), 1e-4, betas=(0.9, 0.98), weight_decay=0.05)
     model = SDXLLoraModel(pipe.unet, network, pipe).train()
     return SDXLLoraStep(model, optimizer=optimizer, accelerator=accelerator, max_grad_norm=1.0,
                         noise_scheduler=scheduler, v_prediction=False, min_snr_gamma=5.0, noise_offset=0.0357,
@@ -141,7 +142,8 @@ def main() -> None:
                                            latent_cache=TensorCache(Path(cache_dir) / "latents", "bench"),
                                            text_cache=TensorCache(Path(cache_dir) / "text", "bench"))
         batch = {"pixel_values": pixels.cpu(), "pixel_items": list(range(b)), "latents": [None] * b,
-                 "image_keys": [f"image{i}" for i in range(b)], "captions": captions, "original_sizes": size,
+                 "image_keys": [f"image{i}" for i in range(b)], "image_paths": [f"image{i}.png" for i in range(b)],
+                 "captions": captions, "original_sizes": size,
                  "crop_top_lefts": torch.zeros(b, 2, dtype=torch.long), "target_sizes": size,
                  "is_reg": torch.zeros(b, dtype=torch.bool)}
         conditioner(batch)  # fills the caches, as the first epoch does
