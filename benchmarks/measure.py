@@ -29,8 +29,13 @@ class PeakMemory:
             torch.cuda.synchronize()
             self.peak_mib = torch.cuda.max_memory_allocated() / 2**20
         else:
-            line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM"))
-            self.peak_mib = int(line.split()[1]) / 1024
+            self.peak_mib = process_status_mib("VmHWM")
+
+
+def process_status_mib(field: str) -> float:
+    """A memory field of /proc/self/status (``VmRSS``: resident now, ``VmHWM``: its peak), in MiB."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
 
 
 def time_steps(run_step: Callable[[], None], steps: int, warmup: int, device: torch.device) -> tuple[float, float]:

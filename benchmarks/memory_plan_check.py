@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from diffusers import FluxTransformer2DModel
-from measure import PeakMemory
+from measure import PeakMemory, process_status_mib
 from peft import LoraConfig, inject_adapter_in_model
 
 from dreamstep.models import memory_plan as mp
@@ -66,8 +66,7 @@ def _release_cached(device: torch.device) -> None:
 def _current_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.memory_allocated() / 2**20
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS"))
-    return int(line.split()[1]) / 1024
+    return process_status_mib("VmRSS")
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from diffusers import FluxTransformer2DModel
 from flux_lora import FULL_TRANSFORMER
 from measure import time_steps
 
-from dreamstep.engine.optim import build_optimizer
+from dreamstep.engine.optim import FUSED_ADAMW_DEVICES, build_optimizer
 from dreamstep.lora.inject import FLUX_LORA_PRESETS, add_lora, flux_lora_targets
 
 
@@ -31,14 +31,13 @@ def lora_shapes(rank: int, layers: str) -> list[torch.Size]:
 
 
 def optimizers(device: torch.device) -> dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]:
-    fused_here = device.type in ("cpu", "cuda")
     choices = {
         "reference (torch's default)": lambda params: torch.optim.AdamW(params, lr=1e-4),
         "per-tensor loop": lambda params: torch.optim.AdamW(params, lr=1e-4, foreach=False),
         "foreach": lambda params: torch.optim.AdamW(params, lr=1e-4, foreach=True),
         "dreamstep (build_optimizer)": lambda params: build_optimizer("AdamW", params, 1e-4),
     }
-    if fused_here:
+    if device.type in FUSED_ADAMW_DEVICES:
         choices["fused"] = lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True)
     return choices
 

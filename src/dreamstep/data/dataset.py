@@ -142,11 +142,14 @@ def transform_image(image: Image.Image, size: tuple[int, int], placement: Placem
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
 
 
-def build_dataset(configs: Sequence[DatasetConfig], seed: int,
-                  latent_cache: TensorCache | None = None) -> BucketDataset:
+def build_dataset(configs: Sequence[DatasetConfig], seed: int, latent_cache: TensorCache | None = None,
+                  records: Sequence[list[ImageRecord]] | None = None) -> BucketDataset:
     """Scan, validate and bucket every dataset (errors name the file) and return the torch dataset; its
-    ``skipped`` lists the files in the image folders that are not trained on, with the reason."""
-    dataset = BucketDataset([(collect_records(c), c.batch_size, c.prior_pairs) for c in configs],
+    ``skipped`` lists the files in the image folders that are not trained on, with the reason. ``records``
+    (one list per config, already collected) takes the place of the scan, e.g. a split's training part."""
+    if records is None:
+        records = [collect_records(c) for c in configs]
+    dataset = BucketDataset([(r, c.batch_size, c.prior_pairs) for r, c in zip(records, configs, strict=True)],
                             seed, latent_cache)
     dataset.skipped = [entry for c in configs for entry in skipped_in(c)]
     return dataset

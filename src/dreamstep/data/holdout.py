@@ -13,9 +13,9 @@ import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from dreamstep.data.dataset import BucketDataset
+from dreamstep.data.dataset import BucketDataset, build_dataset
 from dreamstep.data.dataset_config import DatasetConfig
-from dreamstep.data.records import ImageRecord, collect_records, skipped_in
+from dreamstep.data.records import ImageRecord, collect_records
 from dreamstep.errors import UserError
 
 
@@ -49,12 +49,11 @@ def build_split_datasets(configs: Sequence[DatasetConfig], seed: int, validation
         train_records, held = split_records(collect_records(config), validation_split, seed)
         if not train_records:
             raise UserError(f"{config.where}: every image is held out for validation; keep some to train on")
-        training.append((train_records, config.batch_size, config.prior_pairs))
+        training.append(train_records)
         if held:
             held_out.append(([dataclasses.replace(r, num_repeats=1) for r in held], config.batch_size, False))
-    dataset = BucketDataset(training, seed)
-    dataset.skipped = [entry for config in configs for entry in skipped_in(config)]
-    return dataset, (BucketDataset(held_out, seed) if held_out else None)
+    return (build_dataset(configs, seed, records=training),
+            BucketDataset(held_out, seed) if held_out else None)
 
 
 def subject_image_paths(dataset: BucketDataset, held_out: BucketDataset | None) -> list[Path]:

@@ -20,6 +20,7 @@ from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError, did_you_mean
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy", "Lion", "Adafactor")
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # where dreamstep gives AdamW torch's fused kernel (measured there)
 
 
 def parse_optimizer_args(items: Iterable[str], flag: str = "--optimizer_args") -> dict[str, Any]:
@@ -114,7 +115,7 @@ def _with_fused_kernel(params: list[Any], kwargs: dict[str, Any]) -> dict[str, A
     if {"fused", "foreach", "differentiable"} & kwargs.keys():
         return kwargs
     tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
-    fusable = all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors)
+    fusable = all(t.is_floating_point() and t.device.type in FUSED_ADAMW_DEVICES for t in tensors)
     return {**kwargs, "fused": True} if fusable else kwargs
 
 

@@ -109,15 +109,14 @@ def check_pipeline_source(source: str | Path, arch: str) -> None:
 
 def _load_error(source: str, error: Exception) -> UserError:
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    if not Path(source).exists() and hf_constants.HF_HUB_OFFLINE:
+    if Path(source).exists():
+        return UserError(f"could not load '{source}': {reason}")
+    if hf_constants.HF_HUB_OFFLINE:
         return UserError(f"could not load '{source}' from the Hugging Face hub: it is not (fully) in the local "
                          "cache and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to download it, or give a local "
                          "folder")
-    if not Path(source).exists():
-        return UserError(f"could not load '{source}' from the Hugging Face hub ({reason}); check the "
-                         "id and your network (HF_HUB_OFFLINE must be unset to download), or give a "
-                         "local folder")
-    return UserError(f"could not load '{source}': {reason}")
+    return UserError(f"could not load '{source}' from the Hugging Face hub ({reason}); check the "
+                     "id and your network (HF_HUB_OFFLINE must be unset to download), or give a local folder")
 
 
 def load_flux(pretrained_model_name_or_path: str | Path, *, revision: str | None = None,
