@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from peft import LoraConfig
+from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from peft.utils.other import get_pattern_key
 from torch import nn
@@ -59,10 +59,16 @@ def flux_lora_targets(transformer: nn.Module, layers: list[str]) -> list[str]:
 
 def add_lora(model: nn.Module, targets: list[str] | tuple[str, ...], rank: int, alpha: float,
              dropout: float = 0.0) -> None:
-    """Inject a gaussian-initialised LoRA (B = 0, so the model is unchanged at step 0) as adapter 'default'."""
+    """Inject a gaussian-initialised LoRA (B = 0, so the model is unchanged at step 0) as adapter 'default'.
+
+    peft's own injection, not the model's ``add_adapter``: transformers 5.24 refuses ``add_adapter`` below
+    peft 0.22 (not yet released), and the result is the same layers either way. The flag set after it is
+    the one both libraries' ``add_adapter`` set, so their adapter methods (scaling, unloading) see the LoRA.
+    """
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights="gaussian",
                         target_modules=list(targets))
-    model.add_adapter(config)
+    inject_adapter_in_model(config, model, adapter_name="default")
+    model._hf_peft_config_loaded = True
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
