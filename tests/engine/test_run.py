@@ -3,6 +3,7 @@ checkpoints named and skipped over with `latest`, and the share of non-finite st
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,47 @@ def test_latest_falls_back_to_the_newest_checkpoint_that_loads(tmp_path: Path, c
     # The resumed run saved step 4 again, over the damaged checkpoint.
     model = tiny_mlp()
     load_checkpoint(out / "checkpoint-4", RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.05)))
+
+
+class _RunsCode:
+    """Unpickles as a call to print: a stand-in for a pickle that runs code."""
+
+    def __reduce__(self):
+        return print, ("PICKLED CODE RAN",)
+
+
+def _folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_that_finds_no_readable_checkpoint_leaves_the_finished_run_as_it_was(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    _train(out, steps=6, checkpointing_steps=2)
+    with_code = out / "checkpoint-6" / "optimizer.pt"
+    with_code.write_bytes(pickle.dumps(_RunsCode(), protocol=2))
+    truncated = out / "checkpoint-4" / "trainable_weights.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[:-8])
+    (out / "checkpoint-2" / "random_states.pt").write_bytes(b"PK\x03\x04 not a zip")
+    before = _folder_bytes(out)
+    capsys.readouterr()
+    with pytest.raises(UserError, match=r"^--resume_from_checkpoint latest: no checkpoint in .* can be read .*"
+                                        r"nothing was changed; start a new run in a new --output_dir$") as error:
+        _train(out, steps=8, resume="latest")
+    assert (f"{with_code}: a pickle holding objects other than tensors, which may run code, so it was not loaded "
+            "(nothing in it ran)") in str(error.value)
+    assert f"{truncated}: unreadable, the file is damaged or truncated" in str(error.value)
+    assert "PICKLED CODE RAN" not in capsys.readouterr().out
+    assert _folder_bytes(out) == before
+    assert read_status(out)["state"] == "finished"
+
+
+def test_a_resume_that_fails_while_loading_puts_the_status_back(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _train(out, steps=4, checkpointing_steps=2)
+    before = _folder_bytes(out)
+    run = start_run(out, mixed_precision="no", seed=0, report_to="none", resume_from_checkpoint="latest",
+                    config_toml="", command="dreamstep train test")
+    assert read_status(out)["state"] == "running"
+    run.close("failed", "the model could not be loaded")
+    assert _folder_bytes(out) == before

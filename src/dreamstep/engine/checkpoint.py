@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dreamstep.engine.disk import DiskFullError, disk_full_message, free_bytes, is_disk_full, require_space
@@ -54,6 +55,7 @@ __all__ = [
     "read_checkpoint_step",
     "prune_checkpoints",
     "resolve_resume",
+    "resume_candidates",
     "restore_rng_state",
     "save_checkpoint",
 ]
@@ -297,6 +299,54 @@ class DamagedCheckpointError(UserError):
     """A file of the checkpoint is missing, truncated or unreadable; the message names it."""
 
 
+def resume_candidates(output_dir: str | Path, resume_from_checkpoint: str | Path | None,
+                      flag: str = "--resume_from_checkpoint") -> tuple[Path | None, list[str]]:
+    """The checkpoint a resume will load, checked to be readable before the run writes anything, and one
+    warning per checkpoint passed over. ``latest`` gives way to the newest checkpoint that reads, and is a
+    :class:`UserError` when none does; a checkpoint named by the user must read (its error names the file)."""
+    chosen = resolve_resume(output_dir, resume_from_checkpoint, flag)
+    if chosen is None:
+        return None, []
+    if str(resume_from_checkpoint) != "latest":
+        check_readable(chosen)
+        return chosen, []
+    warnings, damaged = [], []
+    for path in reversed(list_checkpoints(output_dir)):
+        try:
+            check_readable(path)
+        except DamagedCheckpointError as e:
+            warnings.append(f"warning: {e}")
+            damaged.append(path.name)
+            continue
+        if damaged:
+            warnings.append(f"warning: {', '.join(damaged)} cannot be read; resuming from {path.name}, the newest "
+                            "checkpoint that loads")
+        return path, warnings
+    raise UserError(f"{flag} latest: no checkpoint in {output_dir} can be read ({'; '.join(warnings)}); "
+                    "nothing was changed; start a new run in a new --output_dir")
+
+
+def check_readable(path: Path) -> None:
+    """Read every file of checkpoint ``path`` as :func:`load_checkpoint` will (tensors memory-mapped, not
+    copied), so a damaged or refused one is found before anything is written; restore nothing."""
+    _read(path, STATE_FILE, _read_state)
+    _read(path, WEIGHTS_FILE, _safetensors_header)
+    for name in (OPTIMIZER_FILE, RNG_FILE) + ((SCHEDULER_FILE,) if (path / SCHEDULER_FILE).exists() else ()):
+        _read(path, name, _torch_peek)
+
+
+def _torch_peek(file: Path) -> Any:
+    """:func:`_torch_load` without copying the tensors of a ``torch.save`` zip archive (memory-mapped)."""
+    with open(file, "rb") as f:
+        is_zip = f.read(4) == b"PK\x03\x04"
+    return torch.load(file, map_location="cpu", weights_only=True, mmap=is_zip)
+
+
+def _safetensors_header(file: Path) -> list[str]:
+    with safe_open(str(file), framework="pt") as f:
+        return list(f.keys())
+
+
 def load_checkpoint(path: str | Path, train_step: TrainStep) -> LoadedCheckpoint:
     """Restore optimizer, LR scheduler and TrainStep state from ``path``; return weights, position, RNG, extra.
 
@@ -347,6 +397,10 @@ def _read(path: Path, name: str, reader: Callable[[Path], Any]) -> Any:
     except UserError:
         raise
     except Exception as e:
+        if "Weights only load failed" in str(e):
+            raise DamagedCheckpointError(f"{file}: a pickle holding objects other than tensors, which may run code, "
+                                         "so it was not loaded (nothing in it ran); resume from another "
+                                         "checkpoint") from None
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
         raise DamagedCheckpointError(f"{file}: unreadable, the file is damaged or truncated ({reason}); "
                                      "resume from another checkpoint") from None

@@ -166,12 +166,15 @@ def _open_output(run: Run) -> None:
 
 
 def _resume(run: Run, step: TrainStep, trained: Any) -> LoadedCheckpoint | None:
-    """Load the checkpoint to resume; with ``latest``, a damaged one gives way to the newest that loads."""
+    """Load the checkpoint to resume (``start_run`` found it readable); with ``latest``, one that still fails
+    to load gives way to the newest older one that loads."""
     if run.resume_from is None:
         return None
     candidates = [run.resume_from]
     if run.resume_request == "latest":
-        candidates = list(reversed(list_checkpoints(run.output_dir)))
+        names = [p.name for p in list_checkpoints(run.output_dir)]
+        older = names[:names.index(run.resume_from.name)] if run.resume_from.name in names else []
+        candidates += [run.output_dir / name for name in reversed(older)]
     damaged = []
     for path in candidates:
         try:

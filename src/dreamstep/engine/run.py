@@ -26,7 +26,7 @@ from dreamstep.engine.checkpoint import (
     DamagedCheckpointError,
     broadcast_from_main,
     read_checkpoint_extra,
-    resolve_resume,
+    resume_candidates,
 )
 from dreamstep.engine.interrupt import StopSignals
 from dreamstep.engine.logging import TrainingLogger, say
@@ -34,6 +34,7 @@ from dreamstep.engine.loop import TrainingResult
 from dreamstep.engine.run_folder import STATUS_FILE, OutputLock, RunStatus, check_output_dir
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.errors import UserError
+from dreamstep.files import write_bytes_atomic
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -62,6 +63,7 @@ class Run:
     result: TrainingResult | None = None
     lock: OutputLock | None = None
     created_folder: bool = False  # this run made --output_dir; a failure before training removes it again
+    previous_status: bytes | None = None  # run_status.json as it was; a failure before training puts it back
     started_at: float | None = None  # perf_counter when training started
     validation_seconds: float = 0.0  # wall time spent in validation (samples and scores)
 
@@ -81,15 +83,22 @@ class Run:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
-        if state == "failed" and self.created_folder and self.logger is None:
-            # Nothing was trained or written but the status: leave no folder behind a bad input.
-            (self.output_dir / STATUS_FILE).unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
-                self.output_dir.rmdir()
+        if state == "failed" and self.logger is None and self.status.path is not None:
+            # Nothing was trained or written but the status: leave the folder as it was (none, if it was none).
+            self._restore_status()
+            if self.created_folder:
+                with contextlib.suppress(OSError):
+                    self.output_dir.rmdir()
         self.signals.uninstall()
         atexit.unregister(self._close_at_exit)
         if _open_run is self:
             _open_run = None
+
+    def _restore_status(self) -> None:
+        if self.previous_status is None:
+            self.status.path.unlink(missing_ok=True)
+        else:
+            write_bytes_atomic(self.status.path, self.previous_status)
 
     def _close_at_exit(self) -> None:
         """The process ends without :func:`finish`: an error or a signal outside the loop."""
@@ -113,7 +122,7 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_che
     was trained with other ``resume_must_match`` settings (the flags that shape the trained weights) than
     ``config_toml``'s. Writes nothing."""
     end_unfinished_run("a later run in the same process started")
-    resume = resolve_resume(output_dir, resume_from_checkpoint, resume_flag)
+    resume, _ = resume_candidates(output_dir, resume_from_checkpoint, resume_flag)
     if resume is not None:
         check_resume_settings(resume, config_toml, resume_must_match)
     return check_output_dir(output_dir, overwrite=overwrite, resume=resume, resume_request=resume_from_checkpoint,
@@ -144,7 +153,7 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
 
     set_seed(seed)
     folder = Path(output_dir)
-    resume_from = resolve_resume(folder, resume_from_checkpoint, resume_flag)
+    resume_from, passed_over = resume_candidates(folder, resume_from_checkpoint, resume_flag)
     run = Run(folder, accelerator, resume_from, config_toml, report_to,
               Path(tensorboard_dir) if tensorboard_dir is not None else None,
               Path(samples_dir) if samples_dir is not None else None, resume_request=resume_from_checkpoint,
@@ -158,6 +167,8 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
     refusal = broadcast_from_main(refusal, accelerator)
     if refusal is not None:
         raise UserError(refusal)
+    for warning in passed_over:
+        say_and_log(run, warning)
     global _open_run
     _open_run = run
     run.signals.hint = "nothing was trained yet; run the same command again to start over"
@@ -225,6 +236,8 @@ def _take_folder(run: Run, overwrite: bool, resume_flag: str) -> None:
         raise
     if previous is not None:
         say_and_log(run, f"note: took over the lock of process {previous.get('pid')}, which ended without releasing it")
+    with contextlib.suppress(OSError):
+        run.previous_status = (run.output_dir / STATUS_FILE).read_bytes()
     run.status = RunStatus(run.output_dir)
     run.status.update()
     atexit.register(run._close_at_exit)
