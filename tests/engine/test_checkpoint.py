@@ -10,10 +10,12 @@ import pytest
 import torch
 from engine_testkit import RegressionStep, regression_batches, tiny_mlp
 
+import dreamstep.engine.disk as disk
 from dreamstep import DynamicLossScaler
 from dreamstep.engine.checkpoint import (
     TrainingPosition,
     capture_rng_state,
+    checkpoint_bytes,
     list_checkpoints,
     load_checkpoint,
     prune_checkpoints,
@@ -21,6 +23,7 @@ from dreamstep.engine.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from dreamstep.engine.disk import DiskFullError
 from dreamstep.errors import UserError
 
 
@@ -130,3 +133,27 @@ def test_rng_state_round_trip():
     again = (random.random(), np.random.rand(), torch.rand(3), np.random.randn())
     assert first[0] == again[0] and first[1] == again[1] and torch.equal(first[2], again[2])
     assert first[3] == again[3]
+
+
+def _tree_size(folder):
+    return sum(p.stat().st_size for p in folder.iterdir())
+
+
+def test_the_free_space_check_allows_a_save_that_fits_and_refuses_one_byte_less(tmp_path, monkeypatch):
+    """The estimate is at least what the checkpoint takes (so a save it allows fits) and not far above it
+    (so a nearly full disk is not refused a save that fits): the headroom is proportional."""
+    step = _trained_step()
+    history = {"loss_history": [[i, 0.5] for i in range(500)], "config": "rank = 4\n" * 50}
+    first = _save(tmp_path / "measure", step, 1, extra=history)
+    written = _tree_size(first)
+    needed = checkpoint_bytes(step.optimizer.state_dict(), step.model.state_dict(), history)
+    assert written <= needed <= 1.5 * written + 2**17
+    line = needed + disk.headroom(needed)
+    assert line <= 1.5 * needed + 2**18
+
+    monkeypatch.setattr(disk, "free_bytes", lambda path: line)
+    assert _save(tmp_path / "fits", step, 1, extra=history).is_dir()
+    monkeypatch.setattr(disk, "free_bytes", lambda path: line - 1)
+    with pytest.raises(DiskFullError, match=r"^the disk is full: checkpoint-1 needs about"):
+        _save(tmp_path / "full", step, 1, extra=history)
+    assert not list((tmp_path / "full").glob("*checkpoint-1*"))

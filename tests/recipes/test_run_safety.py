@@ -128,8 +128,10 @@ def test_an_interrupt_while_loading_leaves_a_folder_the_same_command_accepts(tin
 
 
 def _no_room_after_the_first_checkpoint(monkeypatch: pytest.MonkeyPatch, out: Path) -> None:
-    real = disk.free_bytes
-    monkeypatch.setattr(disk, "free_bytes", lambda path: 2**20 if (out / "checkpoint-2").is_dir() else real(path))
+    """Free space: half of what the first checkpoint took, once it is written."""
+    real, first = disk.free_bytes, out / "checkpoint-2"
+    monkeypatch.setattr(disk, "free_bytes", lambda path: sum(f.stat().st_size for f in first.iterdir()) // 2
+                        if first.is_dir() else real(path))
 
 
 def _fail_second_save(out: Path, write_then_fail):
@@ -168,7 +170,7 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(full_disk
         assert run_cli(*_flux(tiny_flux_dev_dir, out, "--max_train_steps", "4", "--checkpointing_steps", "2")) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith(f"error: the disk is full: checkpoint-4 needs about ")
-    assert (f" MB in {out}, which has " in lines[-1]
+    assert (f"B in {out}, which has " in lines[-1]
             and f"the last good checkpoint, {out / 'checkpoint-2'}, is kept" in lines[-1])
     assert [p.name for p in out.glob("*checkpoint-*")] == ["checkpoint-2"]  # no half-written folder left
     assert read_status(out)["state"] == "failed"
@@ -209,11 +211,16 @@ def test_a_second_run_in_a_busy_folder_gets_one_line_naming_the_first_and_a_dead
             assert err == (f"error: --output_dir {out} is in use by another run (process {first.process.pid} on "
                            f"{holder['host']}, started {time.strftime('%H:%M:%S', time.localtime(holder['started_at']))}"
                            "); wait for it to end, or pick another folder")
-        first.process.kill()  # a killed run leaves its lock file: the next run takes it over
-        first.finish()
+        first.process.kill()  # a killed run leaves its lock file (and here a save it had begun): the next run
+        first.finish()        # takes the lock over and removes the unfinished save
+        unfinished = out / f".checkpoint-6.tmp-{first.process.pid}"
+        unfinished.mkdir()
+        (unfinished / "optimizer.pt").write_bytes(b"half")
         assert (out / LOCK_FILE).is_file()
         assert run_cli(*_flux(tiny_flux_dev_dir, out, "--max_train_steps", "2")) == 0
-        assert f"took over the lock of process {first.process.pid}" in capsys.readouterr().out
+        assert (f"note: process {first.process.pid} ended here without finishing; took over its lock and removed "
+                f"its unfinished save {unfinished.name}\n") in capsys.readouterr().out
+        assert not list(out.glob(".*"))
     finally:
         first.process.kill()
         first.finish()

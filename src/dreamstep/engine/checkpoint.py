@@ -54,6 +54,7 @@ __all__ = [
     "read_checkpoint_extra",
     "read_checkpoint_step",
     "prune_checkpoints",
+    "remove_leftovers",
     "resolve_resume",
     "resume_candidates",
     "restore_rng_state",
@@ -168,12 +169,16 @@ def save_checkpoint(output_dir: str | Path, train_step: TrainStep, position: Tra
     return final
 
 
-def checkpoint_bytes(optimizer: Mapping[str, Any], weights: Mapping[str, torch.Tensor]) -> int:
-    """About what a checkpoint takes on disk: the weights and the tensors of the optimizer's state dict."""
+def checkpoint_bytes(optimizer: Mapping[str, Any], weights: Mapping[str, torch.Tensor],
+                     extra: Mapping[str, Any] | None = None, processes: int = 1) -> int:
+    """At least what a checkpoint takes on disk: the weights, the tensors of the optimizer's state dict, the
+    JSON ``extra`` (loss history, config), and an allowance per process for its RNG states and the files'
+    headers and pickled structure (a few KB; 64 KiB allowed)."""
     tensors = list(weights.values())
     for state in optimizer.get("state", {}).values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors) + 2**20  # + RNG states, JSON, headers
+    tensor_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    return tensor_bytes + len(json.dumps(extra or {}, default=str)) + processes * 64 * 2**10
 
 
 def _write_checkpoint(final: Path, train_step: TrainStep, position: TrainingPosition,
@@ -181,10 +186,10 @@ def _write_checkpoint(final: Path, train_step: TrainStep, position: TrainingPosi
                       extra: Mapping[str, Any] | None, rng: list[dict[str, Any]]) -> None:
     """Check the free space, write into a hidden folder, rename it into place."""
     earlier = list_checkpoints(final.parent)
-    needed = max([checkpoint_bytes(optimizer, weights)] + [_tree_bytes(p) for p in earlier[-1:]])
+    needed = max([checkpoint_bytes(optimizer, weights, extra, len(rng))] + [_tree_bytes(p) for p in earlier[-1:]])
     keeps = (f"the last good checkpoint, {earlier[-1]}, is kept" if earlier else "no checkpoint was written yet")
     require_space(final.parent, needed, final.name, keeps)
-    _remove_leftovers(final.parent)
+    remove_leftovers(final.parent)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir(parents=True)
     try:
@@ -201,13 +206,16 @@ def _tree_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
 
-def _remove_leftovers(output_dir: Path) -> None:
+def remove_leftovers(output_dir: str | Path) -> list[str]:
     """Delete hidden folders left by a save or prune of this process, or of a process that has died
-    (never a visible checkpoint, never the temporary folder of a live run)."""
-    for path in output_dir.glob(".checkpoint-*"):
+    (never a visible checkpoint, never the temporary folder of a live run); return their names."""
+    removed = []
+    for path in sorted(Path(output_dir).glob(".checkpoint-*")):
         match = _LEFTOVER.match(path.name)
         if match and _gone_or_self(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
 
 
 def _gone_or_self(pid: int) -> bool:

@@ -12,10 +12,12 @@ from pathlib import Path
 
 from dreamstep.errors import UserError
 
-__all__ = ["DiskFullError", "disk_full_message", "format_bytes", "free_bytes", "is_disk_full", "require_space"]
+__all__ = ["DiskFullError", "disk_full_message", "format_bytes", "free_bytes", "headroom", "is_disk_full",
+           "require_space"]
 
-# Room left over after a save: logs, the status file and the loss curve still need to be written.
-HEADROOM_BYTES = 16 * 2**20
+# Room left over after a save, for the logs, the status file and the loss curve: a tenth of the save, and
+# this much more.
+HEADROOM_BASE_BYTES = 256 * 2**10
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _FULL_TEXT = ("no space left", "os error 28", "storagefull", "disk quota", "basic_ios::clear", "file write failed")
 
@@ -36,13 +38,18 @@ def require_space(path: str | Path, needed: int, what: str, keeps: str) -> None:
     """Raise :class:`DiskFullError` when ``path``'s disk cannot take ``needed`` more bytes (plus headroom).
     ``what`` names the save (e.g. "checkpoint-500"); ``keeps`` says what stays good (e.g. the last checkpoint)."""
     free = free_bytes(path)
-    if free < needed + HEADROOM_BYTES:
+    if free < needed + headroom(needed):
         raise DiskFullError(disk_full_message(path, needed, what, keeps, free))
+
+
+def headroom(needed: int) -> int:
+    """What must stay free beyond a save of ``needed`` bytes."""
+    return needed // 10 + HEADROOM_BASE_BYTES
 
 
 def disk_full_message(path: str | Path, needed: int, what: str, keeps: str, free: int | None = None) -> str:
     free = free_bytes(path) if free is None else free
-    return (f"the disk is full: {what} needs about {format_bytes(needed + HEADROOM_BYTES)} in {path}, which has "
+    return (f"the disk is full: {what} needs about {format_bytes(needed + headroom(needed))} in {path}, which has "
             f"{format_bytes(free)} free; {keeps}. Free some space (or move --output_dir) and run again")
 
 

@@ -26,6 +26,7 @@ from dreamstep.engine.checkpoint import (
     DamagedCheckpointError,
     broadcast_from_main,
     read_checkpoint_extra,
+    remove_leftovers,
     resume_candidates,
 )
 from dreamstep.engine.interrupt import StopSignals
@@ -234,8 +235,12 @@ def _take_folder(run: Run, overwrite: bool, resume_flag: str) -> None:
     except UserError:
         run.lock.release()
         raise
-    if previous is not None:
-        say_and_log(run, f"note: took over the lock of process {previous.get('pid')}, which ended without releasing it")
+    removed = remove_leftovers(run.output_dir)
+    if previous is not None or removed:
+        killed = f"process {previous.get('pid')}" if previous is not None else "a run"
+        what = ([f"took over its lock"] if previous is not None else []) + (
+            [f"removed its unfinished save{'s' if len(removed) > 1 else ''} {', '.join(removed)}"] if removed else [])
+        say_and_log(run, f"note: {killed} ended here without finishing; {' and '.join(what)}")
     with contextlib.suppress(OSError):
         run.previous_status = (run.output_dir / STATUS_FILE).read_bytes()
     run.status = RunStatus(run.output_dir)
