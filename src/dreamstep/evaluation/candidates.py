@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from dreamstep.config.schema import load_toml
 from dreamstep.engine.checkpoint import WEIGHTS_FILE, list_checkpoints
 from dreamstep.errors import UserError
+from dreamstep.files import atomic_path
 from dreamstep.lora.io import read_lora_file
 
 LORA_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".bin")
@@ -79,7 +80,8 @@ def flux_checkpoint_as_lora(weights: Path, config: dict, out: Path) -> Path:
     state = load_file(str(weights))
     folded = {k: (v.float() * (alpha / rank) if ".lora_B." in k else v.float()).contiguous() for k, v in state.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(folded, str(out))
+    with atomic_path(out) as tmp:
+        save_file(folded, str(tmp))
     return out
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, ViTConfig, ViTImageProcessor, ViTModel
 
+from dreamstep.files import honour_umask
 from dreamstep.models.tiny import build_clip_tokenizer
 
 IMAGE_SIZE = 32
@@ -64,4 +65,5 @@ def write_tiny_evaluators(out_dir: str | Path, seed: int = 0) -> dict[str, Path]
                           ((clip, clip_processor, tokenizer), folders["clip"])):
         for part in parts:
             part.save_pretrained(folder)
+        honour_umask(folder)
     return folders
