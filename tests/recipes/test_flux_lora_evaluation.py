@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, run_cli
 
 STEPS = ("--validation_steps", "3", "--checkpointing_steps", "3")
@@ -100,4 +102,20 @@ def test_bad_evaluation_input_is_one_line(tiny_flux_dev_dir: Path, tiny_evaluato
     assert "unknown metric 'clip_x'" in errors[1] and "clip_i" in errors[1]
     assert "nothing.safetensors: not found" in errors[2]
     assert len([e for e in errors if e.startswith("error:")]) == 3
+    assert not out.exists()
+
+
+def test_a_checkpoint_whose_weights_are_a_pickle_is_named_in_one_line(trained: Path, tiny_flux_dev_dir: Path,
+                                                                      tmp_path: Path, capsys) -> None:
+    damaged = tmp_path / "run" / "checkpoint-3"
+    shutil.copytree(trained / "checkpoint-3", damaged)
+    torch.save({"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 8)},
+               damaged / "trainable_weights.safetensors")
+    (tmp_path / "run" / "config.toml").write_bytes((trained / "config.toml").read_bytes())
+    out = tmp_path / "eval"
+    assert run_cli("eval", "flux", "--model", tiny_flux_dev_dir, "--weights", damaged, "--prompt", "x",
+                   "--metrics", "clip_t", "--output_dir", out) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {damaged / 'trainable_weights.safetensors'}: a torch pickle, not the safetensors file a "
+                   "checkpoint holds; it was not loaded (nothing in it ran)\n")
     assert not out.exists()

@@ -48,6 +48,7 @@ __all__ = [
     "TrainingPosition",
     "broadcast_from_main",
     "capture_rng_state",
+    "check_weights_file",
     "checkpoint_bytes",
     "list_checkpoints",
     "load_checkpoint",
@@ -338,7 +339,7 @@ def check_readable(path: Path) -> None:
     """Read every file of checkpoint ``path`` as :func:`load_checkpoint` will (tensors memory-mapped, not
     copied), so a damaged or refused one is found before anything is written; restore nothing."""
     _read(path, STATE_FILE, _read_state)
-    _read(path, WEIGHTS_FILE, _safetensors_header)
+    check_weights_file(path)
     for name in (OPTIMIZER_FILE, RNG_FILE) + ((SCHEDULER_FILE,) if (path / SCHEDULER_FILE).exists() else ()):
         _read(path, name, _torch_peek)
 
@@ -350,7 +351,18 @@ def _torch_peek(file: Path) -> Any:
     return torch.load(file, map_location="cpu", weights_only=True, mmap=is_zip)
 
 
+def check_weights_file(checkpoint: Path) -> None:
+    """Raise :class:`DamagedCheckpointError` naming the checkpoint's weights file unless it is a readable
+    safetensors file (read without loading its tensors)."""
+    _read(checkpoint, WEIGHTS_FILE, _safetensors_header)
+
+
 def _safetensors_header(file: Path) -> list[str]:
+    with open(file, "rb") as f:
+        head = f.read(4)
+    if head[:1] == b"\x80" or head == b"PK\x03\x04":
+        raise DamagedCheckpointError(f"{file}: a torch pickle, not the safetensors file a checkpoint holds; it was "
+                                     "not loaded (nothing in it ran)")
     with safe_open(str(file), framework="pt") as f:
         return list(f.keys())
 

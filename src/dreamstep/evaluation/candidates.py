@@ -13,10 +13,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dreamstep.config.schema import load_toml
-from dreamstep.engine.checkpoint import WEIGHTS_FILE, list_checkpoints
+from dreamstep.engine.checkpoint import WEIGHTS_FILE, check_weights_file, list_checkpoints
 from dreamstep.errors import UserError
 from dreamstep.files import atomic_path
-from dreamstep.lora.io import read_lora_file
+from dreamstep.lora.io import read_lora_file, sniff_container
 
 LORA_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".bin")
 CONTROLNET_WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -48,7 +48,7 @@ def _lora_step(path: Path) -> int | None:
     match = _STEP_SUFFIX.search(path.stem)
     if match:
         return int(match.group(1))
-    if path.suffix == ".safetensors":
+    if path.suffix == ".safetensors" and sniff_container(path) == "safetensors":
         with safe_open(str(path), "pt") as f:
             steps = (f.metadata() or {}).get("ss_steps")
         if steps and steps.isdigit():
@@ -62,6 +62,7 @@ def _checkpoint(folder: Path, work_dir: Path) -> Candidate:
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         raise UserError(f"{folder}: no {WEIGHTS_FILE}; give a checkpoint folder that a dreamstep trainer wrote")
+    check_weights_file(folder)
     config = _run_config(folder.parent)
     label = f"{folder.parent.name}/{folder.name}"
     if "num_double_layers" in config or "controlnet_weights_dtype" in config:
