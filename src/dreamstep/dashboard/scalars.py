@@ -17,6 +17,8 @@ import bisect
 import math
 import threading
 import time
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,32 +30,44 @@ __all__ = ["RunScalars", "Series", "decimate", "find_event_files"]
 EVENT_GLOB = "events.out.tfevents.*"
 TEXT_LOG = "train.log"
 
+READ_CHUNK_BYTES = 4 * 2**20
 SMOOTHING = 0.9  # the weight of loss_curve.png and of TensorBoard's default slider
+
+
+def _column(typecode: str) -> Callable[[], array]:
+    return lambda: array(typecode)
 
 
 @dataclass
 class Series:
     """One scalar tag: steps, values, the wall time each was written, and the smoothed values (the
-    debiased moving average of :func:`~dreamstep.engine.logging.smooth`, kept up to date point by point)."""
+    debiased moving average of :func:`~dreamstep.engine.logging.smooth`, kept up to date point by point).
+    Columns are packed arrays (8 bytes a number, not a Python object), so a server holding a long run's
+    scalars stays small; ``numpy.asarray`` reads them without a copy."""
 
-    steps: list[int] = field(default_factory=list)
-    values: list[float] = field(default_factory=list)
-    wall_times: list[float] = field(default_factory=list)
-    smoothed: list[float] = field(default_factory=list)
-    _ema: list[tuple[float, float]] = field(default_factory=list)  # (ema, norm) after each point
+    steps: array = field(default_factory=_column("q"))
+    values: array = field(default_factory=_column("d"))
+    wall_times: array = field(default_factory=_column("d"))
+    _ema: array = field(default_factory=_column("d"))  # the moving average after each point
+    _norm: array = field(default_factory=_column("d"))  # and its debiasing weight
+
+    @property
+    def smoothed(self) -> np.ndarray:
+        ema, norm = np.asarray(self._ema), np.asarray(self._norm)
+        return np.divide(ema, norm, out=np.asarray(self.values, dtype=np.float64).copy(), where=norm != 0)
 
     def add(self, step: int, value: float, wall_time: float) -> None:
         """Append a point. A step at or before the last one means the run resumed from an earlier
         checkpoint: the points it repeats are dropped, as TensorBoard does."""
         if self.steps and step <= self.steps[-1]:
             keep = bisect.bisect_left(self.steps, step)
-            for column in (self.steps, self.values, self.wall_times, self.smoothed, self._ema):
+            for column in (self.steps, self.values, self.wall_times, self._ema, self._norm):
                 del column[keep:]
-        ema, norm = self._ema[-1] if self._ema else (0.0, 0.0)
+        ema, norm = (self._ema[-1], self._norm[-1]) if self._ema else (0.0, 0.0)
         if math.isfinite(value):  # a NaN step must not poison every later smoothed value
             ema, norm = SMOOTHING * ema + (1 - SMOOTHING) * value, SMOOTHING * norm + (1 - SMOOTHING)
-        self._ema.append((ema, norm))
-        self.smoothed.append(ema / norm if norm else value)
+        self._ema.append(ema)
+        self._norm.append(norm)
         self.steps.append(step)
         self.values.append(value)
         self.wall_times.append(wall_time)
@@ -102,15 +116,25 @@ class RunScalars:
             return self.series
 
     def _read_text_log(self, path: Path) -> None:
+        """Parse the complete lines appended since the last read, a chunk at a time (a 100 MB log never
+        sits in memory whole)."""
         self.source = TEXT_LOG
         with open(path, "rb") as f:
             if f.seek(0, 2) < self._text_offset:  # replaced by a new run (--overwrite_output_dir)
                 self.series, self.evaluation, self._text_offset = {}, {}, 0
             f.seek(self._text_offset)
-            data = f.read()
-        complete = data[:data.rfind(b"\n") + 1]
-        self._text_offset += len(complete)
-        for line in complete.decode("utf-8", errors="replace").splitlines():
+            while data := f.read(READ_CHUNK_BYTES):
+                complete = data[:data.rfind(b"\n") + 1]
+                if not complete:
+                    if len(data) < READ_CHUNK_BYTES:
+                        break  # a line still being written
+                    complete = data  # one line longer than a chunk: not a step line, skip it
+                self._text_offset += len(complete)
+                f.seek(self._text_offset)
+                self._parse_lines(complete.decode("utf-8", errors="replace"))
+
+    def _parse_lines(self, text: str) -> None:
+        for line in text.splitlines():
             # "2026-11-23 08:30:01.123 step 12 loss=0.1 lr=0.0003", "... eval 200 val_loss=0.2 dino=0.5";
             # other lines are messages.
             fields = line.split(" ")
@@ -124,7 +148,12 @@ class RunScalars:
                 continue
             step = int(fields[3])
             for tag, value in _pairs(fields[4:]):
-                self.series.setdefault(tag, Series()).add(step, value, wall_time)
+                self._series(tag).add(step, value, wall_time)
+
+    def _series(self, tag: str) -> Series:
+        if tag not in self.series:
+            self.series[tag] = Series()
+        return self.series[tag]
 
     def _wall_time(self, day: str, clock: str) -> float | None:
         """Epoch seconds of a ``train.log`` time; each second is parsed once (100k lines share a few)."""
@@ -160,7 +189,7 @@ class RunScalars:
             else:
                 continue  # images and histograms
             tag = value.tag.removeprefix("train/")
-            self.series.setdefault(tag, Series()).add(int(event.step), number, float(event.wall_time))
+            self._series(tag).add(int(event.step), number, float(event.wall_time))
 
 
 def _pairs(fields: list[str]) -> list[tuple[str, float]]:
