@@ -24,6 +24,8 @@ SRC = Path(__file__).resolve().parents[2] / "src"
     (["no/such/folder"], "RUN_DIR no/such/folder: no such folder"),
     (["--dataset", "no/such.toml"], "--dataset no/such.toml: no such file or folder"),
     ([".", "--port", "70000"], "--port 70000"),
+    ([".", "--host", "0.0.0.0", "--token", ""], "--token is empty, which would let anyone in"),
+    ([".", "--token", "  "], "--token is empty"),
 ])
 def test_bad_input_is_one_error_line(argv, message, capsys):
     assert main(["dashboard", *argv]) == 2
@@ -43,7 +45,9 @@ def test_the_command_serves_and_warns_about_a_non_loopback_host(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    server = subprocess.Popen([sys.executable, "-m", "dreamstep", "dashboard", str(tmp_path / "runs"), "--host",
+    (tmp_path / "pictures").mkdir()  # not a run, and holds none
+    server = subprocess.Popen([sys.executable, "-m", "dreamstep", "dashboard", str(tmp_path / "runs"),
+                               str(tmp_path / "pictures"), "--host",
                                "0.0.0.0", "--port", str(port), "--token", "abc"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -67,3 +71,5 @@ def test_the_command_serves_and_warns_about_a_non_loopback_host(tmp_path):
         server.terminate()
         _, err = server.communicate(timeout=30)
     assert "warning: --host 0.0.0.0 lets other machines open the dashboard" in err
+    assert f"note: RUN_DIR {tmp_path / 'pictures'} holds no run yet" in err
+    assert f"RUN_DIR {tmp_path / 'runs'} holds" not in err

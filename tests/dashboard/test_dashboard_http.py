@@ -234,6 +234,15 @@ def test_status_file_is_used_when_present_and_a_dead_process_means_interrupted(g
     assert _runs(c)["live"]["state"] == "running"
 
 
+@pytest.mark.parametrize("pid", ["abc", 10**30, -5, 0, True, 3.5, [1]])
+def test_a_status_file_with_a_pid_no_process_can_have_is_still_served(pid, growing_run: GrowingRun):
+    growing_run.add_steps(2)
+    (growing_run.folder / "run_status.json").write_text(json.dumps({"state": "failed", "step": 2, "pid": pid}))
+    c = client(growing_run.folder.parent)
+    assert _runs(c)["live"]["state"] == "failed"
+    assert c.get(f"/api/runs/{_runs(c)['live']['id']}").status_code == 200
+
+
 def test_a_run_that_stopped_without_finishing_is_interrupted(growing_run: GrowingRun):
     growing_run.add_steps(2)
     old = growing_run.folder / "train.log"

@@ -63,10 +63,13 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
             raise UserError(f"RUN_DIR {folder}: no such folder; give a run's --output_dir or a folder of runs")
     if not 0 < args.port < 65536:
         raise UserError(f"--port {args.port}: must be between 1 and 65535")
+    if args.token is not None and not args.token.strip():
+        raise UserError("--token is empty, which would let anyone in; give a token, or --token alone for a random one")
     try:
         import uvicorn
 
         from dreamstep.dashboard.app import create_app
+        from dreamstep.dashboard.runs import discover_runs
     except ImportError as e:
         raise UserError(f"the dashboard needs the 'ui' extra ({e.name} is missing): "
                         "pip install 'dreamstep[ui]'") from None
@@ -77,6 +80,10 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
         print(f"checking {args.dataset} ...", flush=True)
         check = check_dataset(args.dataset, args.resolution, args.seed, args.instance_prompt)
         print(f"  {len(check.images)} images, {len(check.problems)} problems")
+    for folder in args.run_dirs:
+        if not discover_runs([Path(folder)]):
+            print(f"note: RUN_DIR {folder} holds no run yet (a run folder has a config.toml, train.log, "
+                  "run_status.json or TensorBoard files); runs started in it will appear", file=sys.stderr)
     token = secrets.token_urlsafe(16) if args.token == "random" else args.token
     if not is_loopback(args.host):
         print(f"warning: --host {args.host} lets other machines open the dashboard and read every file in "

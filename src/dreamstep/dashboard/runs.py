@@ -144,8 +144,8 @@ class Run:
     def _state(self, status: dict[str, Any], loss: Any) -> tuple[str, str]:
         """From ``run_status.json`` when the trainer wrote one, else from the files: the end-of-run line
         in train.log (finished), a live process holding the folder's lock or a recent step (running)."""
-        pid = status.get("pid") or self._lock_pid()
-        alive = pid is not None and _pid_alive(int(pid))
+        pid = _valid_pid(status.get("pid")) or self._lock_pid()
+        alive = pid is not None and _pid_alive(pid)
         if status.get("state"):
             state = str(status["state"])
             if state == "running" and pid is not None and not alive:
@@ -166,9 +166,9 @@ class Run:
         for name in LOCK_FILES:
             path = self.folder / name
             if path.is_file():
-                match = re.search(r"\d+", path.read_text(errors="replace")[:200])
+                match = re.search(r"\d{1,7}", path.read_text(errors="replace")[:200])
                 if match:
-                    return int(match.group(0))
+                    return _valid_pid(int(match.group(0)))
         return None
 
     def _log_says_finished(self) -> bool:
@@ -298,6 +298,11 @@ def read_tail(path: Path, size: int) -> str:
     if end > size:
         data = data[data.find(b"\n") + 1:]
     return data.decode("utf-8", errors="replace")
+
+
+def _valid_pid(value: Any) -> int | None:
+    """A process id from a file anyone may have written: a positive int within the kernel's range, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**22 else None
 
 
 def _pid_alive(pid: int) -> bool:
