@@ -104,3 +104,16 @@ def test_the_caches_line_tells_entries_written_now_from_those_of_earlier_runs(tm
     assert now.get("one") is not None
     line = summary.describe_caches({"latents": now, "text": None})
     assert line == f"caches      latents: {tmp_path / 'latents'} (1 entry written now, 2 were there already); text: off"
+
+
+def test_zero_stage_in_one_process_is_said_to_do_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(summary, "requested_processes", lambda: None)
+    one = SimpleNamespace(num_processes=1, device=SimpleNamespace(type="cpu"))
+    lines = summary.describe_processes(one, sharded_stage=2)
+    assert lines == ["processes   1 on 1 node (cpu)",
+                     "note        --zero_stage 2 does nothing in one process: sharding spreads the trainable state "
+                     "over several (accelerate launch --multi_gpu --num_processes N -m dreamstep train ...)"]
+    two = SimpleNamespace(num_processes=2, device=SimpleNamespace(type="cpu"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert summary.describe_processes(two, sharded_stage=3) == [
+        "processes   2 on 1 node (cpu); FSDP2 --zero_stage 3: each holds 1/2 of the trainable state"]

@@ -78,16 +78,20 @@ def requested_processes() -> int | None:
 
 
 def describe_processes(accelerator: Any, sharded_stage: int = 0) -> list[str]:
-    """Processes, nodes and device, and how the trainable state is held (``sharded_stage``: FSDP2's
-    --zero_stage, 0 when not sharded)."""
+    """Processes, nodes and device, and how the trainable state is held (``sharded_stage``: the run's
+    --zero_stage, 0 when not sharding; one process has nothing to shard with, which is said)."""
     running = accelerator.num_processes
     nodes = max(1, running // int(os.environ.get("LOCAL_WORLD_SIZE", running)))
-    if sharded_stage:
+    if sharded_stage and running > 1:
         holding = f"FSDP2 --zero_stage {sharded_stage}: each holds 1/{running} of the trainable state"
     else:
         holding = f"{accelerator.distributed_type.value}: each holds all of the trainable state" if running > 1 else ""
     lines = [f"processes   {running} on {nodes} node{'s' * (nodes > 1)} ({accelerator.device.type})"
              f"{f'; {holding}' if holding else ''}"]
+    if sharded_stage and running == 1:
+        lines.append(f"note        --zero_stage {sharded_stage} does nothing in one process: sharding spreads the "
+                     "trainable state over several (accelerate launch --multi_gpu --num_processes N -m dreamstep "
+                     "train ...)")
     asked = requested_processes()
     if asked is not None and asked != running:
         lines.append(f"warning     accelerate launch asked for {asked} processes but {running} runs: without "

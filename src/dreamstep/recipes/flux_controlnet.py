@@ -238,7 +238,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                       mixed_precision=config.mixed_precision, trainable=(controlnet,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
                       tokenizers=flux.tokenizer_limits(pipeline, config.max_sequence_length),
-                      sharded_stage=config.zero_stage if sharded else 0)
+                      sharded_stage=config.zero_stage)
 
     # 5. Loop: the engine trains, checkpoints and validates (samples, validation loss, scores).
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
