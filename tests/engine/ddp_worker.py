@@ -66,6 +66,7 @@ def main(out_file: str, checkpoint_dir: str) -> None:
                     "rank_spread": (everyone - everyone[0]).abs().max().item(),
                     "loss_scale": step.loss_scale}, out_file)
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # the process group goes before the interpreter's exit
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ def main(out_file: str, checkpoint_dir: str, zero_stage: int, phase: str) -> Non
         torch.save({"params": params, "losses": result.losses, "record": RECORD, "world": world,
                     "state_bytes": everyone, "sharded": type(model).__name__}, out_file)
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # the process group goes before the interpreter's exit
 
 
 if __name__ == "__main__":
