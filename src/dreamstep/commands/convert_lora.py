@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import argparse
 
-from dreamstep.lora.convert import LAYOUTS, convert_lora
-from dreamstep.lora.formats import folder_configs
-from dreamstep.models.precision import DTYPES
+from dreamstep.config.choices import DTYPE_NAMES, LORA_LAYOUTS
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
     parser.add_argument("input", help="LoRA file: .safetensors, torch .ckpt/.pt, or MindSpore .ckpt")
     parser.add_argument("output", help="file to write; the suffix picks the container: .safetensors or "
                                        ".ckpt/.pt/.pth (torch); with --to mindspore, .ckpt")
-    parser.add_argument("--to", required=True, choices=LAYOUTS,
+    parser.add_argument("--to", required=True, choices=LORA_LAYOUTS,
                         help="target layout: kohya (sd-scripts, ComfyUI, A1111), diffusers (PEFT, "
                              "load_lora_weights), mindspore (the mindone port, SDXL only)")
     parser.add_argument("--model", choices=("flux", "sdxl"),
                         help="the model the LoRA is for; needed only when its keys do not tell "
                              "(a LoRA on text encoders only)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), help="cast the LoRA weights (alpha stays exact)")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, help="cast the LoRA weights (alpha stays exact)")
     parser.add_argument("--base", metavar="DIR",
                         help="diffusers pipeline folder of the base model, to check the LoRA against its "
                              "size (default: the released FLUX.1 / SDXL base 1.0)")
@@ -30,6 +28,9 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
+    from dreamstep.lora.convert import convert_lora
+    from dreamstep.lora.formats import folder_configs
+
     configs = folder_configs(args.base) if args.base else None
     done = convert_lora(args.input, args.output, args.to, model=args.model, dtype=args.dtype,
                         configs=configs, overwrite=args.overwrite)

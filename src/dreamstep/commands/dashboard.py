@@ -97,6 +97,6 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     url = f"http://{shown_host}:{args.port}/" + (f"?token={token}" if token else "")
     # The LoRA reports need torch and diffusers; importing them takes seconds, so start now, not on the
     # first page that shows a LoRA file.
-    threading.Thread(target=importlib.import_module, args=("dreamstep.commands.lora_info",), daemon=True).start()
+    threading.Thread(target=importlib.import_module, args=("dreamstep.lora.info",), daemon=True).start()
     print(f"dashboard: {url}  (read-only; Ctrl-C stops it)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -1,109 +1,10 @@
-"""``dreamstep lora info FILE``: what to check before loading a LoRA from elsewhere: its layout and target
-model, whether its modules exist in that model with the right shapes, module count, rank and alpha per
-module group, dtypes, and the metadata it carries.
+"""``dreamstep lora info FILE``: a LoRA file's layout, target model and whether it fits, ranks and alphas
+per module group, dtypes and metadata (the report is :mod:`dreamstep.lora.info`).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import json
-import re
-
-from dreamstep.errors import UserError
-from dreamstep.lora import formats
-from dreamstep.lora.convert import Lora, read_lora, to_diffusers
-from dreamstep.lora.formats import folder_configs, model_keys
-from dreamstep.models.full_size import RELEASED_NAMES, lora_shape_problem, weight_shapes
-
-LAYOUT_NAMES = {
-    "kohya": "Kohya sd-scripts layout (lora_down/lora_up/alpha)",
-    "diffusers": "diffusers/PEFT layout (lora_A/lora_B)",
-    "mindspore": "MindSpore port layout (dotted diffusers names, lora_down/lora_up/alpha)",
-}
-
-
-def _group(lora: Lora, name: str) -> str:
-    """The module name up to its first block index: 'lora_unet_double_blocks_0_img_attn_qkv' ->
-    'lora_unet_double_blocks', 'unet.down_blocks.1.attentions.0.proj_in' -> 'unet.down_blocks'."""
-    sep = "_" if lora.layout == "kohya" else r"\."
-    match = re.match(rf"(.*?){sep}\d+(?={sep}|$)", name)
-    return match.group(1) if match else name
-
-
-def _component(lora: Lora, name: str) -> str:
-    if lora.layout == "diffusers":
-        return name.partition(".")[0]
-    prefix = re.match(r"lora_(?:unet|te\d?)", name).group(0)
-    return formats.KOHYA_PREFIXES.get(lora.model or "", {}).get(prefix, prefix)
-
-
-def _values(values: set) -> str:
-    return ", ".join(f"{v:g}" for v in sorted(values))
-
-
-def _metadata_lines(metadata: dict[str, str], width: int = 76) -> list[str]:
-    lines = []
-    for key, value in sorted(metadata.items()):
-        if key == formats.ADAPTER_METADATA_KEY:
-            try:
-                components = sorted({k.partition(".")[0] for k in json.loads(value)})
-                value = f"(PEFT adapter config for {', '.join(components)})"
-            except (json.JSONDecodeError, AttributeError):
-                value = "(not valid JSON: loaders that read alpha from it will fail)"
-        value = " ".join(str(value).split())
-        lines.append(f"  {key}: {value if len(value) <= width else value[:width - 3] + '...'}")
-    return lines
-
-
-def _fit(lora: Lora, base: str | None) -> str:
-    """Whether every module exists in the model, with the shape of the layer there: against ``base``'s
-    configs, or the released FLUX.1-dev / SDXL base 1.0, built on the meta device."""
-    configs = folder_configs(base) if base else None
-    keys = model_keys(lora.model, configs)
-    target = f"the {keys.description}" + (f" of {base}" if base else f" ({RELEASED_NAMES[lora.model]})")
-    try:
-        modules = to_diffusers(lora, keys)
-    except UserError as e:
-        return f"NO: {str(e).removeprefix(f'{lora.path}: ')}"
-    shapes = weight_shapes(lora.model, configs)
-    for name, m in modules.items():
-        problem = lora_shape_problem(name, m.down, m.up, shapes)
-        if problem is not None:
-            return (f"NO: {problem} in {target}; the LoRA was trained on a model of another size "
-                    f"(a small test model, or another variant){'' if base else '; give its folder with --base'}")
-    return f"yes, every module exists with its shape in {target}"
-
-
-def describe(path: str, model: str | None = None, base: str | None = None) -> str:
-    """The ``lora info`` report for one file."""
-    lora = read_lora(path, model)
-    size = lora.path.stat().st_size
-    tensors = [t for m in lora.modules.values() for t in (m.down, m.up)]
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
-    components = sorted({_component(lora, n) for n in lora.modules})
-    target = formats.MODEL_NAMES.get(lora.model or "", "unknown (text encoders only; pass --model)")
-    lines = [
-        f"file:      {lora.path} ({size:,} bytes, {lora.container})",
-        f"format:    {lora.format}: {LAYOUT_NAMES[lora.layout]}",
-        f"target:    {target}: {', '.join(components)}",
-    ]
-    if lora.model is not None:
-        lines.append(f"fits:      {_fit(lora, base)}")
-    lines += [f"modules:   {len(lora.modules)}", f"dtype:     {', '.join(dtypes)}", "groups:"]
-    groups: dict[str, list] = collections.defaultdict(list)
-    for name, m in lora.modules.items():
-        groups[_group(lora, name)].append(m)
-    width = max(len(g) for g in groups)
-    for group, mods in groups.items():
-        scales = {m.scale for m in mods}
-        scale = f"scale {_values(scales)}" if len(scales) == 1 else "scales vary"
-        modules = f"{len(mods):>4} module{'s' if len(mods) != 1 else ' '}"
-        lines.append(f"  {group:<{width}}  {modules}  rank {_values({m.rank for m in mods})}  "
-                     f"alpha {_values({m.alpha for m in mods})}  ({scale})")
-    lines.append(f"metadata:  {len(lora.metadata)} keys" + (":" if lora.metadata else ""))
-    lines += _metadata_lines(lora.metadata)
-    return "\n".join(lines)
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
@@ -115,4 +16,6 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
+    from dreamstep.lora.info import describe
+
     print(describe(args.file, args.model, args.base))

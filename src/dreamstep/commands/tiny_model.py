@@ -7,7 +7,7 @@ import argparse
 import time
 from pathlib import Path
 
-from dreamstep.models.tiny import ARCHS, SINGLE_FILE_NAME, check_out_dir, write_tiny_model
+from dreamstep.config.choices import TINY_ARCHS, TINY_SDXL_SINGLE_FILE
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
@@ -15,7 +15,7 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
                           "offline tests and demos; loads with FluxPipeline / "
                           "StableDiffusionXLPipeline.from_pretrained(OUT). 'evaluators' writes tiny "
                           "DINO and CLIP models for --eval_metrics.")
-    parser.add_argument("arch", choices=(*ARCHS, "evaluators"),
+    parser.add_argument("arch", choices=(*TINY_ARCHS, "evaluators"),
                         help="which architecture to write; 'evaluators' writes OUT/dino and OUT/clip, tiny "
                              "stand-ins for the --dino_model and --clip_model of --eval_metrics")
     parser.add_argument("out", type=Path, metavar="OUT", help="output folder (must be empty or new)")
@@ -23,7 +23,7 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("--guidance-embeds", action="store_true",
                         help="flux only: guidance-distilled variant, like FLUX.1-dev")
     parser.add_argument("--single-file", action="store_true",
-                        help=f"sdxl only: also write OUT/{SINGLE_FILE_NAME} in the original "
+                        help=f"sdxl only: also write OUT/{TINY_SDXL_SINGLE_FILE} in the original "
                              "(SGM) key layout, like sd_xl_base_1.0.safetensors")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into OUT even if it is not empty (files of the same name "
@@ -31,6 +31,8 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
+    from dreamstep.models.tiny import check_out_dir, write_tiny_model
+
     start = time.perf_counter()
     if args.arch == "evaluators":
         from dreamstep.evaluation.tiny import write_tiny_evaluators

@@ -352,7 +352,7 @@ def _sample_label(path: Path, run_folder: Path) -> dict[str, Any]:
 
 
 def _lora_info(path: Path, base: str | None) -> str:
-    from dreamstep.commands.lora_info import describe
+    from dreamstep.lora.info import describe
 
     return describe(str(path), base=base)
 

@@ -6,43 +6,30 @@ Typical use (see each module for details)::
     configs = load_dataset_config("dataset.toml", cli=vars(args))      # or dreambooth_from_flags(...)
     dataset = build_dataset(configs, seed=args.seed)                    # validates every image up front
     loader = make_dataloader(dataset, seed=args.seed, epoch=0, skip_batches=0)
+
+The names below are imported on first use, so a command that needs one torch-free module of this package
+(``dataset from-hf --help``) does not pay for importing torch.
 """
 
-from dreamstep.data.buckets import BucketSpec, Placement, make_bucket_resolutions
-from dreamstep.data.cache import (
-                                    TensorCache,
-                                    image_content_key,
-                                    latents_for_batch,
-                                    text_content_key,
-)
-from dreamstep.data.captions import CaptionOptions, process_caption
-from dreamstep.data.dataset import (
-                                    BucketBatchSampler,
-                                    BucketDataset,
-                                    ConditionedBatches,
-                                    build_dataset,
-                                    collate,
-                                    make_dataloader,
-)
-from dreamstep.data.dataset_config import (
-                                    DatasetConfig,
-                                    SubsetConfig,
-                                    load_dataset_config,
-                                    parse_dataset_config,
-                                    require_methods,
-)
-from dreamstep.data.images import load_rgb, validate_images
-from dreamstep.data.sources import (
-                                    bucket_spec,
-                                    controlnet_from_flags,
-                                    dreambooth_from_flags,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "BucketBatchSampler", "BucketDataset", "BucketSpec", "CaptionOptions", "ConditionedBatches", "DatasetConfig",
-    "Placement",
-    "SubsetConfig", "TensorCache", "bucket_spec", "build_dataset", "collate", "controlnet_from_flags",
-    "dreambooth_from_flags", "image_content_key", "latents_for_batch", "load_dataset_config", "load_rgb",
-    "make_bucket_resolutions", "make_dataloader", "parse_dataset_config", "process_caption",
-    "require_methods", "text_content_key", "validate_images",
-]
+_SOURCES = {
+    "buckets": ("BucketSpec", "Placement", "make_bucket_resolutions"),
+    "cache": ("TensorCache", "image_content_key", "latents_for_batch", "text_content_key"),
+    "captions": ("CaptionOptions", "process_caption"),
+    "dataset": ("BucketBatchSampler", "BucketDataset", "ConditionedBatches", "build_dataset", "collate",
+                "make_dataloader"),
+    "dataset_config": ("DatasetConfig", "SubsetConfig", "load_dataset_config", "parse_dataset_config",
+                       "require_methods"),
+    "images": ("load_rgb", "validate_images"),
+    "sources": ("bucket_spec", "controlnet_from_flags", "dreambooth_from_flags"),
+}
+_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'dreamstep.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"dreamstep.data.{_MODULE_OF[name]}"), name)

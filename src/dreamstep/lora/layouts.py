@@ -12,14 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from peft.utils.other import get_pattern_key
 
+from dreamstep.config.choices import LORA_LAYOUTS
 from dreamstep.errors import UserError
 from dreamstep.lora import formats
 from dreamstep.lora.io import LoraFile, adapter_metadata
 from dreamstep.models.full_size import with_text_model
 
-LAYOUTS = ("kohya", "diffusers", "mindspore")
+LAYOUTS = LORA_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,12 @@ def _alpha_from_adapter(cfg: Mapping, module: str, rank: int) -> float:
     """PEFT's effective alpha for ``module``: alpha_pattern over lora_alpha; rsLoRA's alpha/sqrt(r) scale
     expressed as the alpha that gives the same scale with alpha/r."""
     pattern = cfg.get("alpha_pattern") or {}
-    alpha = float(pattern.get(get_pattern_key(list(pattern), module), cfg.get("lora_alpha", rank)))
+    if pattern:
+        from peft.utils.other import get_pattern_key  # peft takes seconds to import; most files have no pattern
+
+        alpha = float(pattern.get(get_pattern_key(list(pattern), module), cfg.get("lora_alpha", rank)))
+    else:
+        alpha = float(cfg.get("lora_alpha", rank))
     return alpha * math.sqrt(rank) if cfg.get("use_rslora") else alpha
 
 

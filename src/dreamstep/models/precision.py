@@ -18,9 +18,10 @@ import contextlib
 
 import torch
 
+from dreamstep.config.choices import DTYPE_NAMES
 from dreamstep.errors import UserError, did_you_mean
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.float16, torch.bfloat16)))
 # --mixed_precision "no" and sd-scripts' --save_precision "float" both mean fp32.
 _ALIASES = {"no": "fp32", "float": "fp32"}
 

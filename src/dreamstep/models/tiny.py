@@ -48,12 +48,13 @@ from transformers import (
     T5TokenizerFast,
 )
 
+from dreamstep.config.choices import TINY_ARCHS, TINY_SDXL_SINGLE_FILE
 from dreamstep.errors import UserError
 from dreamstep.files import honour_umask
 from dreamstep.models.sgm_keys import save_sdxl_single_file
 
-ARCHS = ("flux", "sdxl")
-SINGLE_FILE_NAME = "tiny_sdxl.safetensors"
+ARCHS = TINY_ARCHS
+SINGLE_FILE_NAME = TINY_SDXL_SINGLE_FILE
 
 # Words whose BPE merges are in the tiny CLIP vocabulary and whose pieces are in the T5 vocabulary,
 # so typical test prompts tokenize into a few tokens instead of one token per byte.
