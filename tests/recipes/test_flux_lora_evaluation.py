@@ -10,8 +10,11 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
+from safetensors.torch import load_file
 from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, run_cli
 
 STEPS = ("--validation_steps", "3", "--checkpointing_steps", "3")
@@ -119,3 +122,36 @@ def test_a_checkpoint_whose_weights_are_a_pickle_is_named_in_one_line(trained: P
     assert err == (f"error: {damaged / 'trainable_weights.safetensors'}: a torch pickle, not the safetensors file a "
                    "checkpoint holds; it was not loaded (nothing in it ran)\n")
     assert not out.exists()
+
+
+def test_a_checkpoint_or_run_folder_works_wherever_a_lora_file_does(trained: Path, tiny_flux_dev_dir: Path,
+                                                                     tmp_path: Path, capsys) -> None:
+    """The run's summary names checkpoint folders as the best steps: generate, lora info and convert take them
+    (and a run folder, for its final LoRA) as they take a LoRA file."""
+    final = trained / "pytorch_lora_weights.safetensors"
+    assert run_cli("lora", "info", trained / "checkpoint-3") == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"from:      {trained / 'checkpoint-3'}\n") and "format:    diffusers-flux" in out
+    assert run_cli("lora", "info", trained) == 0
+    assert f"file:      {final} " in capsys.readouterr().out
+
+    for source, name in ((trained / "checkpoint-6", "from_checkpoint"), (final, "from_file")):
+        assert run_cli("convert", "lora", source, tmp_path / f"{name}.safetensors", "--to", "kohya") == 0
+    from_checkpoint, from_file = (load_file(tmp_path / f"{n}.safetensors") for n in ("from_checkpoint", "from_file"))
+    assert from_checkpoint.keys() == from_file.keys()
+    assert all(torch.allclose(from_checkpoint[k].float(), from_file[k].float(), atol=1e-6) for k in from_file)
+
+    images = {}
+    for source, name in ((trained / "checkpoint-6", "checkpoint"), (trained, "run"), (final, "file")):
+        assert run_cli("generate", "flux", "--model", tiny_flux_dev_dir, "--prompt", ROBOT_PROMPT, "--lora", source,
+                       "--steps", "1", "--width", "32", "--height", "32", "--seed", "3",
+                       "--output_dir", tmp_path / name) == 0
+        images[name] = np.asarray(Image.open(next((tmp_path / name).glob("*.png"))))
+    assert np.array_equal(images["checkpoint"], images["file"]) and np.array_equal(images["run"], images["file"])
+
+    (tmp_path / "empty_run").mkdir()
+    (tmp_path / "empty_run" / "config.toml").write_text("rank = 4\n")
+    capsys.readouterr()
+    assert run_cli("lora", "info", tmp_path / "empty_run") == 2
+    assert capsys.readouterr().err == (f"error: lora info {tmp_path / 'empty_run'}: a folder without a LoRA; give a "
+                                       "LoRA file, a checkpoint-N folder of a LoRA run, or a LoRA run's folder\n")

@@ -11,7 +11,8 @@ from dreamstep.config.choices import DTYPE_NAMES, LORA_LAYOUTS
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
-    parser.add_argument("input", help="LoRA file: .safetensors, torch .ckpt/.pt, or MindSpore .ckpt")
+    parser.add_argument("input", help="LoRA file (.safetensors, torch .ckpt/.pt, MindSpore .ckpt), a checkpoint-N "
+                                      "folder of a LoRA run, or a run folder (its final LoRA)")
     parser.add_argument("output", help="file to write; the suffix picks the container: .safetensors or "
                                        ".ckpt/.pt/.pth (torch); with --to mindspore, .ckpt")
     parser.add_argument("--to", required=True, choices=LORA_LAYOUTS,
@@ -28,12 +29,18 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from dreamstep.evaluation.candidates import lora_file_for
     from dreamstep.lora.convert import convert_lora
     from dreamstep.lora.formats import folder_configs
 
     configs = folder_configs(args.base) if args.base else None
-    done = convert_lora(args.input, args.output, args.to, model=args.model, dtype=args.dtype,
-                        configs=configs, overwrite=args.overwrite)
+    with tempfile.TemporaryDirectory(prefix="dreamstep-lora-") as work_dir:
+        source = lora_file_for(Path(args.input).expanduser(), Path(work_dir), "convert lora")
+        done = convert_lora(source, args.output, args.to, model=args.model, dtype=args.dtype,
+                            configs=configs, overwrite=args.overwrite)
     print(f"{args.input}: {done.source.format} ({done.source.container}) -> {args.output}: "
           f"{done.target_format} ({done.container}), {done.modules} modules")
     for note in done.notes:

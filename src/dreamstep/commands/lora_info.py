@@ -8,7 +8,8 @@ import argparse
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
-    parser.add_argument("file", help="LoRA file: .safetensors, torch .ckpt/.pt, or MindSpore .ckpt")
+    parser.add_argument("file", help="LoRA file (.safetensors, torch .ckpt/.pt, MindSpore .ckpt), a checkpoint-N "
+                                     "folder of a LoRA run, or a run folder (its final LoRA)")
     parser.add_argument("--model", choices=("flux", "sdxl"), help="the model, when the keys do not tell")
     parser.add_argument("--base", metavar="DIR",
                         help="diffusers pipeline folder to check the modules and shapes against (default: "
@@ -16,6 +17,15 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from dreamstep.evaluation.candidates import lora_file_for
     from dreamstep.lora.info import describe
 
-    print(describe(args.file, args.model, args.base))
+    given = Path(args.file).expanduser()
+    with tempfile.TemporaryDirectory(prefix="dreamstep-lora-") as work_dir:
+        file = lora_file_for(given, Path(work_dir), "lora info")
+        if file != given:
+            print(f"from:      {given}")
+        print(describe(str(file), args.model, args.base))

@@ -1,7 +1,8 @@
 """What ``dreamstep eval`` scores: LoRA files, ``checkpoint-N`` folders, ControlNet folders, and run folders
 (each expanded into its checkpoints and final weights), each with the training step it holds when that
 can be told (a checkpoint's name, sd-scripts' ``ss_steps`` metadata or ``-stepNNNNNNNN`` suffix, a run's
-``max_train_steps``)."""
+``max_train_steps``). :func:`lora_file_for` gives the commands that read one LoRA (generate, lora info,
+convert) the same reading of a checkpoint or run folder."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dreamstep.lora.io import read_lora_file, sniff_container
 
 LORA_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".bin")
 CONTROLNET_WEIGHTS = "diffusion_pytorch_model.safetensors"
+DIFFUSERS_FINAL = "pytorch_lora_weights.safetensors"  # flux-lora's final file; sd-scripts' is --output_name
 _STEP_SUFFIX = re.compile(r"-step(\d+)$")
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -95,9 +97,8 @@ def _run_folder(folder: Path, work_dir: Path) -> list[Candidate]:
     found = [_checkpoint(c, work_dir) for c in list_checkpoints(folder)]
     if (folder / CONTROLNET_WEIGHTS).is_file():
         found.append(_controlnet_folder(folder))
-    for file in sorted(folder.glob("*.safetensors")):
-        if file.name != CONTROLNET_WEIGHTS and not file.name.endswith("_kohya.safetensors"):
-            found.append(Candidate(f"{folder.name}/{file.name}", file, "lora", _lora_step(file)))
+    for file in _final_loras(folder):
+        found.append(Candidate(f"{folder.name}/{file.name}", file, "lora", _lora_step(file)))
     if not found:
         raise UserError(f"{folder}: no LoRA files, checkpoint-N folders or ControlNet weights in this folder")
     return found
@@ -127,3 +128,28 @@ def find_candidates(paths: list[str], work_dir: Path) -> list[Candidate]:
             raise UserError(f"{path}: a folder without checkpoint weights, ControlNet weights or a run's config.toml")
     return found
 
+
+
+def lora_file_for(path: Path, work_dir: Path, flag: str) -> Path:
+    """The LoRA file behind ``path`` for a command that reads one LoRA (``flag`` names its argument): a
+    file as it is; a ``checkpoint-N`` folder's LoRA (a flux-lora checkpoint written as a LoRA file into
+    ``work_dir``); a run folder's final LoRA file. A folder with no LoRA is one error naming it."""
+    if not path.is_dir():
+        return path
+    if _CHECKPOINT.match(path.name):
+        candidate = _checkpoint(path, work_dir)
+        if candidate.kind == "lora":
+            return candidate.path
+    elif (path / "config.toml").is_file():
+        finals = sorted(_final_loras(path), key=lambda f: (f.name != DIFFUSERS_FINAL,
+                                                           bool(_STEP_SUFFIX.search(f.stem)), f.name))
+        if finals:
+            return finals[0]
+    raise UserError(f"{flag} {path}: a folder without a LoRA; give a LoRA file, a checkpoint-N folder of a LoRA "
+                    "run, or a LoRA run's folder")
+
+
+def _final_loras(folder: Path) -> list[Path]:
+    """A run folder's own LoRA files (a Kohya copy of the diffusers file left out: the same weights)."""
+    return [f for f in sorted(folder.glob("*.safetensors"))
+            if f.name != CONTROLNET_WEIGHTS and not f.name.endswith("_kohya.safetensors")]

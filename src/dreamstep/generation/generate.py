@@ -15,7 +15,9 @@ again with its seed and ``--num_images 1``, on any device.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from dreamstep import __version__
 from dreamstep.config.generate import FluxGenerateConfig, GenerateConfig
 from dreamstep.data.images import load_rgb
 from dreamstep.errors import UserError
+from dreamstep.evaluation.candidates import lora_file_for
 from dreamstep.generation.loras import LoraSpec, apply_loras, parse_lora_spec
 from dreamstep.generation.outputs import next_index, save_png
 from dreamstep.generation.pipelines import (
@@ -140,16 +143,18 @@ def generate_images(config: GenerateConfig) -> list[Path]:
     model_type = config.model_type
     prompts = read_prompts(config)
     loras = [parse_lora_spec(text) for text in config.lora]
-    for spec in loras:
-        read_lora(spec.path, model_type)
-    control = _control_image(config)
-    output_dir = _output_dir(config)
-    device = choose_device(config.device)
-    dtype = choose_dtype(config.dtype, device)
-    pipe = build_pipeline(model_type, config.model, model_config=config.model_config, dtype=dtype, device=device,
-                          no_half_vae=config.no_half_vae, controlnet=getattr(config, "controlnet", None),
-                          cpu_offload=config.cpu_offload)
-    apply_loras(pipe, loras, model_type, config.merge)
+    with tempfile.TemporaryDirectory(prefix="dreamstep-lora-") as work_dir:  # LoRAs of flux-lora checkpoints
+        files = [dataclasses.replace(spec, path=lora_file_for(spec.path, Path(work_dir), "--lora")) for spec in loras]
+        for spec in files:
+            read_lora(spec.path, model_type)
+        control = _control_image(config)
+        output_dir = _output_dir(config)
+        device = choose_device(config.device)
+        dtype = choose_dtype(config.dtype, device)
+        pipe = build_pipeline(model_type, config.model, model_config=config.model_config, dtype=dtype,
+                              device=device, no_half_vae=config.no_half_vae,
+                              controlnet=getattr(config, "controlnet", None), cpu_offload=config.cpu_offload)
+        apply_loras(pipe, files, model_type, config.merge)
     settings = resolve_settings(config, model_type, pipe, control)
     kwargs = _pipeline_kwargs(config, model_type, settings, control)
     first_seed = config.seed if config.seed is not None else secrets.randbelow(2**31)

@@ -24,9 +24,10 @@ class LoraSpec:
 
 
 def parse_lora_spec(text: str) -> LoraSpec:
-    """``FILE`` or ``FILE:WEIGHT``. A path that exists as given wins, so a file name with a colon (or a
-    Windows drive letter) is never split."""
-    if Path(text).expanduser().is_file():
+    """``FILE`` or ``FILE:WEIGHT`` (FILE may also be a checkpoint or run folder: see
+    :func:`~dreamstep.evaluation.candidates.lora_file_for`). A path that exists as given wins, so a file name
+    with a colon (or a Windows drive letter) is never split."""
+    if Path(text).expanduser().exists():
         return LoraSpec(Path(text).expanduser())
     path, sep, weight_text = text.rpartition(":")
     if not sep or not path or "/" in weight_text or "\\" in weight_text:
@@ -39,7 +40,7 @@ def parse_lora_spec(text: str) -> LoraSpec:
     if not math.isfinite(weight):
         raise UserError(f"--lora {text}: weight must be a finite number, e.g. 0.8")
     file = Path(path).expanduser()
-    if not file.is_file():
+    if not file.exists():
         raise UserError(f"--lora {text}: file {file} not found; check the path")
     return LoraSpec(file, weight)
 
