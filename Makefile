@@ -23,6 +23,7 @@ demo: install
 	@test -f $(DEMO)/tiny-evaluators/clip/config.json || \
 		$(PY) -m dreamstep tiny-model evaluators $(DEMO)/tiny-evaluators --seed 0
 	$(PY) -m dreamstep train flux-lora --config configs/demo_flux_lora.toml
+	@echo "the dreamstep command is $(VENV)/bin/dreamstep (or: source $(VENV)/bin/activate)"
 
 test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile
