@@ -19,7 +19,7 @@ install: $(VENV)/.installed
 
 demo: install
 	@test -f $(DEMO)/tiny-flux-dev/model_index.json || \
-		$(PY) -m dreamstep tiny-model flux $(DEMO)/tiny-flux-dev --guidance-embeds --seed 0
+		$(PY) -m dreamstep tiny-model flux $(DEMO)/tiny-flux-dev --guidance_embeds --seed 0
 	@test -f $(DEMO)/tiny-evaluators/clip/config.json || \
 		$(PY) -m dreamstep tiny-model evaluators $(DEMO)/tiny-evaluators --seed 0
 	$(PY) -m dreamstep train flux-lora --config configs/demo_flux_lora.toml

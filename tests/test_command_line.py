@@ -1,5 +1,6 @@
 """The `dreamstep` command: help everywhere, unknown commands suggested, errors as one line."""
 
+import json
 import re
 import subprocess
 import sys
@@ -99,3 +100,24 @@ def test_help_is_written_for_users(key, capsys):
 def test_shipped_configs_do_not_cite_design_documents():
     for path in (Path(__file__).resolve().parents[1] / "configs").glob("*.toml"):
         assert not re.search(r"seed[- ]?0\d\d", path.read_text(), re.IGNORECASE), path.name
+
+
+@pytest.mark.parametrize("spelling", ["--guidance_embeds", "--guidance-embeds"])
+def test_tiny_model_takes_the_flag_spelling_of_every_other_command(spelling, tmp_path, capsys):
+    assert main(["tiny-model", "flux", str(tmp_path / "flux"), spelling]) == 0
+    config = json.loads((tmp_path / "flux" / "transformer" / "config.json").read_text())
+    assert config["guidance_embeds"] is True
+
+
+def test_eval_takes_the_trainers_names_for_its_metrics(tmp_path, capsys):
+    """The trainers call them --eval_metrics and --eval_best_by; eval --metrics and --best_by."""
+    argv = ["eval", "flux", "--model", str(tmp_path), "--weights", str(tmp_path / "x.safetensors"), "--prompt", "x",
+            "--output_dir", str(tmp_path / "out")]
+    assert main([*argv, "--eval_metrics", "clip_t,clip_x"]) == 2
+    assert "error: --metrics: unknown metric 'clip_x'" in capsys.readouterr().err
+    assert main([*argv, "--eval_metrics", "clip_t", "--eval_best_by", "dino"]) == 2
+    assert "error: --best_by dino: not among --metrics (clip_t)" in capsys.readouterr().err
+    toml = tmp_path / "eval.toml"
+    toml.write_text('eval_metrics = ["clip_t"]\neval_best_by = "dino"\n')
+    assert main([*argv, "--config", str(toml)]) == 2
+    assert "error: --best_by dino: not among --metrics (clip_t)" in capsys.readouterr().err

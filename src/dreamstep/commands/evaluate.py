@@ -54,8 +54,10 @@ class EvalConfig:
     from_file: str | None = option(None, "text file with one prompt per line, instead of --prompt")
     instance_data_dir: str | None = option(None, "the subject's images (needed for dino and clip_i)")
     control_image: list[str] = option([], "ControlNet control images: one, or one per prompt")
-    metrics: list[str] = option(["dino", "clip_i", "clip_t"], "dino, clip_i, clip_t; edge for ControlNets")
-    best_by: str | None = option(None, "metric that names the best candidate (default: the first --metrics)")
+    metrics: list[str] = option(["dino", "clip_i", "clip_t"], "dino, clip_i, clip_t; edge for ControlNets",
+                                aliases=("eval_metrics",))
+    best_by: str | None = option(None, "metric that names the best candidate (default: the first --metrics)",
+                                 aliases=("eval_best_by",))
     identifier: str | None = option("sks", "identifier token taken out of prompts for clip_t ('none': keep)")
     num_images: int = option(4, "images per prompt, seeds --seed, --seed + 1, ...")
     seed: int = option(0, "seed of each prompt's first image")

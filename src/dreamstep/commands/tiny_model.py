@@ -20,9 +20,9 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
                              "stand-ins for the --dino_model and --clip_model of --eval_metrics")
     parser.add_argument("out", type=Path, metavar="OUT", help="output folder (must be empty or new)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default 0)")
-    parser.add_argument("--guidance-embeds", action="store_true",
+    parser.add_argument("--guidance_embeds", "--guidance-embeds", action="store_true",
                         help="flux only: guidance-distilled variant, like FLUX.1-dev")
-    parser.add_argument("--single-file", action="store_true",
+    parser.add_argument("--single_file", "--single-file", action="store_true",
                         help=f"sdxl only: also write OUT/{TINY_SDXL_SINGLE_FILE} in the original "
                              "(SGM) key layout, like sd_xl_base_1.0.safetensors")
     parser.add_argument("--overwrite", action="store_true",

@@ -32,11 +32,13 @@ SEED_BOUNDS = "[0, 4294967296)"
 _MISSING = dataclasses.MISSING
 
 
-def option(default: Any = _MISSING, help: str = "", *, bounds: str | None = None, **kwargs: Any) -> Any:
+def option(default: Any = _MISSING, help: str = "", *, bounds: str | None = None, aliases: tuple[str, ...] = (),
+           **kwargs: Any) -> Any:
     """A dataclass field with a help text and, for a number, the interval its values must lie in, written as
     in mathematics: ``"[0, 1)"``, ``"(0, inf)"``. Every numeric field declares one, so a value out of range
-    stops the command before any work starts."""
-    metadata = {"help": help, "bounds": Bounds.parse(bounds) if bounds else None}
+    stops the command before any work starts. ``aliases``: other names users type for it (another
+    command's name for the same thing), accepted as flags and TOML keys."""
+    metadata = {"help": help, "bounds": Bounds.parse(bounds) if bounds else None, "aliases": aliases}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
@@ -208,7 +210,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs.update(nargs="*", action="extend", metavar="VALUE")
         else:
             kwargs.update(metavar=name.upper())
-        parser.add_argument(f"--{name}", **kwargs)
+        parser.add_argument(f"--{name}", *(f"--{a}" for a in f.metadata.get("aliases", ())), **kwargs)
 
 
 def build_config(cls: type[T], cli: dict[str, Any] | argparse.Namespace | None = None,
@@ -219,7 +221,9 @@ def build_config(cls: type[T], cli: dict[str, Any] | argparse.Namespace | None =
     toml_path = toml_path or cli.pop("config", None)
     cli.pop("config", None)
     values: dict[str, Any] = {}
+    aliases = {a: n for n, (f, _) in fields.items() for a in f.metadata.get("aliases", ())}
     for key, value in (load_toml(toml_path) if toml_path is not None else {}).items():
+        key = aliases.get(key, key)
         if key not in fields:
             raise UserError(f"{toml_path}: unknown key '{key}'{did_you_mean(key, fields)}; "
                             f"see --help for the valid keys")
