@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Iterable
+import pickle
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -14,3 +17,24 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """Return " (did you mean 'x'?)" for the closest choice, or "" when nothing is close."""
     match = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
     return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+@contextlib.contextmanager
+def refusing_pickled_code(source: str | Path, flag: str) -> Iterator[None]:
+    """Turn a model loader's refusal of a pickle that holds more than tensors (torch's ``weights_only``
+    loading, which transformers and diffusers use for ``.bin`` weights) into one line naming the file:
+    nothing in it ran, and the fix is the model's safetensors weights. ``flag`` names the option that gave
+    ``source``."""
+    try:
+        yield
+    except pickle.UnpicklingError as error:
+        if "Weights only load failed" not in str(error):
+            raise
+        folder = Path(source).expanduser()
+        files = sorted(p for p in folder.rglob("*") if p.suffix in _PICKLE_SUFFIXES) if folder.is_dir() else []
+        which = str(files[0]) if len(files) == 1 else "one of its pickled weights files"
+        raise UserError(f"{flag} {source}: {which} holds objects other than tensors, which may run code, so it was "
+                        "not loaded (nothing in it ran); use the model's .safetensors weights") from None

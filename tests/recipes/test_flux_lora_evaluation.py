@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -155,3 +156,43 @@ def test_a_checkpoint_or_run_folder_works_wherever_a_lora_file_does(trained: Pat
     assert run_cli("lora", "info", tmp_path / "empty_run") == 2
     assert capsys.readouterr().err == (f"error: lora info {tmp_path / 'empty_run'}: a folder without a LoRA; give a "
                                        "LoRA file, a checkpoint-N folder of a LoRA run, or a LoRA run's folder\n")
+
+
+class _RunsCode:
+    """Unpickles as a call to print: a stand-in for a pickle that runs code."""
+
+    def __reduce__(self):
+        return print, ("PICKLED CODE RAN",)
+
+
+def _with_pickled_weights(folder: Path, copy: Path) -> Path:
+    """A copy of a model folder whose safetensors weights are replaced by a pickle that runs code."""
+    shutil.copytree(folder, copy)
+    weights = next(copy.glob("*.safetensors"))
+    weights.unlink()
+    (copy / "pytorch_model.bin").write_bytes(pickle.dumps(_RunsCode(), protocol=2))
+    return copy / "pytorch_model.bin"
+
+
+@pytest.mark.parametrize("part", ["clip", "dino", "text_encoder"])
+def test_a_pickle_with_code_in_place_of_a_models_weights_is_one_line(part, tiny_flux_dev_dir: Path,
+                                                                     tiny_evaluators: dict[str, Path],
+                                                                     tmp_path: Path, capsys) -> None:
+    model, evaluators = tiny_flux_dev_dir, dict(tiny_evaluators)
+    if part == "text_encoder":
+        shutil.copytree(tiny_flux_dev_dir, tmp_path / "model", ignore=shutil.ignore_patterns("text_encoder"))
+        model = tmp_path / "model"
+        pickled = _with_pickled_weights(tiny_flux_dev_dir / "text_encoder", model / "text_encoder")
+        flag, source = "model", model
+    else:
+        evaluators[part] = tmp_path / part
+        pickled = _with_pickled_weights(tiny_evaluators[part], evaluators[part])
+        flag, source = f"--{part}_model", evaluators[part]
+    out = tmp_path / "out"
+    assert run_cli(*_train_args(model, evaluators, out, "--max_train_steps", "1")) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[-1] == (
+        f"error: {flag} {source}: {pickled} holds objects other than tensors, which may run code, so it was not "
+        "loaded (nothing in it ran); use the model's .safetensors weights")
+    assert "PICKLED CODE RAN" not in captured.out + captured.err
+    assert not out.exists()

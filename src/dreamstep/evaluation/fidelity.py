@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from dreamstep.errors import UserError
+from dreamstep.errors import UserError, refusing_pickled_code
 
 DEFAULT_DINO_MODEL = "facebook/dino-vits16"
 DEFAULT_CLIP_MODEL = "openai/clip-vit-base-patch32"
@@ -33,7 +33,8 @@ PROMPT_METRICS = ("clip_t",)
 def _load(loader: Any, model_id: str, flag: str, **kwargs: Any) -> Any:
     """``loader.from_pretrained(model_id)``, or one line naming the id, the flag and the fix."""
     try:
-        return loader.from_pretrained(model_id, **kwargs)
+        with refusing_pickled_code(model_id, flag):
+            return loader.from_pretrained(model_id, **kwargs)
     except OSError as error:
         offline = "it is not in the local Hugging Face cache and the hub is offline or unreachable" \
             if "offline" in str(error).lower() or "connect" in str(error).lower() else str(error).splitlines()[0]

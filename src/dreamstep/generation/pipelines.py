@@ -17,7 +17,7 @@ from diffusers import (
     StableDiffusionXLPipeline,
 )
 
-from dreamstep.errors import UserError
+from dreamstep.errors import UserError, refusing_pickled_code
 from dreamstep.models.loading import CHECKPOINT_SUFFIXES, load_flux, load_sdxl
 from dreamstep.models.precision import dtype_named
 
@@ -77,7 +77,8 @@ def load_flux_controlnet(folder: str, dtype: torch.dtype) -> FluxControlNetModel
         raise UserError(f"--controlnet {folder}: no config.json there; give the folder that "
                         "train flux-controlnet (or save_pretrained) wrote")
     try:
-        return FluxControlNetModel.from_pretrained(str(path)).to(dtype)
+        with refusing_pickled_code(path, "--controlnet"):
+            return FluxControlNetModel.from_pretrained(str(path)).to(dtype)
     except (OSError, ValueError) as e:
         raise UserError(f"--controlnet {folder}: could not load the ControlNet ({e})") from e
 

@@ -20,7 +20,7 @@ from diffusers import FluxControlNetModel, FluxTransformer2DModel
 from PIL import Image
 from safetensors.torch import save_file
 
-from dreamstep.errors import UserError
+from dreamstep.errors import UserError, refusing_pickled_code
 from dreamstep.files import atomic_files
 from dreamstep.models.quantization import dequantized
 
@@ -79,7 +79,8 @@ def load(path: str, transformer: FluxTransformer2DModel) -> FluxControlNetModel:
         raise UserError(f"--controlnet_model_name_or_path {path}: no {CONFIG_NAME} there; give the folder "
                         "that train flux-controlnet (or save_pretrained) wrote")
     try:
-        controlnet = FluxControlNetModel.from_pretrained(str(folder) if folder.exists() else path)
+        with refusing_pickled_code(path, "--controlnet_model_name_or_path"):
+            controlnet = FluxControlNetModel.from_pretrained(str(folder) if folder.exists() else path)
     except (OSError, ValueError) as e:
         raise UserError(f"--controlnet_model_name_or_path {path}: cannot load the ControlNet ({e})") from None
     check_matches(controlnet, transformer, f"--controlnet_model_name_or_path {path}")

@@ -19,7 +19,7 @@ from diffusers.utils import deprecation_utils
 from huggingface_hub import constants as hf_constants
 from safetensors import SafetensorError, safe_open
 
-from dreamstep.errors import UserError
+from dreamstep.errors import UserError, refusing_pickled_code
 from dreamstep.models import quantization
 from dreamstep.models.sgm_keys import UNET_PREFIX
 
@@ -145,8 +145,9 @@ def load_flux(pretrained_model_name_or_path: str | Path, *, revision: str | None
     if pipeline_quantization is not None:
         overrides["quantization_config"] = pipeline_quantization
     try:
-        pipe = FluxPipeline.from_pretrained(source, revision=revision, variant=variant,
-                                            **{_DTYPE_KWARG: weight_dtype}, **overrides)
+        with refusing_pickled_code(source, "model"):
+            pipe = FluxPipeline.from_pretrained(source, revision=revision, variant=variant,
+                                                **{_DTYPE_KWARG: weight_dtype}, **overrides)
     except _LOAD_ERRORS as e:
         raise _load_error(source, e) from e
     return _components(pipe, FluxComponents)
@@ -214,8 +215,9 @@ def load_sdxl(path_or_id_or_single_file: str | Path, *, revision: str | None = N
     pipeline_quantization = quantization.pipeline_config({"unet": unet_quantization}, weight_dtype)
     extra = {"quantization_config": pipeline_quantization} if pipeline_quantization is not None else {}
     try:
-        pipe = StableDiffusionXLPipeline.from_pretrained(name, revision=revision, variant=variant,
-                                                         **{_DTYPE_KWARG: weight_dtype}, **extra)
+        with refusing_pickled_code(name, "model"):
+            pipe = StableDiffusionXLPipeline.from_pretrained(name, revision=revision, variant=variant,
+                                                             **{_DTYPE_KWARG: weight_dtype}, **extra)
     except _LOAD_ERRORS as e:
         raise _load_error(name, e) from e
     return _components(pipe, SDXLComponents)
