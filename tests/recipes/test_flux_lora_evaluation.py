@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, run_cli
 
 STEPS = ("--validation_steps", "3", "--checkpointing_steps", "3")
@@ -195,4 +195,22 @@ def test_a_pickle_with_code_in_place_of_a_models_weights_is_one_line(part, tiny_
         f"error: {flag} {source}: {pickled} holds objects other than tensors, which may run code, so it was not "
         "loaded (nothing in it ran); use the model's .safetensors weights")
     assert "PICKLED CODE RAN" not in captured.out + captured.err
+    assert not out.exists()
+
+
+def test_eval_refuses_another_models_lora_and_a_dino_model_as_clip_before_writing(
+        trained: Path, tiny_flux_dev_dir: Path, tiny_evaluators: dict[str, Path], tmp_path: Path, capsys) -> None:
+    sdxl_lora = tmp_path / "sdxl.safetensors"
+    save_file({"lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_down.weight": torch.zeros(4, 640),
+               "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_up.weight": torch.zeros(640, 4)},
+              str(sdxl_lora))
+    out = tmp_path / "eval"
+    base = ("eval", "flux", "--model", tiny_flux_dev_dir, "--prompt", ROBOT_PROMPT, "--output_dir", out)
+    assert run_cli(*base, "--weights", trained / "checkpoint-3", sdxl_lora, "--metrics", "clip_t") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {sdxl_lora}: module 'lora_unet_input_blocks_4_1") and err.count("\n") == 1
+    assert run_cli(*base, "--weights", trained / "checkpoint-3", "--metrics", "clip_t",
+                   "--clip_model", tiny_evaluators["dino"]) == 2
+    assert capsys.readouterr().err == (f"error: --clip_model {tiny_evaluators['dino']}: a 'vit' model, not the "
+                                       "'clip' model this metric needs; give one like openai/clip-vit-base-patch32\n")
     assert not out.exists()

@@ -18,6 +18,7 @@ import argparse
 import csv
 import json
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +40,7 @@ from dreamstep.evaluation.control import mean_edge_agreement
 from dreamstep.evaluation.fidelity import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, FidelityScorer
 from dreamstep.generation.loras import LoraSpec, apply_loras
 from dreamstep.generation.pipelines import build_pipeline, choose_device, choose_dtype, load_flux_controlnet
+from dreamstep.lora.convert import read_lora
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
 
@@ -174,9 +176,19 @@ def _model_type(key: tuple[str, ...]) -> str:
 
 
 def evaluate(config: EvalConfig, model_type: str) -> dict[str, Any]:
-    """Score the baseline and every candidate; write the tables, plots and samples; return the JSON summary."""
+    """Score the baseline and every candidate; write the tables, plots and samples; return the JSON summary.
+    Every candidate is read first, so a damaged file or another model's LoRA is one line before anything
+    loads or is written."""
+    with tempfile.TemporaryDirectory(prefix="dreamstep-eval-") as work_dir:  # checkpoints written as LoRA files
+        candidates = find_candidates(config.weights, Path(work_dir))
+        for candidate in candidates:
+            if candidate.kind == "lora":
+                read_lora(candidate.path, model_type)
+        return _score(config, model_type, candidates)
+
+
+def _score(config: EvalConfig, model_type: str, candidates: list[Candidate]) -> dict[str, Any]:
     out = Path(config.output_dir)
-    candidates = find_candidates(config.weights, out / "converted")
     if model_type == "sdxl" and any(c.kind != "lora" for c in candidates):
         raise UserError("ControlNets are FLUX-only here; use 'dreamstep eval flux'")
     if "edge" in config.metrics and not any(c.kind != "lora" for c in candidates):

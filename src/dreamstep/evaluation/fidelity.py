@@ -26,13 +26,23 @@ from dreamstep.errors import UserError, refusing_pickled_code
 
 DEFAULT_DINO_MODEL = "facebook/dino-vits16"
 DEFAULT_CLIP_MODEL = "openai/clip-vit-base-patch32"
+DEFAULT_MODELS = {"vit": DEFAULT_DINO_MODEL, "clip": DEFAULT_CLIP_MODEL}
 SUBJECT_METRICS = ("dino", "clip_i")
 PROMPT_METRICS = ("clip_t",)
 
 
-def _load(loader: Any, model_id: str, flag: str, **kwargs: Any) -> Any:
-    """``loader.from_pretrained(model_id)``, or one line naming the id, the flag and the fix."""
+def _load(loader: Any, model_id: str, flag: str, model_type: str | None = None, **kwargs: Any) -> Any:
+    """``loader.from_pretrained(model_id)``, or one line naming the id, the flag and the fix. ``model_type``:
+    the architecture the loader needs, checked in the model's config first (a DINO ViT given as --clip_model
+    would otherwise load half-initialised and fail later with a traceback)."""
     try:
+        if model_type is not None:
+            from transformers import AutoConfig
+
+            found = AutoConfig.from_pretrained(model_id).model_type
+            if found != model_type:
+                raise UserError(f"{flag} {model_id}: a '{found}' model, not the '{model_type}' model this metric "
+                                f"needs; give one like {DEFAULT_MODELS[model_type]}")
         with refusing_pickled_code(model_id, flag):
             return loader.from_pretrained(model_id, **kwargs)
     except OSError as error:
@@ -78,12 +88,13 @@ class FidelityScorer:
         if "dino" in self.metrics:
             from transformers import AutoImageProcessor, ViTModel
 
-            self.dino = (_load(ViTModel, dino_model, dino_flag, add_pooling_layer=False).to(self.device).eval(),
+            dino = _load(ViTModel, dino_model, dino_flag, "vit", add_pooling_layer=False)
+            self.dino = (dino.to(self.device).eval(),
                          _load(AutoImageProcessor, dino_model, dino_flag))
         if {"clip_i", "clip_t"} & set(self.metrics):
             from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
-            self.clip = (_load(CLIPModel, clip_model, clip_flag).to(self.device).eval(),
+            self.clip = (_load(CLIPModel, clip_model, clip_flag, "clip").to(self.device).eval(),
                          _load(AutoImageProcessor, clip_model, clip_flag), _load(AutoTokenizer, clip_model, clip_flag))
         self.references: dict[str, torch.Tensor] = {}
 
