@@ -117,3 +117,38 @@ def test_zero_stage_in_one_process_is_said_to_do_nothing(monkeypatch: pytest.Mon
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert summary.describe_processes(two, sharded_stage=3) == [
         "processes   2 on 1 node (cpu); FSDP2 --zero_stage 3: each holds 1/2 of the trainable state"]
+
+
+def _train(tiny_flux_dir: Path, out: Path, *extra: str) -> int:
+    return main(["train", "flux-lora", "--pretrained_model_name_or_path", str(tiny_flux_dir), "--output_dir",
+                 str(out), "--resolution", "32", "--max_train_steps", "1", "--report_to", "none", *extra])
+
+
+def test_the_held_out_images_are_named_and_a_tiny_split_still_holds_one_out(captioned: Path, tiny_flux_dir: Path,
+                                                                            tmp_path: Path, capsys) -> None:
+    assert _train(tiny_flux_dir, tmp_path / "out", "--instance_data_dir", str(captioned), "--instance_prompt",
+                  "sks robot", "--center_crop", "--validation_split", "0.001") == 0
+    out = capsys.readouterr().out
+    held = [line.strip() for line in out.splitlines() if line.strip().startswith("held out")]
+    assert len(held) == 1 and held[0].startswith("held out    1 image for the validation loss, not trained on: ")
+    assert held[0].rsplit(": ", 1)[1] in {str(captioned / f"{n}.png") for n in ("short", "long", "wide")}
+    assert f"images      {captioned}: 2 images" in out
+
+
+def test_the_batch_size_of_a_dataset_toml_is_the_one_reported(captioned: Path, tiny_flux_dir: Path,
+                                                              tmp_path: Path, capsys) -> None:
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f'[general]\nresolution = 32\n[[datasets]]\nbatch_size = 2\n[[datasets.subsets]]\n'
+                    f'image_dir = "{captioned}"\nclass_tokens = "sks robot"\n')
+    assert _train(tiny_flux_dir, tmp_path / "out", "--dataset_config", str(toml)) == 0
+    assert ("effective batch 2 = 2 per process x 1 accumulated x 1 process" in capsys.readouterr().out)
+
+
+def test_best_by_val_loss_without_held_out_images_is_refused(captioned: Path, tiny_flux_dir: Path,
+                                                             tmp_path: Path, capsys) -> None:
+    assert _train(tiny_flux_dir, tmp_path / "out", "--instance_data_dir", str(captioned), "--instance_prompt",
+                  "sks robot", "--eval_best_by", "val_loss") == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: --eval_best_by val_loss: this run holds out no images, so it has no validation loss; add "
+        "--validation_split (e.g. 0.1) or held-out images, or pick one of --eval_metrics")
+    assert not (tmp_path / "out").exists()

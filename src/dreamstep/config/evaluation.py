@@ -11,6 +11,8 @@ from dreamstep.errors import UserError, did_you_mean
 
 FIDELITY_METRICS = ("dino", "clip_i", "clip_t")
 CONTROL_METRICS = ("edge",)
+NO_VALIDATION_LOSS = ("--eval_best_by val_loss: this run holds out no images, so it has no validation loss; add "
+                      "--validation_split (e.g. 0.1) or held-out images, or pick one of --eval_metrics")
 
 
 @dataclass
@@ -46,6 +48,13 @@ class EvaluationOptions:
             if self.eval_best_by not in known:
                 raise UserError(f"--eval_best_by {self.eval_best_by}: not a metric of this run"
                                 f"{did_you_mean(self.eval_best_by, known)}; choose from {', '.join(known)}")
+        if self.eval_best_by == "val_loss" and not self.may_hold_out_images():
+            raise UserError(NO_VALIDATION_LOSS)
+
+    def may_hold_out_images(self) -> bool:
+        """Whether the run can have held-out images, as far as the flags tell before the data is read: a
+        split, or a dataset TOML (its ``is_validation`` subsets). A trainer with a validation folder adds it."""
+        return self.validation_split > 0 or getattr(self, "dataset_config", None) is not None
 
     def best_metric(self, has_validation_loss: bool) -> str | None:
         """The metric that picks the best checkpoint."""

@@ -72,6 +72,9 @@ class FluxLoraConfig(FluxTrainingConfig):
         if self.eval_metrics and not self.validation_prompt:
             raise UserError("--eval_metrics scores the validation samples: give --validation_prompt too")
 
+    def may_hold_out_images(self) -> bool:
+        return super().may_hold_out_images() or self.validation_data_dir is not None
+
 
 _PRIOR_FLAGS = ("class_data_dir", "class_prompt", "num_class_images", "sample_batch_size")
 _INSTANCE_FLAGS = ("instance_prompt", "caption_extension", "center_crop", "random_flip", "repeats",

@@ -58,6 +58,7 @@ class BucketDataset(Dataset):
         self.seed = seed
         self.latent_cache = latent_cache
         self.skipped: list[tuple[Path, str]] = []  # files in the image folders not trained on, and why
+        self.held_out: list[Path] = []  # images of the folders held out for the validation loss
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -43,7 +43,7 @@ def build_split_datasets(configs: Sequence[DatasetConfig], seed: int, validation
                          ) -> tuple[BucketDataset, BucketDataset | None]:
     """The training dataset and the held-out one (``None`` without held-out images); each held-out image
     appears once, whatever its ``num_repeats``. The training dataset's ``skipped`` lists the files in the
-    image folders that are not trained on, with the reason."""
+    image folders that are not trained on, with the reason, and its ``held_out`` the images held out."""
     training, held_out = [], []
     for config in configs:
         train_records, held = split_records(collect_records(config), validation_split, seed)
@@ -52,8 +52,9 @@ def build_split_datasets(configs: Sequence[DatasetConfig], seed: int, validation
         training.append(train_records)
         if held:
             held_out.append(([dataclasses.replace(r, num_repeats=1) for r in held], config.batch_size, False))
-    return (build_dataset(configs, seed, records=training),
-            BucketDataset(held_out, seed) if held_out else None)
+    dataset = build_dataset(configs, seed, records=training)
+    dataset.held_out = [r.image.path for records, _, _ in held_out for r in records]
+    return dataset, BucketDataset(held_out, seed) if held_out else None
 
 
 def subject_image_paths(dataset: BucketDataset, held_out: BucketDataset | None) -> list[Path]:

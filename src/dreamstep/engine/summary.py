@@ -30,6 +30,10 @@ def describe_data(dataset: BucketDataset) -> list[str]:
         lines.append(f"images      {name}: {count} images, {samples[name]} samples per epoch")
     for path, reason in dataset.skipped:
         lines.append(f"skipped     {path}: {reason}")
+    if dataset.held_out:
+        names = ", ".join(str(p) for p in dataset.held_out[:6]) + (" ..." if len(dataset.held_out) > 6 else "")
+        count = len(dataset.held_out)
+        lines.append(f"held out    {count} image{'s' * (count != 1)} for the validation loss, not trained on: {names}")
     buckets = Counter((w, h) for _, w, h in dataset.sample_group)
     lines.append("buckets     " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(buckets.items())))
     return lines
@@ -120,7 +124,7 @@ def describe_caches(caches: Mapping[str, TensorCache | None]) -> str:
 
 
 def print_run_summary(run: Any, dataset: BucketDataset, plan: TrainingPlan, *,
-                      batch_size: int, gradient_accumulation_steps: int, mixed_precision: str,
+                      gradient_accumulation_steps: int, mixed_precision: str,
                       trainable: tuple[torch.nn.Module, ...], caches: Mapping[str, TensorCache | None],
                       outputs: str, tokenizers: Mapping[str, tuple[Any, int]] | None = None,
                       sharded_stage: int = 0) -> None:
@@ -131,13 +135,17 @@ def print_run_summary(run: Any, dataset: BucketDataset, plan: TrainingPlan, *,
         return
     processes = run.accelerator.num_processes
     epochs = plan.num_epochs
+    sizes = sorted(set(dataset.batch_sizes))  # per dataset: a dataset TOML's batch_size wins over the flag
+    per_batch = gradient_accumulation_steps * processes
+    batch, effective = (str(sizes[0]), str(sizes[0] * per_batch)) if len(sizes) == 1 else (
+        f"{sizes[0]}-{sizes[-1]}", f"{sizes[0] * per_batch}-{sizes[-1] * per_batch}")
     count, dtype = trainable_parameters(*trainable)
     lines = [
         *describe_data(dataset),
         *describe_truncation(dataset, tokenizers or {}),
         f"schedule    {epochs} epoch{'s' * (epochs != 1)}, {plan.total_steps} optimizer steps "
         f"({plan.steps_per_epoch} per epoch), "
-        f"effective batch {batch_size * gradient_accumulation_steps * processes} = {batch_size} per process x "
+        f"effective batch {effective} = {batch} per process x "
         f"{gradient_accumulation_steps} accumulated x {processes} process{'es' * (processes != 1)}",
         *describe_processes(run.accelerator, sharded_stage),
         f"precision   frozen weights {mixed_precision if mixed_precision != 'no' else 'fp32'}, trainable {dtype}",

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 from PIL import Image
 
-from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
+from dreamstep.config.evaluation import FIDELITY_METRICS, NO_VALIDATION_LOSS, EvaluationOptions
 from dreamstep.data.dataset import BucketDataset, make_dataloader
 from dreamstep.data.images import load_rgb
+from dreamstep.errors import UserError
 from dreamstep.evaluation.control import mean_edge_agreement
 from dreamstep.evaluation.fidelity import FidelityScorer
 from dreamstep.evaluation.validation_loss import LossAt, ValidationLoss
@@ -61,6 +62,8 @@ def build_evaluator(options: EvaluationOptions, scorer: FidelityScorer | None, *
                     subject_images: Sequence[Path], device: torch.device) -> RunEvaluator | None:
     """The run's evaluator, or ``None`` when neither a held-out set nor ``--eval_metrics`` is given. The
     scorer moves to the training device and embeds the subject's images once."""
+    if held_out is None and options.eval_best_by == "val_loss":
+        raise UserError(NO_VALIDATION_LOSS)  # a dataset TOML without is_validation subsets
     if held_out is None and not options.eval_metrics:
         return None
     validation_loss = None

@@ -233,8 +233,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
         mode_scale=config.mode_scale,
         guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)
 
-    print_run_summary(run, dataset, plan, batch_size=config.train_batch_size,
-                      gradient_accumulation_steps=config.gradient_accumulation_steps,
+    print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(controlnet,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
                       tokenizers=flux.tokenizer_limits(pipeline, config.max_sequence_length),

@@ -245,8 +245,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
         mode_scale=config.mode_scale, prior_loss_weight=config.prior_loss_weight,
         guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)
 
-    print_run_summary(run, dataset, plan, batch_size=config.train_batch_size,
-                      gradient_accumulation_steps=config.gradient_accumulation_steps,
+    print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision,
                       trainable=(base.transformer, *([text_encoder] if text_encoder is not None else [])),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,

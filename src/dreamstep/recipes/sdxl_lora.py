@@ -258,8 +258,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
         noise_offset=config.noise_offset, adaptive_noise_scale=config.adaptive_noise_scale,
         multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
         timestep_range=(config.min_timestep, config.max_timestep), prior_loss_weight=config.prior_loss_weight)
-    print_run_summary(run, dataset, plan, batch_size=config.train_batch_size,
-                      gradient_accumulation_steps=config.gradient_accumulation_steps,
+    print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(network,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
                       tokenizers={"CLIP": (pipeline.tokenizer, pipeline.tokenizer.model_max_length)})
