@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import pickle
 import random
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from engine_testkit import RegressionStep, regression_batches, tiny_mlp
 
 import dreamstep.engine.disk as disk
@@ -15,6 +17,7 @@ from dreamstep import DynamicLossScaler
 from dreamstep.engine.checkpoint import (
     TrainingPosition,
     capture_rng_state,
+    check_weights_file,
     checkpoint_bytes,
     list_checkpoints,
     load_checkpoint,
@@ -157,3 +160,19 @@ def test_the_free_space_check_allows_a_save_that_fits_and_refuses_one_byte_less(
     with pytest.raises(DiskFullError, match=r"^the disk is full: checkpoint-1 needs about"):
         _save(tmp_path / "full", step, 1, extra=history)
     assert not list((tmp_path / "full").glob("*checkpoint-1*"))
+
+
+def test_a_safetensors_header_length_starting_with_the_pickle_byte_is_still_safetensors(tmp_path):
+    """The first byte of a safetensors file is the low byte of its header length: 0x80 there is no pickle."""
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    file = folder / "trainable_weights.safetensors"
+    for padding in range(256):
+        save_file({"w": torch.zeros(2)}, str(file), metadata={"pad": "x" * padding})
+        if file.read_bytes()[:1] == b"\x80":
+            break
+    assert file.read_bytes()[:1] == b"\x80"
+    check_weights_file(folder)
+    file.write_bytes(pickle.dumps({"w": 1}, protocol=2))
+    with pytest.raises(UserError, match="a torch pickle, not the safetensors file a checkpoint holds"):
+        check_weights_file(folder)

@@ -139,7 +139,7 @@ def test_train_log_has_a_line_per_step_and_the_run_messages(tmp_path):
     resumed.log(3, {"loss": 0.25, "lr": 1e-4})
     resumed.close()
     loss = RunScalars(tmp_path).refresh()["loss"]
-    assert loss.steps == [1, 2, 3] and loss.values[-1] == 0.25
+    assert list(loss.steps) == [1, 2, 3] and loss.values[-1] == 0.25
 
 
 def test_evaluation_scores_reach_tensorboard_the_metrics_files_and_the_loss_curve(tmp_path):

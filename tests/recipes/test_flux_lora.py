@@ -97,8 +97,13 @@ def test_resume_equals_an_uninterrupted_run(tiny_flux_dev_dir: Path, tmp_path: P
     assert run_cli("train", "flux-lora", *common, "--output_dir", tmp_path / "straight", "--max_train_steps", "6") == 0
     split = tmp_path / "split"
     assert run_cli("train", "flux-lora", *common, "--output_dir", split, "--max_train_steps", "3") == 0
+    capsys.readouterr()
     assert run_cli("train", "flux-lora", *common, "--output_dir", split, "--max_train_steps", "6",
-                   "--resume_from_checkpoint", "latest") == 0
+                   "--resume_from_checkpoint", "latest", "--learning_rate", "5e-3") == 0
+    # A changed learning rate is said, and (as said) the checkpoint's schedule goes on: the result is the same.
+    assert (f"note: --learning_rate is 0.005 but {split / 'checkpoint-3'} was trained with 0.001: the checkpoint's "
+            "learning-rate schedule continues from its own value; for a new learning rate start a new run"
+            ) in capsys.readouterr().out
     straight = load_file(tmp_path / "straight" / "pytorch_lora_weights.safetensors")
     resumed = load_file(split / "pytorch_lora_weights.safetensors")
     assert straight.keys() == resumed.keys() and any(k.startswith("text_encoder.") for k in straight)
@@ -120,6 +125,18 @@ def test_resume_equals_an_uninterrupted_run(tiny_flux_dev_dir: Path, tmp_path: P
                        "--resume_from_checkpoint", "latest", flag, value) == 2
         assert capsys.readouterr().err == (f"error: {flag} is {value} but {split / 'checkpoint-6'} was trained with "
                                            f"{was}; resume with {flag} {was}, or start a new run in another "
+                                           "--output_dir\n")
+    # So is one the checkpoint's state depends on, with the reason.
+    for flag, value, was, reason in [("--optimizer", "Prodigy", "AdamW", "its optimizer state is that optimizer's"),
+                                     ("--resolution", "64", "32", "its data position and cached latents belong to "
+                                                                  "that value"),
+                                     ("--seed", "7", "0", "the order of its data and its held-out images follow "
+                                                          "that seed")]:
+        capsys.readouterr()
+        assert run_cli("train", "flux-lora", *common, "--output_dir", split, "--max_train_steps", "9",
+                       "--resume_from_checkpoint", "latest", flag, value) == 2
+        assert capsys.readouterr().err == (f"error: {flag} is {value} but {split / 'checkpoint-6'} was trained with "
+                                           f"{was}: {reason}; resume with {flag} {was}, or start a new run in another "
                                            "--output_dir\n")
     assert (split / "pytorch_lora_weights.safetensors").read_bytes() == lora_before
 

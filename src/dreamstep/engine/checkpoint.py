@@ -359,8 +359,8 @@ def check_weights_file(checkpoint: Path) -> None:
 
 def _safetensors_header(file: Path) -> list[str]:
     with open(file, "rb") as f:
-        head = f.read(4)
-    if head[:1] == b"\x80" or head == b"PK\x03\x04":
+        head = f.read(9)  # safetensors: an 8-byte header length (any first byte), then the JSON header's "{"
+    if head[8:9] != b"{" and (head[:1] == b"\x80" or head[:4] == b"PK\x03\x04"):
         raise DamagedCheckpointError(f"{file}: a torch pickle, not the safetensors file a checkpoint holds; it was "
                                      "not loaded (nothing in it ran)")
     with safe_open(str(file), framework="pt") as f:

@@ -214,6 +214,31 @@ def check_resume_settings(checkpoint: Path, config_toml: str, keys: tuple[str, .
             was = _flag_value(saved.get(key))
             raise UserError(f"--{key} is {_flag_value(current.get(key))} but {checkpoint} was trained with {was}; "
                             f"resume with --{key} {was}, or start a new run in another --output_dir")
+    changed = [k for k in (*_RESUME_STATE, *_RESUME_NOTES) if k in saved and k in current and saved[k] != current[k]]
+    for key in changed:
+        was, now = _flag_value(saved[key]), _flag_value(current[key])
+        if key in _RESUME_STATE:
+            raise UserError(f"--{key} is {now} but {checkpoint} was trained with {was}: {_RESUME_STATE[key]}; "
+                            f"resume with --{key} {was}, or start a new run in another --output_dir")
+        print(f"note: --{key} is {now} but {checkpoint} was trained with {was}: {_RESUME_NOTES[key]}")
+
+
+# Settings a checkpoint's state depends on, so a resume with another value is refused, and why.
+_DATA = "its data position and cached latents belong to that value"
+_RESUME_STATE = {
+    "optimizer": "its optimizer state is that optimizer's", "optimizer_type": "its optimizer state is that optimizer's",
+    "resolution": _DATA, "train_batch_size": _DATA, "gradient_accumulation_steps": _DATA,
+    "validation_split": "its training images are the ones that split left", "dataset_config": _DATA,
+    "base_quantization": "its weights were fit to the base quantized that way", "fp8_base":
+        "its weights were fit to the base quantized that way",
+    "text_encoder_quantization": "its cached text embeddings came from that encoder",
+    "seed": "the order of its data and its held-out images follow that seed",
+}
+# Settings a resume may change; what the change does is said.
+_LR = "the checkpoint's learning-rate schedule continues from its own value; for a new learning rate start a new run"
+_RESUME_NOTES = {
+    "learning_rate": _LR, "unet_lr": _LR, "text_encoder_lr": _LR,
+}
 
 
 def _flag_value(value: Any) -> str:
