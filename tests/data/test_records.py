@@ -51,7 +51,19 @@ def test_missing_caption_file_when_required(image_folder):
     folder = image_folder("dog", {"a.png": (64, 64), "b.png": (64, 64)}, captions={"a": "x"})
     with pytest.raises(UserError) as e:
         records_of(dataset({"image_dir": str(folder)}))
-    assert str(e.value).startswith(f"{folder / 'b.caption'}: caption file not found for b.png")
+    assert str(e.value) == (f"{folder / 'b.caption'}: caption file not found for b.png; write it, or set "
+                            "class_tokens for d.toml: datasets[0].subsets[0]")
+
+
+def test_a_missing_caption_names_the_flag_that_sets_a_fallback(image_folder):
+    """Each source has its own way to give images without a caption file their caption."""
+    folder = image_folder("dog", {"a.png": (64, 64)})
+    with pytest.raises(UserError, match=r"caption file not found for a\.png; write it, or set --default_caption "
+                                        r"for --train_data_dir$"):
+        collect_records(controlnet_from_flags(train_data_dir=folder, conditioning_data_dir=folder))
+    with pytest.raises(UserError, match=r"caption file not found for a\.png; write it, or set --instance_prompt "
+                                        r"for --instance_data_dir$"):
+        collect_records(dreambooth_from_flags(folder, None, caption_extension=".txt"))
 
 
 def test_finetuning_json(image_folder, tmp_path: Path):

@@ -79,6 +79,8 @@ class SubsetConfig:
 
     ``where`` names the subset in errors: a dotted TOML place such as ``datasets[0].subsets[1]``, or the
     flag it came from. ``caption_extension=None`` reads no caption files (``class_tokens`` is the caption).
+    ``caption_fallback`` names how the user sets ``class_tokens`` for this subset (a TOML key, or the flag
+    that became it), for the message about a missing caption file.
     """
 
     where: str
@@ -93,6 +95,7 @@ class SubsetConfig:
     flip_aug: bool = False
     random_crop: bool = False
     captions: CaptionOptions = field(default_factory=CaptionOptions)
+    caption_fallback: str = "class_tokens"
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,7 @@ def folder_caption(image: Path, subset: SubsetConfig) -> str:
             return _read_caption_file(caption_path)
         if subset.class_tokens is None:
             raise UserError(f"{caption_path}: caption file not found for {image.name}; write it, or set "
-                            f"class_tokens / an instance prompt for {subset.where}")
+                            f"{subset.caption_fallback} for {subset.where}")
     if subset.class_tokens is None:
         raise UserError(f"{subset.where}: no captions: set caption_extension or class_tokens")
     return subset.class_tokens

@@ -61,7 +61,7 @@ def dreambooth_from_flags(instance_data_dir: str | Path, instance_prompt: str | 
     common = dict(flip_aug=random_flip, random_crop=not center_crop)
     subsets = [SubsetConfig(where="--instance_data_dir", image_dir=instance_dir, num_repeats=repeats,
                             class_tokens=instance_prompt or None, caption_extension=caption_extension,
-                            captions=captions or CaptionOptions(), **common)]
+                            captions=captions or CaptionOptions(), caption_fallback="--instance_prompt", **common)]
     if class_data_dir is not None:
         class_dir = _check_folder(class_data_dir, "--class_data_dir")
         if not class_prompt:
@@ -95,7 +95,7 @@ def controlnet_from_flags(*, train_data_dir: str | Path | None = None,
         subset = SubsetConfig(where="--train_data_dir", image_dir=_check_folder(train_data_dir, "--train_data_dir"),
                               conditioning_data_dir=_check_folder(conditioning_data_dir, "--conditioning_data_dir"),
                               class_tokens=default_caption, caption_extension=normalize_extension(caption_extension),
-                              **common)
+                              caption_fallback="--default_caption", **common)
     else:
         raise UserError("no training data: give --train_data_dir with --conditioning_data_dir, "
                         "--jsonl_for_train, or --dataset_config")
@@ -128,7 +128,8 @@ def _kohya_folders(root: str | Path, is_reg: bool, caption_extension: str, flag:
             raise UserError(f"{flag}: folder '{sub}' is not named <repeats>_<class tokens> (e.g. 10_sks dog)")
         subsets.append(SubsetConfig(where=f"{flag} {sub}", image_dir=sub, num_repeats=int(match.group(1)),
                                     is_reg=is_reg, class_tokens=match.group(2) or None,
-                                    caption_extension=caption_extension))
+                                    caption_extension=caption_extension,
+                                    caption_fallback="the folder name's class tokens (<repeats>_<class tokens>)"))
     if not subsets:
         raise UserError(f"{flag} {root}: no <repeats>_<class tokens> folders inside")
     return subsets
