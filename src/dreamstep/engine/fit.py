@@ -163,6 +163,9 @@ def _open_output(run: Run) -> None:
     run.logger = TrainingLogger(run.output_dir, report_to=run.report_to, is_main_process=run.is_main_process,
                                 tensorboard_dir=run.tensorboard_dir, samples_dir=run.samples_dir,
                                 purge_step=purge_step)
+    for text in run.preamble:  # the run summary and the notes said while loading
+        for line in text.splitlines():
+            run.logger.note(line)
 
 
 def _resume(run: Run, step: TrainStep, trained: Any) -> LoadedCheckpoint | None:

@@ -67,6 +67,7 @@ class Run:
     previous_status: bytes | None = None  # run_status.json as it was; a failure before training puts it back
     started_at: float | None = None  # perf_counter when training started
     validation_seconds: float = 0.0  # wall time spent in validation (samples and scores)
+    preamble: list[str] = field(default_factory=list)  # said before train.log opened; written there first
 
     @property
     def device(self) -> torch.device:
@@ -286,3 +287,5 @@ def say_and_log(run: Run, message: str) -> None:
     say(message, is_main_process=run.is_main_process)
     if run.is_main_process and run.logger is not None:
         run.logger.note(message)
+    elif run.is_main_process:
+        run.preamble.append(message)

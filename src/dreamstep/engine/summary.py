@@ -153,4 +153,6 @@ def print_run_summary(run: Any, dataset: BucketDataset, plan: TrainingPlan, *,
         describe_caches(caches),
         f"outputs     {outputs}",
     ]
-    print("\n".join(["run:", *(f"  {line}" for line in lines)]), flush=True)
+    text = "\n".join(["run:", *(f"  {line}" for line in lines)])
+    print(text, flush=True)
+    run.preamble.append(text)
