@@ -177,3 +177,14 @@ def test_convert_into_a_missing_folder_names_it(tmp_path, capsys):
                   tmp_path / "no" / "such" / "out.safetensors", "--to", "diffusers")
     assert line == f"error: {tmp_path / 'no' / 'such' / 'out.safetensors'}: the folder {tmp_path / 'no' / 'such'} " \
                    "does not exist; create it or choose another output path"
+
+
+def test_a_conversion_that_fuses_or_splits_modules_says_why_the_count_changed(capsys, tmp_path):
+    kohya = _kohya_flux(tmp_path / "kohya.safetensors")
+    code, out, _ = _run(capsys, "convert", "lora", kohya, tmp_path / "d.safetensors", "--to", "diffusers")
+    assert code == 0 and ", 5 modules\n" in out
+    assert "note: 2 modules became 5: sd-scripts' FLUX layout fuses the attention's q, k and v" in out
+    assert "they were split back, the weights unchanged" in out
+    code, out, _ = _run(capsys, "convert", "lora", tmp_path / "d.safetensors", tmp_path / "k.safetensors",
+                        "--to", "kohya")
+    assert code == 0 and "note: 5 modules became 2: " in out and "they were stacked" in out

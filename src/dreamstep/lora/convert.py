@@ -297,6 +297,13 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
         if any(m.alpha != m.rank for m in ours.values()):
             notes.append("alpha/rank is folded into lora_B (alpha = rank), the one form diffusers and ComfyUI "
                          "both apply at the trained strength")
+    source_count = len(lora.modules)
+    if len(out) != source_count and keys.model == "flux":
+        fused = len(out) < source_count
+        notes.append(f"{source_count} modules became {len(out)}: sd-scripts' FLUX layout fuses the attention's q, k "
+                     f"and v (and a single block's q, k, v and MLP input) into one module whose rank is the sum of "
+                     f"its parts' ranks; {'they were stacked' if fused else 'they were split back'}, the weights "
+                     "unchanged")
     if dtype is not None:
         out = {k: LoraWeights(m.down.to(cast_to), m.up.to(cast_to), m.alpha) for k, m in out.items()}
     if to == "diffusers":
