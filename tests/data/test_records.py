@@ -180,3 +180,22 @@ def test_only_regularization_images_names_the_file_and_is_reg(image_folder):
     reg = {"image_dir": str(folder), "class_tokens": "dog", "is_reg": True}
     with pytest.raises(UserError, match=r"^d.toml: datasets\[0\]: every subset has is_reg = true.*is_reg = false"):
         records_of(dataset(reg, reg))
+
+
+def test_regularization_is_balanced_against_the_images_left_to_train_on(image_folder):
+    """sd-scripts balances class images to the training images; held-out ones are not trained on."""
+    from dreamstep.data.holdout import build_split_datasets
+
+    train = image_folder("dog", {f"{i}.png": (64, 64) for i in range(4)})
+    reg = image_folder("reg", {f"{i}.png": (64, 64) for i in range(8)})
+    held = image_folder("held", {f"{i}.png": (64, 64) for i in range(2)})
+    (config,) = parse_dataset_config(dataset({"image_dir": str(train), "class_tokens": "sks dog"},
+                                             {"image_dir": str(reg), "class_tokens": "dog", "is_reg": True},
+                                             {"image_dir": str(held), "class_tokens": "sks dog",
+                                              "is_validation": True}), "d.toml")
+    whole, _ = build_split_datasets([config], seed=0)
+    assert sum(r.num_repeats for r in whole.records if r.subset.is_reg) == 4  # the 2 validation images not counted
+    split, held_out = build_split_datasets([config], seed=0, validation_split=0.5)
+    trained = [r for r in split.records if not r.subset.is_reg]
+    assert len(trained) == 2 and len(held_out.records) == 4
+    assert sum(r.num_repeats for r in split.records if r.subset.is_reg) == 2

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dreamstep.data.dataset import BucketDataset, build_dataset
 from dreamstep.data.dataset_config import DatasetConfig
-from dreamstep.data.records import ImageRecord, collect_records
+from dreamstep.data.records import ImageRecord, collect_records, rebalance_regularization
 from dreamstep.errors import UserError
 
 
@@ -47,6 +47,8 @@ def build_split_datasets(configs: Sequence[DatasetConfig], seed: int, validation
     training, held_out = [], []
     for config in configs:
         train_records, held = split_records(collect_records(config), validation_split, seed)
+        if held and not config.prior_pairs:
+            train_records = rebalance_regularization(train_records)
         if not train_records:
             raise UserError(f"{config.where}: every image is held out for validation; keep some to train on")
         training.append(train_records)

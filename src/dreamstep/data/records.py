@@ -8,6 +8,7 @@ Every problem is found here, before training, and reported by file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -108,6 +109,16 @@ def balance_regularization(num_train_images: int, reg_repeats: list[int]) -> lis
     return result
 
 
+def rebalance_regularization(records: list[ImageRecord]) -> list[ImageRecord]:
+    """``records`` with the regularization images balanced again, against the training samples that remain
+    once held-out images are taken out (sd-scripts balances to the images it trains on)."""
+    reg = [r for r in records if r.subset.is_reg]
+    num_train = sum(r.num_repeats for r in records if not r.subset.is_reg and not r.subset.is_validation)
+    counts = dict(zip(map(id, reg), balance_regularization(num_train, [r.subset.num_repeats for r in reg])))
+    return [dataclasses.replace(r, num_repeats=counts[id(r)]) if r.subset.is_reg else r for r in records
+            if not r.subset.is_reg or counts[id(r)] > 0]
+
+
 def dataset_repeats(config: DatasetConfig, entries: list[tuple[SubsetConfig, list[Any]]]) -> list[list[int]]:
     """Each entry's repeats per epoch: sd-scripts' regularization balancing, or, for a dataset that pairs
     class samples with instance samples (diffusers' prior preservation), every subset's own ``num_repeats``
@@ -119,7 +130,7 @@ def dataset_repeats(config: DatasetConfig, entries: list[tuple[SubsetConfig, lis
 
 def balanced_repeats(entries: list[tuple[SubsetConfig, list[Any]]]) -> list[list[int]]:
     """Each entry's repeats per epoch: its subset's ``num_repeats``, regularization balanced."""
-    num_train = sum(s.num_repeats * len(es) for s, es in entries if not s.is_reg)
+    num_train = sum(s.num_repeats * len(es) for s, es in entries if not s.is_reg and not s.is_validation)
     reg_slots = [(i, j) for i, (s, es) in enumerate(entries) if s.is_reg for j in range(len(es))]
     repeats = [[s.num_repeats] * len(es) for s, es in entries]
     balanced = balance_regularization(num_train, [entries[i][0].num_repeats for i, _ in reg_slots])
