@@ -8,9 +8,12 @@ embedding as in FLUX.1-dev; the SDXL UNet's come from :data:`dreamstep.lora.form
 
 from __future__ import annotations
 
+import gzip
+import json
 import re
 from collections.abc import Mapping
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,6 +27,7 @@ T5_XXL: dict = {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "nu
                 "feed_forward_proj": "gated-gelu", "vocab_size": 32128}
 FLUX_DEV_TRANSFORMER: dict = {"guidance_embeds": True}
 RELEASED_NAMES = {"flux": "FLUX.1-dev", "sdxl": "SDXL base 1.0"}
+RELEASED_SHAPES_FILE = Path(__file__).with_name("released_shapes.json.gz")
 
 # transformers >= 5 builds CLIPTextModel without its 'text_model.' level; LoRA files name it either way.
 _FLAT_CLIP = re.compile(r"^(text_encoder(?:_2)?)\.encoder\.layers\.")
@@ -74,7 +78,22 @@ def weight_shapes(model: str, configs: Mapping[str, Mapping] | None = None) -> d
 
 @lru_cache(maxsize=2)
 def _released_shapes(model: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple(_shapes(_build(model, released_configs(model))).items())
+    """From the table shipped beside this module: building FLUX.1-dev with T5-XXL on the meta device takes
+    seconds, and ``lora info`` should answer in less. ``tests/models`` checks the table against the build;
+    :func:`write_released_shapes` makes it again."""
+    with gzip.open(RELEASED_SHAPES_FILE, "rt", encoding="utf-8") as f:
+        table = json.load(f)[model]
+    return tuple((name, tuple(shape)) for name, shape in table.items())
+
+
+def built_released_shapes(model: str) -> dict[str, tuple[int, ...]]:
+    """The released model's shapes as the meta-device build gives them (what the shipped table must hold)."""
+    return _shapes(_build(model, released_configs(model)))
+
+
+def write_released_shapes(path: Path = RELEASED_SHAPES_FILE) -> None:
+    table = {model: built_released_shapes(model) for model in RELEASED_NAMES}
+    path.write_bytes(gzip.compress(json.dumps(table, separators=(",", ":")).encode(), mtime=0))
 
 
 def _shapes(components: Mapping[str, nn.Module]) -> dict[str, tuple[int, ...]]:
