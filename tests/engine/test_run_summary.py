@@ -154,3 +154,22 @@ def test_best_by_val_loss_without_held_out_images_is_refused(captioned: Path, ti
         "error: --eval_best_by val_loss: this run holds out no images, so it has no validation loss; add "
         "--validation_split (e.g. 0.1) or held-out images, or pick one of --eval_metrics")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_dataset_check_and_the_trainer_read_a_folder_alike_and_images_without_captions_are_named(
+        captioned: Path, tiny_flux_dir: Path, tmp_path: Path, capsys) -> None:
+    """flux-lora's defaults: .txt captions where they exist, the instance prompt for the rest, square crops
+    at --resolution; the dashboard's dataset check shows the same."""
+    from dreamstep.dashboard.dataset_check import check_dataset
+
+    Image.new("RGB", (48, 32), (10, 200, 30)).save(captioned / "bare.png")
+    check = check_dataset(captioned, resolution=32, instance_prompt="sks robot")
+    by_name = {i.path.name: i for i in check.images}
+    assert by_name["bare.png"].caption == "sks robot" and by_name["short.png"].caption == "a photo of sks robot"
+    assert {(w, h) for _, w, h in check.dataset.sample_group} == {(32, 32)}
+    assert _train(tiny_flux_dir, tmp_path / "out", "--instance_data_dir", str(captioned), "--instance_prompt",
+                  "sks robot") == 0
+    out = capsys.readouterr().out
+    assert (f"captions    1 image of --instance_data_dir without a .txt file train with --instance_prompt "
+            f"'sks robot': bare.png\n") in out
+    assert "buckets     32x32: 4\n" in out

@@ -21,8 +21,9 @@ class FluxLoraConfig(FluxTrainingConfig):
 
     instance_data_dir: Optional[str] = option(None, "folder of the subject's images")
     instance_prompt: Optional[str] = option(None, "prompt with the identifier, e.g. 'a photo of sks dog'")
-    caption_extension: Optional[str] = option(None, "read per-image captions from files with this extension "
-                                                    "(the instance prompt is the fallback)")
+    caption_extension: Optional[str] = option(".txt", "read per-image captions from files with this extension; "
+                                                      "images without one train with --instance_prompt "
+                                                      "(the run summary names them)")
     dataset_config: Optional[str] = option(None, "a Kohya dataset TOML instead of the instance flags (its is_reg "
                                                  "subsets are balanced against the training images as in "
                                                  "sd-scripts, and weighted by --prior_loss_weight)")

@@ -15,15 +15,15 @@ from typing import Any
 
 from dreamstep.data.buckets import BucketPlanner
 from dreamstep.data.dataset import BucketDataset
-from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig, load_dataset_config
+from dreamstep.config.flux_lora import FluxLoraConfig
+from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig
 from dreamstep.data.images import ImageInfo, inspect_image, list_images
 from dreamstep.data.records import ImageRecord, dataset_repeats, folder_caption, subset_entries
-from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
+from dreamstep.data.sources import flux_lora_datasets
 from dreamstep.errors import UserError
 
 __all__ = ["CheckedImage", "DatasetCheck", "check_dataset", "load_configs"]
 
-_CAPTION_EXTENSIONS = (".txt", ".caption")
 
 
 @dataclass
@@ -73,20 +73,16 @@ class DatasetCheck:
 
 
 def load_configs(source: str | Path, resolution: int, instance_prompt: str | None = None) -> list[DatasetConfig]:
-    """A Kohya dataset TOML (``resolution`` fills in where the TOML has none, as the trainer's flag does),
-    or an image folder with caption files (``.txt`` or ``.caption``), bucketed at ``resolution`` with
-    sd-scripts' bucket limits (256 to 1024, widened to hold ``resolution``); ``instance_prompt`` is the
-    caption of images without a caption file, as the trainer's ``--instance_prompt``."""
+    """A Kohya dataset TOML or an image folder, read as ``train flux-lora --dataset_config TOML`` or
+    ``--instance_data_dir FOLDER --instance_prompt ...`` reads it, with that trainer's defaults (its code
+    does the reading), at ``resolution``."""
     path = Path(source)
-    if path.is_file():
-        return load_dataset_config(path, {"resolution": resolution})
-    if not path.is_dir():
+    if not path.exists():
         raise UserError(f"--dataset {path}: no such file or folder; give a dataset TOML or an image folder")
-    extension = next((e for e in _CAPTION_EXTENSIONS if any(path.glob(f"*{e}"))), _CAPTION_EXTENSIONS[0])
-    return [dreambooth_from_flags(path, instance_prompt, caption_extension=extension,
-                                  buckets=bucket_spec(resolution, enable_bucket=True,
-                                                      min_bucket_reso=min(256, resolution),
-                                                      max_bucket_reso=max(1024, resolution)))]
+    given = {"dataset_config": str(path)} if path.is_file() else {"instance_data_dir": str(path),
+                                                                  "instance_prompt": instance_prompt}
+    config = FluxLoraConfig(pretrained_model_name_or_path=".", output_dir=".", resolution=resolution, **given)
+    return flux_lora_datasets(config, None)
 
 
 def check_dataset(source: str | Path, resolution: int = 1024, seed: int = 0,

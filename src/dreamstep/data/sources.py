@@ -19,10 +19,17 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 from dreamstep.data.buckets import BucketSpec, adjust_bucket_limits
 from dreamstep.data.captions import CaptionOptions
-from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig, normalize_extension
+from dreamstep.data.dataset_config import (
+    DatasetConfig,
+    SubsetConfig,
+    load_dataset_config,
+    normalize_extension,
+    require_methods,
+)
 from dreamstep.data.images import list_images
 from dreamstep.errors import UserError
 
@@ -148,3 +155,22 @@ def kohya_folders_from_flags(train_data_dir: str | Path, *, reg_data_dir: str | 
     if reg_data_dir is not None:
         subsets += _kohya_folders(reg_data_dir, True, caption_extension, "--reg_data_dir")
     return DatasetConfig("--train_data_dir", "dreambooth", buckets, batch_size, tuple(subsets))
+
+
+def flux_lora_datasets(config: Any, class_dir: str | None) -> list[DatasetConfig]:
+    """What ``train flux-lora`` trains on, from its config (a :class:`~dreamstep.config.flux_lora.FluxLoraConfig`):
+    its dataset TOML, or its instance (and class) folders, with its defaults. The dashboard's dataset check
+    reads a folder through this too, so it shows what the trainer will do."""
+    if config.dataset_config is not None:
+        datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
+                                                                   "train_batch_size": config.train_batch_size})
+        require_methods(datasets, ("dreambooth", "finetune"), "train flux-lora")
+        return datasets
+    dataset = dreambooth_from_flags(
+        config.instance_data_dir, config.instance_prompt, caption_extension=config.caption_extension,
+        class_data_dir=class_dir, class_prompt=config.class_prompt if class_dir else None,
+        buckets=bucket_spec(config.resolution), center_crop=config.center_crop,
+        random_flip=config.random_flip, repeats=config.repeats, batch_size=config.train_batch_size)
+    if config.validation_data_dir is not None:
+        dataset = with_validation_folder(dataset, config.validation_data_dir)
+    return [dataset]

@@ -30,12 +30,32 @@ def describe_data(dataset: BucketDataset) -> list[str]:
         lines.append(f"images      {name}: {count} images, {samples[name]} samples per epoch")
     for path, reason in dataset.skipped:
         lines.append(f"skipped     {path}: {reason}")
+    lines += describe_fallback_captions(dataset)
     if dataset.held_out:
         names = ", ".join(str(p) for p in dataset.held_out[:6]) + (" ..." if len(dataset.held_out) > 6 else "")
         count = len(dataset.held_out)
         lines.append(f"held out    {count} image{'s' * (count != 1)} for the validation loss, not trained on: {names}")
     buckets = Counter((w, h) for _, w, h in dataset.sample_group)
     lines.append("buckets     " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(buckets.items())))
+    return lines
+
+
+def describe_fallback_captions(dataset: BucketDataset) -> list[str]:
+    """Per subset, the training images without a caption file, which train with its fallback caption
+    (``--instance_prompt``, ``--default_caption``, ``class_tokens``)."""
+    missing: dict[Any, list[Path]] = {}
+    for record in dataset.records:
+        subset = record.subset
+        if subset.is_reg or not subset.caption_extension or subset.metadata_file is not None:
+            continue
+        if not record.image.path.with_suffix(subset.caption_extension).is_file():
+            missing.setdefault(subset, []).append(record.image.path)
+    lines = []
+    for subset, paths in missing.items():
+        names = ", ".join(p.name for p in paths[:6]) + (" ..." if len(paths) > 6 else "")
+        lines.append(f"captions    {len(paths)} image{'s' * (len(paths) != 1)} of {subset.where} without a "
+                     f"{subset.caption_extension} file train with {subset.caption_fallback} "
+                     f"'{subset.class_tokens}': {names}")
     return lines
 
 

@@ -27,9 +27,8 @@ from torch import nn
 from dreamstep.config.flux_lora import FluxLoraConfig
 from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches, make_dataloader
-from dreamstep.data.dataset_config import load_dataset_config, require_methods
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
-from dreamstep.data.sources import bucket_spec, dreambooth_from_flags, with_validation_folder
+from dreamstep.data.sources import flux_lora_datasets
 from dreamstep.diffusion import flow_matching as fm
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import Every
@@ -133,22 +132,6 @@ def optimizer_groups(config: FluxLoraConfig, transformer: nn.Module,
     return groups
 
 
-def _datasets(config: FluxLoraConfig, class_dir: str | None) -> list:
-    if config.dataset_config is not None:
-        datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
-                                                                   "train_batch_size": config.train_batch_size})
-        require_methods(datasets, ("dreambooth", "finetune"), "train flux-lora")
-        return datasets
-    dataset = dreambooth_from_flags(
-        config.instance_data_dir, config.instance_prompt, caption_extension=config.caption_extension,
-        class_data_dir=class_dir, class_prompt=config.class_prompt if class_dir else None,
-        buckets=bucket_spec(config.resolution), center_crop=config.center_crop,
-        random_flip=config.random_flip, repeats=config.repeats, batch_size=config.train_batch_size)
-    if config.validation_data_dir is not None:
-        dataset = with_validation_folder(dataset, config.validation_data_dir)
-    return [dataset]
-
-
 def train(config: FluxLoraConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder and image (each decoded once) and the optimizer, before a model loads.
@@ -156,7 +139,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
     check_optimization(**config.optimization())
-    dataset, held_out = build_split_datasets(_datasets(config, None), config.seed, config.validation_split)
+    dataset, held_out = build_split_datasets(flux_lora_datasets(config, None), config.seed, config.validation_split)
     scorer = load_scorer(config)
     print_run_plan("flux", config.pretrained_model_name_or_path, flux.plan_options(
         config, rank=config.rank,
@@ -202,7 +185,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
         run.accelerator.wait_for_everyone()
 
     # 3. Data: bucketed samples; posteriors and prompt embeddings from content-keyed caches.
-    datasets = _datasets(config, class_dir)
+    datasets = flux_lora_datasets(config, class_dir)
     if class_dir is not None:
         dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
     # Random crops of images larger than their bucket are encoded every step (see BucketDataset); the
