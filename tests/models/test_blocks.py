@@ -12,18 +12,21 @@ from dreamstep.errors import UserError
 from dreamstep.lora.inject import add_lora, flux_lora_targets
 from dreamstep.models.blocks import BlockSwapper, compile_blocks, repeated_blocks
 from dreamstep.models.precision import cast_trainable_params_to_fp32, freeze
+from dreamstep.models.quantization import quantize_built_model
 
 CPU = torch.device("cpu")
 
 
-def small_flux(double: int = 2, single: int = 2, layers: str = "all-linear", checkpointing: bool = True
-               ) -> FluxTransformer2DModel:
-    """A FLUX transformer a few channels wide with a LoRA whose B is non-zero, so every block matters."""
+def small_flux(double: int = 2, single: int = 2, layers: str = "all-linear", checkpointing: bool = True,
+               quantization: str = "none", double_quant: bool = False) -> FluxTransformer2DModel:
+    """A FLUX transformer a few channels wide (its linear weights quantized as ``--base_quantization``
+    ``quantization`` does) with a LoRA whose B is non-zero, so every block matters."""
     torch.manual_seed(0)
     model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=double, num_single_layers=single,
                                    attention_head_dim=8, num_attention_heads=2, joint_attention_dim=24,
                                    pooled_projection_dim=12, axes_dims_rope=(2, 2, 4))
     freeze(model)
+    quantize_built_model(model, quantization, double_quant)
     add_lora(model, flux_lora_targets(model, [layers]), rank=4, alpha=4)
     for name, param in model.named_parameters():
         if "lora_B" in name:
