@@ -249,7 +249,8 @@ class _StoredBlock:
 def _frozen_slots(block: nn.Module) -> list[_Slot]:
     slots = []
     for module in block.modules():
-        slots += [(module, name, True) for name, p in module._parameters.items() if p is not None and not p.requires_grad]
+        slots += [(module, name, True) for name, p in module._parameters.items()
+                  if p is not None and not p.requires_grad]
         slots += [(module, name, False) for name, b in module._buffers.items() if b is not None]
     return slots
 
