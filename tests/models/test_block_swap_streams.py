@@ -12,7 +12,7 @@ import torch
 from cuda_stand_ins import CudaRuntime, storage
 from test_blocks import small_flux
 
-from dreamstep.models.blocks import BlockSwapper, repeated_blocks
+from dreamstep.models.blocks import BlockSwapper, host_bytes_for, repeated_blocks
 
 META = torch.device("meta")
 MODES = ["bf16", "int8", "fp8", "nf4", "nf4 double-quant"]
@@ -137,13 +137,14 @@ def test_pinned_memory_is_the_weights_bytes_and_each_original_is_freed_once_copi
     weight_bytes = sum(t.nbytes for p in weights for t in inner_tensors(p))
     originals = [weakref.ref(p) for p in weights]
     del weights
+    planned = host_bytes_for(blocks)  # what a memory plan reads from the blocks before anything moves
     alive: list[int] = []
     runtime.on_host_copy = lambda: alive.append(sum(ref() is not None for ref in originals))
 
     swapper = BlockSwapper.for_model(model, 3, META, side_stream=True)
     # Pinned chunks are powers of two, so torch's pinned allocator rounds nothing up.
     assert all(c.nbytes & (c.nbytes - 1) == 0 for c in runtime.pinned)
-    assert runtime.pinned_bytes == swapper.host_bytes == sum(c.nbytes for c in runtime.pinned)
+    assert runtime.pinned_bytes == swapper.host_bytes == sum(c.nbytes for c in runtime.pinned) == planned
     assert weight_bytes <= swapper.host_bytes <= 1.05 * weight_bytes + 512 * 4 * len(originals)
     # Each weight's original is gone before the next weight is copied: at the k-th weight's copy, exactly
     # the originals from the k-th on are alive.

@@ -255,6 +255,18 @@ def _frozen_slots(block: nn.Module) -> list[_Slot]:
     return slots
 
 
+def stored_tensors(block: nn.Module) -> list[torch.Tensor]:
+    """The plain tensors a :class:`BlockSwapper` keeps in host memory for ``block``: every inner tensor of
+    its frozen parameters, and its buffers."""
+    return [part for slot in _frozen_slots(block) for part in weight_parts(_get(slot))[0]]
+
+
+def host_bytes_for(blocks: Sequence[nn.Module]) -> int:
+    """The host memory a :class:`BlockSwapper` of ``blocks`` holds (:attr:`BlockSwapper.host_bytes`), read
+    from the blocks without copying anything (so also from a model built on the meta device)."""
+    return sum(_padded(part.nbytes) for block in blocks for part in stored_tensors(block))
+
+
 def _get(slot: _Slot) -> torch.Tensor:
     module, name, is_param = slot
     return module._parameters[name] if is_param else module._buffers[name]
@@ -284,14 +296,12 @@ class BlockSwapper:
         self.blocks = list(blocks)
         asynchronous = self.device.type == "cuda" if side_stream is None else side_stream
         self._stream = torch.cuda.Stream(self.device) if asynchronous else None
-        slots = [_frozen_slots(block) for block in self.blocks]
-        total = sum(_padded(part.nbytes) for block in slots for slot in block for part in weight_parts(_get(slot))[0])
-        self._store = _HostStore(total, pinned=asynchronous)
+        self._store = _HostStore(host_bytes_for(self.blocks), pinned=asynchronous)
         self._host: list[_StoredBlock] = []
         position = 0
-        for block_slots in slots:
+        for block in self.blocks:
             start, weights = position, []
-            for slot in block_slots:
+            for slot in _frozen_slots(block):
                 weight, position = self._take_to_host(slot, start, position)
                 weights.append(weight)
             self._host.append(_StoredBlock(start, position, weights))
