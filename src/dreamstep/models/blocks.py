@@ -109,17 +109,17 @@ def _subclass_parts(weight: torch.Tensor) -> tuple[list[torch.Tensor], _Rebuild]
     """A traceable tensor subclass (torchao's): its own ``__tensor_flatten__`` names the inner tensors
     (themselves possibly subclasses), ``__tensor_unflatten__`` puts them back together."""
     names, context = weight.__tensor_flatten__()
-    inner = [weight_parts(getattr(weight, name)) for name in names]
-    counts = [len(parts) for parts, _ in inner]
+    inner_parts, inner_rebuilds = zip(*(weight_parts(getattr(weight, name)) for name in names))
+    ends = list(itertools.accumulate(len(parts) for parts in inner_parts))
+    starts = [0, *ends[:-1]]
     kind, size, stride = type(weight), weight.size(), weight.stride()
 
     def rebuild(parts: list[torch.Tensor], module: nn.Module) -> torch.Tensor:
-        ends = list(itertools.accumulate(counts))
-        tensors = {name: part_rebuild(parts[end - count:end], module)
-                   for name, (_, part_rebuild), count, end in zip(names, inner, counts, ends)}
+        tensors = {name: inner_rebuild(parts[start:end], module)
+                   for name, inner_rebuild, start, end in zip(names, inner_rebuilds, starts, ends)}
         return kind.__tensor_unflatten__(tensors, context, size, stride)
 
-    return [part for parts, _ in inner for part in parts], rebuild
+    return [part for parts in inner_parts for part in parts], rebuild
 
 
 def _is_bnb_4bit(weight: torch.Tensor) -> bool:
