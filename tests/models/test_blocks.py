@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_stand_ins import CudaRuntime
 from diffusers import FluxTransformer2DModel
 
 from dreamstep.errors import UserError
@@ -60,11 +61,19 @@ def is_off_device(block: torch.nn.Module) -> bool:
     return all(p.is_meta for p in frozen)
 
 
-def test_swapped_blocks_train_exactly_like_resident_ones() -> None:
+@pytest.mark.parametrize("copied", [False, True], ids=["in place", "copied through the host store"])
+def test_swapped_blocks_train_exactly_like_resident_ones(copied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the originals stay in place; with a side stream (the CUDA path, its CUDA pieces stood in for
+    by tests/cuda_stand_ins.py) every load is a copy out of the pinned host chunks."""
     reference_losses, reference_lora = train(small_flux(), steps=3)
     model = small_flux()
-    swapper = BlockSwapper.for_model(model, 3, CPU)
+    if copied:
+        runtime = CudaRuntime(CPU).install(monkeypatch)
+    swapper = BlockSwapper.for_model(model, 3, CPU, side_stream=copied)
+    assert (swapper.host_bytes > 0) == copied
     losses, lora = train(model, steps=3)
+    if copied:  # every load read the pinned chunks
+        assert sum(runtime.is_pinned(source) for _, _, _, source, _ in runtime.entries("copy")) >= swapper.loads
     assert losses == reference_losses
     assert lora.keys() == reference_lora.keys()
     for name in lora:

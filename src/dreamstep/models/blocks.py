@@ -40,7 +40,8 @@ into chunks whose sizes are powers of two: 64 MiB chunks, then the remainder's b
 512 bytes per stored tensor (about 1.00x for FLUX.1). A block's range may span chunks; its copy to the
 device is one large copy per chunk it touches. Each weight is copied in and its original dropped at once,
 so during setup the host holds at most the not-yet-copied originals, the chunks filled so far, and one
-64 MiB pageable chunk being pinned. Pinning the originals in place with ``cudaHostRegister`` was the other
+64 MiB pageable chunk being pinned. When the device is the CPU itself nothing is copied: the originals
+are the host copies (swapping there only exercises the hooks, and keeps results bit-identical). Pinning the originals in place with ``cudaHostRegister`` was the other
 choice, rejected: the originals belong to the loader (they may be pages of a memory-mapped file, small
 ones share pages with unrelated memory, torchao's inner tensors are many small allocations), every
 registration must be undone before its memory is freed, and the device would still receive dozens of
@@ -233,7 +234,8 @@ class _Part:
 @dataclass(frozen=True)
 class _StoredWeight:
     slot: _Slot
-    parts: list[_Part]
+    parts: list[_Part]  # in the host store; empty when the originals stay in place
+    originals: tuple[torch.Tensor, ...]  # the weight's own plain tensors, kept when the device is the host
     rebuild: _Rebuild
     shape: torch.Size  # of the weight itself, for its meta placeholder
     dtype: torch.dtype
@@ -296,7 +298,9 @@ class BlockSwapper:
         self.blocks = list(blocks)
         asynchronous = self.device.type == "cuda" if side_stream is None else side_stream
         self._stream = torch.cuda.Stream(self.device) if asynchronous else None
-        self._store = _HostStore(host_bytes_for(self.blocks), pinned=asynchronous)
+        # Swapping to the CPU from the CPU copies nothing: the originals are the host copies.
+        self._in_place = not asynchronous and self.device.type == "cpu"
+        self._store = _HostStore(0 if self._in_place else host_bytes_for(self.blocks), pinned=asynchronous)
         self._host: list[_StoredBlock] = []
         position = 0
         for block in self.blocks:
@@ -331,21 +335,23 @@ class BlockSwapper:
     @property
     def host_bytes(self) -> int:
         """Host memory the swapper holds (pinned with a side stream): the swapped weights' bytes plus under
-        :data:`ALIGNMENT` bytes per stored tensor."""
+        :data:`ALIGNMENT` bytes per stored tensor (0 when the device is the CPU: the originals stay)."""
         return self._store.nbytes
 
     def _take_to_host(self, slot: _Slot, block_start: int, position: int) -> tuple[_StoredWeight, int]:
-        """Copy the weight in ``slot`` into the host store from ``position`` on and put a meta placeholder in
-        its place, so that the original is freed now; return its record and the next free position."""
+        """Copy the weight in ``slot`` into the host store from ``position`` on (unless it stays in place) and
+        put a meta placeholder in its place, so that the original is freed now; return its record and the next
+        free position."""
         weight = _get(slot)
         tensors, rebuild = weight_parts(weight)
         parts = []
-        for tensor in tensors:
+        for tensor in [] if self._in_place else tensors:
             data, stride = _memory_order_bytes(tensor)
             self._store.write(position, data)
             parts.append(_Part(position - block_start, tensor.dtype, tensor.shape, stride))
             position += _padded(len(data))
-        stored = _StoredWeight(slot, parts, rebuild, weight.shape, weight.dtype)
+        originals = tuple(tensors) if self._in_place else ()
+        stored = _StoredWeight(slot, parts, originals, rebuild, weight.shape, weight.dtype)
         _put_placeholder(stored)
         return stored, position
 
@@ -360,8 +366,8 @@ class BlockSwapper:
             buffer = torch.empty(block.stop - block.start, dtype=torch.uint8, device=self.device)
             self._store.read_into(block.start, buffer)
             for weight in block.weights:
-                module = weight.slot[0]
-                _put(weight.slot, weight.rebuild([part.view(buffer) for part in weight.parts], module))
+                parts = weight.originals or [part.view(buffer) for part in weight.parts]
+                _put(weight.slot, weight.rebuild(list(parts), weight.slot[0]))
             event = torch.cuda.Event() if self._stream is not None else None
             if event is not None:
                 event.record(self._stream)
