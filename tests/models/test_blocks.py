@@ -61,12 +61,16 @@ def is_off_device(block: torch.nn.Module) -> bool:
     return all(p.is_meta for p in frozen)
 
 
-@pytest.mark.parametrize("copied", [False, True], ids=["in place", "copied through the host store"])
-def test_swapped_blocks_train_exactly_like_resident_ones(copied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("quantization, copied", [("none", False), ("none", True), ("int8", True), ("fp8", True),
+                                                   ("nf4", True)])
+def test_swapped_blocks_train_exactly_like_resident_ones(quantization: str, copied: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU the originals stay in place; with a side stream (the CUDA path, its CUDA pieces stood in for
-    by tests/cuda_stand_ins.py) every load is a copy out of the pinned host chunks."""
-    reference_losses, reference_lora = train(small_flux(), steps=3)
-    model = small_flux()
+    by tests/cuda_stand_ins.py) every load is a copy out of the pinned host chunks, quantized weights too."""
+    if quantization != "none":
+        pytest.importorskip("bitsandbytes" if quantization == "nf4" else "torchao", reason="the 'quant' extra")
+    reference_losses, reference_lora = train(small_flux(quantization=quantization), steps=3)
+    model = small_flux(quantization=quantization)
     if copied:
         runtime = CudaRuntime(CPU).install(monkeypatch)
     swapper = BlockSwapper.for_model(model, 3, CPU, side_stream=copied)
