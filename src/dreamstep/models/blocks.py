@@ -430,13 +430,22 @@ def _move_rest(model: nn.Module, swapped: set[_Slot], device: torch.device) -> N
             if param is None or (module, name, True) in swapped:
                 continue
             if type(param) in (torch.Tensor, nn.Parameter):
-                if param.device != device:  # swap_tensors: also between devices `.data =` refuses (meta)
-                    torch.utils.swap_tensors(param, nn.Parameter(param.detach().to(device), param.requires_grad))
+                if param.device != device:
+                    _move_in_place(param, param.detach().to(device))
             else:
                 _put((module, name, True), moved(param, device, module))
         for name, buffer in module._buffers.items():
             if buffer is not None and (module, name, False) not in swapped:
                 module._buffers[name] = moved(buffer, device, module)
+
+
+def _move_in_place(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Give ``param`` the data ``value``, keeping the object, the way ``nn.Module._apply`` does: ``.data``
+    where the two tensor types allow it (CPU and CUDA do), else swapping the tensors' contents (to meta)."""
+    if torch._has_compatible_shallow_copy_type(param, value):
+        param.data = value
+    else:
+        torch.utils.swap_tensors(param, nn.Parameter(value, param.requires_grad))
 
 
 def prepare_blocks(model: nn.Module, *, blocks_to_swap: int, compile: bool, device: torch.device,
