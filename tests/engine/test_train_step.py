@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_stand_ins import fp16_accelerator_as_on_cuda, on_cuda_with_scaler
 from engine_testkit import (
     RegressionStep,
     flat_params,
@@ -301,6 +302,44 @@ def test_state_dict_round_trip_and_refused_mid_group():
                            loss_scaler=DynamicLossScaler(), gradient_accumulation_steps=2, length_of_dataloader=3)
     other.load_state_dict(state)
     assert other.state_dict() == state and other.at_group_end and other.group_size == 1
+
+
+def test_fp16_accelerator_scales_once_on_the_cuda_path():
+    """accelerate's fp16 path as it runs on a GPU (native fp16 autocast, its own GradScaler built disabled by
+    make_accelerator), on the CPU through tests/cuda_stand_ins.py: our dynamic scaler is the only one, the
+    forward computes in fp16, training follows the fp32 reference, and an overflow is skipped and backed off."""
+    accelerator = fp16_accelerator_as_on_cuda()
+    model = tiny_mlp(dtype=torch.float32)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = RegressionStep(model, optimizer, accelerator=accelerator)
+    assert isinstance(step.loss_scaler, DynamicLossScaler) and not accelerator.scaler.is_enabled()
+    computed = []
+    accelerator.unwrap_model(model)[0].register_forward_hook(lambda m, args, out: computed.append(out.dtype))
+    ref = tiny_mlp(dtype=torch.float32)
+    ref_optimizer = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in regression_batches(3, 8, dtype=torch.float32):
+        step(x, y)
+        reference_train(ref, ref_optimizer, [[(x, y)]])
+        assert step.optimizer_stepped
+    assert computed == [torch.float16] * 3
+    assert step.num_skipped == 0 and step.loss_scale == 2.0**16
+    # Scaled twice (or unscaled never), the first step would move the weights 65536 times too far.
+    assert max_param_diff(accelerator.unwrap_model(model), ref) < 1e-2
+    before = flat_params(accelerator.unwrap_model(model)).clone()
+    x, y = regression_batches(1, 8, seed=3, dtype=torch.float32)[0]
+    loss, _ = step(x, y * 300)  # gradients * 2**16 overflow fp16 in backward
+    assert step.step_skipped and step.loss_scale == 2.0**15 and math.isfinite(loss.item())
+    assert torch.equal(flat_params(accelerator.unwrap_model(model)), before)
+
+
+def test_an_accelerator_with_its_own_enabled_grad_scaler_is_refused_on_the_cuda_path():
+    from accelerate import Accelerator
+
+    accelerator = on_cuda_with_scaler(Accelerator(mixed_precision="fp16"))
+    assert accelerator.scaler.is_enabled()
+    model = tiny_mlp(dtype=torch.float32)
+    with pytest.raises(ValueError, match="scale the loss twice"):
+        RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.1), accelerator=accelerator)
 
 
 _FP16_ON_GPU = r"""

@@ -6,24 +6,28 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_stand_ins import CudaRuntime
 from diffusers import FluxTransformer2DModel
 
 from dreamstep.errors import UserError
 from dreamstep.lora.inject import add_lora, flux_lora_targets
 from dreamstep.models.blocks import BlockSwapper, compile_blocks, repeated_blocks
 from dreamstep.models.precision import cast_trainable_params_to_fp32, freeze
+from dreamstep.models.quantization import quantize_built_model
 
 CPU = torch.device("cpu")
 
 
-def small_flux(double: int = 2, single: int = 2, layers: str = "all-linear", checkpointing: bool = True
-               ) -> FluxTransformer2DModel:
-    """A FLUX transformer a few channels wide with a LoRA whose B is non-zero, so every block matters."""
+def small_flux(double: int = 2, single: int = 2, layers: str = "all-linear", checkpointing: bool = True,
+               quantization: str = "none", double_quant: bool = False) -> FluxTransformer2DModel:
+    """A FLUX transformer a few channels wide (its linear weights quantized as ``--base_quantization``
+    ``quantization`` does) with a LoRA whose B is non-zero, so every block matters."""
     torch.manual_seed(0)
     model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=double, num_single_layers=single,
                                    attention_head_dim=8, num_attention_heads=2, joint_attention_dim=24,
                                    pooled_projection_dim=12, axes_dims_rope=(2, 2, 4))
     freeze(model)
+    quantize_built_model(model, quantization, double_quant)
     add_lora(model, flux_lora_targets(model, [layers]), rank=4, alpha=4)
     for name, param in model.named_parameters():
         if "lora_B" in name:
@@ -57,11 +61,23 @@ def is_off_device(block: torch.nn.Module) -> bool:
     return all(p.is_meta for p in frozen)
 
 
-def test_swapped_blocks_train_exactly_like_resident_ones() -> None:
-    reference_losses, reference_lora = train(small_flux(), steps=3)
-    model = small_flux()
-    swapper = BlockSwapper.for_model(model, 3, CPU)
+@pytest.mark.parametrize("quantization, copied", [("none", False), ("none", True), ("int8", True), ("fp8", True),
+                                                   ("nf4", True)])
+def test_swapped_blocks_train_exactly_like_resident_ones(quantization: str, copied: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the originals stay in place; with a side stream (the CUDA path, its CUDA pieces stood in for
+    by tests/cuda_stand_ins.py) every load is a copy out of the pinned host chunks, quantized weights too."""
+    if quantization != "none":
+        pytest.importorskip("bitsandbytes" if quantization == "nf4" else "torchao", reason="the 'quant' extra")
+    reference_losses, reference_lora = train(small_flux(quantization=quantization), steps=3)
+    model = small_flux(quantization=quantization)
+    if copied:
+        runtime = CudaRuntime(CPU).install(monkeypatch)
+    swapper = BlockSwapper.for_model(model, 3, CPU, side_stream=copied)
+    assert (swapper.host_bytes > 0) == copied
     losses, lora = train(model, steps=3)
+    if copied:  # every load read the pinned chunks
+        assert sum(runtime.is_pinned(source) for _, _, _, source, _ in runtime.entries("copy")) >= swapper.loads
     assert losses == reference_losses
     assert lora.keys() == reference_lora.keys()
     for name in lora:

@@ -161,14 +161,17 @@ def test_controlnet_trains_beside_an_int8_base_and_starts_from_its_dequantized_b
     assert ((copied - original).abs() <= step).all() and not torch.equal(copied, torch.zeros_like(copied))
 
 
-def test_swapped_blocks_of_an_int8_base_train_the_same_lora(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_swapped_blocks_of_a_quantized_base_train_the_same_lora(mode: str, tiny_flux_dev_dir: Path,
+                                                                 tmp_path: Path) -> None:
     # sd-scripts' smallest-card recipe: a quantized base with blocks swapped to host memory.
-    common = ("--pretrained_model_name_or_path", tiny_flux_dev_dir, *ARGS, "--base_quantization", "int8",
+    common = ("--pretrained_model_name_or_path", tiny_flux_dev_dir, *ARGS, "--base_quantization", mode,
               "--gradient_checkpointing", "--max_train_steps", "3", "--learning_rate", "1e-3")
     assert run_cli("train", "flux-lora", *common, "--output_dir", tmp_path / "resident") == 0
     assert run_cli("train", "flux-lora", *common, "--output_dir", tmp_path / "swapped", "--blocks_to_swap", "2") == 0
     resident, swapped = (load_file(tmp_path / name / "pytorch_lora_weights.safetensors")
                          for name in ("resident", "swapped"))
     assert resident.keys() == swapped.keys()
+    assert all(resident[key].abs().max() > 0 for key in resident if "lora_B" in key)  # B starts at zero
     for key in resident:
         torch.testing.assert_close(swapped[key], resident[key], atol=1e-6, rtol=0)

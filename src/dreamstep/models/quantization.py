@@ -82,3 +82,30 @@ def dequantized(tensor: torch.Tensor) -> torch.Tensor:
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and hasattr(tensor, "dequantize"):
         return tensor.dequantize()
     return tensor
+
+
+def quantize_built_model(model: torch.nn.Module, mode: str, double_quant: bool = False) -> None:
+    """Quantize the linear weights of a model built from its config (benchmarks, tests) in place, as
+    ``--base_quantization`` loads them: torchao's weight-only int8 / fp8, or bitsandbytes NF4 ``Linear4bit``
+    layers quantized where the weights are (bf16 compute; ``double_quant`` also quantizes the absmax
+    statistics). Each ``Params4bit`` knows its module, so the module can find its quantization state."""
+    if mode in ("int8", "fp8"):
+        from torchao.quantization import quantize_
+
+        quantize_(model, torchao_weight_config(mode))
+    elif mode == "nf4":
+        import bitsandbytes as bnb
+
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                              compute_dtype=torch.bfloat16, compress_statistics=double_quant,
+                                              quant_type="nf4", device="meta")
+                    layer.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
+                                                     compress_statistics=double_quant, module=layer)
+                    if child.bias is not None:
+                        layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+                    setattr(parent, name, layer.to(child.weight.device))
+    elif mode != "none":
+        raise ValueError(f"unknown quantization mode {mode!r}")
