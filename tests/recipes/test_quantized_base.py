@@ -175,3 +175,17 @@ def test_swapped_blocks_of_a_quantized_base_train_the_same_lora(mode: str, tiny_
     assert all(resident[key].abs().max() > 0 for key in resident if "lora_B" in key)  # B starts at zero
     for key in resident:
         torch.testing.assert_close(swapped[key], resident[key], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("trainer, flag", [("flux-lora", "--base_quantization=int8"),
+                                           ("flux-lora", "--base_quantization=fp8"), ("sdxl-lora", "--fp8_base")])
+def test_compile_with_a_torchao_base_is_refused_before_anything_loads(trainer: str, flag: str, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    """torch.compile stops with a long traceback inside the first step on torchao weights."""
+    data = (("--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT) if trainer == "flux-lora"
+            else ("--train_data_dir", tmp_path))
+    code = run_cli("train", trainer, "--pretrained_model_name_or_path", tmp_path / "no-such-model", "--output_dir",
+                   tmp_path / "out", *data, flag, "--compile")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: --compile cannot compile blocks with ")
+    assert not (tmp_path / "out").exists()

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from dreamstep.config.evaluation import EvaluationOptions
-from dreamstep.config.memory import check_quantization, parse_bytes
+from dreamstep.config.memory import check_compile, check_quantization, parse_bytes
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
@@ -148,6 +148,7 @@ class SDXLLoraConfig(EvaluationOptions):
             raise UserError(f"--fp8_base asks for an fp8 UNet but --base_quantization is "
                             f"{self.base_quantization}; give one of the two")
         check_quantization(self.unet_quantization, "--fp8_base" if self.fp8_base else "--base_quantization")
+        check_compile(self.compile, self.unet_quantization, "--fp8_base" if self.fp8_base else "--base_quantization")
         if self.device_memory is not None:
             parse_bytes(self.device_memory, "--device_memory")
         if self.adaptive_noise_scale is not None and self.noise_offset is None:

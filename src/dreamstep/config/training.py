@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.errors import UserError
-from dreamstep.config.memory import check_quantization, parse_bytes
+from dreamstep.config.memory import check_compile, check_quantization, parse_bytes
 
 # diffusers' get_scheduler names (all but piecewise_constant, which needs a rule string).
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -107,6 +107,7 @@ class FluxTrainingConfig(EvaluationOptions):
             raise UserError(f"--resolution must be a multiple of 16 for FLUX's 2x2 latent packing "
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
         check_quantization(self.base_quantization, "--base_quantization")
+        check_compile(self.compile, self.base_quantization, "--base_quantization")
         check_quantization(self.text_encoder_quantization, "--text_encoder_quantization")
         if self.device_memory is not None:
             parse_bytes(self.device_memory, "--device_memory")
