@@ -41,17 +41,22 @@ def measured_peaks(config: dict, resolution: int, batch: int, text_tokens: int,
     model.requires_grad_(False)
     inject_adapter_in_model(LoraConfig(r=16, lora_alpha=16, target_modules=["attn.to_q", "attn.to_k", "attn.to_v",
                                                                             "attn.to_out.0"]), model)
-    model.to(torch.bfloat16)
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()  # LoRA weights train in fp32
     if checkpointing:
         model.enable_gradient_checkpointing()
     model.train()
     with torch.device(device):
-        step = _flux_step(model, resolution, batch, text_tokens)
-        step().backward()  # a first step loads kernels and thread pools; the second is measured
+        step = _flux_step(model, resolution, batch, text_tokens)  # fp32 inputs under autocast, as the trainer's
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            step().backward()  # a first step loads kernels and thread pools; the second is measured
         _release_cached(device)
         before_mib = _current_mib(device)
         with PeakMemory(device) as process, mp.LiveTensorBytes(mp.tensors_of(model)) as tracker:
-            step().backward()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = step()
+            loss.backward()
     return tracker.peak, process.peak_mib - before_mib
 
 
@@ -84,7 +89,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "transformer").mkdir()
             (Path(tmp) / "transformer" / "config.json").write_text(json.dumps(config))
-            estimator = Estimator("flux", tmp, rank=16)
+            estimator = Estimator("flux", tmp, rank=16, device_type="cuda" if torch.cuda.is_available() else "cpu")
         for checkpointing in (False, True):
             estimated = estimator.activations(args.resolution, args.batch, checkpointing, args.text_tokens)
             tensors, process_mib = measured_peaks(config, args.resolution, args.batch, args.text_tokens,
@@ -98,7 +103,9 @@ def main() -> None:
     for mode in ("none", "fp8", "int8", "nf4"):
         for swap in (0, 30):
             plan = full(mp.PlanOptions(base_quantization=mode, blocks_to_swap=swap))
-            print(f"  base {mode:<5} blocks_to_swap {swap:>2}: {plan.total / mp.GIB:6.2f} GiB")
+            phases = ", ".join(f"{p.name} {p.device_total / mp.GIB:.2f}" for p in plan.phases)
+            print(f"  base {mode:<5} blocks_to_swap {swap:>2}: peak {plan.total / mp.GIB:6.2f} GiB ({phases}); "
+                  f"host {plan.host_total / mp.GIB:.2f} GiB")
 
 
 if __name__ == "__main__":

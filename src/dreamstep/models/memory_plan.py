@@ -25,15 +25,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dreamstep.config.memory import GIB
 
-_BYTES_PER_LINEAR_WEIGHT = {"none": None, "fp8": 1.0, "int8": 1.0, "nf4": 0.5 + 4 / 64}
-# Bytes per trainable parameter beyond its fp32 weight: the fp32 gradient and the optimizer's moments.
-OPTIMIZER_BYTES = {"AdamW": 4 + 8, "AdamW8bit": 4 + 2, "Prodigy": 4 + 16}
+# nf4-packed: the 4-bit values alone, without the fp32 absmax per 64 values that stays with the quantization state.
+_BYTES_PER_LINEAR_WEIGHT = {"none": None, "fp8": 1.0, "int8": 1.0, "nf4": 0.5 + 4 / 64, "nf4-packed": 0.5}
+# Bytes of optimizer state per trainable parameter (the fp32 gradients are counted by the training pass).
+OPTIMIZER_BYTES = {"AdamW": 8, "AdamW8bit": 2, "Prodigy": 16}
 # What a CUDA run needs beyond the tensors (context, cuBLAS workspace, allocator slack), kept free.
 HEADROOM_FRACTION = 0.08
 
@@ -68,6 +69,90 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+# The functions that autocast runs in half precision, and (CUDA only) those it runs in fp32 whatever their inputs;
+# a CPU keeps the norms and softmax in their input's dtype. These are the forms FLUX, SDXL and their encoders call.
+_HALF_FUNCTIONS = ("linear", "conv2d", "scaled_dot_product_attention")
+_FP32_FUNCTIONS_CUDA = ("layer_norm", "group_norm", "softmax", "log_softmax")
+# A quantized frozen linear under autocast, as torchao 0.18 and bitsandbytes compute it: its output dtype ("input":
+# the input's, so the trainer's fp32 inputs make the residual stream fp32; "half": the autocast dtype), and the
+# bytes per weight element that stay alive until backward ends: from the forward (even inside a checkpointed block),
+# and again from a checkpointed block's recomputation. Measured with LiveTensorBytes on the CPU
+# (benchmarks/memory_plan_check.py): torchao int8 keeps a bf16 copy of each weight from the forward; fp8 a one-byte
+# copy, and its recomputation a bf16 one; bitsandbytes dequantizes 4-bit weights again in backward.
+QUANTIZED_LINEAR = {"int8": ("input", 2, 0), "fp8": ("half", 1, 2), "nf4": ("input", 0, 0)}
+
+
+class _MetaAutocast:
+    """Autocast for the meta device (which torch's autocast refuses) with ``device_type``'s policy, and the
+    linears whose weights are in ``quantized`` (weight -> mode) computed as :data:`QUANTIZED_LINEAR` says. The
+    functions are replaced module-wide rather than through a mode, so the forward that a checkpointed block
+    recomputes in backward (on autograd's thread) is cast the same way; the casts happen above autograd, as
+    autocast's do, so backward keeps the half-precision copies it would."""
+
+    def __init__(self, dtype: torch.dtype | None, device_type: str, quantized: dict[nn.Parameter, str] | None):
+        self.dtype = dtype
+        self.fp32 = _FP32_FUNCTIONS_CUDA if device_type == "cuda" else ()
+        self.quantized = WeakIdKeyDictionary(quantized or {})
+        self.kept = WeakIdKeyDictionary()  # what the quantized linears' forwards keep until backward ends
+        self.kept_again: list[torch.Tensor] = []  # and what their recomputations keep
+        self.cast_cache = WeakIdKeyDictionary()  # autocast keeps its casts of trainable leaf weights while it is on
+
+    def _cast(self, value: Any, dtype: torch.dtype) -> Any:
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype):
+            return value
+        if not (value.is_leaf and value.requires_grad):
+            return value.to(dtype)
+        if value not in self.cast_cache:
+            self.cast_cache[value] = value.to(dtype)
+        return self.cast_cache[value]
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        dtype = torch.float32 if name in self.fp32 else self.dtype
+
+        def cast_and_call(*args: Any, **kwargs: Any) -> Any:
+            if name == "linear" and len(args) > 1 and args[1] in self.quantized:
+                return self._quantized_linear(original, self.quantized[args[1]], *args, **kwargs)
+            first = args[0] if args else next(iter(kwargs.values()))
+            if dtype is not None and isinstance(first, torch.Tensor) and first.device.type == "meta":
+                args = [self._cast(a, dtype) for a in args]
+                kwargs = {k: self._cast(v, dtype) for k, v in kwargs.items()}
+            return original(*args, **kwargs)
+
+        return cast_and_call
+
+    def _quantized_linear(self, linear: Callable[..., Any], mode: str, x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+        output, kept_bytes, kept_again_bytes = QUANTIZED_LINEAR[mode]
+        compute = self.dtype or weight.dtype
+        if x.requires_grad and torch.is_grad_enabled():
+            again = weight in self.kept
+            nbytes = weight.numel() * (kept_again_bytes if again else kept_bytes)
+            kept = torch.empty(nbytes, dtype=torch.uint8, device=weight.device)
+            self.kept_again.append(kept) if again else self.kept.__setitem__(weight, kept)
+        # The dequantized weight: a fresh tensor, alive while the matmul (and autograd) needs it.
+        y = linear(x.to(compute), torch.empty(weight.shape, dtype=compute, device=weight.device))
+        y = y.to(x.dtype if output == "input" else compute)
+        return y + bias.to(y.dtype) if bias is not None else y
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        names = [n for n in (*_HALF_FUNCTIONS, *self.fp32) if self.dtype is not None or n == "linear"]
+        originals = {name: getattr(_F, name) for name in names}
+        for name, original in originals.items():
+            setattr(_F, name, self._wrap(name, original))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(_F, name, original)
+            self.kept.clear()
+            self.kept_again.clear()
+            self.cast_cache.clear()
+
+
+_F = torch.nn.functional
+
+
 @contextlib.contextmanager
 def _fused_attention_on_meta() -> Iterator[None]:
     """On the meta device SDPA would take its math path and keep the N x N scores for backward; a GPU
@@ -91,24 +176,42 @@ def _fused_attention_on_meta() -> Iterator[None]:
         torch.nn.functional.scaled_dot_product_attention = original
 
 
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds, counting the inner tensors of a quantized one (torchao's data and scales)."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(stored_bytes(getattr(tensor, name)) for name in names)
+    return tensor.untyped_storage().nbytes()
+
+
 def tensors_of(*modules: nn.Module) -> Iterator[torch.Tensor]:
     for module in modules:
         yield from module.parameters()
         yield from module.buffers()
 
 
-def activation_peak(model: nn.Module, loss_of_one_step: Callable[[], torch.Tensor]) -> int:
-    """Peak bytes of the tensors that one forward and backward of ``model`` creates (inputs, activations,
-    their gradients, the trainable weights' gradients), on whatever device the model is (meta: no memory
-    used, attention priced as a fused kernel keeps it)."""
-    with LiveTensorBytes(tensors_of(model)) as tracker, _fused_attention_on_meta():
-        loss_of_one_step().backward()
+def pass_peak(model: nn.Module, one_pass: Callable[[], torch.Tensor | None], *, autocast: torch.dtype | None = None,
+              device_type: str = "cuda", quantized: dict[nn.Parameter, str] | None = None) -> int:
+    """Peak bytes of the tensors that ``one_pass`` creates beyond ``model``'s weights: a training step's inputs,
+    activations and gradients when it returns a loss (backward runs here), or an inference pass's when it
+    returns ``None``. On the meta device no memory is used, attention is priced as a fused kernel keeps it, and
+    ``autocast`` (the half dtype, or ``None`` for fp32) follows ``device_type``'s policy, with the linears of
+    ``quantized`` computed as the quantized base's are."""
+    casts = _MetaAutocast(autocast, device_type, quantized)
+    with LiveTensorBytes(tensors_of(model)) as tracker, _fused_attention_on_meta(), casts.applied():
+        loss = one_pass()
+        if loss is not None:
+            loss.backward()
+        del loss
     return tracker.peak
 
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """The options of a run that move its peak device memory."""
+    """The options of a run that move its peak memory. ``encoders_on_device``: the loop itself needs an
+    encoder (a text encoder that trains, or the VAE for latents that are not cached), which then stays on the
+    device while training; ``validation_images``: validation generates images (the VAE decodes them), not only
+    the validation loss."""
 
     resolution: int = 1024
     batch_size: int = 1
@@ -121,6 +224,7 @@ class PlanOptions:
     optimizer: str = "AdamW"
     weight_dtype: torch.dtype = torch.bfloat16
     max_sequence_length: int = 512
+    validation_images: bool = True
 
 
 @dataclass
@@ -132,13 +236,40 @@ class Line:
 
 
 @dataclass
+class Phase:
+    """One phase of a run: what is on the device (``resident``: the components there, by pipeline name) and what
+    waits in host memory, line by line."""
+
+    name: str
+    resident: tuple[str, ...]
+    device: list[Line]
+    host: list[Line]
+
+    @property
+    def device_total(self) -> int:
+        return sum(line.nbytes for line in self.device)
+
+    @property
+    def host_total(self) -> int:
+        return sum(line.nbytes for line in self.host)
+
+
+@dataclass
 class MemoryPlan:
     options: PlanOptions
-    lines: list[Line]
+    phases: list[Phase]
 
     @property
     def total(self) -> int:
-        return sum(line.nbytes for line in self.lines)
+        """The peak device memory: that of the phase that needs the most."""
+        return max(phase.device_total for phase in self.phases)
+
+    @property
+    def host_total(self) -> int:
+        return max(phase.host_total for phase in self.phases)
+
+    def phase(self, name: str) -> Phase:
+        return next(phase for phase in self.phases if phase.name == name)
 
 
 @contextlib.contextmanager
@@ -193,13 +324,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
-def swapped_bytes(blocks: list[nn.Module], blocks_to_swap: int, per_block: Callable[[nn.Module], int]) -> int:
-    """Bytes kept off the device by swapping the last ``blocks_to_swap`` blocks to the CPU, less the one
-    block that is on its way in at any time."""
-    if blocks_to_swap <= 0:
-        return 0
-    swapped = blocks[-blocks_to_swap:]
-    return sum(per_block(b) for b in swapped) - max(per_block(b) for b in swapped)
+def swapped_blocks(blocks: list[nn.Module], blocks_to_swap: int) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The last ``blocks_to_swap`` blocks, and of them the two largest: the swapper keeps two on the device at a
+    time (the one running and the one it prefetches)."""
+    swapped = blocks[len(blocks) - blocks_to_swap:] if blocks_to_swap > 0 else []
+    return swapped, sorted(swapped, key=lambda b: sum(p.numel() for p in b.parameters()))[-2:]
 
 
 def _size(nbytes: int) -> str:
@@ -207,20 +336,31 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / GIB:7.2f} GiB" if abs(nbytes) >= GIB / 10 or nbytes == 0 else f"{nbytes / 2**20:7.2f} MiB"
 
 
+def _row(line: Line) -> str:
+    params = (f"{line.params / 1e9:.2f}B" if line.params >= 1e8 else
+              f"{line.params / 1e6:.1f}M" if line.params >= 1e5 else f"{line.params / 1e3:.1f}K" if line.params
+              else "")
+    return f"    {line.what:<60} {params:>7} {line.precision:>5} {_size(line.nbytes)}"
+
+
 def format_plan(plan: MemoryPlan, device_memory: int | None, measured: int | None = None) -> str:
-    """The plan as a table, with the verdict for ``device_memory`` and a measured peak when there is one."""
-    rows = ["memory plan: estimated peak device memory"]
-    for line in plan.lines:
-        params = (f"{line.params / 1e9:.2f}B" if line.params >= 1e8 else
-                  f"{line.params / 1e6:.1f}M" if line.params >= 1e5 else f"{line.params / 1e3:.1f}K" if line.params
-                  else "")
-        rows.append(f"  {line.what:<58} {params:>7} {line.precision:>5} {_size(line.nbytes)}")
-    rows.append(f"  {'total':<58} {'':>7} {'':>5} {_size(plan.total)}")
+    """The plan phase by phase (device, then host memory), the peaks, and the verdict for ``device_memory``."""
+    rows = ["memory plan: estimated peak memory of each phase"]
+    for phase in plan.phases:
+        rows.append(f"  {phase.name}: on the device")
+        rows += [_row(line) for line in phase.device]
+        rows.append(f"    {'device total':<60} {'':>7} {'':>5} {_size(phase.device_total)}")
+        if phase.host:
+            rows.append("    in host memory:")
+            rows += [_row(line) for line in phase.host]
+            rows.append(f"    {'host total':<60} {'':>7} {'':>5} {_size(phase.host_total)}")
+    busiest = max(plan.phases, key=lambda phase: phase.device_total)
+    rows.append(f"  peak device memory {_size(plan.total).strip()} ({busiest.name}); "
+                f"peak host memory {_size(plan.host_total).strip()}")
     if measured is not None:
-        rows.append(f"  {'measured peak':<58} {'':>7} {'':>5} {_size(measured)}")
+        rows.append(f"  measured peak {_size(measured).strip()}")
     if device_memory is not None:
-        usable = device_memory * (1 - HEADROOM_FRACTION)
-        verdict = "fits" if plan.total <= usable else "does NOT fit"
+        verdict = "fits" if fits(plan, device_memory) else "does NOT fit"
         rows.append(f"  device memory {device_memory / GIB:.1f} GiB, {HEADROOM_FRACTION:.0%} kept free "
                     f"for the CUDA context and allocator: {verdict}")
     return "\n".join(rows)
