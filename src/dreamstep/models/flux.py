@@ -11,6 +11,7 @@ import torch
 from diffusers import FluxControlNetPipeline, FluxPipeline
 from PIL import Image
 
+from dreamstep.errors import UserError
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
 from dreamstep.files import atomic_path
 from dreamstep.generation.outputs import JSON_KEY, sample_parameters
@@ -218,6 +219,21 @@ def load_transformer_for_training(components: Any, source: str, *, revision: str
         transformer.to(device)
     components.transformer = transformer.eval()
     return transformer
+
+
+def transformer_config(config: Any) -> dict[str, Any]:
+    """The transformer's config of a FLUX trainer's config, read before anything loads, with --blocks_to_swap
+    checked against its blocks (which the transformer loads only after every caption is encoded)."""
+    from diffusers import FluxTransformer2DModel
+
+    found = FluxTransformer2DModel.load_config(config.pretrained_model_name_or_path, subfolder="transformer",
+                                               revision=config.revision)
+    blocks = found["num_layers"] + found["num_single_layers"]
+    swap = getattr(config, "blocks_to_swap", 0)
+    if swap and not 1 <= swap <= blocks:
+        raise UserError(f"--blocks_to_swap {swap}: this FluxTransformer2DModel has {blocks} blocks; "
+                        f"give 1 to {blocks}")
+    return found
 
 
 def attach_transformer(pipeline: FluxPipeline, components: Any) -> None:

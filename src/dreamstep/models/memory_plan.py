@@ -378,7 +378,7 @@ def fits(plan: MemoryPlan, device_memory: int) -> bool:
 
 
 def options_that_fit(estimate: Callable[[PlanOptions], MemoryPlan], options: PlanOptions, device_memory: int,
-                     *, max_blocks: int, cuda: bool) -> list[tuple[str, MemoryPlan]]:
+                     *, max_blocks: int, cuda: bool, has_t5: bool = False) -> list[tuple[str, MemoryPlan]]:
     """Changes of the memory options that bring the estimate under the card's usable memory, in the order
     that costs least speed and quality: each single change that fits; if none does, the changes together,
     then with the fewest swapped blocks that fit. ``[]`` when nothing fits."""
@@ -387,6 +387,8 @@ def options_that_fit(estimate: Callable[[PlanOptions], MemoryPlan], options: Pla
         steps.append(("encoders off the device (cached latents and text)", {"encoders_on_device": False}))
     if not options.gradient_checkpointing:
         steps.append(("--gradient_checkpointing", {"gradient_checkpointing": True}))
+    if has_t5 and options.text_encoder_quantization == "none":
+        steps.append(("--text_encoder_quantization int8", {"text_encoder_quantization": "int8"}))
     current = _BYTES_PER_LINEAR_WEIGHT[options.base_quantization] or 2
     for mode, label in (("fp8", "--base_quantization fp8 (or int8)"), ("nf4", "--base_quantization nf4")):
         if (cuda or mode != "nf4") and _BYTES_PER_LINEAR_WEIGHT[mode] < current:

@@ -306,7 +306,7 @@ def plan_report(estimator: Estimator, options: PlanOptions, device_memory: int |
     text = mp.format_plan(plan, device_memory, measured)
     if device_memory is not None and not mp.fits(plan, device_memory):
         found = mp.options_that_fit(estimator, options, device_memory, max_blocks=len(estimator.blocks) - 1,
-                                    cuda=torch.cuda.is_available())
+                                    cuda=torch.cuda.is_available(), has_t5=estimator.family == "flux")
         text += "\n" + mp.suggestion_lines(found)
     return text
 

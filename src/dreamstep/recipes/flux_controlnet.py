@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import FluxTransformer2DModel
 from PIL import Image
 
 from dreamstep.config.flux_controlnet import FluxControlNetConfig
@@ -170,9 +169,9 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     plan = plan_steps(len(loader), **config.step_counts())
 
-    if config.controlnet_model_name_or_path is None:  # before anything is encoded or written
-        cn.check_layers(config.num_double_layers, config.num_single_layers, FluxTransformer2DModel.load_config(
-            config.pretrained_model_name_or_path, subfolder="transformer", revision=config.revision))
+    transformer_config = flux.transformer_config(config)  # checked before anything is encoded or written
+    if config.controlnet_model_name_or_path is None:
+        cn.check_layers(config.num_double_layers, config.num_single_layers, transformer_config)
 
     # 2. Data: pairs; target and control posteriors cached (a random crop with room to move is encoded
     # every step), prompt embeddings cached.

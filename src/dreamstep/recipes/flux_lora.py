@@ -169,6 +169,8 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                     config_toml=config_to_toml(config),
                     command="dreamstep train flux-lora", overwrite=config.overwrite_output_dir)
 
+    flux.transformer_config(config)  # --blocks_to_swap checked before anything is encoded or written
+
     # 2. Class images: the whole base pipeline makes the missing ones, then everything is freed.
     class_dir = None
     if config.with_prior_preservation and config.dataset_config is None:
