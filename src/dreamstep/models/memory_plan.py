@@ -76,10 +76,12 @@ _FP32_FUNCTIONS_CUDA = ("layer_norm", "group_norm", "softmax", "log_softmax")
 # A quantized frozen linear under autocast, as torchao 0.18 and bitsandbytes compute it: its output dtype ("input":
 # the input's, so the trainer's fp32 inputs make the residual stream fp32; "half": the autocast dtype), and the
 # bytes per weight element that stay alive until backward ends: from the forward (even inside a checkpointed block),
-# and again from a checkpointed block's recomputation. Measured with LiveTensorBytes on the CPU
-# (benchmarks/memory_plan_check.py): torchao int8 keeps a bf16 copy of each weight from the forward; fp8 a one-byte
-# copy, and its recomputation a bf16 one; bitsandbytes dequantizes 4-bit weights again in backward.
-QUANTIZED_LINEAR = {"int8": ("input", 2, 0), "fp8": ("half", 1, 2), "nf4": ("input", 0, 0)}
+# and again from a checkpointed block's recomputation. Fitted to LiveTensorBytes measurements of the real step on
+# the CPU (benchmarks/memory_plan_check.py, tests/models/test_plan_phases.py): torchao int8 keeps a bf16-sized copy
+# of each weight from the forward; fp8 two bytes from the forward and one from the recomputation (without
+# checkpointing this still reads about 2% under the measured pass); bitsandbytes dequantizes 4-bit weights again in
+# backward (not measurable without a GPU).
+QUANTIZED_LINEAR = {"int8": ("input", 2, 0), "fp8": ("half", 2, 1), "nf4": ("input", 0, 0)}
 
 
 class _MetaAutocast:
