@@ -1,16 +1,21 @@
-"""The memory plan: the peak device memory of a training run, estimated before any weight loads.
+"""The memory plan: the peak device and host memory of each phase of a training run (encode, load, train,
+validate: :mod:`dreamstep.models.phases`), estimated before any weight loads.
 
 Weights: each component is built on the meta device from its config (the model folder's, or the published
 FLUX.1-dev / SDXL configs), so parameters are counted exactly without memory; linear weights are priced
 at the quantized size (int8/fp8 1 byte + a per-row scale, nf4 0.5 byte + an fp32 absmax per 64 values),
-everything else at the weight dtype. Trainable weights: the LoRA injected on the meta model, fp32, plus
-its gradient and the optimizer's two moments. Activations: one forward and backward of the meta model at
-the run's resolution and batch, with the run's LoRA and gradient checkpointing, while
-:class:`LiveTensorBytes` follows every tensor the ops create and free; attention is priced as a fused
-(flash) kernel keeps it, q, k, v, the output and the log-sum-exp, never the N x N scores.
+everything else at the weight dtype. A component is priced on the device in the phases it is there, in host
+memory in the others; swapped blocks are in host memory at their size, two of them on the device at a time.
+Trainable weights: the LoRA injected on the meta model, fp32, plus the optimizer's state. Passes: one
+training step of the meta model at the run's resolution and batch (activations and gradients), with the
+run's LoRA and gradient checkpointing and the trainer's dtypes (fp32 cached inputs under autocast, which the
+meta device lacks and :class:`_MetaAutocast` stands in for, with the quantized linears' own output dtypes and
+kept copies); the encoders' passes while they encode; an inference forward and the VAE's decode at
+validation. Attention is priced as a fused (flash) kernel keeps it: q, k, v, the output and the
+log-sum-exp, never the N x N scores.
 
 The same :class:`LiveTensorBytes` measures a real run's peak (CPU tensors or CUDA), which is how the
-estimate is checked (``tests/models/test_memory_plan.py``, ``benchmarks/memory_plan_check.py``).
+estimate is checked (``tests/models/test_plan_phases.py``, ``benchmarks/memory_plan_check.py``).
 """
 
 from __future__ import annotations
@@ -159,17 +164,22 @@ _F = torch.nn.functional
 def _fused_attention_on_meta() -> Iterator[None]:
     """On the meta device SDPA would take its math path and keep the N x N scores for backward; a GPU
     keeps what a fused kernel keeps (q, k, v, the output, an fp32 log-sum-exp). Route meta inputs to the
-    fused CPU kernel's op, whose meta version and backward record exactly that."""
+    fused CPU kernel's op, whose meta version and backward record exactly that (with a mask or bias too, which
+    the fused kernels take as it is)."""
     original = torch.nn.functional.scaled_dot_product_attention
 
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False) -> torch.Tensor:
-        if query.device.type != "meta" or attn_mask is not None or enable_gqa:
+        if query.device.type != "meta" or enable_gqa:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
+        if attn_mask is not None and attn_mask.dtype != torch.bool:  # an additive bias (T5's), as a fused kernel
+            attn_mask = attn_mask.to(query.dtype)                      # takes it
+        elif attn_mask is not None:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, scale=scale)[0]
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
     torch.nn.functional.scaled_dot_product_attention = attention
     try:

@@ -70,18 +70,21 @@ ENCODE_BATCH = 8
 def _flux_step(transformer: nn.Module, resolution: int, batch: int, text_tokens: int,
                controlnet: nn.Module | None = None, train: bool = True) -> Callable[[], torch.Tensor | None]:
     """One forward of the transformer (fed by ``controlnet``'s residuals when given) at ``resolution`` (FLUX
-    packs 2x2 latent patches: a 1024 px image is 64 x 64 tokens) with the trainer's fp32 inputs (cached latents
-    and embeddings are fp32; autocast casts them per op), returning a loss when ``train``."""
+    packs 2x2 latent patches: a 1024 px image is 64 x 64 tokens), returning a loss when ``train``. Training
+    steps get the trainer's fp32 inputs (cached latents and embeddings; autocast casts them per op), inference
+    the pipeline's, in the transformer's dtype."""
     config = transformer.config
     tokens = (resolution // 16) ** 2
 
     def run() -> torch.Tensor | None:
+        dtype = torch.float32 if train else transformer.dtype
         inputs = dict(
-            hidden_states=torch.empty(batch, tokens, config.in_channels),
-            encoder_hidden_states=torch.empty(batch, text_tokens, config.joint_attention_dim),
-            pooled_projections=torch.empty(batch, config.pooled_projection_dim),
-            timestep=torch.empty(batch), img_ids=torch.empty(tokens, 3), txt_ids=torch.empty(text_tokens, 3),
-            guidance=torch.empty(batch) if config.guidance_embeds else None, return_dict=False)
+            hidden_states=torch.empty(batch, tokens, config.in_channels, dtype=dtype),
+            encoder_hidden_states=torch.empty(batch, text_tokens, config.joint_attention_dim, dtype=dtype),
+            pooled_projections=torch.empty(batch, config.pooled_projection_dim, dtype=dtype),
+            timestep=torch.empty(batch, dtype=dtype), img_ids=torch.empty(tokens, 3),
+            txt_ids=torch.empty(text_tokens, 3),
+            guidance=torch.empty(batch, dtype=dtype) if config.guidance_embeds else None, return_dict=False)
         residuals = {}
         if controlnet is not None:
             double, single = controlnet(controlnet_cond=torch.empty_like(inputs["hidden_states"]), **inputs)
