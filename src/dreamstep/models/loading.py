@@ -154,7 +154,8 @@ def load_flux(pretrained_model_name_or_path: str | Path, *, revision: str | None
 
 def load_flux_transformer(pretrained_model_name_or_path: str | Path, *, revision: str | None = None,
                           variant: str | None = None, transformer_single_file: str | Path | None = None,
-                          weight_dtype: torch.dtype = torch.float32, base_quantization: str = "none") -> torch.nn.Module:
+                          weight_dtype: torch.dtype = torch.float32,
+                          base_quantization: str = "none") -> torch.nn.Module:
     """The FLUX.1 transformer alone, in ``weight_dtype`` with its linear weights quantized as ``base_quantization``
     says, from the pipeline folder (or hub id) or ``transformer_single_file`` configured by it."""
     source = _folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")

@@ -74,6 +74,7 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+_F = torch.nn.functional
 # The functions that autocast runs in half precision, and (CUDA only) those it runs in fp32 whatever their inputs;
 # a CPU keeps the norms and softmax in their input's dtype. These are the forms FLUX, SDXL and their encoders call.
 _HALF_FUNCTIONS = ("linear", "conv2d", "scaled_dot_product_attention")
@@ -132,10 +133,11 @@ class _MetaAutocast:
         output, kept_bytes, kept_again_bytes = QUANTIZED_LINEAR[mode]
         compute = self.dtype or weight.dtype
         if x.requires_grad and torch.is_grad_enabled():
-            again = weight in self.kept
-            nbytes = weight.numel() * (kept_again_bytes if again else kept_bytes)
-            kept = torch.empty(nbytes, dtype=torch.uint8, device=weight.device)
-            self.kept_again.append(kept) if again else self.kept.__setitem__(weight, kept)
+            if weight in self.kept:  # a checkpointed block's recomputation
+                self.kept_again.append(torch.empty(weight.numel() * kept_again_bytes, dtype=torch.uint8,
+                                                   device=weight.device))
+            else:
+                self.kept[weight] = torch.empty(weight.numel() * kept_bytes, dtype=torch.uint8, device=weight.device)
         # The dequantized weight: a fresh tensor, alive while the matmul (and autograd) needs it.
         y = linear(x.to(compute), torch.empty(weight.shape, dtype=compute, device=weight.device))
         y = y.to(x.dtype if output == "input" else compute)
@@ -155,9 +157,6 @@ class _MetaAutocast:
             self.kept.clear()
             self.kept_again.clear()
             self.cast_cache.clear()
-
-
-_F = torch.nn.functional
 
 
 @contextlib.contextmanager

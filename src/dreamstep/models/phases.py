@@ -7,8 +7,11 @@
 3. ``train``: the base, and only the encoders the loop itself needs (a text encoder that trains, the VAE for
    latents that are not cached).
 4. ``validate``: what trains, plus the VAE when validation makes images (their prompts' embeddings were
-   encoded in phase 1); the validation loss brings nothing back. SDXL's sample prompts are encoded when they are
-   sampled, so its text encoders come back for them too.
+   encoded in phase 1); the validation loss brings nothing back.
+
+sdxl-lora does not follow this order yet: it loads its UNet beside the encoders (phase 1 holds all four),
+and brings every parked encoder back at validation (its sample prompts are encoded when they are sampled, and
+its scores run with the encoders on the device); the plan prices it as it is.
 
 The trainers place their modules by :func:`resident_components`, and the memory plan prices each phase by it.
 """
@@ -36,10 +39,12 @@ def resident_components(family: str, phase: str, *, in_the_loop: tuple[str, ...]
     text_encoder_2, vae); ``in_the_loop`` from :func:`loop_encoders`."""
     base = base_name(family)
     if phase == "encode":
-        return ENCODERS
+        return (base, *ENCODERS) if family == "sdxl" else ENCODERS
     if phase == "load":
-        return (base,) if base_loads_on_device else ()
+        return (base,) if base_loads_on_device or family == "sdxl" else ()
     resident = [base, *in_the_loop]
-    if phase == "validate" and validation_images:
-        resident += ["text_encoder", "text_encoder_2", "vae"] if family == "sdxl" else ["vae"]
+    if phase == "validate" and family == "sdxl":
+        resident += ENCODERS
+    elif phase == "validate" and validation_images:
+        resident.append("vae")
     return tuple(name for name in (base, *ENCODERS) if name in resident)
