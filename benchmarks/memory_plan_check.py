@@ -1,7 +1,8 @@
-"""The memory plan's activation estimate (meta device, no weights) against the same training step run for
-real, with and without gradient checkpointing.
+"""The memory plan's training-pass estimate (meta device, no weights) against the same training step run for
+real, with and without gradient checkpointing, for each base quantization mode.
 
-The real step runs a FLUX transformer with random bf16 weights and a rank-16 attention LoRA; its peak is
+The real step runs a FLUX transformer with random bf16 weights (quantized as the trainer loads them) and a
+rank-16 fp32 attention LoRA, fed fp32 inputs under bf16 autocast as the trainer's cached inputs are; its peak is
 measured twice: with the plan's own ``LiveTensorBytes`` (every tensor the step creates, alive at once),
 and by the process: on CUDA the allocator's peak above what was allocated before the step
 (``torch.cuda.max_memory_allocated``), on a CPU the peak resident memory above the resident memory before
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import tempfile
 from pathlib import Path
 
@@ -29,29 +29,37 @@ from peft import LoraConfig, inject_adapter_in_model
 
 from dreamstep.models import memory_plan as mp
 from dreamstep.models.plans import Estimator, _flux_step
+from dreamstep.models.quantization import diffusers_config
 from dreamstep.models.published_configs import FLUX_DEV_TRANSFORMER
 
 
-def measured_peaks(config: dict, resolution: int, batch: int, text_tokens: int,
+def measured_peaks(folder: Path, mode: str, resolution: int, batch: int, text_tokens: int,
                    checkpointing: bool) -> tuple[int, float]:
-    """Bytes of the step's peak as ``LiveTensorBytes`` counts them, and MiB as the process measures them."""
+    """Bytes of the step's peak as ``LiveTensorBytes`` counts them, and MiB as the process measures them, for
+    the transformer in ``folder`` loaded with its linear weights quantized as ``mode`` says (as the trainer
+    loads it)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with torch.device(device), mp.default_dtype(torch.bfloat16):
-        model = FluxTransformer2DModel.from_config(config)
-    model.requires_grad_(False)
+    model = FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer", torch_dtype=torch.bfloat16,
+                                                   quantization_config=diffusers_config(mode, torch.bfloat16))
+    model.to(device).requires_grad_(False)
     inject_adapter_in_model(LoraConfig(r=16, lora_alpha=16, target_modules=["attn.to_q", "attn.to_k", "attn.to_v",
                                                                             "attn.to_out.0"]), model)
-    model.to(torch.bfloat16)
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()  # LoRA weights train in fp32
     if checkpointing:
         model.enable_gradient_checkpointing()
     model.train()
     with torch.device(device):
-        step = _flux_step(model, resolution, batch, text_tokens)
-        step().backward()  # a first step loads kernels and thread pools; the second is measured
+        step = _flux_step(model, resolution, batch, text_tokens)  # fp32 inputs under autocast, as the trainer's
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            step().backward()  # a first step loads kernels and thread pools; the second is measured
         _release_cached(device)
         before_mib = _current_mib(device)
         with PeakMemory(device) as process, mp.LiveTensorBytes(mp.tensors_of(model)) as tracker:
-            step().backward()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = step()
+            loss.backward()
     return tracker.peak, process.peak_mib - before_mib
 
 
@@ -75,30 +83,34 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--text_tokens", type=int, default=128)
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 3072])
+    parser.add_argument("--modes", nargs="+", default=["none", "fp8", "int8"], help="base quantization modes")
     args = parser.parse_args()
     process = "allocator MiB" if torch.cuda.is_available() else "RSS MiB"
-    print(f"{'model':<34} {'checkpointing':>13} {'estimated MiB':>14} {'tensors MiB':>12} {'ratio':>6} "
+    print(f"{'model':<40} {'checkpointing':>13} {'estimated MiB':>14} {'tensors MiB':>12} {'ratio':>6} "
           f"{process:>14} {'ratio':>6}")
     for width in args.widths:
         config = dict(FLUX_DEV_TRANSFORMER, num_layers=2, num_single_layers=4, num_attention_heads=width // 128)
         with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "transformer").mkdir()
-            (Path(tmp) / "transformer" / "config.json").write_text(json.dumps(config))
-            estimator = Estimator("flux", tmp, rank=16)
-        for checkpointing in (False, True):
-            estimated = estimator.activations(args.resolution, args.batch, checkpointing, args.text_tokens)
-            tensors, process_mib = measured_peaks(config, args.resolution, args.batch, args.text_tokens,
-                                                  checkpointing)
-            estimated_mib = estimated / 2**20
-            print(f"{f'FLUX 2+4 blocks, width {width}, {args.resolution}px':<34} {str(checkpointing):>13} "
-                  f"{estimated_mib:14.1f} {tensors / 2**20:12.1f} {estimated / tensors:6.2f} "
-                  f"{process_mib:14.1f} {estimated_mib / process_mib:6.2f}")
-    print("\nFLUX.1-dev LoRA, 1024 px, batch 1, rank 16, gradient checkpointing, encoders off the device:")
+            FluxTransformer2DModel.from_config(config).to(torch.bfloat16).save_pretrained(Path(tmp) / "transformer")
+            estimator = Estimator("flux", tmp, rank=16, device_type="cuda" if torch.cuda.is_available() else "cpu")
+            for mode in args.modes:
+                for checkpointing in (False, True):
+                    estimated = estimator.activations(args.resolution, args.batch, checkpointing, args.text_tokens,
+                                                      mode)
+                    tensors, process_mib = measured_peaks(Path(tmp), mode, args.resolution, args.batch,
+                                                          args.text_tokens, checkpointing)
+                    estimated_mib = estimated / 2**20
+                    print(f"{f'FLUX 2+4 blocks, width {width}, {args.resolution}px, {mode}':<40} "
+                          f"{str(checkpointing):>13} {estimated_mib:14.1f} {tensors / 2**20:12.1f} "
+                          f"{estimated / tensors:6.2f} {process_mib:14.1f} {estimated_mib / process_mib:6.2f}")
+    print("\nFLUX.1-dev LoRA, 1024 px, batch 1, rank 16, gradient checkpointing (device GiB per phase):")
     full = Estimator("flux", None, rank=16)
     for mode in ("none", "fp8", "int8", "nf4"):
         for swap in (0, 30):
             plan = full(mp.PlanOptions(base_quantization=mode, blocks_to_swap=swap))
-            print(f"  base {mode:<5} blocks_to_swap {swap:>2}: {plan.total / mp.GIB:6.2f} GiB")
+            phases = ", ".join(f"{p.name} {p.device_total / mp.GIB:.2f}" for p in plan.phases)
+            print(f"  base {mode:<5} blocks_to_swap {swap:>2}: peak {plan.total / mp.GIB:6.2f} GiB ({phases}); "
+                  f"host {plan.host_total / mp.GIB:.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The memory plan: parameter counts of the full-size models on the meta device, the activation estimate
-against a measured peak, the plan command and --dry_run, and bad sizes."""
+"""The memory plan: parameter counts of the full-size models on the meta device, the plan command and --dry_run,
+and bad sizes (the estimate against measured steps: test_plan_phases.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import FluxTransformer2DModel
 
 from dreamstep.cli import main
 from dreamstep.config.memory import parse_bytes
 from dreamstep.models import memory_plan as mp
-from dreamstep.models.plans import Estimator, _flux_step, flux_components, sdxl_components
+from dreamstep.models.plans import flux_components, sdxl_components
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 from flux_testkit import ROBOT_DIR, ROBOT_PROMPT  # noqa: E402
@@ -31,44 +30,24 @@ def test_full_size_parameter_counts_on_the_meta_device() -> None:
     assert round(_count(transformer.transformer_blocks[0]) / 1e6) == 340
     assert round(_count(transformer.single_transformer_blocks[0]) / 1e6) == 142
     assert (len(transformer.transformer_blocks), len(transformer.single_transformer_blocks)) == (19, 38)
-    assert round(_count(flux["text_encoder_2 (T5)"]) / 1e9, 2) == 4.76
-    assert round(_count(flux["text_encoder (CLIP)"]) / 1e6) == 123
+    assert round(_count(flux["text_encoder_2"]) / 1e9, 2) == 4.76
+    assert round(_count(flux["text_encoder"]) / 1e6) == 123
     assert round(_count(flux["vae"]) / 1e6) == 84
     assert round(_count(sdxl["unet"]) / 1e9, 2) == 2.57
-    assert round(_count(sdxl["text_encoder_2 (bigG)"]) / 1e6) == 695
+    assert round(_count(sdxl["text_encoder_2"]) / 1e6) == 695
     assert all(p.device.type == "meta" for m in (*flux.values(), *sdxl.values()) for p in m.parameters())
-
-
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_activation_estimate_matches_the_measured_peak(checkpointing: bool, tiny_flux_dev_dir: Path) -> None:
-    """The meta-device estimate against the same step run for real on the CPU, with real weights."""
-    estimator = Estimator("flux", str(tiny_flux_dev_dir), rank=4)
-    estimated = estimator.activations(64, 2, checkpointing, 512)
-    real = FluxTransformer2DModel.from_pretrained(tiny_flux_dev_dir, subfolder="transformer",
-                                                  torch_dtype=torch.bfloat16)
-    real.requires_grad_(False)
-    from peft import LoraConfig, inject_adapter_in_model
-
-    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=4, target_modules=["attn.to_q", "attn.to_k", "attn.to_v",
-                                                                           "attn.to_out.0"]), real)
-    for param in real.parameters():
-        if param.requires_grad:
-            param.data = param.data.to(torch.bfloat16)
-    if checkpointing:
-        real.enable_gradient_checkpointing()
-    real.train()
-    step = _flux_step(real, 64, 2, 512)
-    with mp.LiveTensorBytes(mp.tensors_of(real)) as measured:
-        step().backward()
-    assert measured.peak > 0
-    assert abs(estimated - measured.peak) <= 0.15 * measured.peak, (estimated, measured.peak)
 
 
 def test_plan_command_says_what_fits(capsys: pytest.CaptureFixture) -> None:
     assert main(["plan", "flux", "--device_memory", "12GB", "--base_quantization", "int8"]) == 0
     out = capsys.readouterr().out
     assert "11.90B" in out and "int8" in out and "does NOT fit" in out
-    assert "would fit:" in out and "--blocks_to_swap" in out  # nf4 needs CUDA, so on a CPU host swapping it is
+    # Every phase, with T5 priced while it encodes and waiting in host memory while the transformer trains.
+    assert all(f"  {phase}: on the device" in out for phase in ("encode", "load", "train", "validate"))
+    assert "peak device memory" in out and "peak host memory" in out
+    assert main(["plan", "sdxl", "--device_memory", "8GB"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "would fit:" in out and "--blocks_to_swap" in out
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tiny_flux_dev_dir: Path, tmp_path: Path,

@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 from sdxl_testkit import write_method
 
 from dreamstep.models import flux, parking, sdxl
+from dreamstep.models.memory_plan import PlanOptions
+from dreamstep.models.plans import Estimator
 
 pytest.importorskip("torchao", reason="the quantized modes need the 'quant' extra")
 
@@ -66,28 +68,119 @@ def test_base_loads_quantized_and_resume_is_exact(tiny_flux_dev_dir: Path, tmp_p
         torch.testing.assert_close(resumed[key], straight[key], atol=1e-6, rtol=0)
 
 
-def test_the_encoders_are_off_the_device_in_every_step(tiny_flux_dev_dir: Path, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    # Parked modules go to the meta device here: any use of them in the loop fails, and their parameters'
-    # device, read by a hook at every transformer call, shows where they were.
+def _on_device(components: dict[str, torch.nn.Module | None]) -> tuple[str, ...]:
+    """The components whose weights are on the CPU (parked ones wait on the meta device in these tests)."""
+    return tuple(name for name, module in components.items()
+                 if module is not None and any(p.device.type == "cpu" for p in module.parameters()))
+
+
+def _watch_phases(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[tuple[str, ...]]]:
+    """Record, in a FLUX trainer run in this process, which components are on the device when captions and
+    images are encoded, at each training step, while validation images are made, and at the validation loss."""
+    # Parked modules go to the meta device here (host memory stands in by a copy of their weights, which
+    # brings them back): any use of a parked module fails, and where each module's weights are shows, at each
+    # moment recorded, what was on the device.
     monkeypatch.setattr(parking, "PARKING_DEVICE", torch.device("meta"))
-    seen: list[set[str]] = []
-    load = flux.load_frozen_for_training
+    host: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
 
-    def load_and_watch(*args, **kwargs):
-        base = load(*args, **kwargs)
+    def move(module: torch.nn.Module, device: torch.device) -> None:
+        if device.type == "meta":
+            host[module] = {k: v.clone() for k, v in module.state_dict().items()}
+            module.to(device)
+        elif module in host:
+            module.to_empty(device=device).load_state_dict(host.pop(module))
 
-        def record(module, inputs):
-            if module.training:  # training steps only (class images and validation run in eval mode)
-                seen.append({p.device.type for m in (base.text_encoder, base.text_encoder_2, base.vae)
-                             for p in m.parameters()})
-        base.transformer.register_forward_pre_hook(record)
+    seen: dict[str, set[tuple[str, ...]]] = {"encode": set(), "train": set(), "validate": set(), "loss": set()}
+    parts: dict[str, torch.nn.Module | None] = {}
+    load_encoders, load_transformer = flux.load_encoders_for_training, flux.load_transformer_for_training
+    fill, generate = parking.fill_caches, flux.generate
+    generating = False
+
+    def encoders_and_watch(*args, **kwargs):
+        base = load_encoders(*args, **kwargs)
+        parts.update(transformer=None, text_encoder=base.text_encoder, text_encoder_2=base.text_encoder_2,
+                     vae=base.vae)
         return base
 
-    monkeypatch.setattr(flux, "load_frozen_for_training", load_and_watch)
+    def fill_and_watch(*args, **kwargs):
+        seen["encode"].add(_on_device(parts))
+        return fill(*args, **kwargs)
+
+    def transformer_and_watch(*args, **kwargs):
+        transformer = load_transformer(*args, **kwargs)
+        parts["transformer"] = transformer
+
+        def record(module, inputs):
+            phase = "train" if torch.is_grad_enabled() else "validate" if generating else "loss"
+            seen[phase].add(_on_device(parts))
+        transformer.register_forward_pre_hook(record)
+        return transformer
+
+    def generate_and_watch(*args, **kwargs):
+        nonlocal generating
+        generating = True
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            generating = False
+
+    monkeypatch.setattr(parking, "move", move)
+    monkeypatch.setattr(parking, "fill_caches", fill_and_watch)
+    monkeypatch.setattr(flux, "generate", generate_and_watch)
+    monkeypatch.setattr(flux, "load_encoders_for_training", encoders_and_watch)
+    monkeypatch.setattr(flux, "load_transformer_for_training", transformer_and_watch)
+    return seen
+
+
+def _recorded_once(seen: dict[str, set[tuple[str, ...]]]) -> dict[str, tuple[str, ...]]:
+    assert all(len(sets) == 1 for sets in seen.values()), seen  # each phase seen, always with the same components
+    return {phase: next(iter(sets)) for phase, sets in seen.items()}
+
+
+# sd-scripts' order: every caption, held-out image and validation prompt is encoded before the transformer
+# loads; training steps see only the transformer; validation images bring back only the VAE, the validation loss
+# nothing.
+PHASES_IN_SD_SCRIPTS_ORDER = {"encode": ("text_encoder", "text_encoder_2", "vae"), "train": ("transformer",),
+                              "validate": ("transformer", "vae"), "loss": ("transformer",)}
+
+
+@pytest.mark.parametrize("mode", ["none", "int8"])
+def test_each_phase_has_only_its_components_on_the_device(mode: str, tiny_flux_dev_dir: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _watch_phases(monkeypatch)
     assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir,
-                   "--output_dir", tmp_path / "out", *ARGS, "--max_train_steps", "3") == 0
-    assert seen == [{"meta"}] * 3
+                   "--output_dir", tmp_path / "out", *ARGS, "--max_train_steps", "2", "--base_quantization", mode,
+                   "--validation_split", "0.34", "--validation_steps", "1", "--validation_prompt", ROBOT_PROMPT,
+                   "--num_validation_images", "1", "--validation_inference_steps", "1") == 0
+    recorded = _recorded_once(seen)
+    assert recorded == PHASES_IN_SD_SCRIPTS_ORDER
+    # The plan puts the same components on the device in each phase.
+    estimator = Estimator("flux", str(tiny_flux_dev_dir), rank=4, device_type="cpu")
+    with_images, loss_only = (estimator(PlanOptions(resolution=32, rank=4, base_quantization=mode,
+                                                    validation_images=images)) for images in (True, False))
+    assert {phase: with_images.phase(phase).resident for phase in ("encode", "train", "validate")} == {
+        phase: recorded[phase] for phase in ("encode", "train", "validate")}
+    assert loss_only.phase("validate").resident == recorded["loss"]
+
+
+def test_controlnet_phases_have_only_their_components_on_the_device(tiny_flux_dev_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_flux_controlnet import COMMON, make_pairs
+
+    pairs = make_pairs(tmp_path / "pairs")
+    seen = _watch_phases(monkeypatch)
+    assert run_cli("train", "flux-controlnet", "--pretrained_model_name_or_path", tiny_flux_dev_dir,
+                   "--output_dir", tmp_path / "out", "--train_data_dir", pairs / "images", "--conditioning_data_dir",
+                   pairs / "conditioning", *COMMON, "--max_train_steps", "2", "--validation_split", "0.34",
+                   "--validation_steps", "1", "--validation_image", pairs / "conditioning" / "pair_0.png",
+                   "--validation_prompt", "a red square", "--num_validation_images", "1",
+                   "--validation_inference_steps", "1") == 0
+    recorded = _recorded_once(seen)
+    assert recorded == PHASES_IN_SD_SCRIPTS_ORDER
+    plan = Estimator("flux-controlnet", str(tiny_flux_dev_dir), device_type="cpu",
+                     controlnet_layers=(1, 1))(PlanOptions(resolution=32))
+    assert {phase: plan.phase(phase).resident for phase in ("encode", "train", "validate")} == {
+        phase: recorded[phase] for phase in ("encode", "train", "validate")}
 
 
 def test_sdxl_text_encoders_are_off_the_device_in_every_step(

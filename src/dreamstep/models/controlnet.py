@@ -33,11 +33,9 @@ _SHARED_KEYS = ("in_channels", "attention_head_dim", "num_attention_heads", "joi
                 "pooled_projection_dim")
 
 
-def build_from_transformer(transformer: FluxTransformer2DModel, num_double_layers: int,
-                           num_single_layers: int) -> FluxControlNetModel:
-    """A new fp32 ControlNet with the transformer's first ``num_double_layers`` / ``num_single_layers``
-    blocks; its output projections and control-input projection are zero (see the module docstring)."""
-    have = (len(transformer.transformer_blocks), len(transformer.single_transformer_blocks))
+def check_layers(num_double_layers: int, num_single_layers: int, transformer_config: Any) -> None:
+    """Refuse block counts the base transformer (its config: ``num_layers``, ``num_single_layers``) cannot give."""
+    have = (transformer_config["num_layers"], transformer_config["num_single_layers"])
     for flag, wanted, available in (("--num_double_layers", num_double_layers, have[0]),
                                     ("--num_single_layers", num_single_layers, have[1])):
         if not 0 <= wanted <= available:
@@ -45,7 +43,14 @@ def build_from_transformer(transformer: FluxTransformer2DModel, num_double_layer
                             f"choose 0 to {available}")
     if num_double_layers + num_single_layers == 0:
         raise UserError("--num_double_layers and --num_single_layers are both 0; the ControlNet needs a block")
+
+
+def build_from_transformer(transformer: FluxTransformer2DModel, num_double_layers: int,
+                           num_single_layers: int) -> FluxControlNetModel:
+    """A new fp32 ControlNet with the transformer's first ``num_double_layers`` / ``num_single_layers``
+    blocks; its output projections and control-input projection are zero (see the module docstring)."""
     config = transformer.config
+    check_layers(num_double_layers, num_single_layers, config)
     controlnet = FluxControlNetModel.from_transformer(
         transformer, num_layers=num_double_layers, num_single_layers=num_single_layers,
         attention_head_dim=config.attention_head_dim, num_attention_heads=config.num_attention_heads,

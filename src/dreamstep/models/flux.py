@@ -11,12 +11,14 @@ import torch
 from diffusers import FluxControlNetPipeline, FluxPipeline
 from PIL import Image
 
+from dreamstep.errors import UserError
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
 from dreamstep.files import atomic_path
 from dreamstep.generation.outputs import JSON_KEY, sample_parameters
-from dreamstep.models.loading import component_identity, load_flux
+from dreamstep.models.loading import component_identity, load_flux, load_flux_transformer
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.parking import ParkedModules
+from dreamstep.models.phases import ENCODERS, loop_encoders
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
 from dreamstep.notices import CAPTION_CUT, hidden
@@ -84,6 +86,14 @@ def assemble_pipeline(components: Any, controlnet: torch.nn.Module | None = None
     return pipeline
 
 
+def without_text_encoders(pipeline: FluxPipeline) -> FluxPipeline:
+    """The same pipeline (same modules, no copies) without its text encoders, for prompts given as embeddings:
+    the encoders may wait off the device, and the pipeline neither runs them nor computes on their device."""
+    view = type(pipeline)(**{**pipeline.components, "text_encoder": None, "text_encoder_2": None})
+    view.set_progress_bar_config(disable=True)
+    return view
+
+
 class FluxConditioner:
     """Turns a collated batch into the step's inputs: VAE posteriors from the latent cache and prompt
     embeddings from the text cache, encoding (and storing) only what is not cached yet."""
@@ -137,13 +147,23 @@ def training_caches(root: Path, source: str, *, revision: str | None, variant: s
 
 @torch.no_grad()
 def generate(pipeline: FluxPipeline, prompts: list[str], *, seed: int, steps: int, guidance_scale: float,
-             height: int, width: int, max_sequence_length: int = 512, **pipeline_kwargs: Any) -> list[Image.Image]:
+             height: int, width: int, max_sequence_length: int = 512,
+             embeddings: dict[str, dict[str, torch.Tensor]] | None = None, **pipeline_kwargs: Any) -> list[Image.Image]:
     """One image per prompt, each from its own generator seeded ``seed + i`` (reproducible one by one); each
-    carries its parameters in ``image.info["dreamstep"]``, which sample grids print and store."""
+    carries its parameters in ``image.info["dreamstep"]``, which sample grids print and store. ``embeddings``
+    (prompt -> :meth:`FluxConditioner.prompts` of it) are used instead of the text encoders, which may then
+    wait off the device."""
     images = []
+    if embeddings is not None:
+        pipeline = without_text_encoders(pipeline)
     for i, prompt in enumerate(prompts):
         generator = torch.Generator("cpu").manual_seed(seed + i)
-        result = pipeline(prompt=prompt, num_inference_steps=steps, guidance_scale=guidance_scale,
+        text = {"prompt": prompt}
+        if embeddings is not None:
+            dtype = pipeline.transformer.dtype
+            text = {"prompt_embeds": embeddings[prompt]["prompt_embeds"].to(dtype),
+                    "pooled_prompt_embeds": embeddings[prompt]["pooled"].to(dtype)}
+        result = pipeline(**text, num_inference_steps=steps, guidance_scale=guidance_scale,
                           height=height, width=width, generator=generator,
                           max_sequence_length=max_sequence_length, **pipeline_kwargs)
         image = result.images[0]
@@ -157,22 +177,68 @@ def load_frozen_for_training(source: str, *, revision: str | None, variant: str 
                              transformer_single_file: str | None, mixed_precision: str,
                              device: torch.device, base_quantization: str = "none",
                              text_encoder_quantization: str = "none", transformer_on_host: bool = False) -> Any:
-    """The base model for training under seed 001's policy: every weight frozen, in the half-precision
-    dtype of ``mixed_precision`` (fp32 for "no"), on ``device``; the transformer's and T5's linear
-    weights quantized as asked (:mod:`~dreamstep.models.quantization`). Trainable adapters are added
-    (in fp32) by the caller. ``transformer_on_host`` leaves the transformer in host memory, for a
-    :class:`~dreamstep.models.blocks.BlockSwapper` to place part by part."""
-    components = load_flux(source, revision=revision, variant=variant,
-                           transformer_single_file=transformer_single_file,
-                           weight_dtype=weight_dtype_for(mixed_precision),
-                           quantize={"transformer": base_quantization, "text_encoder_2": text_encoder_quantization})
-    for name in ("text_encoder", "text_encoder_2", "vae", "transformer"):
+    """The whole base model frozen, the encoders on ``device`` (for class images, which need the whole pipeline):
+    :func:`load_encoders_for_training` then :func:`load_transformer_for_training`."""
+    components = load_encoders_for_training(source, revision=revision, variant=variant,
+                                            mixed_precision=mixed_precision, device=device,
+                                            text_encoder_quantization=text_encoder_quantization)
+    load_transformer_for_training(components, source, revision=revision, variant=variant,
+                                  transformer_single_file=transformer_single_file, mixed_precision=mixed_precision,
+                                  device=device, base_quantization=base_quantization, on_host=transformer_on_host)
+    return components
+
+
+def load_encoders_for_training(source: str, *, revision: str | None, variant: str | None, mixed_precision: str,
+                               device: torch.device, text_encoder_quantization: str = "none") -> Any:
+    """The "encode" phase's components (:mod:`~dreamstep.models.phases`): the text encoders and the VAE frozen in
+    the half-precision dtype of ``mixed_precision`` (fp32 for "no"), T5 quantized as asked, on ``device``; the
+    transformer is not loaded (``components.transformer`` is ``None``)."""
+    components = load_flux(source, revision=revision, variant=variant, weight_dtype=weight_dtype_for(mixed_precision),
+                           quantize={"text_encoder_2": text_encoder_quantization}, transformer=False)
+    for name in ENCODERS:
         module = getattr(components, name)
         freeze(module)
-        if not (name == "transformer" and transformer_on_host):
-            module.to(device)
-        module.eval()
+        module.to(device).eval()
     return components
+
+
+def load_transformer_for_training(components: Any, source: str, *, revision: str | None, variant: str | None,
+                                  transformer_single_file: str | None, mixed_precision: str, device: torch.device,
+                                  base_quantization: str = "none", on_host: bool = False) -> torch.nn.Module:
+    """The "load" phase: the transformer frozen in the dtype of ``mixed_precision``, its linear weights quantized as
+    asked (:mod:`~dreamstep.models.quantization`), on ``device`` (``on_host``: left in host memory for a
+    :class:`~dreamstep.models.blocks.BlockSwapper` to place part by part; diffusers' bitsandbytes loader puts a
+    4-bit transformer on the GPU anyway), set as ``components.transformer``. Trainable adapters are added (in
+    fp32) by the caller."""
+    transformer = load_flux_transformer(source, revision=revision, variant=variant,
+                                        transformer_single_file=transformer_single_file,
+                                        weight_dtype=weight_dtype_for(mixed_precision),
+                                        base_quantization=base_quantization)
+    freeze(transformer)
+    if not on_host:
+        transformer.to(device)
+    components.transformer = transformer.eval()
+    return transformer
+
+
+def transformer_config(config: Any) -> dict[str, Any]:
+    """The transformer's config of a FLUX trainer's config, read before anything loads, with --blocks_to_swap
+    checked against its blocks (which the transformer loads only after every caption is encoded)."""
+    from diffusers import FluxTransformer2DModel
+
+    found = FluxTransformer2DModel.load_config(config.pretrained_model_name_or_path, subfolder="transformer",
+                                               revision=config.revision)
+    blocks = found["num_layers"] + found["num_single_layers"]
+    swap = getattr(config, "blocks_to_swap", 0)
+    if swap and not 1 <= swap <= blocks:
+        raise UserError(f"--blocks_to_swap {swap}: this FluxTransformer2DModel has {blocks} blocks; "
+                        f"give 1 to {blocks}")
+    return found
+
+
+def attach_transformer(pipeline: FluxPipeline, components: Any) -> None:
+    """Put the transformer loaded after the encode phase into the pipeline assembled before it."""
+    pipeline.register_modules(transformer=components.transformer)
 
 
 def tokenizer_limits(pipeline: FluxPipeline, max_sequence_length: int) -> dict[str, tuple[Any, int]]:
@@ -181,7 +247,7 @@ def tokenizer_limits(pipeline: FluxPipeline, max_sequence_length: int) -> dict[s
             "T5": (pipeline.tokenizer_2, max_sequence_length)}
 
 
-def plan_options(config: Any, *, rank: int, encoders_on_device: bool) -> PlanOptions:
+def plan_options(config: Any, *, rank: int, encoders_on_device: bool, validation_images: bool) -> PlanOptions:
     """The memory-plan inputs of a FLUX trainer's config (any :class:`FluxTrainingConfig`)."""
     return PlanOptions(resolution=config.resolution, batch_size=config.train_batch_size, rank=rank,
                        gradient_checkpointing=config.gradient_checkpointing,
@@ -189,22 +255,23 @@ def plan_options(config: Any, *, rank: int, encoders_on_device: bool) -> PlanOpt
                        text_encoder_quantization=config.text_encoder_quantization,
                        encoders_on_device=encoders_on_device, blocks_to_swap=getattr(config, "blocks_to_swap", 0),
                        optimizer=config.optimizer, weight_dtype=weight_dtype_for(config.mixed_precision),
-                       max_sequence_length=config.max_sequence_length)
+                       max_sequence_length=config.max_sequence_length, validation_images=validation_images)
 
 
 def park_encoders(components: Any, device: torch.device, *, text_encoder_trains: bool,
                   latents_cached: bool) -> ParkedModules:
-    """Move the encoders the loop does not use off ``device``: T5 always (its outputs are cached), CLIP
-    unless it trains, the VAE when the latents are cached. Call after
-    :func:`~dreamstep.models.parking.fill_caches`."""
-    parked = {"text_encoder_2": components.text_encoder_2}
-    if not text_encoder_trains:
-        parked["text_encoder"] = components.text_encoder
-    if latents_cached:
-        parked["vae"] = components.vae
-    encoders = ParkedModules(parked, device)
+    """Move the encoders the loop does not use off ``device`` (:func:`~dreamstep.models.phases.loop_encoders`):
+    T5 always (its outputs are cached), CLIP unless it trains, the VAE when the latents are cached. Call after
+    the caches are filled (:func:`~dreamstep.models.parking.fill_caches`), before the transformer loads."""
+    stays = loop_encoders("flux", text_encoders_train=text_encoder_trains, vae_in_the_loop=not latents_cached)
+    encoders = ParkedModules({name: getattr(components, name) for name in ENCODERS if name not in stays}, device)
     encoders.park()
     return encoders
+
+
+def prompt_embeddings(conditioner: FluxConditioner, prompts: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """The embeddings of each distinct prompt (validation prompts, encoded in the "encode" phase)."""
+    return {prompt: conditioner.prompts([prompt]) for prompt in dict.fromkeys(prompts)}
 
 
 def generate_class_images(pipeline: FluxPipeline, class_dir: str | Path, class_prompt: str, wanted: int, *,

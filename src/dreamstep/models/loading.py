@@ -121,26 +121,26 @@ def _load_error(source: str, error: Exception) -> UserError:
 
 def load_flux(pretrained_model_name_or_path: str | Path, *, revision: str | None = None,
               variant: str | None = None, transformer_single_file: str | Path | None = None,
-              weight_dtype: torch.dtype = torch.float32, quantize: dict[str, str] | None = None) -> FluxComponents:
+              weight_dtype: torch.dtype = torch.float32, quantize: dict[str, str] | None = None,
+              transformer: bool = True) -> FluxComponents:
     """Load a FLUX.1 pipeline's components, all in ``weight_dtype``.
 
     ``transformer_single_file`` replaces the folder's transformer with one file (original BFL layout,
     like ``flux1-dev.safetensors``, or diffusers layout), configured from the folder's
     ``transformer/config.json``. ``quantize`` maps component names to a
     :mod:`~dreamstep.models.quantization` mode, e.g. ``{"transformer": "int8", "text_encoder_2": "fp8"}``.
+    Without ``transformer`` the pipeline's transformer is left out (``None``): see :func:`load_flux_transformer`.
     """
     source = _folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
     quantize = {name: mode for name, mode in (quantize or {}).items() if mode != "none"}
-    overrides = {}
-    if transformer_single_file is not None:
-        file = _check_checkpoint_file(transformer_single_file, "transformer single file")
-        config = quantization.diffusers_config(quantize.pop("transformer", "none"), weight_dtype)
-        try:
-            overrides["transformer"] = FluxTransformer2DModel.from_single_file(
-                str(file), config=source, subfolder="transformer", quantization_config=config,
-                **{_DTYPE_KWARG: weight_dtype})
-        except _LOAD_ERRORS as e:
-            raise UserError(f"could not load the FLUX transformer from {file}: {e}") from e
+    overrides: dict[str, Any] = {}
+    if not transformer:
+        overrides["transformer"] = None
+        quantize.pop("transformer", None)
+    elif transformer_single_file is not None:
+        overrides["transformer"] = load_flux_transformer(
+            source, revision=revision, variant=variant, transformer_single_file=transformer_single_file,
+            weight_dtype=weight_dtype, base_quantization=quantize.pop("transformer", "none"))
     pipeline_quantization = quantization.pipeline_config(quantize, weight_dtype)
     if pipeline_quantization is not None:
         overrides["quantization_config"] = pipeline_quantization
@@ -151,6 +151,30 @@ def load_flux(pretrained_model_name_or_path: str | Path, *, revision: str | None
     except _LOAD_ERRORS as e:
         raise _load_error(source, e) from e
     return _components(pipe, FluxComponents)
+
+
+def load_flux_transformer(pretrained_model_name_or_path: str | Path, *, revision: str | None = None,
+                          variant: str | None = None, transformer_single_file: str | Path | None = None,
+                          weight_dtype: torch.dtype = torch.float32,
+                          base_quantization: str = "none") -> torch.nn.Module:
+    """The FLUX.1 transformer alone, in ``weight_dtype`` with its linear weights quantized as ``base_quantization``
+    says, from the pipeline folder (or hub id) or ``transformer_single_file`` configured by it."""
+    source = _folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
+    config = quantization.diffusers_config(base_quantization, weight_dtype)
+    if transformer_single_file is not None:
+        file = _check_checkpoint_file(transformer_single_file, "transformer single file")
+        try:
+            return FluxTransformer2DModel.from_single_file(
+                str(file), config=source, subfolder="transformer", quantization_config=config,
+                **{_DTYPE_KWARG: weight_dtype})
+        except _LOAD_ERRORS as e:
+            raise UserError(f"could not load the FLUX transformer from {file}: {e}") from e
+    try:
+        return FluxTransformer2DModel.from_pretrained(source, subfolder="transformer", revision=revision,
+                                                      variant=variant, quantization_config=config,
+                                                      **{_DTYPE_KWARG: weight_dtype})
+    except _LOAD_ERRORS as e:
+        raise _load_error(source, e) from e
 
 
 def _check_checkpoint_file(path: str | Path, what: str) -> Path:

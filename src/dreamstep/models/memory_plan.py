@@ -1,16 +1,21 @@
-"""The memory plan: the peak device memory of a training run, estimated before any weight loads.
+"""The memory plan: the peak device and host memory of each phase of a training run (encode, load, train,
+validate: :mod:`dreamstep.models.phases`), estimated before any weight loads.
 
 Weights: each component is built on the meta device from its config (the model folder's, or the published
 FLUX.1-dev / SDXL configs), so parameters are counted exactly without memory; linear weights are priced
 at the quantized size (int8/fp8 1 byte + a per-row scale, nf4 0.5 byte + an fp32 absmax per 64 values),
-everything else at the weight dtype. Trainable weights: the LoRA injected on the meta model, fp32, plus
-its gradient and the optimizer's two moments. Activations: one forward and backward of the meta model at
-the run's resolution and batch, with the run's LoRA and gradient checkpointing, while
-:class:`LiveTensorBytes` follows every tensor the ops create and free; attention is priced as a fused
-(flash) kernel keeps it, q, k, v, the output and the log-sum-exp, never the N x N scores.
+everything else at the weight dtype. A component is priced on the device in the phases it is there, in host
+memory in the others; swapped blocks are in host memory at their size, two of them on the device at a time.
+Trainable weights: the LoRA injected on the meta model, fp32, plus the optimizer's state. Passes: one
+training step of the meta model at the run's resolution and batch (activations and gradients), with the
+run's LoRA and gradient checkpointing and the trainer's dtypes (fp32 cached inputs under autocast, which the
+meta device lacks and :class:`_MetaAutocast` stands in for, with the quantized linears' own output dtypes and
+kept copies); the encoders' passes while they encode; an inference forward and the VAE's decode at
+validation. Attention is priced as a fused (flash) kernel keeps it: q, k, v, the output and the
+log-sum-exp, never the N x N scores.
 
 The same :class:`LiveTensorBytes` measures a real run's peak (CPU tensors or CUDA), which is how the
-estimate is checked (``tests/models/test_memory_plan.py``, ``benchmarks/memory_plan_check.py``).
+estimate is checked (``tests/models/test_plan_phases.py``, ``benchmarks/memory_plan_check.py``).
 """
 
 from __future__ import annotations
@@ -25,15 +30,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dreamstep.config.memory import GIB
 
-_BYTES_PER_LINEAR_WEIGHT = {"none": None, "fp8": 1.0, "int8": 1.0, "nf4": 0.5 + 4 / 64}
-# Bytes per trainable parameter beyond its fp32 weight: the fp32 gradient and the optimizer's moments.
-OPTIMIZER_BYTES = {"AdamW": 4 + 8, "AdamW8bit": 4 + 2, "Prodigy": 4 + 16}
+# nf4-packed: the 4-bit values alone, without the fp32 absmax per 64 values that stays with the quantization state.
+_BYTES_PER_LINEAR_WEIGHT = {"none": None, "fp8": 1.0, "int8": 1.0, "nf4": 0.5 + 4 / 64, "nf4-packed": 0.5}
+# Bytes of optimizer state per trainable parameter (the fp32 gradients are counted by the training pass).
+OPTIMIZER_BYTES = {"AdamW": 8, "AdamW8bit": 2, "Prodigy": 16}
 # What a CUDA run needs beyond the tensors (context, cuBLAS workspace, allocator slack), kept free.
 HEADROOM_FRACTION = 0.08
 
@@ -68,21 +74,111 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+_F = torch.nn.functional
+# The functions that autocast runs in half precision, and (CUDA only) those it runs in fp32 whatever their inputs;
+# a CPU keeps the norms and softmax in their input's dtype. These are the forms FLUX, SDXL and their encoders call.
+_HALF_FUNCTIONS = ("linear", "conv2d", "scaled_dot_product_attention")
+_FP32_FUNCTIONS_CUDA = ("layer_norm", "group_norm", "softmax", "log_softmax")
+# A quantized frozen linear under autocast, as torchao 0.18 and bitsandbytes compute it: its output dtype ("input":
+# the input's, so the trainer's fp32 inputs make the residual stream fp32; "half": the autocast dtype), and the
+# bytes per weight element that stay alive until backward ends: from the forward (even inside a checkpointed block),
+# and again from a checkpointed block's recomputation. Fitted to LiveTensorBytes measurements of the real step on
+# the CPU (benchmarks/memory_plan_check.py, tests/models/test_plan_phases.py): torchao int8 keeps a bf16-sized copy
+# of each weight from the forward; fp8 two bytes from the forward and one from the recomputation (without
+# checkpointing this still reads about 2% under the measured pass); bitsandbytes dequantizes 4-bit weights again in
+# backward (not measurable without a GPU).
+QUANTIZED_LINEAR = {"int8": ("input", 2, 0), "fp8": ("half", 2, 1), "nf4": ("input", 0, 0)}
+
+
+class _MetaAutocast:
+    """Autocast for the meta device (which torch's autocast refuses) with ``device_type``'s policy, and the
+    linears whose weights are in ``quantized`` (weight -> mode) computed as :data:`QUANTIZED_LINEAR` says. The
+    functions are replaced module-wide rather than through a mode, so the forward that a checkpointed block
+    recomputes in backward (on autograd's thread) is cast the same way; the casts happen above autograd, as
+    autocast's do, so backward keeps the half-precision copies it would."""
+
+    def __init__(self, dtype: torch.dtype | None, device_type: str, quantized: dict[nn.Parameter, str] | None):
+        self.dtype = dtype
+        self.fp32 = _FP32_FUNCTIONS_CUDA if device_type == "cuda" else ()
+        self.quantized = WeakIdKeyDictionary(quantized or {})
+        self.kept = WeakIdKeyDictionary()  # what the quantized linears' forwards keep until backward ends
+        self.kept_again: list[torch.Tensor] = []  # and what their recomputations keep
+        self.cast_cache = WeakIdKeyDictionary()  # autocast keeps its casts of trainable leaf weights while it is on
+
+    def _cast(self, value: Any, dtype: torch.dtype) -> Any:
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype):
+            return value
+        if not (value.is_leaf and value.requires_grad):
+            return value.to(dtype)
+        if value not in self.cast_cache:
+            self.cast_cache[value] = value.to(dtype)
+        return self.cast_cache[value]
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        dtype = torch.float32 if name in self.fp32 else self.dtype
+
+        def cast_and_call(*args: Any, **kwargs: Any) -> Any:
+            if name == "linear" and len(args) > 1 and args[1] in self.quantized:
+                return self._quantized_linear(original, self.quantized[args[1]], *args, **kwargs)
+            first = args[0] if args else next(iter(kwargs.values()))
+            if dtype is not None and isinstance(first, torch.Tensor) and first.device.type == "meta":
+                args = [self._cast(a, dtype) for a in args]
+                kwargs = {k: self._cast(v, dtype) for k, v in kwargs.items()}
+            return original(*args, **kwargs)
+
+        return cast_and_call
+
+    def _quantized_linear(self, linear: Callable[..., Any], mode: str, x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+        output, kept_bytes, kept_again_bytes = QUANTIZED_LINEAR[mode]
+        compute = self.dtype or weight.dtype
+        if x.requires_grad and torch.is_grad_enabled():
+            if weight in self.kept:  # a checkpointed block's recomputation
+                self.kept_again.append(torch.empty(weight.numel() * kept_again_bytes, dtype=torch.uint8,
+                                                   device=weight.device))
+            else:
+                self.kept[weight] = torch.empty(weight.numel() * kept_bytes, dtype=torch.uint8, device=weight.device)
+        # The dequantized weight: a fresh tensor, alive while the matmul (and autograd) needs it.
+        y = linear(x.to(compute), torch.empty(weight.shape, dtype=compute, device=weight.device))
+        y = y.to(x.dtype if output == "input" else compute)
+        return y + bias.to(y.dtype) if bias is not None else y
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        names = [n for n in (*_HALF_FUNCTIONS, *self.fp32) if self.dtype is not None or n == "linear"]
+        originals = {name: getattr(_F, name) for name in names}
+        for name, original in originals.items():
+            setattr(_F, name, self._wrap(name, original))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(_F, name, original)
+            self.kept.clear()
+            self.kept_again.clear()
+            self.cast_cache.clear()
+
+
 @contextlib.contextmanager
 def _fused_attention_on_meta() -> Iterator[None]:
     """On the meta device SDPA would take its math path and keep the N x N scores for backward; a GPU
     keeps what a fused kernel keeps (q, k, v, the output, an fp32 log-sum-exp). Route meta inputs to the
-    fused CPU kernel's op, whose meta version and backward record exactly that."""
+    fused CPU kernel's op, whose meta version and backward record exactly that (with a mask or bias too, which
+    the fused kernels take as it is)."""
     original = torch.nn.functional.scaled_dot_product_attention
 
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False) -> torch.Tensor:
-        if query.device.type != "meta" or attn_mask is not None or enable_gqa:
+        if query.device.type != "meta" or enable_gqa:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
+        if attn_mask is not None and attn_mask.dtype != torch.bool:  # an additive bias (T5's), as a fused kernel
+            attn_mask = attn_mask.to(query.dtype)                      # takes it
+        elif attn_mask is not None:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, scale=scale)[0]
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
     torch.nn.functional.scaled_dot_product_attention = attention
     try:
@@ -91,24 +187,42 @@ def _fused_attention_on_meta() -> Iterator[None]:
         torch.nn.functional.scaled_dot_product_attention = original
 
 
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds, counting the inner tensors of a quantized one (torchao's data and scales)."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(stored_bytes(getattr(tensor, name)) for name in names)
+    return tensor.untyped_storage().nbytes()
+
+
 def tensors_of(*modules: nn.Module) -> Iterator[torch.Tensor]:
     for module in modules:
         yield from module.parameters()
         yield from module.buffers()
 
 
-def activation_peak(model: nn.Module, loss_of_one_step: Callable[[], torch.Tensor]) -> int:
-    """Peak bytes of the tensors that one forward and backward of ``model`` creates (inputs, activations,
-    their gradients, the trainable weights' gradients), on whatever device the model is (meta: no memory
-    used, attention priced as a fused kernel keeps it)."""
-    with LiveTensorBytes(tensors_of(model)) as tracker, _fused_attention_on_meta():
-        loss_of_one_step().backward()
+def pass_peak(model: nn.Module, one_pass: Callable[[], torch.Tensor | None], *, autocast: torch.dtype | None = None,
+              device_type: str = "cuda", quantized: dict[nn.Parameter, str] | None = None) -> int:
+    """Peak bytes of the tensors that ``one_pass`` creates beyond ``model``'s weights: a training step's inputs,
+    activations and gradients when it returns a loss (backward runs here), or an inference pass's when it
+    returns ``None``. On the meta device no memory is used, attention is priced as a fused kernel keeps it, and
+    ``autocast`` (the half dtype, or ``None`` for fp32) follows ``device_type``'s policy, with the linears of
+    ``quantized`` computed as the quantized base's are."""
+    casts = _MetaAutocast(autocast, device_type, quantized)
+    with LiveTensorBytes(tensors_of(model)) as tracker, _fused_attention_on_meta(), casts.applied():
+        loss = one_pass()
+        if loss is not None:
+            loss.backward()
+        del loss
     return tracker.peak
 
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """The options of a run that move its peak device memory."""
+    """The options of a run that move its peak memory. ``encoders_on_device``: the loop itself needs an
+    encoder (a text encoder that trains, or the VAE for latents that are not cached), which then stays on the
+    device while training; ``validation_images``: validation generates images (the VAE decodes them), not only
+    the validation loss."""
 
     resolution: int = 1024
     batch_size: int = 1
@@ -121,6 +235,7 @@ class PlanOptions:
     optimizer: str = "AdamW"
     weight_dtype: torch.dtype = torch.bfloat16
     max_sequence_length: int = 512
+    validation_images: bool = True
 
 
 @dataclass
@@ -132,13 +247,40 @@ class Line:
 
 
 @dataclass
+class Phase:
+    """One phase of a run: what is on the device (``resident``: the components there, by pipeline name) and what
+    waits in host memory, line by line."""
+
+    name: str
+    resident: tuple[str, ...]
+    device: list[Line]
+    host: list[Line]
+
+    @property
+    def device_total(self) -> int:
+        return sum(line.nbytes for line in self.device)
+
+    @property
+    def host_total(self) -> int:
+        return sum(line.nbytes for line in self.host)
+
+
+@dataclass
 class MemoryPlan:
     options: PlanOptions
-    lines: list[Line]
+    phases: list[Phase]
 
     @property
     def total(self) -> int:
-        return sum(line.nbytes for line in self.lines)
+        """The peak device memory: that of the phase that needs the most."""
+        return max(phase.device_total for phase in self.phases)
+
+    @property
+    def host_total(self) -> int:
+        return max(phase.host_total for phase in self.phases)
+
+    def phase(self, name: str) -> Phase:
+        return next(phase for phase in self.phases if phase.name == name)
 
 
 @contextlib.contextmanager
@@ -193,13 +335,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
-def swapped_bytes(blocks: list[nn.Module], blocks_to_swap: int, per_block: Callable[[nn.Module], int]) -> int:
-    """Bytes kept off the device by swapping the last ``blocks_to_swap`` blocks to the CPU, less the one
-    block that is on its way in at any time."""
-    if blocks_to_swap <= 0:
-        return 0
-    swapped = blocks[-blocks_to_swap:]
-    return sum(per_block(b) for b in swapped) - max(per_block(b) for b in swapped)
+def swapped_blocks(blocks: list[nn.Module], blocks_to_swap: int) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The last ``blocks_to_swap`` blocks, and of them the two largest: the swapper keeps two on the device at a
+    time (the one running and the one it prefetches)."""
+    swapped = blocks[len(blocks) - blocks_to_swap:] if blocks_to_swap > 0 else []
+    return swapped, sorted(swapped, key=lambda b: sum(p.numel() for p in b.parameters()))[-2:]
 
 
 def _size(nbytes: int) -> str:
@@ -207,20 +347,31 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / GIB:7.2f} GiB" if abs(nbytes) >= GIB / 10 or nbytes == 0 else f"{nbytes / 2**20:7.2f} MiB"
 
 
+def _row(line: Line) -> str:
+    params = (f"{line.params / 1e9:.2f}B" if line.params >= 1e8 else
+              f"{line.params / 1e6:.1f}M" if line.params >= 1e5 else f"{line.params / 1e3:.1f}K" if line.params
+              else "")
+    return f"    {line.what:<60} {params:>7} {line.precision:>5} {_size(line.nbytes)}"
+
+
 def format_plan(plan: MemoryPlan, device_memory: int | None, measured: int | None = None) -> str:
-    """The plan as a table, with the verdict for ``device_memory`` and a measured peak when there is one."""
-    rows = ["memory plan: estimated peak device memory"]
-    for line in plan.lines:
-        params = (f"{line.params / 1e9:.2f}B" if line.params >= 1e8 else
-                  f"{line.params / 1e6:.1f}M" if line.params >= 1e5 else f"{line.params / 1e3:.1f}K" if line.params
-                  else "")
-        rows.append(f"  {line.what:<58} {params:>7} {line.precision:>5} {_size(line.nbytes)}")
-    rows.append(f"  {'total':<58} {'':>7} {'':>5} {_size(plan.total)}")
+    """The plan phase by phase (device, then host memory), the peaks, and the verdict for ``device_memory``."""
+    rows = ["memory plan: estimated peak memory of each phase"]
+    for phase in plan.phases:
+        rows.append(f"  {phase.name}: on the device")
+        rows += [_row(line) for line in phase.device]
+        rows.append(f"    {'device total':<60} {'':>7} {'':>5} {_size(phase.device_total)}")
+        if phase.host:
+            rows.append("    in host memory:")
+            rows += [_row(line) for line in phase.host]
+            rows.append(f"    {'host total':<60} {'':>7} {'':>5} {_size(phase.host_total)}")
+    busiest = max(plan.phases, key=lambda phase: phase.device_total)
+    rows.append(f"  peak device memory {_size(plan.total).strip()} ({busiest.name}); "
+                f"peak host memory {_size(plan.host_total).strip()}")
     if measured is not None:
-        rows.append(f"  {'measured peak':<58} {'':>7} {'':>5} {_size(measured)}")
+        rows.append(f"  measured peak {_size(measured).strip()}")
     if device_memory is not None:
-        usable = device_memory * (1 - HEADROOM_FRACTION)
-        verdict = "fits" if plan.total <= usable else "does NOT fit"
+        verdict = "fits" if fits(plan, device_memory) else "does NOT fit"
         rows.append(f"  device memory {device_memory / GIB:.1f} GiB, {HEADROOM_FRACTION:.0%} kept free "
                     f"for the CUDA context and allocator: {verdict}")
     return "\n".join(rows)
@@ -238,7 +389,7 @@ def fits(plan: MemoryPlan, device_memory: int) -> bool:
 
 
 def options_that_fit(estimate: Callable[[PlanOptions], MemoryPlan], options: PlanOptions, device_memory: int,
-                     *, max_blocks: int, cuda: bool) -> list[tuple[str, MemoryPlan]]:
+                     *, max_blocks: int, cuda: bool, has_t5: bool = False) -> list[tuple[str, MemoryPlan]]:
     """Changes of the memory options that bring the estimate under the card's usable memory, in the order
     that costs least speed and quality: each single change that fits; if none does, the changes together,
     then with the fewest swapped blocks that fit. ``[]`` when nothing fits."""
@@ -247,6 +398,8 @@ def options_that_fit(estimate: Callable[[PlanOptions], MemoryPlan], options: Pla
         steps.append(("encoders off the device (cached latents and text)", {"encoders_on_device": False}))
     if not options.gradient_checkpointing:
         steps.append(("--gradient_checkpointing", {"gradient_checkpointing": True}))
+    if has_t5 and options.text_encoder_quantization == "none":
+        steps.append(("--text_encoder_quantization int8", {"text_encoder_quantization": "int8"}))
     current = _BYTES_PER_LINEAR_WEIGHT[options.base_quantization] or 2
     for mode, label in (("fp8", "--base_quantization fp8 (or int8)"), ("nf4", "--base_quantization nf4")):
         if (cuda or mode != "nf4") and _BYTES_PER_LINEAR_WEIGHT[mode] < current:

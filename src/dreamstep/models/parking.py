@@ -1,4 +1,5 @@
-"""Frozen encoders parked off the training device while the loop runs, and the caches filled first.
+"""Frozen encoders parked off the training device while the loop runs, and the caches filled first
+(the phases of a run: :mod:`dreamstep.models.phases`).
 
 Once every caption and image of a run is encoded into the caches, the text encoders (T5-XXL alone is
 9.5 GB in bf16) and the VAE have nothing to do until validation or the end of the run. They wait in CPU
@@ -8,7 +9,7 @@ memory and come back to the device only inside :meth:`ParkedModules.on_device`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -18,6 +19,10 @@ from torch import nn
 PARKING_DEVICE = torch.device("cpu")
 
 
+def move(module: nn.Module, device: torch.device) -> None:
+    module.to(device)
+
+
 class ParkedModules:
     """Modules that live on :data:`PARKING_DEVICE` except inside :meth:`on_device`."""
 
@@ -25,24 +30,37 @@ class ParkedModules:
         self.modules = modules
         self.device = device
 
-    def park(self) -> None:
-        for module in self.modules.values():
-            module.to(PARKING_DEVICE)
-        if self.modules and self.device.type == "cuda":
+    def park(self, names: Iterable[str] | None = None) -> None:
+        chosen = [self.modules[name] for name in (self.modules if names is None else names) if name in self.modules]
+        for module in chosen:
+            move(module, PARKING_DEVICE)
+        if chosen and self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the freed blocks back so the loop's activations can use them
 
     @contextlib.contextmanager
-    def on_device(self) -> Iterator[None]:
-        """Bring the modules to the training device for the block (validation, class images)."""
-        for module in self.modules.values():
-            module.to(self.device)
+    def on_device(self, *names: str) -> Iterator[None]:
+        """Bring the named parked modules (default: all) to the training device for the block; validation images
+        need only the VAE (their prompts' embeddings are cached)."""
+        chosen = [name for name in (names or self.modules) if name in self.modules]
+        for name in chosen:
+            move(self.modules[name], self.device)
         try:
             yield
         finally:
-            self.park()
+            self.park(chosen)
 
     def describe(self) -> str:
         return ", ".join(self.modules) if self.modules else "none"
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Let go of what a finished phase left on the device (class images: the whole pipeline), once the caller
+    dropped its references."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def fill_caches(conditioner: Any, dataset: Any, epochs: int, batch_size: int = 8) -> None:
@@ -75,3 +93,11 @@ def fill_caches(conditioner: Any, dataset: Any, epochs: int, batch_size: int = 8
         conditioner.latents(batch)
         if "conditioning_keys" in batch:
             conditioner.latents(batch, prefix="conditioning_")
+
+
+def encode_run(conditioner: Any, dataset: Any, held_out: Any | None, epochs: int) -> None:
+    """The "encode" phase (:mod:`~dreamstep.models.phases`): every caption and cached latent of the run's
+    ``epochs``, and of the held-out images the validation loss reads, so that nothing needs an encoder later."""
+    fill_caches(conditioner, dataset, epochs=epochs)
+    if held_out is not None:
+        fill_caches(conditioner, held_out, epochs=1)

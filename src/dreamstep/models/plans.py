@@ -16,7 +16,9 @@ from dreamstep.errors import UserError
 from dreamstep.models import memory_plan as mp
 from dreamstep.models import published_configs as published
 from dreamstep.config.memory import parse_bytes
-from dreamstep.models.memory_plan import Line, MemoryPlan, PlanOptions
+from dreamstep.models.memory_plan import Line, MemoryPlan, Phase, PlanOptions
+from dreamstep.models.phases import PHASES, loop_encoders, resident_components
+
 
 def _with_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
     model.requires_grad_(False)
@@ -34,8 +36,8 @@ def flux_components(folder: Path | None) -> dict[str, nn.Module]:
 
     return {
         "transformer": mp.build_on_meta(FluxTransformer2DModel, config("transformer", published.FLUX_DEV_TRANSFORMER)),
-        "text_encoder_2 (T5)": mp.build_on_meta(T5EncoderModel, config("text_encoder_2", published.T5_XXL_ENCODER)),
-        "text_encoder (CLIP)": mp.build_on_meta(CLIPTextModel, config("text_encoder", published.CLIP_L_TEXT)),
+        "text_encoder_2": mp.build_on_meta(T5EncoderModel, config("text_encoder_2", published.T5_XXL_ENCODER)),
+        "text_encoder": mp.build_on_meta(CLIPTextModel, config("text_encoder", published.CLIP_L_TEXT)),
         "vae": mp.build_on_meta(AutoencoderKL, config("vae", published.FLUX_VAE)),
     }
 
@@ -50,68 +52,103 @@ def sdxl_components(folder: Path | None) -> dict[str, nn.Module]:
 
     return {
         "unet": mp.build_on_meta(UNet2DConditionModel, config("unet", published.SDXL_UNET)),
-        "text_encoder (CLIP-L)": mp.build_on_meta(CLIPTextModel, config("text_encoder", published.CLIP_L_TEXT)),
-        "text_encoder_2 (bigG)": mp.build_on_meta(CLIPTextModelWithProjection,
-                                                  config("text_encoder_2", published.OPENCLIP_BIGG_TEXT)),
+        "text_encoder": mp.build_on_meta(CLIPTextModel, config("text_encoder", published.CLIP_L_TEXT)),
+        "text_encoder_2": mp.build_on_meta(CLIPTextModelWithProjection,
+                                           config("text_encoder_2", published.OPENCLIP_BIGG_TEXT)),
         "vae": mp.build_on_meta(AutoencoderKL, config("vae", published.SDXL_VAE)),
     }
 
 
+LABELS = {"flux": {"transformer": "transformer", "text_encoder_2": "text_encoder_2 (T5)",
+                  "text_encoder": "text_encoder (CLIP)", "vae": "vae"},
+          "sdxl": {"unet": "unet", "text_encoder": "text_encoder (CLIP-L)", "text_encoder_2": "text_encoder_2 (bigG)",
+                   "vae": "vae"}}
+# Captions are encoded this many at a time (parking.fill_caches), images one at a time.
+ENCODE_BATCH = 8
+
+
 def _flux_step(transformer: nn.Module, resolution: int, batch: int, text_tokens: int,
-               controlnet: nn.Module | None = None) -> Callable[[], torch.Tensor]:
-    """One training forward of the transformer (fed by ``controlnet``'s residuals when given) at
-    ``resolution`` (FLUX packs 2x2 latent patches: a 1024 px image is 64 x 64 tokens), returning a loss."""
+               controlnet: nn.Module | None = None, train: bool = True) -> Callable[[], torch.Tensor | None]:
+    """One forward of the transformer (fed by ``controlnet``'s residuals when given) at ``resolution`` (FLUX
+    packs 2x2 latent patches: a 1024 px image is 64 x 64 tokens), returning a loss when ``train``. Training
+    steps get the trainer's fp32 inputs (cached latents and embeddings; autocast casts them per op), inference
+    the pipeline's, in the transformer's dtype."""
     config = transformer.config
     tokens = (resolution // 16) ** 2
 
-    def run() -> torch.Tensor:
-        dtype = transformer.dtype
+    def run() -> torch.Tensor | None:
+        dtype = torch.float32 if train else transformer.dtype
         inputs = dict(
             hidden_states=torch.empty(batch, tokens, config.in_channels, dtype=dtype),
             encoder_hidden_states=torch.empty(batch, text_tokens, config.joint_attention_dim, dtype=dtype),
             pooled_projections=torch.empty(batch, config.pooled_projection_dim, dtype=dtype),
-            timestep=torch.empty(batch), img_ids=torch.empty(tokens, 3), txt_ids=torch.empty(text_tokens, 3),
-            guidance=torch.empty(batch) if config.guidance_embeds else None, return_dict=False)
+            timestep=torch.empty(batch, dtype=dtype), img_ids=torch.empty(tokens, 3),
+            txt_ids=torch.empty(text_tokens, 3),
+            guidance=torch.empty(batch, dtype=dtype) if config.guidance_embeds else None, return_dict=False)
         residuals = {}
         if controlnet is not None:
             double, single = controlnet(controlnet_cond=torch.empty_like(inputs["hidden_states"]), **inputs)
             residuals = {"controlnet_block_samples": double, "controlnet_single_block_samples": single}
         out = transformer(**inputs, **residuals)[0]
-        return out.float().pow(2).mean()
+        return (out.float() - torch.empty_like(out, dtype=torch.float32)).pow(2).mean() if train else None
 
     return run
 
 
-def _sdxl_step(unet: nn.Module, resolution: int, batch: int, text_tokens: int) -> Callable[[], torch.Tensor]:
+def _sdxl_step(unet: nn.Module, resolution: int, batch: int, text_tokens: int,
+               train: bool = True) -> Callable[[], torch.Tensor | None]:
     config = unet.config
     side = resolution // 8
 
-    def run() -> torch.Tensor:
-        dtype = unet.dtype
-        out = unet(torch.empty(batch, config.in_channels, side, side, dtype=dtype), torch.empty(batch),
-                   encoder_hidden_states=torch.empty(batch, text_tokens, config.cross_attention_dim, dtype=dtype),
+    def run() -> torch.Tensor | None:
+        out = unet(torch.empty(batch, config.in_channels, side, side), torch.empty(batch),
+                   encoder_hidden_states=torch.empty(batch, text_tokens, config.cross_attention_dim),
                    added_cond_kwargs={"text_embeds": torch.empty(batch, config.projection_class_embeddings_input_dim
-                                                                 - 6 * config.addition_time_embed_dim, dtype=dtype),
+                                                                 - 6 * config.addition_time_embed_dim),
                                       "time_ids": torch.empty(batch, 6)}, return_dict=False)[0]
-        return out.float().pow(2).mean()
+        return (out.float() - torch.empty_like(out, dtype=torch.float32)).pow(2).mean() if train else None
+
+    return run
+
+
+def _text_encoder_pass(encoder: nn.Module, tokens: int) -> Callable[[], None]:
+    def run() -> None:
+        encoder(torch.zeros(ENCODE_BATCH, tokens, dtype=torch.long))
+
+    return run
+
+
+def _vae_pass(vae: nn.Module, resolution: int, decode: bool) -> Callable[[], None]:
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+
+    def run() -> None:
+        if decode:
+            vae.decode(torch.empty(1, vae.config.latent_channels, resolution // factor, resolution // factor,
+                                   dtype=vae.dtype))
+        else:
+            vae.encode(torch.empty(1, vae.config.in_channels, resolution, resolution, dtype=vae.dtype))
 
     return run
 
 
 class Estimator:
-    """Estimates plans of one run's models (built once on the meta device) for any :class:`PlanOptions`.
+    """Estimates plans of one run's models (built once on the meta device) for any :class:`PlanOptions`, phase by
+    phase (:mod:`dreamstep.models.phases`): which components are on the device, what waits in host memory, and
+    the peak of the pass that runs.
 
     ``arch``: "flux" or "sdxl" (a LoRA of ``rank`` on the transformer / UNet), or "flux-controlnet" (a
     ControlNet of ``controlnet_layers`` = (double, single) blocks trained beside the frozen transformer)."""
 
     def __init__(self, arch: str, source: str | None, rank: int = 0, lora_layers: list[str] | None = None,
-                 controlnet_layers: tuple[int, int] = (4, 10)):
+                 controlnet_layers: tuple[int, int] = (4, 10), device_type: str = "cuda"):
         from dreamstep.lora.inject import flux_lora_targets
 
         folder = mp.model_folder(source)
         self.arch = arch
+        self.device_type = device_type  # whose autocast policy the passes follow
         if arch not in ("flux", "sdxl", "flux-controlnet"):
             raise UserError(f"unknown model '{arch}'; use flux or sdxl")
+        self.family = "sdxl" if arch == "sdxl" else "flux"
         self.components = sdxl_components(folder) if arch == "sdxl" else flux_components(folder)
         for module in self.components.values():
             module.requires_grad_(False)
@@ -120,7 +157,7 @@ class Estimator:
         if arch == "flux-controlnet":
             from diffusers import FluxControlNetModel
 
-            with torch.device("meta"), mp.default_dtype(torch.bfloat16):
+            with torch.device("meta"), mp.default_dtype(torch.float32):
                 self.trainable = FluxControlNetModel.from_transformer(
                     self.base, *controlnet_layers, attention_head_dim=self.base.config.attention_head_dim,
                     num_attention_heads=self.base.config.num_attention_heads, load_weights_from_transformer=False)
@@ -132,59 +169,134 @@ class Estimator:
                         if isinstance(m, nn.Linear) and ".attentions." in name])
             self.trainable = _with_lora(self.base, rank, targets)
             self.trainable_label = f"LoRA rank {rank}"
-            # Activations are computed with LoRA weights in the compute dtype, as autocast runs them.
-            for param in self.trainable.parameters():
+            for param in self.trainable.parameters():  # trainable weights are fp32 (models/precision.py)
                 if param.requires_grad:
-                    param.data = param.data.to(torch.bfloat16)
+                    param.data = param.data.float()
         self.blocks = ([*self.base.transformer_blocks, *self.base.single_transformer_blocks] if arch != "sdxl" else
                        [m for m in self.base.modules() if type(m).__name__ == "BasicTransformerBlock"])
 
-    @lru_cache(maxsize=8)
-    def activations(self, resolution: int, batch: int, checkpointing: bool, text_tokens: int) -> int:
+    def _quantized(self, mode: str) -> dict[nn.Parameter, str]:
+        if mode == "none":
+            return {}
+        return {m.weight: mode for m in self.base.modules()
+                if isinstance(m, nn.Linear) and not m.weight.requires_grad}
+
+    @lru_cache(maxsize=16)
+    def activations(self, resolution: int, batch: int, checkpointing: bool, text_tokens: int,
+                    quantization: str = "none", half: torch.dtype | None = torch.bfloat16, train: bool = True) -> int:
+        """Peak bytes of one training step's pass (``train``: inputs, activations, gradients) or one inference
+        forward of the transformer / UNet, with the trainer's dtypes."""
         models = [self.base] if self.trainable is self.base else [self.trainable, self.base]
+        for param in self.base.parameters():  # frozen weights in the run's dtype (free on the meta device)
+            if not param.requires_grad:
+                param.data = param.data.to(half or torch.float32)
         for model in models:
             if checkpointing:
                 model.enable_gradient_checkpointing()
             else:
                 model.disable_gradient_checkpointing()
-            model.train()
+            model.train(train)
         if self.arch == "sdxl":
-            step = _sdxl_step(self.base, resolution, batch, 77)
+            step = _sdxl_step(self.base, resolution, batch, 77, train)
         else:
-            step = _flux_step(self.base, resolution, batch, text_tokens,
+            step = _flux_step(self.base, resolution, batch, text_tokens, train=train,
                               controlnet=self.trainable if self.trainable is not self.base else None)
-        with torch.device("meta"):
-            return mp.activation_peak(nn.ModuleList(models), step)
+        grad = torch.enable_grad() if train else torch.no_grad()
+        with torch.device("meta"), grad:
+            return mp.pass_peak(nn.ModuleList(models), step, autocast=half, device_type=self.device_type,
+                                quantized=self._quantized(quantization))
 
-    def __call__(self, options: PlanOptions) -> MemoryPlan:
+    @lru_cache(maxsize=16)
+    def encoder_pass(self, name: str, resolution: int, text_tokens: int, decode: bool = False) -> int:
+        """Peak bytes of encoding a batch of captions with text encoder ``name``, or one image with the VAE
+        (``decode``: decoding one)."""
+        module = self.components[name]
+        if name == "vae":
+            run = _vae_pass(module, resolution, decode)
+        else:
+            run = _text_encoder_pass(module, text_tokens if "T5" in LABELS[self.family][name] else 77)
+        with torch.device("meta"), torch.no_grad():
+            return mp.pass_peak(module, run, autocast=None, device_type=self.device_type)
+
+    def _weights(self, name: str, options: PlanOptions) -> Line:
+        module = self.components[name]
         dtype_bytes = torch.finfo(options.weight_dtype).bits // 8
-        dtype = mp.dtype_name(options.weight_dtype)
-        lines = []
-        for name, module in self.components.items():
-            frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
-            if module is self.base:
-                quant = options.base_quantization
-                lines.append(Line(f"{name} (frozen)", frozen, _label(quant, dtype),
-                                  mp.weight_bytes(module, quant, dtype_bytes, frozen_only=True)))
-                if options.blocks_to_swap:
-                    swapped = mp.swapped_bytes(self.blocks, options.blocks_to_swap,
-                                               lambda b: mp.weight_bytes(b, quant, dtype_bytes, frozen_only=True))
-                    lines.append(Line(f"  {options.blocks_to_swap} blocks swapped to the CPU", 0, "", -swapped))
-                continue
-            quant = options.text_encoder_quantization if "T5" in name else "none"
-            on_device = options.encoders_on_device
-            lines.append(Line(name if on_device else f"{name}: off the device during the loop", frozen,
-                              _label(quant, dtype), mp.weight_bytes(module, quant, dtype_bytes) if on_device else 0))
+        if name == self.base_name:
+            quant = options.base_quantization
+        else:
+            quant = options.text_encoder_quantization if "T5" in LABELS[self.family][name] else "none"
+        frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+        return Line(f"{LABELS[self.family][name]} (frozen)", frozen, _label(quant, mp.dtype_name(options.weight_dtype)),
+                    mp.weight_bytes(module, quant, dtype_bytes, frozen_only=True))
+
+    def _base_lines(self, options: PlanOptions) -> tuple[list[Line], list[Line]]:
+        """The frozen base's weights on the device and, with swapping, in host memory."""
+        device = [self._weights(self.base_name, options)]
+        if not options.blocks_to_swap:
+            return device, []
+        quant = options.base_quantization
+        dtype_bytes = torch.finfo(options.weight_dtype).bits // 8
+        swapped, resident = mp.swapped_blocks(self.blocks, options.blocks_to_swap)
+
+        def size(blocks: list[nn.Module]) -> int:
+            # nf4's absmax is kept with the block's quantization state on the device.
+            plain = quant if quant != "nf4" else "nf4-packed"
+            return sum(mp.weight_bytes(b, plain, dtype_bytes, frozen_only=True) for b in blocks)
+
+        out = size(swapped) - size(resident)
+        device.append(Line(f"  {len(swapped)} blocks swapped out (2 of them on the device at a time)", 0, "", -out))
+        return device, [Line(f"{len(swapped)} swapped blocks of the {self.base_name}", 0, _label(
+            quant, mp.dtype_name(options.weight_dtype)), size(swapped))]
+
+    def _trainable_lines(self, options: PlanOptions) -> list[Line]:
         trained = sum(p.numel() for p in self.trainable.parameters() if p.requires_grad)
         state = mp.OPTIMIZER_BYTES.get(options.optimizer, mp.OPTIMIZER_BYTES["AdamW"])
-        lines.append(Line(f"{self.trainable_label}: fp32 weights + {options.optimizer} state", trained, "fp32",
-                          trained * (4 + state)))
-        checkpointing = "with" if options.gradient_checkpointing else "without"
-        lines.append(Line(f"activations: {options.resolution}px, batch {options.batch_size}, {checkpointing} "
-                          "checkpointing", 0, dtype,
-                          self.activations(options.resolution, options.batch_size, options.gradient_checkpointing,
-                                           options.max_sequence_length)))
-        return MemoryPlan(options, lines)
+        return [Line(f"{self.trainable_label}: fp32 weights + {options.optimizer} state", trained, "fp32",
+                     trained * (4 + state))]
+
+    def _phase(self, phase: str, options: PlanOptions, base: tuple[list[Line], list[Line]]) -> Phase:
+        in_the_loop = loop_encoders(self.family, text_encoders_train=options.encoders_on_device,
+                                    vae_in_the_loop=options.encoders_on_device)
+        resident = resident_components(self.family, phase, in_the_loop=in_the_loop,
+                                       validation_images=options.validation_images,
+                                       base_loads_on_device=options.base_quantization == "nf4")
+        half = None if options.weight_dtype == torch.float32 else options.weight_dtype
+        encoders = [name for name in self.components if name != self.base_name]
+        device = [self._weights(name, options) for name in encoders if name in resident]
+        host = [self._weights(name, options) for name in encoders if name not in resident]
+        resolution, tokens = options.resolution, options.max_sequence_length
+        if phase == "encode":
+            passes = {f"encoding with {LABELS[self.family][n]}": self.encoder_pass(n, resolution, tokens)
+                      for n in encoders}
+            name, peak = max(passes.items(), key=lambda item: item[1])
+            base_there = [self._weights(self.base_name, options)] if self.base_name in resident else []
+            return Phase(phase, resident, base_there + device + [Line(f"the largest pass: {name}", 0, "", peak)], [])
+        if phase == "load":
+            # Without quantization, or with torchao's, the base loads into host memory and then moves; diffusers'
+            # bitsandbytes loader puts a 4-bit base on the device whole.
+            whole = self._weights(self.base_name, options)
+            return (Phase(phase, resident, [whole], host) if self.base_name in resident else
+                    Phase(phase, resident, [], host + [whole]))
+        base_device, base_host = base
+        device = base_device + self._trainable_lines(options) + device
+        host = host + base_host
+        if phase == "train":
+            checkpointing = "with" if options.gradient_checkpointing else "without"
+            peak = self.activations(resolution, options.batch_size, options.gradient_checkpointing, tokens,
+                                    options.base_quantization, half)
+            device.append(Line(f"training pass: {resolution}px, batch {options.batch_size}, {checkpointing} "
+                               "checkpointing (activations, gradients)", 0, "", peak))
+            return Phase(phase, resident, device, host)
+        passes = {f"{self.base_name} forward at {resolution}px": self.activations(
+            resolution, 1, False, tokens, options.base_quantization, half, train=False)}
+        if options.validation_images:
+            passes[f"VAE decode at {resolution}px"] = self.encoder_pass("vae", resolution, tokens, decode=True)
+        name, peak = max(passes.items(), key=lambda item: item[1])
+        return Phase(phase, resident, device + [Line(f"the largest pass: {name}", 0, "", peak)], host)
+
+    def __call__(self, options: PlanOptions) -> MemoryPlan:
+        base = self._base_lines(options)
+        return MemoryPlan(options, [self._phase(phase, options, base) for phase in PHASES])
 
 
 def _label(quant: str, dtype: str) -> str:
@@ -198,7 +310,7 @@ def plan_report(estimator: Estimator, options: PlanOptions, device_memory: int |
     text = mp.format_plan(plan, device_memory, measured)
     if device_memory is not None and not mp.fits(plan, device_memory):
         found = mp.options_that_fit(estimator, options, device_memory, max_blocks=len(estimator.blocks) - 1,
-                                    cuda=torch.cuda.is_available())
+                                    cuda=torch.cuda.is_available(), has_t5=estimator.family == "flux")
         text += "\n" + mp.suggestion_lines(found)
     return text
 

@@ -155,7 +155,8 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     validation = [(load_rgb(Path(image)), prompt) for image, prompt in config.validation_pairs()]
     scorer = load_scorer(config)
     print_run_plan("flux-controlnet", config.pretrained_model_name_or_path, flux.plan_options(
-        config, rank=0, encoders_on_device=not config.cache_latents or dataset.encodes_in_the_loop()),
+        config, rank=0, encoders_on_device=not config.cache_latents or dataset.encodes_in_the_loop(),
+        validation_images=bool(validation)),
         config.device_memory,
         controlnet_layers=(config.num_double_layers, config.num_single_layers))
     if config.dry_run:
@@ -168,12 +169,43 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     plan = plan_steps(len(loader), **config.step_counts())
 
-    # 2. Load: the base frozen in --mixed_precision; the ControlNet built or loaded, in its weight dtype.
-    base = flux.load_frozen_for_training(
+    transformer_config = flux.transformer_config(config)  # checked before anything is encoded or written
+    if config.controlnet_model_name_or_path is None:
+        cn.check_layers(config.num_double_layers, config.num_single_layers, transformer_config)
+
+    # 2. Data: pairs; target and control posteriors cached (a random crop with room to move is encoded
+    # every step), prompt embeddings cached.
+    latent_cache, text_cache = flux.training_caches(
+        Path(config.cache_dir or Path(config.output_dir) / "cache"), config.pretrained_model_name_or_path,
+        revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
+        max_sequence_length=config.max_sequence_length,
+        cache_latents=config.cache_latents,
+        image_dirs=[d for ds in datasets for s in ds.subsets for d in (s.image_dir, s.conditioning_data_dir)
+                    if d is not None])
+    for part in (dataset, held_out):
+        if part is not None:
+            part.latent_cache = latent_cache
+
+    # 3. Encode (models/phases.py): the text encoders and the VAE encode every caption, pair and validation
+    # prompt before the transformer loads; then those the loop does not use wait in host memory.
+    base = flux.load_encoders_for_training(
         config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
+        mixed_precision=config.mixed_precision, device=run.device,
+        text_encoder_quantization=config.text_encoder_quantization)
+    conditioner = ControlConditioner(flux.FluxConditioner(
+        flux.assemble_pipeline(base), latent_cache=latent_cache, text_cache=text_cache,
+        max_sequence_length=config.max_sequence_length, device=run.device))
+    parking.encode_run(conditioner.conditioner, dataset, held_out, epochs=plan.num_epochs)
+    embeddings = flux.prompt_embeddings(conditioner.conditioner, [prompt for _, prompt in validation])
+    encoders = flux.park_encoders(base, run.device, text_encoder_trains=False,
+                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
+    batches = ConditionedBatches(loader, conditioner)
+
+    # 4. Load: the base frozen in --mixed_precision; the ControlNet built or loaded, in its weight dtype.
+    flux.load_transformer_for_training(
+        base, config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
         transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
-        device=run.device, base_quantization=config.base_quantization,
-        text_encoder_quantization=config.text_encoder_quantization, transformer_on_host=config.blocks_to_swap > 0)
+        device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
     if config.controlnet_model_name_or_path is not None:
         controlnet = cn.load(config.controlnet_model_name_or_path, base.transformer)
     else:
@@ -196,32 +228,11 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                    device=run.device, num_processes=run.accelerator.num_processes)
     pipeline = flux.assemble_pipeline(base, controlnet)
 
-    # 3. Data: pairs; target and control posteriors cached (a random crop with room to move is encoded
-    # every step), prompt embeddings cached.
-    latent_cache, text_cache = flux.training_caches(
-        Path(config.cache_dir or Path(config.output_dir) / "cache"), config.pretrained_model_name_or_path,
-        revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
-        max_sequence_length=config.max_sequence_length,
-        cache_latents=config.cache_latents,
-        image_dirs=[d for ds in datasets for s in ds.subsets for d in (s.image_dir, s.conditioning_data_dir)
-                    if d is not None])
-    for part in (dataset, held_out):
-        if part is not None:
-            part.latent_cache = latent_cache
-    conditioner = ControlConditioner(flux.FluxConditioner(
-        pipeline, latent_cache=latent_cache, text_cache=text_cache, max_sequence_length=config.max_sequence_length,
-        device=run.device))
-    batches = ConditionedBatches(loader, conditioner)
-
-    # 4. Step: the optimizer over every ControlNet weight, the LR schedule, clipping, accumulation.
+    # 5. Step: the optimizer over every ControlNet weight, the LR schedule, clipping, accumulation.
     optimizer = _optimizer(config, list(controlnet.parameters()))
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
                                       total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
-    # Every caption and cached latent of the run encoded now; the encoders wait off the device until needed.
-    parking.fill_caches(conditioner.conditioner, dataset, epochs=plan.num_epochs)
-    encoders = flux.park_encoders(base, run.device, text_encoder_trains=False,
-                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     # A sharded model talks to its peers itself; DDP comes from accelerate.
     model, optimizer = (controlnet, optimizer) if sharded else run.accelerator.prepare(controlnet, optimizer)
     step = FluxControlNetStep(
@@ -239,19 +250,22 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                       tokenizers=flux.tokenizer_limits(pipeline, config.max_sequence_length),
                       sharded_stage=config.zero_stage)
 
-    # 5. Loop: the engine trains, checkpoints and validates (samples, validation loss, scores).
+    # 6. Loop: the engine trains, checkpoints and validates (samples, validation loss, scores); validation images
+    # bring back only the VAE (which also encodes the control image), the validation loss nothing.
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
                                 loss_at=step.validation_loss_at, modules=[model], seed=config.seed,
                                 subject_images=subject_image_paths(dataset, held_out), device=run.device)
 
     def validate(global_step: int) -> list[Image.Image]:
-        with encoders.on_device():
-            rows = _validation_rows(config, pipeline, validation, run.device.type,
-                                    datasets[0].buckets.resolution)
-            if evaluator is not None and global_step not in run.logger.metrics.rows:
-                samples = [(image, prompt, control) for control, prompt, images in rows for image in images]
-                run.logger.log_metrics(global_step, evaluator([s[0] for s in samples], [s[1] for s in samples],
-                                                              controls=[s[2] for s in samples]))
+        rows = []
+        if validation:
+            with encoders.on_device("vae"):
+                rows = _validation_rows(config, pipeline, validation, run.device.type,
+                                        datasets[0].buckets.resolution, embeddings)
+        if evaluator is not None and global_step not in run.logger.metrics.rows:
+            samples = [(image, prompt, control) for control, prompt, images in rows for image in images]
+            run.logger.log_metrics(global_step, evaluator([s[0] for s in samples], [s[1] for s in samples],
+                                                          controls=[s[2] for s in samples]))
         return [cn.side_by_side([[control, *images] for control, _, images in rows])] if rows else []
 
     sample = validate if validation or evaluator else None
@@ -263,7 +277,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                  on_nonfinite_loss=config.on_nonfinite_loss,
                  max_skipped_steps_fraction=config.max_skipped_steps_fraction)
 
-    # 6. Save: the save_pretrained layout, final samples and scores, loss curve, summary.
+    # 7. Save: the save_pretrained layout, final samples and scores, loss curve, summary.
     written = {}
     state = full_model_state(controlnet) if sharded else None  # every process helps gather it
     if run.is_main_process:
@@ -295,7 +309,8 @@ class ControlConditioner:
 
 
 def _validation_rows(config: FluxControlNetConfig, pipeline, validation: list[tuple[Image.Image, str]],
-                     device_type: str, size: tuple[int, int]) -> list[tuple[Image.Image, str, list[Image.Image]]]:
+                     device_type: str, size: tuple[int, int], embeddings: dict[str, dict[str, torch.Tensor]]
+                     ) -> list[tuple[Image.Image, str, list[Image.Image]]]:
     """(control image, prompt, samples) per validation pair, at the training resolution ``size`` (width,
     height; the control image resized to it); the grid shows a row per pair."""
     was_training = pipeline.controlnet.training
@@ -308,7 +323,8 @@ def _validation_rows(config: FluxControlNetConfig, pipeline, validation: list[tu
             images = flux.generate(pipeline, [prompt] * config.num_validation_images, seed=config.seed,
                                    steps=config.validation_inference_steps, guidance_scale=config.guidance_scale,
                                    width=size[0], height=size[1],
-                                   max_sequence_length=config.max_sequence_length, control_image=control)
+                                   max_sequence_length=config.max_sequence_length, control_image=control,
+                                   embeddings=embeddings)
             rows.append((control, prompt, images))
     pipeline.controlnet.train(was_training)
     return rows

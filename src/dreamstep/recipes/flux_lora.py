@@ -143,8 +143,8 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
     scorer = load_scorer(config)
     print_run_plan("flux", config.pretrained_model_name_or_path, flux.plan_options(
         config, rank=config.rank,
-        encoders_on_device=config.train_text_encoder or not config.cache_latents or dataset.encodes_in_the_loop()),
-        config.device_memory, lora_layers=config.lora_layers)
+        encoders_on_device=config.train_text_encoder or not config.cache_latents or dataset.encodes_in_the_loop(),
+        validation_images=bool(config.validation_prompt)), config.device_memory, lora_layers=config.lora_layers)
     if config.dry_run:
         return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
@@ -152,37 +152,16 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                     config_toml=config_to_toml(config),
                     command="dreamstep train flux-lora", overwrite=config.overwrite_output_dir)
 
-    # 2. Load: the base frozen in the --mixed_precision dtype; LoRA weights added in fp32; class images.
-    base = flux.load_frozen_for_training(
-        config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
-        transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
-        device=run.device, base_quantization=config.base_quantization,
-        text_encoder_quantization=config.text_encoder_quantization, transformer_on_host=config.blocks_to_swap > 0)
-    pipeline = flux.assemble_pipeline(base)
-    alpha = config.lora_alpha if config.lora_alpha is not None else config.rank
-    add_lora(base.transformer, flux_lora_targets(base.transformer, config.lora_layers), config.rank, alpha,
-             config.lora_dropout)
-    text_encoder = base.text_encoder if config.train_text_encoder else None
-    if text_encoder is not None:
-        add_lora(text_encoder, CLIP_LORA_TARGETS, config.rank, alpha, config.lora_dropout)
-        text_encoder.train()
-    cast_trainable_params_to_fp32(base.transformer, *([text_encoder] if text_encoder is not None else []))
-    if config.gradient_checkpointing:
-        base.transformer.enable_gradient_checkpointing()
-    base.transformer.train()
-    swapper = prepare_blocks(base.transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
-                             device=run.device, num_processes=run.accelerator.num_processes)
-    model = FluxLoraModel(base.transformer, text_encoder)
-    trained = TrainableState({"transformer": base.transformer, "text_encoder": text_encoder})
-    # Class images come from the base model: the LoRA's B = 0 still, so it does not change them.
+    flux.transformer_config(config)  # --blocks_to_swap checked before anything is encoded or written
+
+    # 2. Class images: the whole base pipeline makes the missing ones, then everything is freed.
     class_dir = None
     if config.with_prior_preservation and config.dataset_config is None:
         class_dir = config.class_data_dir
         if run.is_main_process:
-            flux.generate_class_images(pipeline, class_dir, config.class_prompt, config.num_class_images,
-                                       batch_size=config.sample_batch_size, resolution=config.resolution,
-                                       seed=config.seed, guidance_scale=config.guidance_scale)
+            _generate_class_images(config, class_dir, run.device)
         run.accelerator.wait_for_everyone()
+        parking.free_device_memory(run.device)
 
     # 3. Data: bucketed samples; posteriors and prompt embeddings from content-keyed caches.
     datasets = flux_lora_datasets(config, class_dir)
@@ -202,12 +181,47 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     # With class images made in step 2 the epoch is known only now, so the step counts are planned here.
     plan = plan_steps(len(loader), **config.step_counts())
+
+    # 4. Encode (models/phases.py): the text encoders and the VAE encode every caption, held-out image and
+    # validation prompt before the transformer loads; then those the loop does not use wait in host memory.
+    base = flux.load_encoders_for_training(
+        config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
+        mixed_precision=config.mixed_precision, device=run.device,
+        text_encoder_quantization=config.text_encoder_quantization)
+    pipeline = flux.assemble_pipeline(base)
+    text_encoder = base.text_encoder if config.train_text_encoder else None
     conditioner = flux.FluxConditioner(
         pipeline, latent_cache=latent_cache, text_cache=text_cache, max_sequence_length=config.max_sequence_length,
         device=run.device, clip_ids=text_encoder is not None)
+    prompts = [config.validation_prompt] * config.num_validation_images if config.validation_prompt else []
+    parking.encode_run(conditioner, dataset, held_out, epochs=plan.num_epochs)
+    embeddings = flux.prompt_embeddings(conditioner, prompts)
+    encoders = flux.park_encoders(base, run.device, text_encoder_trains=text_encoder is not None,
+                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
+
+    # 5. Load: the transformer frozen in the --mixed_precision dtype (quantized as asked); LoRA weights in fp32.
+    flux.load_transformer_for_training(
+        base, config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
+        transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
+        device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
+    flux.attach_transformer(pipeline, base)
+    alpha = config.lora_alpha if config.lora_alpha is not None else config.rank
+    add_lora(base.transformer, flux_lora_targets(base.transformer, config.lora_layers), config.rank, alpha,
+             config.lora_dropout)
+    if text_encoder is not None:
+        add_lora(text_encoder, CLIP_LORA_TARGETS, config.rank, alpha, config.lora_dropout)
+        text_encoder.train()
+    cast_trainable_params_to_fp32(base.transformer, *([text_encoder] if text_encoder is not None else []))
+    if config.gradient_checkpointing:
+        base.transformer.enable_gradient_checkpointing()
+    base.transformer.train()
+    swapper = prepare_blocks(base.transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
+                             device=run.device, num_processes=run.accelerator.num_processes)
+    model = FluxLoraModel(base.transformer, text_encoder)
+    trained = TrainableState({"transformer": base.transformer, "text_encoder": text_encoder})
     batches = ConditionedBatches(loader, conditioner)
 
-    # 4. Step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
+    # 6. Step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
     optimizer = build_optimizer(config.optimizer, optimizer_groups(config, base.transformer, text_encoder),
                                 config.learning_rate,
                                 betas=(config.adam_beta1, config.adam_beta2),
@@ -215,10 +229,6 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
                                       total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
-    # Every caption and cached latent of the run encoded now; the encoders wait off the device until needed.
-    parking.fill_caches(conditioner, dataset, epochs=plan.num_epochs)
-    encoders = flux.park_encoders(base, run.device, text_encoder_trains=text_encoder is not None,
-                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = FluxLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
@@ -234,17 +244,19 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
                       tokenizers=flux.tokenizer_limits(pipeline, config.max_sequence_length))
 
-    # 5. Loop: the engine trains, checkpoints and validates (samples, validation loss, fidelity scores).
+    # 7. Loop: the engine trains, checkpoints and validates (samples, validation loss, fidelity scores). The
+    # held-out batches come from the caches; validation images bring back only the VAE, which decodes them.
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
                                 loss_at=step.validation_loss_at, modules=[model], seed=config.seed,
                                 subject_images=subject_image_paths(dataset, held_out), device=run.device)
-    prompts = [config.validation_prompt] * config.num_validation_images if config.validation_prompt else []
 
     def validate(global_step: int) -> list:
-        with encoders.on_device():
-            images = _validation_images(config, pipeline, datasets[0].buckets.resolution) if prompts else []
-            if evaluator is not None and global_step not in run.logger.metrics.rows:
-                run.logger.log_metrics(global_step, evaluator(images, prompts))
+        images = []
+        if prompts:
+            with encoders.on_device("vae"):
+                images = _validation_images(config, pipeline, datasets[0].buckets.resolution, embeddings)
+        if evaluator is not None and global_step not in run.logger.metrics.rows:
+            run.logger.log_metrics(global_step, evaluator(images, prompts))
         return images
 
     sample = validate if prompts or evaluator else None
@@ -255,7 +267,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                  on_nonfinite_loss=config.on_nonfinite_loss,
                  max_skipped_steps_fraction=config.max_skipped_steps_fraction)
 
-    # 6. Save: diffusers layout (+ sd-scripts names), final samples and scores, loss curve, summary.
+    # 8. Save: diffusers layout (+ sd-scripts names), final samples and scores, loss curve, summary.
     written = {}
     if run.is_main_process:
         written["LoRA (diffusers)"] = save_flux_lora(config.output_dir, base.transformer, text_encoder)
@@ -271,13 +283,30 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
 
 
-def _validation_images(config: FluxLoraConfig, pipeline, size: tuple[int, int]) -> list:
-    """Samples at the training resolution ``size`` (width, height): the dataset TOML's, or --resolution."""
+def _generate_class_images(config: FluxLoraConfig, class_dir: str, device: torch.device) -> None:
+    """The missing class images, from the whole base pipeline (loaded for this alone, then dropped)."""
+    base = flux.load_frozen_for_training(
+        config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
+        transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
+        device=device, base_quantization=config.base_quantization,
+        text_encoder_quantization=config.text_encoder_quantization)
+    flux.generate_class_images(flux.assemble_pipeline(base), class_dir, config.class_prompt, config.num_class_images,
+                               batch_size=config.sample_batch_size, resolution=config.resolution,
+                               seed=config.seed, guidance_scale=config.guidance_scale)
+
+
+def _validation_images(config: FluxLoraConfig, pipeline, size: tuple[int, int],
+                       embeddings: dict[str, dict[str, torch.Tensor]]) -> list:
+    """Samples at the training resolution ``size`` (width, height): the dataset TOML's, or --resolution, from the
+    prompt's cached embeddings (a CLIP that trains gives its pooled embedding anew)."""
     was_training = pipeline.transformer.training
     pipeline.transformer.eval()
+    if config.train_text_encoder:
+        embeddings = {prompt: {**found, "pooled": pipeline._get_clip_prompt_embeds(prompt, device=pipeline.device)}
+                      for prompt, found in embeddings.items()}
     images = flux.generate(pipeline, [config.validation_prompt] * config.num_validation_images, seed=config.seed,
                            steps=config.validation_inference_steps, guidance_scale=config.guidance_scale,
                            width=size[0], height=size[1],
-                           max_sequence_length=config.max_sequence_length)
+                           max_sequence_length=config.max_sequence_length, embeddings=embeddings)
     pipeline.transformer.train(was_training)
     return images
