@@ -65,3 +65,40 @@ def test_a_bad_memory_size_is_one_line(capsys: pytest.CaptureFixture, tmp_path: 
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--device_memory '12XB'" in err and "12GB" in err
     assert parse_bytes("24 GiB", "x") == 24 * 2**30 and parse_bytes("8000MB", "x") == 8000 * 2**20
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--resolution", "0"], "--resolution 0: give a positive multiple of 16"),
+    (["--resolution=-512"], "--resolution -512: give a positive multiple of 16"),
+    (["--resolution", "100"], "--resolution 100: give a positive multiple of 16 (e.g. 96)"),
+    (["--device_memory", "0GB"], "--device_memory '0GB': a memory size must be above 0"),
+    (["--max_sequence_length", "0"], "--max_sequence_length 0: T5 reads 1 to 512 tokens"),
+    (["--max_sequence_length", "100000"], "--max_sequence_length 100000: T5 reads 1 to 512 tokens"),
+    (["--blocks_to_swap", "4", "--no_gradient_checkpointing"], "--blocks_to_swap needs gradient checkpointing"),
+    (["--rank", "0"], "--rank 0: must be at least 1"),
+    (["--train_batch_size", "0"], "--train_batch_size 0: must be at least 1"),
+    (["--pretrained_model_name_or_path", "./no/such/model"], "./no/such/model: no such folder"),
+])
+def test_a_plan_no_run_could_train_with_is_one_line(argv: list[str], message: str, capsys) -> None:
+    assert main(["plan", "flux", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+def test_a_model_folder_of_the_other_family_is_named(tiny_sdxl_dir: Path, tmp_path: Path, capsys) -> None:
+    assert main(["plan", "flux", "--pretrained_model_name_or_path", str(tiny_sdxl_dir)]) == 2
+    assert capsys.readouterr().err == (f"error: --pretrained_model_name_or_path {tiny_sdxl_dir}: a "
+                                       "StableDiffusionXLPipeline folder, not FluxPipeline; plan it with "
+                                       "'dreamstep plan sdxl'\n")
+    (tmp_path / "loose").mkdir()
+    assert main(["plan", "sdxl", "--pretrained_model_name_or_path", str(tmp_path / "loose")]) == 2
+    assert "no model_index.json there" in capsys.readouterr().err
+
+
+def test_nf4_without_a_gpu_is_planned_for_another_machine(capsys) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["plan", "flux", "--base_quantization", "nf4", "--resolution", "512"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(
+        "note: nf4 (bitsandbytes) trains only on a CUDA GPU; this machine has none, so this plan is for another "
+        "machine")

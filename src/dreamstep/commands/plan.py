@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
-from dreamstep.config.memory import QUANTIZATION_MODES, parse_bytes
+from dreamstep.config.memory import OPTIMIZER_STATE_BYTES, QUANTIZATION_MODES, parse_bytes
 from dreamstep.errors import UserError
-from dreamstep.models import memory_plan as mp
-from dreamstep.models.memory_plan import PlanOptions
-from dreamstep.models.plans import Estimator, plan_report
+
+PIPELINES = {"flux": "FluxPipeline", "sdxl": "StableDiffusionXLPipeline"}
+MAX_T5_TOKENS = 512  # FLUX.1-dev's T5 reads at most 512 tokens
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
@@ -34,12 +36,63 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("--no_validation_images", action="store_true",
                         help="validation computes only the validation loss (the VAE stays in host memory)")
     parser.add_argument("--blocks_to_swap", type=int, default=0)
-    parser.add_argument("--optimizer", default="AdamW", choices=tuple(mp.OPTIMIZER_BYTES))
+    parser.add_argument("--optimizer", default="AdamW", choices=tuple(OPTIMIZER_STATE_BYTES))
     parser.add_argument("--max_sequence_length", type=int, default=512, help="T5 tokens (FLUX)")
     parser.add_argument("--device_memory", default=None, help="the card's memory, e.g. 12GB (default: detected)")
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse what no run could train with, each in one line naming the flag, before anything is built."""
+    step = 16 if args.model == "flux" else 8
+    if args.resolution < step or args.resolution % step:
+        raise UserError(f"--resolution {args.resolution}: give a positive multiple of {step} "
+                        f"(e.g. {max(step, round(args.resolution / step) * step)})")
+    for flag, value in (("--train_batch_size", args.train_batch_size), ("--rank", args.rank)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be at least 1")
+    if not 1 <= args.max_sequence_length <= MAX_T5_TOKENS:
+        raise UserError(f"--max_sequence_length {args.max_sequence_length}: T5 reads 1 to {MAX_T5_TOKENS} tokens")
+    if args.blocks_to_swap and args.no_gradient_checkpointing:
+        raise UserError("--blocks_to_swap needs gradient checkpointing (the trainers refuse it without): remove "
+                        "--no_gradient_checkpointing")
+    if args.blocks_to_swap < 0:
+        raise UserError(f"--blocks_to_swap {args.blocks_to_swap}: must be 0 or more")
+    if args.device_memory:
+        parse_bytes(args.device_memory, "--device_memory")
+    if args.pretrained_model_name_or_path is not None:
+        check_model_folder(args.pretrained_model_name_or_path, args.model)
+
+
+def check_model_folder(source: str, model: str) -> None:
+    """A local folder must be a diffusers pipeline of ``model``'s family; a path that does not exist is an
+    error, not a hub id (only ``owner/name`` with no such folder here is taken as one)."""
+    path = Path(source).expanduser()
+    looks_like_hub_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
+    if not path.exists():
+        if looks_like_hub_id:
+            return
+        raise UserError(f"--pretrained_model_name_or_path {source}: no such folder; give a diffusers model folder "
+                        "or a hub id such as black-forest-labs/FLUX.1-dev")
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise UserError(f"--pretrained_model_name_or_path {source}: no model_index.json there; give the folder of "
+                        "a diffusers pipeline")
+    try:
+        found = json.loads(index.read_text()).get("_class_name", "?")
+    except ValueError:
+        raise UserError(f"{index}: not valid JSON") from None
+    if found != PIPELINES[model] and not (model == "flux" and found.startswith("Flux")):
+        other = next((m for m, name in PIPELINES.items() if name == found), None)
+        hint = f"; plan it with 'dreamstep plan {other}'" if other else ""
+        raise UserError(f"--pretrained_model_name_or_path {source}: a {found} folder, not {PIPELINES[model]}{hint}")
+
+
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
+    check_arguments(args)
+    from dreamstep.models import memory_plan as mp
+    from dreamstep.models.memory_plan import PlanOptions
+    from dreamstep.models.plans import Estimator, plan_report
+
     device_memory = (parse_bytes(args.device_memory, "--device_memory") if args.device_memory
                      else mp.detected_device_memory())
     options = PlanOptions(resolution=args.resolution, batch_size=args.train_batch_size, rank=args.rank,
@@ -54,4 +107,10 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
         raise UserError(f"--blocks_to_swap {args.blocks_to_swap}: the model has {len(estimator.blocks)} blocks; "
                         f"choose 0 to {len(estimator.blocks) - 1}")
     print(plan_report(estimator, options, device_memory))
+    if args.base_quantization == "nf4":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("note: nf4 (bitsandbytes) trains only on a CUDA GPU; this machine has none, so this plan is for "
+                  "another machine")
 

@@ -35,12 +35,18 @@ def check_quantization(mode: str, flag: str, *, cuda_available: bool | None = No
         raise UserError(f"{flag} {mode} needs the '{package}' package: pip install '{QUANTIZATION_EXTRA}'")
 
 
+# Optimizer state bytes per trainable parameter, by --optimizer (the plan's table; torch-free for --help).
+OPTIMIZER_STATE_BYTES = {"AdamW": 8, "AdamW8bit": 2, "Prodigy": 16}
+
+
 def parse_bytes(text: str, flag: str) -> int:
     """'12GB', '12 GiB', '24g' or '8000MB' -> bytes (GB and GiB both taken as 2**30: card sizes are)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([GgMm])(?:i?[Bb])?\s*", text)
     if not match:
         raise UserError(f"{flag} '{text}' is not a memory size; write it like 12GB or 8000MB")
     value, unit = float(match.group(1)), match.group(2).upper()
+    if value <= 0:
+        raise UserError(f"{flag} '{text}': a memory size must be above 0, e.g. 12GB")
     return int(value * (GIB if unit == "G" else 1024 ** 2))
 
 
