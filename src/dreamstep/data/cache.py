@@ -80,12 +80,16 @@ class TensorCache:
 
     def get_or_compute(self, content_keys: Sequence[str | None],
                        compute: Callable[[list[int]], dict[str, torch.Tensor]],
-                       known: Sequence[dict[str, torch.Tensor] | None] | None = None) -> dict[str, torch.Tensor]:
+                       known: Sequence[dict[str, torch.Tensor] | None] | dict[str, torch.Tensor] | None = None
+                       ) -> dict[str, torch.Tensor]:
         """Batch lookup: entries already ``known`` or cached are used; ``compute(positions)`` returns batched
         tensors for missing ones. Entries whose key is None (not cacheable) are computed together and not
         stored; the others are computed one per call and stored: batched kernels may round differently with
         other batch mates, and an entry must not depend on which samples shared its first batch (a resumed
-        run meets them in other batches). Returns every name stacked over the batch, on the CPU."""
+        run meets them in other batches). Returns every name stacked over the batch, on the CPU. ``known``
+        may also be the whole batch already stacked (see :func:`stack_entries`), which is returned as it is."""
+        if isinstance(known, dict):
+            return known
         found = list(known) if known is not None else [None] * len(content_keys)
         for i, key in enumerate(content_keys):
             if found[i] is None and key is not None:
@@ -104,9 +108,18 @@ class TensorCache:
         return {name: torch.stack([entry[name] for entry in found]) for name in names}
 
 
+def stack_entries(entries: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | list | None:
+    """Cache entries read for a batch's samples, stacked per name when every sample has one (what
+    :meth:`TensorCache.get_or_compute` then returns as it is); else the list as it is, None where missing."""
+    if not entries or any(entry is None for entry in entries):
+        return list(entries)
+    return {name: torch.stack([entry[name] for entry in entries]) for name in entries[0]}
+
+
 def latents_for_batch(batch: dict[str, Any], encode: Callable[[torch.Tensor], torch.Tensor],
                       cache: TensorCache | None, prefix: str = "") -> torch.Tensor:
-    """The batch's latents (B, C, h, w), on the CPU when a cache is used: from the cache where present,
+    """The batch's latents (B, C, h, w), on the CPU when a cache is used: from the cache where present (read
+    by the loader: ``batch["latents"]``, stacked when every sample has them),
     else ``encode(pixel_values)`` for the samples that came with pixels, stored for later epochs and runs.
     ``prefix="conditioning_"`` does the same for ControlNet conditioning images."""
     pixels, positions = batch[f"{prefix}pixel_values"], batch[f"{prefix}pixel_items"]
@@ -121,7 +134,10 @@ def latents_for_batch(batch: dict[str, Any], encode: Callable[[torch.Tensor], to
             raise ValueError("some samples came without pixels but no cache was given")
         return checked(list(range(len(positions))))
     keys = batch["image_keys" if not prefix else f"{prefix}keys"]
-    known = [{"latents": t} if t is not None else None for t in batch[f"{prefix}latents"]]
+    latents = batch[f"{prefix}latents"]
+    if isinstance(latents, torch.Tensor):  # every sample's latents were read and stacked by the loader
+        return latents
+    known = [{"latents": t} if t is not None else None for t in latents]
 
     def compute(missing: list[int]) -> dict[str, torch.Tensor]:
         return {"latents": checked([positions.index(i) for i in missing])}
