@@ -264,11 +264,13 @@ def make_dataloader(dataset: BucketDataset, seed: int, epoch: int = 0, skip_batc
                     num_workers: int = 0, num_replicas: int = 1, rank: int = 0) -> DataLoader:
     """A DataLoader over bucketed batches; call ``loader.batch_sampler.set_epoch(e)`` before each epoch.
     Its workers live as long as the loader (the sampler that chooses the batches runs in the trainer), and
-    on a CUDA machine batches come in pinned memory, so their copies to the GPU need not wait."""
+    on a CUDA machine batches come in pinned memory, so their copies to the GPU need not wait. The workers'
+    seed comes from the loader's own generator: persistent workers draw it once, workers made each epoch
+    every epoch, and the global RNG (the training noise) must not depend on which."""
     sampler = BucketBatchSampler(dataset, seed, epoch, skip_batches, num_replicas, rank)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
                       persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
-                      worker_init_fn=_leave_signals_to_the_trainer)
+                      worker_init_fn=_leave_signals_to_the_trainer, generator=torch.Generator().manual_seed(seed))
 
 
 def _leave_signals_to_the_trainer(worker_id: int) -> None:
@@ -291,7 +293,8 @@ class ConditionedBatches:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        # The loader's iterator is made here, not at the first batch, as a DataLoader's own iter() does: it
-        # draws the epoch's worker seed from the global RNG at that moment (see the training loop's resume).
+        # The loader's iterator is made here, not at the first batch, as a DataLoader's own iter() does: one
+        # without its own generator draws the epoch's worker seed from the global RNG at that moment (see the
+        # training loop's resume).
         batches = iter(self.loader)
         return (self.conditioner(batch) for batch in batches)
