@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
 import shutil
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +40,22 @@ def text_content_key(caption: str) -> str:
     return f"text:{caption}"
 
 
-class TensorCache:
-    """Named tensors per content key, stored under ``root`` for one model identity."""
+MEMORY_BUDGET = 256 * 2**20  # bytes of read entries a process keeps (each loader worker its own)
 
-    def __init__(self, root: str | Path, model_id: str, image_dirs: Iterable[str | Path] = ()):
+
+class TensorCache:
+    """Named tensors per content key, stored under ``root`` for one model identity. Entries read are kept
+    in memory, the most recently used up to ``memory_budget`` bytes: a small data set (DreamBooth's few
+    images and captions, seen every epoch) is read from disk once. Whoever gets an entry must not change
+    its tensors (batches stack them into new ones)."""
+
+    def __init__(self, root: str | Path, model_id: str, image_dirs: Iterable[str | Path] = (),
+                 memory_budget: int = MEMORY_BUDGET):
         self.root = Path(root).resolve()
         self.model_id = model_id
+        self.memory_budget = memory_budget
+        self._held: OrderedDict[Path, dict[str, torch.Tensor]] = OrderedDict()
+        self._held_bytes = 0
         for folder in image_dirs:
             folder = Path(folder).resolve()
             if self.root == folder or folder in self.root.parents:
@@ -61,13 +72,28 @@ class TensorCache:
     def get(self, content_key: str) -> dict[str, torch.Tensor] | None:
         """The stored tensors, or None on a miss (an unreadable entry is a miss and gets rewritten)."""
         path = self.path(content_key)
+        if path in self._held:
+            self._held.move_to_end(path)
+            return self._held[path]
         if not path.is_file():
             return None
         try:
-            return load_file(path)
+            tensors = load_file(path)
         except (SafetensorError, OSError) as e:
             log.warning("cache entry %s is unreadable (%s); recomputing it", path, e)
             return None
+        self._hold(path, tensors)
+        return tensors
+
+    def _hold(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if size > self.memory_budget:
+            return
+        self._held[path] = tensors
+        self._held_bytes += size
+        while self._held_bytes > self.memory_budget:
+            _, dropped = self._held.popitem(last=False)
+            self._held_bytes -= sum(t.numel() * t.element_size() for t in dropped.values())
 
     def put(self, content_key: str, tensors: dict[str, torch.Tensor]) -> None:
         """Store tensors atomically; a crash leaves either the old entry or the new one, never half."""
