@@ -10,7 +10,8 @@ bundled robot images through the loader and the caches, logging to TensorBoard e
 The loops take turns step by step (the reference between two steps of each of dreamstep's), so a slow
 spell of a shared machine slows them alike; s/step is the median.
 
-    python benchmarks/flux_lora.py                                  # tiny model, CPU
+    python benchmarks/flux_lora.py                                  # tiny model, CPU, 512 px
+    python benchmarks/flux_lora.py --resolution 96                  # the demo's resolution
     python benchmarks/flux_lora.py --size full --resolution 1024    # FLUX.1-dev architecture, random weights, GPU
 """
 
@@ -140,7 +141,8 @@ def trainer_loop_times(pipe, step: FluxLoraStep, resolution: int, tokens: int, s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=["tiny", "full"], default="tiny")
-    parser.add_argument("--resolution", type=int, default=None, help="default: 64 tiny, 1024 full")
+    parser.add_argument("--resolution", type=int, default=None,
+                        help="default: 512 tiny (the trainers' and diffusers' default), 1024 full")
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -148,7 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    resolution = args.resolution or (64 if args.size == "tiny" else 1024)
+    resolution = args.resolution or (512 if args.size == "tiny" else 1024)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     torch.manual_seed(0)
 

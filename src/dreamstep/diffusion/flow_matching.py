@@ -79,13 +79,15 @@ def weighted_mse(pred: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor,
 def instance_plus_prior_loss(per_sample: torch.Tensor, is_reg: torch.Tensor, prior_loss_weight: float) -> torch.Tensor:
     """DreamBooth with prior preservation: mean loss of the instance samples plus ``prior_loss_weight``
     times the mean loss of the class (regularization) samples; a part absent from the batch adds 0.
-    ``is_reg`` is split where it is: a CPU mask (as the data loader gives it) costs no wait for the device."""
+    ``is_reg`` is read on the CPU: a CPU mask (as the data loader gives it) costs no wait for the device."""
     is_reg = is_reg.cpu()
+    prior = is_reg.nonzero().flatten()
+    if not len(prior):
+        return per_sample.mean()
+    instance = (~is_reg).nonzero().flatten().to(per_sample.device, non_blocking=True)
     loss = per_sample.new_zeros(())
-    instance, prior = (rows.nonzero().flatten().to(per_sample.device, non_blocking=True)
-                       for rows in (~is_reg, is_reg))
     if len(instance):
-        loss = loss + (per_sample if len(instance) == len(per_sample) else per_sample.index_select(0, instance)).mean()
-    if len(prior):
-        loss = loss + prior_loss_weight * per_sample.index_select(0, prior).mean()
+        loss = loss + per_sample.index_select(0, instance).mean()
+    prior = prior.to(per_sample.device, non_blocking=True)
+    loss = loss + prior_loss_weight * per_sample.index_select(0, prior).mean()
     return loss

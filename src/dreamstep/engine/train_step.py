@@ -245,13 +245,14 @@ class TrainStep(abc.ABC):
         overflow before backward, turning every report into inf instead of letting the scaler back off.
         """
         self._scaled = True
-        loss = loss.to(torch.promote_types(loss.dtype, torch.float32)) / self.group_size
+        loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
+        loss = loss / self.group_size if self.group_size != 1 else loss
         return self.loss_scaler.scale(loss) if self.loss_scaler is not None else loss
 
     def unscale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Undo :meth:`scale_loss` for one micro-batch: the micro-batch's own mean loss."""
         loss = self.loss_scaler.unscale(loss) if self.loss_scaler is not None else loss
-        return loss * self.group_size
+        return loss * self.group_size if self.group_size != 1 else loss
 
     def __call__(self, *batch: Any) -> tuple[torch.Tensor, ...]:
         closes_group = self.at_group_end
@@ -307,7 +308,7 @@ class TrainStep(abc.ABC):
         micro_loss = self.unscale_loss(scaled_loss.detach())
         self._group_loss_sum = micro_loss if self._group_loss_sum is None else self._group_loss_sum + micro_loss
         self._group_count += 1
-        return self._group_loss_sum / self._group_count
+        return self._group_loss_sum / self._group_count if self._group_count != 1 else self._group_loss_sum
 
     def _advance(self) -> None:
         if self.sync_gradients:
