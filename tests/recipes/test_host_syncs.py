@@ -37,6 +37,13 @@ def _off_cpu(value: object) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type != "cpu"
 
 
+def _to_host(name: str, args: tuple, out: object) -> bool:
+    """A copy from another device to the CPU (``.cpu()``, ``.to("cpu")``, ``cpu_tensor.copy_(device_tensor)``)."""
+    if name == "_to_copy":
+        return _off_cpu(args[0]) and not _off_cpu(out)
+    return name == "copy_" and _off_cpu(args[1]) and not _off_cpu(args[0])
+
+
 class HostSyncs(TorchDispatchMode):
     """Counts the ops that make the host wait for the device, except while ``reading`` files: on a machine
     without a GPU, safetensors' reads of cache entries dispatch the same op as a device read."""
@@ -52,9 +59,7 @@ class HostSyncs(TorchDispatchMode):
         if self.reading:
             return out
         name = func.overloadpacket.__name__
-        to_host = name in ("_to_copy", "copy_") and _off_cpu(args[-1 if name == "copy_" else 0]) and (
-            not _off_cpu(out if name == "_to_copy" else args[0]))
-        if name == "_local_scalar_dense" or to_host or (name == "nonzero" and _off_cpu(args[0])):
+        if name == "_local_scalar_dense" or (name == "nonzero" and _off_cpu(args[0])) or _to_host(name, args, out):
             self.count += 1
         return out
 
