@@ -50,6 +50,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from dreamstep.engine.sharding import is_sharded, no_gradient_sync
 
@@ -376,6 +377,8 @@ class TrainStep(abc.ABC):
             norm = self.accelerator.clip_grad_norm_(params, max_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if isinstance(norm, DTensor):  # sharded parameters: the global norm, as a plain tensor
+            norm = norm.full_tensor()
         return norm.detach()
 
     def _sync_context(self, closes_group: bool) -> contextlib.AbstractContextManager:
