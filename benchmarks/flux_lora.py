@@ -56,12 +56,11 @@ FULL_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_cha
 T5_TOKENS, T5_DIM, CLIP_DIM = 512, 4096, 768
 
 
-def build_models(size: str, device: torch.device, dtype: torch.dtype) -> tuple:
-    """(transformer, vae, scheduler, text embedding sizes, the tiny pipeline or None); weights are random
-    (speed does not depend on them)."""
-    pipe = None
+def build_models(size: str, device: torch.device, dtype: torch.dtype, pipe=None) -> tuple:
+    """(transformer, vae, scheduler, text embedding sizes); weights are random (speed does not depend on
+    them). The tiny ones are ``pipe``'s when given."""
     if size == "tiny":
-        pipe = build_tiny_flux(seed=0, guidance_embeds=True)
+        pipe = pipe or build_tiny_flux(seed=0, guidance_embeds=True)
         text = (16, pipe.text_encoder_2.config.d_model, pipe.text_encoder.config.hidden_size)
         transformer, vae, scheduler = pipe.transformer, pipe.vae, pipe.scheduler
     else:
@@ -71,7 +70,7 @@ def build_models(size: str, device: torch.device, dtype: torch.dtype) -> tuple:
         scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
         text = (T5_TOKENS, T5_DIM, CLIP_DIM)
     freeze(transformer, vae)
-    return transformer.to(device), vae.to(device).eval(), scheduler, text, pipe
+    return transformer.to(device), vae.to(device).eval(), scheduler, text
 
 
 def add_benchmark_lora(transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -154,7 +153,8 @@ def main() -> None:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     torch.manual_seed(0)
 
-    transformer, vae, scheduler, (tokens, t5_dim, clip_dim), pipe = build_models(args.size, device, dtype)
+    pipe = build_tiny_flux(seed=0, guidance_embeds=True) if args.size == "tiny" else None
+    transformer, vae, scheduler, (tokens, t5_dim, clip_dim) = build_models(args.size, device, dtype, pipe)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     params = add_benchmark_lora(transformer)
