@@ -1,29 +1,49 @@
 """FLUX.1 LoRA step time and peak memory: dreamstep's trainer against a reference loop, in one run.
 
-The reference does what seed 000 does each step: VAE-encode the batch, sample the posterior, noise,
-forward, backward, optimizer step (text embeddings precomputed, as the seed does). dreamstep's step
-reads the cached VAE posterior instead and runs through the TrainStep engine. Both train the same
-LoRA (rank 16, the seed's attention targets) on the same model.
+The reference does what seed 000 (and diffusers' train_dreambooth_lora_flux.py at its defaults) does each
+step: VAE-encode the batch, sample the posterior, noise, forward, backward, clip, optimizer step (text
+embeddings precomputed, as the seed does). dreamstep's step reads the cached VAE posterior instead and runs
+through the TrainStep engine. Both train the same LoRA (rank 16, the seed's attention targets) on the same
+model. With the tiny model a third row runs dreamstep's whole training loop as the trainer does: the
+bundled robot images through the loader and the caches, logging to TensorBoard every step.
 
-    python benchmarks/flux_lora.py                                  # tiny model, CPU
+The loops take turns step by step (the reference between two steps of each of dreamstep's), so a slow
+spell of a shared machine slows them alike; s/step is the median.
+
+    python benchmarks/flux_lora.py                                  # tiny model, CPU, 512 px
+    python benchmarks/flux_lora.py --resolution 96                  # the demo's resolution
     python benchmarks/flux_lora.py --size full --resolution 1024    # FLUX.1-dev architecture, random weights, GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-from measure import time_steps
+from measure import time_alternating, time_steps, timed
 
+from dreamstep.data.cache import TensorCache
+from dreamstep.data.dataset import ConditionedBatches, build_dataset, make_dataloader
+from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
 from dreamstep.diffusion import flow_matching as fm
+from dreamstep.engine.logging import TrainingLogger
+from dreamstep.engine.loop import run_training
 from dreamstep.engine.optim import build_optimizer
+from dreamstep.engine.train_step import make_accelerator
 from dreamstep.lora.inject import add_lora, flux_lora_targets
-from dreamstep.models import flux
+from dreamstep.models import flux, parking
 from dreamstep.models.precision import cast_trainable_params_to_fp32, freeze
 from dreamstep.models.tiny import build_tiny_flux
 from dreamstep.recipes.flux_lora import FluxLoraModel, FluxLoraStep
+
+ROBOT_DIR = Path(__file__).resolve().parents[1] / "examples" / "robot"
+ROBOT_PROMPT = "a photo of sks robot"
 
 # FLUX.1-dev's transformer and VAE configs (black-forest-labs/FLUX.1-dev).
 FULL_TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
@@ -36,10 +56,11 @@ FULL_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_cha
 T5_TOKENS, T5_DIM, CLIP_DIM = 512, 4096, 768
 
 
-def build_models(size: str, device: torch.device, dtype: torch.dtype) -> tuple:
-    """(transformer, vae, scheduler, text embedding sizes); weights are random (speed does not depend on them)."""
+def build_models(size: str, device: torch.device, dtype: torch.dtype, pipe=None) -> tuple:
+    """(transformer, vae, scheduler, text embedding sizes); weights are random (speed does not depend on
+    them). The tiny ones are ``pipe``'s when given."""
     if size == "tiny":
-        pipe = build_tiny_flux(seed=0, guidance_embeds=True)
+        pipe = pipe or build_tiny_flux(seed=0, guidance_embeds=True)
         text = (16, pipe.text_encoder_2.config.d_model, pipe.text_encoder.config.hidden_size)
         transformer, vae, scheduler = pipe.transformer, pipe.vae, pipe.scheduler
     else:
@@ -81,10 +102,46 @@ def reference_step(transformer, vae, sigmas, optimizer, pixels, embeds, autocast
     optimizer.zero_grad(set_to_none=True)
 
 
+def dreamstep_step(transformer: torch.nn.Module, params: list[torch.nn.Parameter], sigmas: torch.Tensor,
+                   accelerator) -> FluxLoraStep:
+    """The trainer's step at its defaults: fused AdamW, clipping at 1, uniform timesteps, guidance 3.5."""
+    return FluxLoraStep(FluxLoraModel(transformer), optimizer=build_optimizer("AdamW", params, 1e-4),
+                        accelerator=accelerator, max_grad_norm=1.0, sigmas=sigmas, weighting_scheme="none",
+                        logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance_scale=3.5, prior_loss_weight=1.0)
+
+
+def trainer_loop_times(pipe, step: FluxLoraStep, resolution: int, tokens: int, steps: int, warmup: int,
+                       between: Callable[[], None]) -> tuple[float, float]:
+    """Median s/step of dreamstep's training loop over the robot images (caches filled first, as the trainer
+    does), and of ``between()``, which runs after each of the loop's steps, outside the loop's time."""
+    root = Path(tempfile.mkdtemp(prefix="flux_lora_bench_"))
+    latent_cache, text_cache = TensorCache(root / "latents", "vae"), TensorCache(root / "text", "text")
+    config = dreambooth_from_flags(ROBOT_DIR, ROBOT_PROMPT, buckets=bucket_spec(resolution), center_crop=True)
+    dataset = build_dataset([config], seed=0, latent_cache=latent_cache)
+    dataset.text_cache = text_cache
+    conditioner = flux.FluxConditioner(pipe, latent_cache=latent_cache, text_cache=text_cache,
+                                       max_sequence_length=tokens, device=step.accelerator.device)
+    parking.fill_caches(conditioner, dataset, epochs=1)
+    loop_times, between_times, mark = [], [], [0.0]
+
+    def after_step(position, loss, total) -> bool:
+        loop_times.append(time.perf_counter() - mark[0])
+        between_times.append(timed(between, step.accelerator.device))
+        mark[0] = time.perf_counter()
+        return False
+
+    mark[0] = time.perf_counter()
+    run_training(step, ConditionedBatches(make_dataloader(dataset, seed=0), conditioner),
+                 max_train_steps=warmup + steps, logger=TrainingLogger(root / "logs"), progress=False,
+                 log_every=10, on_step=after_step)
+    return statistics.median(loop_times[warmup:]), statistics.median(between_times[warmup:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=["tiny", "full"], default="tiny")
-    parser.add_argument("--resolution", type=int, default=None, help="default: 64 tiny, 1024 full")
+    parser.add_argument("--resolution", type=int, default=None,
+                        help="default: 512 tiny (the trainers' and diffusers' default), 1024 full")
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -92,11 +149,12 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    resolution = args.resolution or (64 if args.size == "tiny" else 1024)
+    resolution = args.resolution or (512 if args.size == "tiny" else 1024)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     torch.manual_seed(0)
 
-    transformer, vae, scheduler, (tokens, t5_dim, clip_dim) = build_models(args.size, device, dtype)
+    pipe = build_tiny_flux(seed=0, guidance_embeds=True) if args.size == "tiny" else None
+    transformer, vae, scheduler, (tokens, t5_dim, clip_dim) = build_models(args.size, device, dtype, pipe)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     params = add_benchmark_lora(transformer)
@@ -108,25 +166,30 @@ def main() -> None:
     sigmas = scheduler.sigmas[:scheduler.config.num_train_timesteps]
 
     ref_optimizer = torch.optim.AdamW(params, lr=1e-4)
-    ref_time, ref_mem = time_steps(lambda: reference_step(transformer, vae, sigmas, ref_optimizer, pixels, embeds,
-                                                          autocast), args.steps, args.warmup, device)
 
-    from dreamstep.engine.train_step import make_accelerator
+    def reference() -> None:
+        reference_step(transformer, vae, sigmas, ref_optimizer, pixels, embeds, autocast)
 
     accelerator = make_accelerator(mixed_precision="bf16" if device.type == "cuda" else "no")
-    optimizer = build_optimizer("AdamW", params, 1e-4)
-    step = FluxLoraStep(FluxLoraModel(transformer), optimizer=optimizer, accelerator=accelerator, max_grad_norm=1.0,
-                        sigmas=sigmas, weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29,
-                        guidance_scale=3.5, prior_loss_weight=1.0)
+    step = dreamstep_step(transformer, params, sigmas, accelerator)
     batch = {"latent_dist": flux.encode_posterior(vae, pixels), "is_reg": torch.zeros(b, dtype=torch.bool),
              **embeds}  # the posterior comes from the latent cache in training
-    ours_time, ours_mem = time_steps(lambda: step(batch), args.steps, args.warmup, device)
+    _, ref_mem = time_steps(reference, args.steps, args.warmup, device)
+    _, ours_mem = time_steps(lambda: step(batch), args.steps, args.warmup, device)
+    ref_time, ours_time = time_alternating([reference, lambda: step(batch)], args.steps, args.warmup, device)
 
     name = f"FLUX.1 LoRA ({args.size}, {resolution}x{resolution}, batch {b}, {device.type})"
-    print(f"{name}\n{'':2}{'loop':<34}{'s/step':>10}{'peak MiB':>12}")
-    print(f"{'':2}{'reference (seed 000: VAE every step)':<34}{ref_time:>10.4f}{ref_mem:>12.0f}")
-    print(f"{'':2}{'dreamstep (cached latents)':<34}{ours_time:>10.4f}{ours_mem:>12.0f}")
-    print(f"  speed-up: {ref_time / ours_time:.2f}x   memory ratio: {ours_mem / ref_mem:.2f}")
+    print(f"{name}\n{'':2}{'loop':<40}{'s/step':>10}{'peak MiB':>12}{'speed-up':>10}")
+    print(f"{'':2}{'reference (seed 000: VAE every step)':<40}{ref_time:>10.4f}{ref_mem:>12.0f}")
+    print(f"{'':2}{'dreamstep step (cached latents)':<40}{ours_time:>10.4f}{ours_mem:>12.0f}"
+          f"{ref_time / ours_time:>9.2f}x")
+    if pipe is not None and b == 1:
+        loop_step = dreamstep_step(transformer, params, sigmas, accelerator)
+        loop_time, ref_beside = trainer_loop_times(pipe, loop_step, resolution, tokens, args.steps, args.warmup,
+                                                   reference)
+        print(f"{'':2}{'dreamstep trainer loop (data, logging)':<40}{loop_time:>10.4f}{'':>12}"
+              f"{ref_beside / loop_time:>9.2f}x   (reference beside it: {ref_beside:.4f} s/step)")
+    print(f"  memory ratio: {ours_mem / ref_mem:.2f}")
     if args.size == "full" and device.type == "cuda":
         report_mfu(transformer, resolution, b, ours_time)
 

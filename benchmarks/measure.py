@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -44,11 +44,29 @@ def time_steps(run_step: Callable[[], None], steps: int, warmup: int, device: to
     times = []
     with PeakMemory(device) as memory:
         for _ in range(steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            run_step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+            times.append(timed(run_step, device))
     return statistics.median(times), memory.peak_mib
+
+
+def time_alternating(runs: Sequence[Callable[[], None]], steps: int, warmup: int, device: torch.device) -> list[float]:
+    """Median seconds per call of each of ``runs``, called in turn (one call of each per round): on a shared,
+    noisy machine a slow spell then slows every loop alike, instead of whichever ran during it."""
+    for _ in range(warmup):
+        for run in runs:
+            run()
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(steps):
+        for run, spent in zip(runs, times):
+            spent.append(timed(run, device))
+    return [statistics.median(spent) for spent in times]
+
+
+def timed(run: Callable[[], None], device: torch.device) -> float:
+    """Seconds one call of ``run`` takes, the device's queue included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start

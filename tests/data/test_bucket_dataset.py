@@ -220,3 +220,29 @@ def test_only_random_crops_with_room_to_move_are_encoded_in_the_loop(tmp_path: P
     assert moving.encodes_in_the_loop() and not fixed.encodes_in_the_loop()
     assert moving.caption_and_keys(0, 0)[1] is None and moving[(0, 0)]["image_key"] is None
     assert fixed.caption_and_keys(0, 0)[1] == fixed[(0, 0)]["image_key"] is not None
+
+
+def test_workers_read_cached_entries_and_serve_every_epoch_alike(tmp_path: Path):
+    """Cached latents and text entries come read and stacked with the batch, from workers that live across
+    epochs, and the epochs match a loader without workers, batch for batch."""
+    from dreamstep.data.cache import TensorCache, text_content_key
+
+    dataset = _dataset(tmp_path, SIZES, batch_size=3)
+    latents, texts = TensorCache(tmp_path / "latents", "vae"), TensorCache(tmp_path / "text", "t5")
+    for index in range(len(dataset)):
+        item = dataset[(index, 0)]
+        latents.put(item["image_key"], {"latents": torch.full((4, 2, 2), float(index))})
+        texts.put(text_content_key(item["caption"]), {"prompt_embeds": torch.ones(5, 8)})
+    dataset.latent_cache, dataset.text_cache = latents, texts
+    serial, parallel = make_dataloader(dataset, seed=2), make_dataloader(dataset, seed=2, num_workers=2)
+    worker_batches = []
+    for epoch in range(2):
+        for loader in (serial, parallel):
+            loader.batch_sampler.set_epoch(epoch)
+        worker_batches.append(list(parallel))
+        if epoch == 0:
+            workers = parallel._iterator._workers
+        for x, y in zip(list(serial), worker_batches[-1], strict=True):
+            assert x["image_keys"] == y["image_keys"] and torch.equal(x["latents"], y["latents"])
+            assert y["pixel_values"] is None and y["text"]["prompt_embeds"].shape == (len(y["captions"]), 5, 8)
+    assert parallel._iterator._workers == workers  # the same processes served the second epoch

@@ -135,3 +135,18 @@ def test_a_random_crop_with_no_room_to_move_is_cached_and_one_with_room_is_not(t
     # fits.png: encoded once, then served from the cache; wide.png: encoded every epoch, never stored.
     assert encoder.calls == 1 + 3
     assert len(list((tmp_path / "cache").rglob("*.safetensors"))) == 1
+
+
+def test_entries_read_once_are_kept_in_memory_within_the_budget(tmp_path: Path):
+    entry = {"latents": torch.ones(4, 8, 8)}  # 1 KiB
+    cache = TensorCache(tmp_path / "cache", "vae@v1", memory_budget=2 * 1024)
+    keys = [text_content_key(f"caption {i}") for i in range(3)]
+    for key in keys:
+        cache.put(key, entry)
+    assert torch.equal(cache.get(keys[0])["latents"], entry["latents"])
+    cache.path(keys[0]).unlink()
+    assert cache.get(keys[0]) is not None  # served from memory
+    cache.get(keys[1])
+    cache.get(keys[2])  # the budget holds two entries: the least recently used one goes
+    assert cache.get(keys[0]) is None
+    assert TensorCache(tmp_path / "cache", "vae@v1").get(keys[1]) is not None

@@ -136,6 +136,39 @@ def test_dynamic_scaler_skips_inf_gradient_step_then_training_continues():
     assert max_param_diff(model, ref) < 1e-10
 
 
+def test_fused_adamw_without_scaler_skips_a_non_finite_update_on_the_device():
+    """No loss scaler and an optimizer that takes found_inf (fused AdamW, the trainers' default): the update
+    of a group with an inf gradient is skipped by the kernel, Adam's step count included, and training
+    goes on as the reference without that group; the LR schedule counts the skipped group too."""
+    micro = regression_batches(8, batch_size=2)
+    model, ref = tiny_mlp(), tiny_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    sched = _warmup(opt)
+    step = RegressionStep(model, opt, sched, gradient_accumulation_steps=2, length_of_dataloader=8)
+    for batch in micro[:2]:
+        step(*batch)
+    before, adam_step = flat_params(model).clone(), opt.state[model[0].weight]["step"].item()
+
+    _poison_next_gradient(model[0].weight)
+    for batch in micro[2:4]:
+        step(*batch)
+    assert bool(step.nonfinite_tensor) and step.step_skipped and step.num_skipped == 1
+    assert torch.equal(flat_params(model), before)
+    assert opt.state[model[0].weight]["step"].item() == adam_step
+    assert sched.last_epoch == 2 and not hasattr(opt, "found_inf")
+
+    for batch in micro[4:]:
+        step(*batch)
+    assert step.optimizer_stepped and step.num_updates == 4 and step.num_skipped == 1
+    ref_lrs = iter([opt.param_groups[0]["initial_lr"] * min(1.0, (s + 1) / 3) for s in (0, 2, 3)])
+    for group in (micro[0:2], micro[4:6], micro[6:8]):
+        for param_group in ref_opt.param_groups:
+            param_group["lr"] = next(ref_lrs)
+        reference_train(ref, ref_opt, [group])
+    assert max_param_diff(model, ref) < 1e-10
+
+
 def test_static_scaler_skips_non_finite_step_and_keeps_its_scale():
     """(c) documented behaviour: a static scaler never changes its scale, but the step is still skipped."""
     micro = regression_batches(4, batch_size=2)

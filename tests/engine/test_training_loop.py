@@ -114,6 +114,32 @@ def test_non_finite_loss_stops_with_the_step_number():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_non_finite_loss_read_at_the_logging_cadence_still_names_its_step(tmp_path):
+    """Losses are read every 3 steps: the NaN of step 2 stops the run at step 3's read, naming step 2; its
+    update (fused AdamW, skipped on the device) was not applied, and the steps before it were logged."""
+    model = tiny_mlp()
+    step = RegressionStep(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
+    logger = TrainingLogger(tmp_path, report_to="none")
+    with pytest.raises(NonFiniteLossError, match="loss is nan at step 2 \\(epoch 0, batch 2\\)"):
+        run_training(step, _nan_batches(), num_epochs=1, logger=logger, progress=False, log_every=3)
+    assert step.num_updates == 3 and step.num_skipped == 1
+    assert [s for s, _ in logger.loss_history] == [1]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_every_step_is_logged_when_losses_are_read_every_few_steps(tmp_path):
+    model = tiny_mlp()
+    step = RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    logger = TrainingLogger(tmp_path, report_to="none")
+    result = run_training(step, regression_batches(7, 2), num_epochs=1, logger=logger, progress=False,
+                          log_every=3)
+    logger.close()
+    assert [s for s, _ in logger.loss_history] == list(range(1, 8))
+    assert [v for _, v in logger.loss_history] == result.losses
+    lines = [line for line in (tmp_path / "train.log").read_text().splitlines() if " step " in line]
+    assert [line.split(" step ")[1].split()[0] for line in lines] == [str(s) for s in range(1, 8)]
+
+
 def test_non_finite_loss_can_be_skipped(capsys):
     model = tiny_mlp()
     step = RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -73,7 +73,11 @@ class SDXLLoraConfig(EvaluationOptions):
     gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", bounds="[1, inf)")
     max_train_steps: int = option(1600, "optimizer steps to train", bounds="[1, inf)")
     max_train_epochs: int | None = option(None, "epochs to train (overrides --max_train_steps)", bounds="[1, inf)")
-    mixed_precision: Literal["no", "fp16", "bf16"] = option("no", "frozen weights and compute in this precision")
+    mixed_precision: Literal["no", "fp16", "bf16"] = option(
+        "no", "frozen weights and compute in this precision (no: fp32, with TF32 matmuls on a GPU; bf16 is about "
+              "twice as fast on GPUs that have it)")
+    allow_tf32: bool = option(True, "on a CUDA GPU, fp32 matmuls and convolutions use TF32 tensor cores "
+                                    "(fp32 range, 10-bit mantissa) under --mixed_precision no; false: full fp32")
     full_fp16: bool = option(False, "LoRA weights in fp16 too (needs --mixed_precision fp16)")
     full_bf16: bool = option(False, "LoRA weights in bf16 too (needs --mixed_precision bf16)")
     no_half_vae: bool = option(False, "keep the VAE in fp32 (SDXL's VAE overflows in fp16)")
@@ -127,6 +131,8 @@ class SDXLLoraConfig(EvaluationOptions):
     sample_sampler: Literal[SAMPLERS] = option("ddim", "sampler of the sample images")  # type: ignore[valid-type]
     log_with: Literal["tensorboard", "none"] = option("tensorboard", "where scalars are logged")
     logging_dir: str | None = option(None, "folder for the TensorBoard event files (default: --output_dir)")
+    logging_steps: int = option(10, "read the loss from the device every N optimizer steps (each step is "
+                                    "still logged); the GPU never waits for the host between", bounds="[1, inf)")
     overwrite_output_dir: bool = option(False, "allow writing into a non-empty --output_dir")
 
     def __post_init__(self) -> None:

@@ -47,7 +47,10 @@ class FluxTrainingConfig(EvaluationOptions):
     adam_epsilon: float = option(1e-8, "Adam epsilon", bounds="[0, inf)")
     max_grad_norm: float = option(1.0, "clip the global gradient norm to this (0 disables)", bounds="[0, inf)")
     mixed_precision: Literal["no", "fp16", "bf16"] = option(
-        "no", "frozen weights and compute in this precision; trainable weights stay fp32")
+        "no", "frozen weights and compute in this precision; trainable weights stay fp32 (no: fp32, with TF32 "
+              "matmuls on a GPU; bf16 is about twice as fast on GPUs that have it)")
+    allow_tf32: bool = option(True, "on a CUDA GPU, fp32 matmuls and convolutions use TF32 tensor cores "
+                                    "(fp32 range, 10-bit mantissa) under --mixed_precision no; false: full fp32")
     weighting_scheme: Literal["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"] = option(
         "none", "timestep sampling / loss weighting (SD3 paper)")
     logit_mean: float = option(0.0, "mean of logit_normal sampling", bounds="(-inf, inf)")
@@ -82,6 +85,8 @@ class FluxTrainingConfig(EvaluationOptions):
     validation_steps: int = option(0, "run validation every N optimizer steps (0: only at the end)", bounds="[0, inf)")
     validation_inference_steps: int = option(20, "denoising steps for validation images", bounds="[1, inf)")
     report_to: Literal["tensorboard", "none"] = option("tensorboard", "where to log scalars")
+    logging_steps: int = option(10, "read the loss from the device every N optimizer steps (each step is "
+                                    "still logged); the GPU never waits for the host between", bounds="[1, inf)")
     on_nonfinite_loss: Literal["stop", "skip"] = option(
         "stop", "a NaN/inf loss stops the run naming the step, or is skipped with a warning")
     max_skipped_steps_fraction: float = option(

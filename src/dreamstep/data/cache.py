@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
 import shutil
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +40,22 @@ def text_content_key(caption: str) -> str:
     return f"text:{caption}"
 
 
-class TensorCache:
-    """Named tensors per content key, stored under ``root`` for one model identity."""
+MEMORY_BUDGET = 256 * 2**20  # bytes of read entries a process keeps (each loader worker its own)
 
-    def __init__(self, root: str | Path, model_id: str, image_dirs: Iterable[str | Path] = ()):
+
+class TensorCache:
+    """Named tensors per content key, stored under ``root`` for one model identity. Entries read are kept
+    in memory, the most recently used up to ``memory_budget`` bytes: a small data set (DreamBooth's few
+    images and captions, seen every epoch) is read from disk once. Whoever gets an entry must not change
+    its tensors (batches stack them into new ones)."""
+
+    def __init__(self, root: str | Path, model_id: str, image_dirs: Iterable[str | Path] = (),
+                 memory_budget: int = MEMORY_BUDGET):
         self.root = Path(root).resolve()
         self.model_id = model_id
+        self.memory_budget = memory_budget
+        self._held: OrderedDict[Path, dict[str, torch.Tensor]] = OrderedDict()
+        self._held_bytes = 0
         for folder in image_dirs:
             folder = Path(folder).resolve()
             if self.root == folder or folder in self.root.parents:
@@ -61,13 +72,28 @@ class TensorCache:
     def get(self, content_key: str) -> dict[str, torch.Tensor] | None:
         """The stored tensors, or None on a miss (an unreadable entry is a miss and gets rewritten)."""
         path = self.path(content_key)
+        if path in self._held:
+            self._held.move_to_end(path)
+            return self._held[path]
         if not path.is_file():
             return None
         try:
-            return load_file(path)
+            tensors = load_file(path)
         except (SafetensorError, OSError) as e:
             log.warning("cache entry %s is unreadable (%s); recomputing it", path, e)
             return None
+        self._hold(path, tensors)
+        return tensors
+
+    def _hold(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if size > self.memory_budget:
+            return
+        self._held[path] = tensors
+        self._held_bytes += size
+        while self._held_bytes > self.memory_budget:
+            _, dropped = self._held.popitem(last=False)
+            self._held_bytes -= sum(t.numel() * t.element_size() for t in dropped.values())
 
     def put(self, content_key: str, tensors: dict[str, torch.Tensor]) -> None:
         """Store tensors atomically; a crash leaves either the old entry or the new one, never half."""
@@ -80,12 +106,16 @@ class TensorCache:
 
     def get_or_compute(self, content_keys: Sequence[str | None],
                        compute: Callable[[list[int]], dict[str, torch.Tensor]],
-                       known: Sequence[dict[str, torch.Tensor] | None] | None = None) -> dict[str, torch.Tensor]:
+                       known: Sequence[dict[str, torch.Tensor] | None] | dict[str, torch.Tensor] | None = None
+                       ) -> dict[str, torch.Tensor]:
         """Batch lookup: entries already ``known`` or cached are used; ``compute(positions)`` returns batched
         tensors for missing ones. Entries whose key is None (not cacheable) are computed together and not
         stored; the others are computed one per call and stored: batched kernels may round differently with
         other batch mates, and an entry must not depend on which samples shared its first batch (a resumed
-        run meets them in other batches). Returns every name stacked over the batch, on the CPU."""
+        run meets them in other batches). Returns every name stacked over the batch, on the CPU. ``known``
+        may also be the whole batch already stacked (see :func:`stack_entries`), which is returned as it is."""
+        if isinstance(known, dict):
+            return known
         found = list(known) if known is not None else [None] * len(content_keys)
         for i, key in enumerate(content_keys):
             if found[i] is None and key is not None:
@@ -104,9 +134,18 @@ class TensorCache:
         return {name: torch.stack([entry[name] for entry in found]) for name in names}
 
 
+def stack_entries(entries: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | list | None:
+    """Cache entries read for a batch's samples, stacked per name when every sample has one (what
+    :meth:`TensorCache.get_or_compute` then returns as it is); else the list as it is, None where missing."""
+    if not entries or any(entry is None for entry in entries):
+        return list(entries)
+    return {name: torch.stack([entry[name] for entry in entries]) for name in entries[0]}
+
+
 def latents_for_batch(batch: dict[str, Any], encode: Callable[[torch.Tensor], torch.Tensor],
                       cache: TensorCache | None, prefix: str = "") -> torch.Tensor:
-    """The batch's latents (B, C, h, w), on the CPU when a cache is used: from the cache where present,
+    """The batch's latents (B, C, h, w), on the CPU when a cache is used: from the cache where present (read
+    by the loader: ``batch["latents"]``, stacked when every sample has them),
     else ``encode(pixel_values)`` for the samples that came with pixels, stored for later epochs and runs.
     ``prefix="conditioning_"`` does the same for ControlNet conditioning images."""
     pixels, positions = batch[f"{prefix}pixel_values"], batch[f"{prefix}pixel_items"]
@@ -121,7 +160,10 @@ def latents_for_batch(batch: dict[str, Any], encode: Callable[[torch.Tensor], to
             raise ValueError("some samples came without pixels but no cache was given")
         return checked(list(range(len(positions))))
     keys = batch["image_keys" if not prefix else f"{prefix}keys"]
-    known = [{"latents": t} if t is not None else None for t in batch[f"{prefix}latents"]]
+    latents = batch[f"{prefix}latents"]
+    if isinstance(latents, torch.Tensor):  # every sample's latents were read and stacked by the loader
+        return latents
+    known = [{"latents": t} if t is not None else None for t in latents]
 
     def compute(missing: list[int]) -> dict[str, torch.Tensor]:
         return {"latents": checked([positions.index(i) for i in missing])}

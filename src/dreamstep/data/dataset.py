@@ -20,7 +20,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from dreamstep.data.buckets import Placement, place
-from dreamstep.data.cache import TensorCache, image_content_key
+from dreamstep.data.cache import TensorCache, image_content_key, stack_entries, text_content_key
 from dreamstep.data.captions import process_caption
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.images import load_rgb
@@ -35,7 +35,9 @@ class BucketDataset(Dataset):
     """Samples of one or more datasets; each image appears ``num_repeats`` times.
 
     Index with ``(index, epoch)`` (what :class:`BucketBatchSampler` yields) or a bare index (epoch 0). With a
-    ``latent_cache``, a sample whose latents are cached comes with ``latents`` instead of ``pixel_values``.
+    ``latent_cache``, a sample whose latents are cached comes with ``latents`` instead of ``pixel_values``;
+    with a ``text_cache``, with its caption's cached text-encoder outputs as ``text`` (None when not cached).
+    Cache entries are so read where the samples are, in the loader's workers when it has some.
     """
 
     def __init__(self, groups: Sequence[tuple[list[ImageRecord], int, bool]], seed: int,
@@ -57,6 +59,7 @@ class BucketDataset(Dataset):
             raise UserError("the dataset has no images; check the image folders")
         self.seed = seed
         self.latent_cache = latent_cache
+        self.text_cache: TensorCache | None = None
         self.skipped: list[tuple[Path, str]] = []  # files in the image folders not trained on, and why
         self.held_out: list[Path] = []  # images of the folders held out for the validation loss
 
@@ -112,6 +115,8 @@ class BucketDataset(Dataset):
             "image_key": image_key,
             "image_path": str(record.image.path),
         }
+        if self.text_cache is not None:
+            item["text"] = self.text_cache.get(text_content_key(caption))
         self._add_pixels(item, "", record.image.path, record.image.size, placement)
         if record.conditioning is not None:
             item["conditioning_key"] = conditioning_key
@@ -226,7 +231,9 @@ class BucketBatchSampler(Sampler[list[SampleKey]]):
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     """Stack a same-bucket batch. Sizes become (B, 2) long tensors. ``pixel_values`` holds only the samples
     that were not served from the latent cache, at the positions listed in ``pixel_items``; ``latents``
-    is a per-sample list with None where pixels were loaded (see :func:`~dreamstep.data.cache.latents_for_batch`)."""
+    is their stack when every sample came from the cache, else a per-sample list with None where pixels were
+    loaded (see :func:`~dreamstep.data.cache.latents_for_batch`); ``text`` likewise holds the cached text
+    entries (:func:`~dreamstep.data.cache.stack_entries`), when the dataset reads them."""
     batch: dict[str, Any] = {
         "captions": [it["caption"] for it in items],
         "original_sizes": torch.tensor([it["original_size"] for it in items], dtype=torch.long),
@@ -236,6 +243,8 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
         "image_keys": [it["image_key"] for it in items],
         "image_paths": [it["image_path"] for it in items],
     }
+    if "text" in items[0]:
+        batch["text"] = stack_entries([it["text"] for it in items])
     _stack_images(batch, items, "")
     if "conditioning_key" in items[0]:
         batch["conditioning_keys"] = [it["conditioning_key"] for it in items]
@@ -248,16 +257,21 @@ def _stack_images(batch: dict[str, Any], items: list[dict[str, Any]], prefix: st
     batch[f"{prefix}pixel_items"] = positions
     batch[f"{prefix}pixel_values"] = (torch.stack([items[i][f"{prefix}pixel_values"] for i in positions])
                                       if positions else None)
-    batch[f"{prefix}latents"] = [it.get(f"{prefix}latents") for it in items]
+    latents = [it.get(f"{prefix}latents") for it in items]
+    batch[f"{prefix}latents"] = torch.stack(latents) if not positions else latents
 
 
 def make_dataloader(dataset: BucketDataset, seed: int, epoch: int = 0, skip_batches: int = 0,
                     num_workers: int = 0, num_replicas: int = 1, rank: int = 0) -> DataLoader:
-    """A DataLoader over bucketed batches; call ``loader.batch_sampler.set_epoch(e)`` before each epoch."""
+    """A DataLoader over bucketed batches; call ``loader.batch_sampler.set_epoch(e)`` before each epoch.
+    Its workers live as long as the loader (the sampler that chooses the batches runs in the trainer), and
+    on a CUDA machine batches come in pinned memory, so their copies to the GPU need not wait. The workers'
+    seed comes from the loader's own generator: persistent workers draw it once, workers made each epoch
+    every epoch, and the global RNG (the training noise) must not depend on which."""
     sampler = BucketBatchSampler(dataset, seed, epoch, skip_batches, num_replicas, rank)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                      persistent_workers=False, pin_memory=torch.cuda.is_available(),
-                      worker_init_fn=_leave_signals_to_the_trainer)
+                      persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
+                      worker_init_fn=_leave_signals_to_the_trainer, generator=torch.Generator().manual_seed(seed))
 
 
 def _leave_signals_to_the_trainer(worker_id: int) -> None:
@@ -280,7 +294,8 @@ class ConditionedBatches:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        # The loader's iterator is made here, not at the first batch, as a DataLoader's own iter() does: it
-        # draws the epoch's worker seed from the global RNG at that moment (see the training loop's resume).
+        # The loader's iterator is made here, not at the first batch, as a DataLoader's own iter() does: one
+        # without its own generator draws the epoch's worker seed from the global RNG at that moment (see the
+        # training loop's resume).
         batches = iter(self.loader)
         return (self.conditioner(batch) for batch in batches)

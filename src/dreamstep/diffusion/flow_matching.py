@@ -38,10 +38,13 @@ def sample_timestep_indices(
     return (u * num_train_timesteps).long().clamp_(0, num_train_timesteps - 1)
 
 
-def sigmas_at(scheduler_sigmas: torch.Tensor, indices: torch.Tensor, ndim: int) -> torch.Tensor:
-    """σ for each sample, broadcastable to a latent of ``ndim`` dims: shape (B, 1, ..., 1), float32."""
-    sigma = scheduler_sigmas.to(torch.float32)[indices.cpu()].to(indices.device)
-    return sigma.reshape(-1, *([1] * (ndim - 1)))
+def sigmas_at(scheduler_sigmas: torch.Tensor, indices: torch.Tensor, ndim: int,
+              device: torch.device | None = None) -> torch.Tensor:
+    """σ for each sample, broadcastable to a latent of ``ndim`` dims: shape (B, 1, ..., 1), float32, on
+    ``device`` (default: the indices'). Looked up where the table is: give indices drawn on the CPU, where
+    :func:`sample_timestep_indices` draws them, and nothing waits for the device."""
+    sigma = scheduler_sigmas.to(torch.float32)[indices.to(scheduler_sigmas.device)]
+    return sigma.reshape(-1, *([1] * (ndim - 1))).to(device or indices.device, non_blocking=True)
 
 
 def sigma_at_fraction(scheduler_sigmas: torch.Tensor, fraction: float) -> float:
@@ -75,11 +78,16 @@ def weighted_mse(pred: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor,
 
 def instance_plus_prior_loss(per_sample: torch.Tensor, is_reg: torch.Tensor, prior_loss_weight: float) -> torch.Tensor:
     """DreamBooth with prior preservation: mean loss of the instance samples plus ``prior_loss_weight``
-    times the mean loss of the class (regularization) samples; a part absent from the batch adds 0."""
-    is_reg = is_reg.to(per_sample.device)
+    times the mean loss of the class (regularization) samples; a part absent from the batch adds 0.
+    ``is_reg`` is read on the CPU: a CPU mask (as the data loader gives it) costs no wait for the device."""
+    is_reg = is_reg.cpu()
+    prior = is_reg.nonzero().flatten()
+    if not len(prior):
+        return per_sample.mean()
+    instance = (~is_reg).nonzero().flatten().to(per_sample.device, non_blocking=True)
     loss = per_sample.new_zeros(())
-    if (~is_reg).any():
-        loss = loss + per_sample[~is_reg].mean()
-    if is_reg.any():
-        loss = loss + prior_loss_weight * per_sample[is_reg].mean()
+    if len(instance):
+        loss = loss + per_sample.index_select(0, instance).mean()
+    prior = prior.to(per_sample.device, non_blocking=True)
+    loss = loss + prior_loss_weight * per_sample.index_select(0, prior).mean()
     return loss

@@ -67,9 +67,12 @@ class FinishedRun:
 
 
 def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any, hooks: RunHooks | None = None,
-        on_nonfinite_loss: str = "stop", max_skipped_steps_fraction: float = 1.0) -> TrainingResult:
+        on_nonfinite_loss: str = "stop", max_skipped_steps_fraction: float = 1.0,
+        logging_steps: int = 1) -> TrainingResult:
     """Resume if asked, then train for ``total_steps`` optimizer steps, running ``hooks`` when due.
     ``trained`` is what the run trains and checkpoints (its ``state_dict`` and ``load_state_dict``).
+    The loss is read from the device every ``logging_steps`` steps (see :func:`run_training`'s
+    ``log_every``), and the run's status file is rewritten then.
     A signal ends the run after the current step with a checkpoint (:class:`RunInterrupted`); any error
     marks it failed."""
     hooks = hooks or RunHooks()
@@ -105,9 +108,12 @@ def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any,
             if run.is_main_process and position.global_step < total_steps:
                 say_and_log(run, f"saved {hooks.save(position.global_step)}")
 
-        def step_done(position: TrainingPosition, loss: float, planned: int) -> bool:
-            run.status.update(step=position.global_step, total_steps=planned, loss=loss)
-            return run.signals.stop_requested()
+        def step_done(position: TrainingPosition, loss: float | None, planned: int) -> bool:
+            stop = run.signals.stop_requested()
+            if loss is not None or stop:
+                run.status.update(step=position.global_step, total_steps=planned,
+                                  **({"loss": loss} if loss is not None else {}))
+            return stop
 
         scheduled = [Hook(hooks.sample_every, sample)] if hooks.sample is not None else []
         scheduled += [Hook(hooks.save_every, save)] if hooks.save is not None else []
@@ -120,7 +126,7 @@ def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any,
             result = run_training(step, data, max_train_steps=total_steps, resume=resume, hooks=scheduled,
                                   logger=run.logger, on_nonfinite_loss=on_nonfinite_loss,
                                   max_skipped_fraction=max_skipped_steps_fraction, on_step=step_done,
-                                  progress=run.is_main_process)
+                                  progress=run.is_main_process, log_every=logging_steps)
         finally:
             run.signals.graceful = False
         run.result = result

@@ -60,23 +60,25 @@ class TrainingLogger:
         """``(step, loss)`` pairs logged so far."""
         return self.history.get("loss", [])
 
-    def log(self, step: int, scalars: Mapping[str, float]) -> None:
-        """Record scalars at ``step`` (e.g. loss, lr, grad_norm, loss_scale)."""
+    def log(self, step: int, scalars: Mapping[str, float], at: float | None = None) -> None:
+        """Record scalars at ``step`` (e.g. loss, lr, grad_norm, loss_scale); ``at`` is when the step
+        happened (``time.time()``; default now), for a step logged after the fact."""
         for name, value in scalars.items():
             value = float(value)
             self.history.setdefault(name, []).append((step, value))
             if self._writer is not None:
-                self._writer.add_scalar(f"train/{name}", value, step)
-        self.note(f"step {step} " + " ".join(f"{name}={float(value):.6g}" for name, value in scalars.items()))
+                self._writer.add_scalar(f"train/{name}", value, step, walltime=at)
+        self.note(f"step {step} " + " ".join(f"{name}={float(value):.6g}" for name, value in scalars.items()),
+                  at=at)
 
-    def note(self, message: str) -> None:
-        """Append a timestamped line to ``train.log`` (main process only)."""
+    def note(self, message: str, at: float | None = None) -> None:
+        """Append a line stamped with the time ``at`` (default now) to ``train.log`` (main process only)."""
         if not self.is_main_process:
             return
         if self._text is None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._text = open(self.log_dir / "train.log", "a", encoding="utf-8", buffering=1)  # line-buffered
-        self._text.write(f"{log_time()} {message}\n")
+        self._text.write(f"{log_time(at)} {message}\n")
 
     def log_metrics(self, step: int, scores: Mapping[str, float]) -> None:
         """Record evaluation scores at ``step`` (TensorBoard tag ``eval/<name>``; ``metrics.csv`` on close)."""
@@ -126,9 +128,11 @@ def say(message: str, *, is_main_process: bool = True, file: TextIO | None = Non
         tqdm.write(message, file=file)
 
 
-def log_time() -> str:
-    """The local time that starts every ``train.log`` line, to the millisecond (for seconds per step)."""
-    return datetime.now().isoformat(sep=" ", timespec="milliseconds")
+def log_time(at: float | None = None) -> str:
+    """The local time (now, or ``at`` from ``time.time()``) that starts every ``train.log`` line, to the
+    millisecond (for seconds per step)."""
+    moment = datetime.now() if at is None else datetime.fromtimestamp(at)
+    return moment.isoformat(sep=" ", timespec="milliseconds")
 
 
 def _open_writer(log_dir: Path, purge_step: int | None) -> Any:

@@ -14,8 +14,11 @@ owning the RNG timeline of an epoch:
    unencoded; other data is iterated over (so worker-side random augmentation advances identically);
 3. then it restores the RNG state saved with the checkpoint, so ``forward`` draws the same noise.
 
-A step's loss is checked once per optimizer step; under several processes it is averaged over them first,
-so every process sees the same value and takes the same stop/continue decision.
+Nothing waits for the device on most steps: each optimizer step's loss (under several processes averaged
+over them first, so every process sees the same value and takes the same stop/continue decision), gradient
+norm and non-finite flag stay device tensors, and are read together every ``log_every`` steps, before a hook
+runs and at the end. Then every step's values are logged under their own step and time, the progress bar's
+loss is updated, and a non-finite loss is reported (or stops the run) naming the step it happened at.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import dataclasses
 import inspect
 import math
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -111,8 +115,8 @@ def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | No
                  num_epochs: int | None = None, resume: LoadedCheckpoint | None = None, hooks: Sequence[Hook] = (),
                  logger: TrainingLogger | None = None,
                  on_nonfinite_loss: Literal["stop", "skip"] = "stop", max_skipped_fraction: float = 1.0,
-                 on_step: Callable[[TrainingPosition, float, int], bool] | None = None,
-                 progress: bool = True) -> TrainingResult:
+                 on_step: Callable[[TrainingPosition, float | None, int], bool] | None = None,
+                 progress: bool = True, log_every: int = 1) -> TrainingResult:
     """Train until ``max_train_steps`` optimizer steps or ``num_epochs`` epochs, whichever comes first.
 
     ``data`` is either a function ``epoch -> iterable of batches`` or an iterable with a deterministic
@@ -125,10 +129,13 @@ def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | No
     it and goes on (TrainStep has already skipped the update, as the gradients are then non-finite too), until
     more than ``max_skipped_fraction`` of the planned steps were skipped: then the run has diverged and
     :class:`NonFiniteLossError` says so. ``on_step(position, loss, total_steps)`` runs after each optimizer
-    step and its hooks; when it returns True on any process, every process stops after that step
-    (``result.stopped``).
+    step and its hooks, with the step's loss when it was read at that step (every ``log_every`` steps, see
+    the module docstring), else None; when it returns True on any process, every process stops after that
+    step (``result.stopped``).
     """
     _check_arguments(max_train_steps, num_epochs, on_nonfinite_loss, max_skipped_fraction)
+    if log_every < 1:
+        raise ValueError(f"log_every must be >= 1, got {log_every}")
     position = dataclasses.replace(resume.position) if resume is not None else TrainingPosition()
     resume_rng = resume.rng_state if resume is not None else None
     result = TrainingResult(position=position)
@@ -142,84 +149,120 @@ def run_training(step: TrainStep, data: DataSource, *, max_train_steps: int | No
             result.total_steps = max_train_steps
             if bar is None:
                 bar = _progress_bar(step, position.global_step, max_train_steps, progress)
+                unread = _Unread(step, result, bar, logger, on_nonfinite_loss, max_skipped_fraction)
             iterator = _skip(data, batches, position)
             if resume_rng is not None:
                 restore_rng_state(resume_rng)
                 resume_rng = None
             _check_alignment(step, position.batch_in_epoch)
-            if _train_epoch(step, iterator, position, result, steps_per_epoch, bar, logger,
-                            (on_nonfinite_loss, max_skipped_fraction), hooks, on_step):
+            if _train_epoch(step, iterator, position, steps_per_epoch, unread, hooks, on_step, log_every):
                 position.epoch += 1
                 position.batch_in_epoch = 0
+        if bar is not None:
+            unread.read()
     finally:
         if bar is not None:
             bar.close()
     return result
 
 
-def _train_epoch(step: TrainStep, iterator: Iterator[Any], position: TrainingPosition, result: TrainingResult,
-                 steps_per_epoch: int, bar: Any, logger: TrainingLogger | None, nonfinite: tuple[str, float],
-                 hooks: Sequence[Hook], on_step: Callable[[TrainingPosition, float, int], bool] | None) -> bool:
+def _train_epoch(step: TrainStep, iterator: Iterator[Any], position: TrainingPosition, steps_per_epoch: int,
+                 unread: _Unread, hooks: Sequence[Hook],
+                 on_step: Callable[[TrainingPosition, float | None, int], bool] | None, log_every: int) -> bool:
     """Run the rest of an epoch; return True when the epoch's data ran out (False: max steps reached, or
-    ``on_step`` asked to stop)."""
+    ``on_step`` asked to stop); the steps' values are read before it returns, except at the end of the data."""
+    result = unread.result
     for batch in iterator:
         outputs = step(*batch) if isinstance(batch, (tuple, list)) else step(batch)
         position.batch_in_epoch += 1
         if not step.sync_gradients:
             continue
         position.global_step += 1
-        loss = _global_loss(step, outputs[0])
-        _record(step, loss, position, result, bar, logger, *nonfinite)
-        for hook in hooks:
-            if hook.every.due(position.global_step, steps_per_epoch):
-                hook.action(dataclasses.replace(position))
-        if on_step is not None and _any_process(step, on_step(dataclasses.replace(position), loss, result.total_steps)):
+        unread.add(position, _global_loss(step, outputs[0]))
+        due = [hook for hook in hooks if hook.every.due(position.global_step, steps_per_epoch)]
+        last = position.global_step >= result.total_steps
+        loss = unread.read() if due or last or position.global_step % log_every == 0 else None
+        for hook in due:
+            hook.action(dataclasses.replace(position))
+        if on_step is not None and _any_process(step, on_step(dataclasses.replace(position), loss,
+                                                              result.total_steps)):
+            unread.read()
             result.stopped = True
             return False
-        if position.global_step >= result.total_steps:
+        if last:
             return False
     return True
 
 
-def _record(step: TrainStep, loss: float, position: TrainingPosition, result: TrainingResult, bar: Any,
-            logger: TrainingLogger | None, on_nonfinite_loss: str, max_skipped_fraction: float) -> None:
-    """Append the loss, log the step's scalars, update the bar; handle a non-finite loss or skipped update."""
-    result.losses.append(loss)
-    where = f"step {position.global_step} (epoch {position.epoch}, batch {position.batch_in_epoch})"
-    if not math.isfinite(loss):
-        if on_nonfinite_loss == "stop":
-            raise NonFiniteLossError(
-                f"loss is {loss} at {where}; the update was not applied. Lower the learning rate, check the "
-                "data, prefer bf16 over fp16, or pass --on_nonfinite_loss skip to continue past such steps")
-        result.nonfinite_steps.append(position.global_step)
-        allowed = max_skipped_fraction * result.total_steps
-        if len(result.nonfinite_steps) > allowed:
-            raise NonFiniteLossError(
-                f"{len(result.nonfinite_steps)} of the {result.total_steps} steps had a non-finite loss (steps "
-                f"{_step_list(result.nonfinite_steps)}), more than --max_skipped_steps_fraction "
-                f"{max_skipped_fraction:g} allows: the run has diverged. Lower the learning rate or check the data")
-        _warn(step, f"warning: loss is {loss} at {where}; skipping this step")
-    if step.step_skipped:
-        result.skipped_steps.append(position.global_step)
-        if math.isfinite(loss):
-            _warn(step, f"note: gradients overflowed at {where}; update skipped, loss scale now "
-                            f"{step.loss_scale:g}")
-    lr = step.optimizer.param_groups[0]["lr"]
-    if logger is not None:
-        scalars = {"loss": loss, "lr": lr, "loss_scale": step.loss_scale, "skipped": float(step.step_skipped)}
-        if step.grad_norm is not None and math.isfinite(step.grad_norm):
-            scalars["grad_norm"] = step.grad_norm
-        logger.log(position.global_step, scalars)
-    bar.update(1)
-    bar.set_postfix(loss=f"{loss:.4g}", lr=f"{lr:.3g}", refresh=False)
+class _Unread:
+    """Optimizer steps whose loss, gradient norm and non-finite flag are still device tensors; :meth:`read`
+    fetches them in one go and records each step as it happened (result, logger, progress bar)."""
+
+    def __init__(self, step: TrainStep, result: TrainingResult, bar: Any, logger: TrainingLogger | None,
+                 on_nonfinite_loss: str, max_skipped_fraction: float) -> None:
+        self.step, self.result, self.bar, self.logger = step, result, bar, logger
+        self.on_nonfinite_loss, self.max_skipped_fraction = on_nonfinite_loss, max_skipped_fraction
+        self.steps: list[tuple[TrainingPosition, float, float, float]] = []  # position, time, lr, loss scale
+        self.tensors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # loss, grad norm, non-finite
+
+    def add(self, position: TrainingPosition, loss: torch.Tensor) -> None:
+        step = self.step
+        lr = step.optimizer.param_groups[0]["lr"]
+        self.steps.append((dataclasses.replace(position), time.time(), lr, step.loss_scale))
+        self.tensors.append((loss.detach().reshape(()), step.grad_norm_tensor.reshape(()),
+                             step.nonfinite_tensor.reshape(())))
+        self.bar.update(1)
+
+    def read(self) -> float | None:
+        """Record the unread steps (this waits for the device); return the last one's loss (None: none)."""
+        if not self.steps:
+            return None
+        losses, norms, nonfinite = (torch.stack(column).tolist() for column in zip(*self.tensors))
+        steps, self.steps, self.tensors = self.steps, [], []
+        for (position, at, lr, loss_scale), loss, norm, skipped in zip(steps, losses, norms, nonfinite):
+            self._record(position, at, lr, loss_scale, loss, norm, bool(skipped))
+        return losses[-1]
+
+    def _record(self, position: TrainingPosition, at: float, lr: float, loss_scale: float, loss: float,
+                grad_norm: float, skipped: bool) -> None:
+        """Append the loss, log the step's scalars, update the bar; handle a non-finite loss or skipped update."""
+        result = self.result
+        result.losses.append(loss)
+        where = f"step {position.global_step} (epoch {position.epoch}, batch {position.batch_in_epoch})"
+        if not math.isfinite(loss):
+            if self.on_nonfinite_loss == "stop":
+                raise NonFiniteLossError(
+                    f"loss is {loss} at {where}; the update was not applied. Lower the learning rate, check the "
+                    "data, prefer bf16 over fp16, or pass --on_nonfinite_loss skip to continue past such steps")
+            result.nonfinite_steps.append(position.global_step)
+            allowed = self.max_skipped_fraction * result.total_steps
+            if len(result.nonfinite_steps) > allowed:
+                raise NonFiniteLossError(
+                    f"{len(result.nonfinite_steps)} of the {result.total_steps} steps had a non-finite loss "
+                    f"(steps {_step_list(result.nonfinite_steps)}), more than --max_skipped_steps_fraction "
+                    f"{self.max_skipped_fraction:g} allows: the run has diverged. Lower the learning rate or "
+                    "check the data")
+            _warn(self.step, f"warning: loss is {loss} at {where}; skipping this step")
+        if skipped:
+            result.skipped_steps.append(position.global_step)
+            if math.isfinite(loss):
+                _warn(self.step, f"note: gradients overflowed at {where}; update skipped, loss scale now "
+                                 f"{loss_scale:g}")
+        if self.logger is not None:
+            scalars = {"loss": loss, "lr": lr, "loss_scale": loss_scale, "skipped": float(skipped)}
+            if math.isfinite(grad_norm):
+                scalars["grad_norm"] = grad_norm
+            self.logger.log(position.global_step, scalars, at=at)
+        self.bar.set_postfix(loss=f"{loss:.4g}", lr=f"{lr:.3g}", refresh=False)
 
 
-def _global_loss(step: TrainStep, loss: torch.Tensor) -> float:
-    """The group's mean loss averaged over processes (one scalar all-reduce per optimizer step)."""
+def _global_loss(step: TrainStep, loss: torch.Tensor) -> torch.Tensor:
+    """The group's mean loss averaged over processes (one scalar all-reduce per optimizer step), on the
+    device: nothing waits for it here."""
     accelerator = step.accelerator
     if accelerator is not None and accelerator.num_processes > 1:
         loss = accelerator.reduce(loss.detach().to(accelerator.device), reduction="mean")
-    return float(loss)
+    return loss
 
 
 def _step_list(steps: list[int], limit: int = 8) -> str:

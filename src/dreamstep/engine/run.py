@@ -36,6 +36,7 @@ from dreamstep.engine.run_folder import STATUS_FILE, OutputLock, RunStatus, chec
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.errors import UserError
 from dreamstep.files import write_bytes_atomic
+from dreamstep.models.precision import configure_gpu_precision
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -135,14 +136,15 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
               resume_from_checkpoint: str | None, config_toml: str, tensorboard_dir: str | Path | None = None,
               command: str = "dreamstep train", resume_flag: str = "--resume_from_checkpoint",
               overwrite: bool = False, samples_dir: str | Path | None = None,
-              find_unused_parameters: bool = False) -> Run:
+              find_unused_parameters: bool = False, allow_tf32: bool = True) -> Run:
     """Set up the accelerator (devices, autocast, processes), seed everything, find the checkpoint to
     resume from (checked by :func:`claim_output_dir`), and take the output folder: its lock and
     ``run_status.json`` (main process). ``config.toml`` and the logs are written when training starts.
     TensorBoard event files go to ``tensorboard_dir`` (default: ``output_dir``), sample grids to
     ``samples_dir`` (default: ``output_dir/samples``). ``command`` (e.g. ``dreamstep train flux-lora``)
     and ``resume_flag`` make the command printed to continue an interrupted run. ``find_unused_parameters``:
-    DDP looks for trainable parameters that got no gradient in a step (slower; needed when some may not)."""
+    DDP looks for trainable parameters that got no gradient in a step (slower; needed when some may not).
+    ``allow_tf32``: fp32 matmuls on a CUDA card use TF32 (see :func:`configure_gpu_precision`)."""
     end_unfinished_run("a later run in the same process started")
     accelerator = _accelerator(mixed_precision, find_unused_parameters)
     if accelerator.distributed_type == "DEEPSPEED":
@@ -151,6 +153,9 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
                         "(flux-controlnet)")
     if mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError("--mixed_precision fp16 needs a GPU (CPUs have no fp16 autocast); use bf16 or no")
+    warning = configure_gpu_precision(accelerator.device, mixed_precision, allow_tf32)
+    if warning is not None:
+        say(warning, is_main_process=accelerator.is_main_process, file=sys.stderr)
     from accelerate.utils import set_seed
 
     set_seed(seed)

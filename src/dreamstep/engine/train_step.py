@@ -16,10 +16,18 @@ when N does not divide L. Each micro-batch's loss is divided by its group's real
 micro-batches of equal size gives exactly the gradient of one batch r times larger (the mindone port divides
 by N, which shrinks the last group's update).
 
-Non-finite gradients (any scaler, or none): the optimizer and the LR scheduler do not step, gradients are
-zeroed, ``step_skipped`` is set and the scaler is told. The dynamic scaler then backs off its scale; the
-static scaler keeps its scale, so a static scale that overflows every step skips every step (pick a smaller
-scale, or the dynamic scaler).
+Non-finite gradients (any scaler, or none): the update is not applied, gradients are zeroed,
+``step_skipped`` is set and the scaler is told. The dynamic scaler then backs off its scale; the static scaler
+keeps its scale, so a static scale that overflows every step skips every step (pick a smaller scale, or the
+dynamic scaler).
+
+Host syncs: with no loss scaler and an optimizer that can skip an update on the device (torch's fused AdamW,
+Adam, SGD and Adagrad, which take a ``found_inf`` tensor as ``GradScaler`` gives them), a step never waits for
+the device: the loss, the gradient norm and the non-finite flag stay device tensors until someone reads them
+(the training loop does on its logging cadence), and the LR scheduler steps at every group, skipped or not,
+as diffusers' and sd-scripts' loops do. With a loss scaler, or another optimizer, whether the gradients are
+finite is read once per optimizer step (as ``GradScaler`` does for such optimizers), and on a skipped update
+the LR scheduler does not step either.
 
 Mixed precision with an accelerate ``Accelerator``: the accelerator provides the device, ``autocast`` for
 ``forward`` and DDP ``no_sync`` (FSDP2 modules from ``dreamstep.engine.sharding`` pause their gradient sync
@@ -42,6 +50,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from dreamstep.engine.sharding import is_sharded, no_gradient_sync
 
@@ -143,6 +152,7 @@ class TrainStep(abc.ABC):
     ``sync_gradients`` (this micro-batch closed a group), ``optimizer_stepped``, ``step_skipped`` (non-finite
     gradients), ``grad_norm`` (global L2 norm before clipping, at group ends, else ``None``) and
     ``loss_scale``. ``num_updates`` counts finished groups, stepped or skipped; ``num_skipped`` the skipped.
+    Those read from the device wait for it; ``grad_norm_tensor`` and ``nonfinite_tensor`` do not.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
@@ -170,11 +180,12 @@ class TrainStep(abc.ABC):
         self.loss_scaler = loss_scaler if loss_scaler is not None else _default_scaler(accelerator, optimizer)
         self.micro_step = 0  # index of the next micro-batch within the epoch, 0 .. length_of_dataloader-1
         self.num_updates = 0
-        self.num_skipped = 0
         self.sync_gradients = False
-        self.optimizer_stepped = False
-        self.step_skipped = False
-        self.grad_norm: float | None = None
+        # Device tensors of the last call that closed a group (None after one that did not): the global
+        # gradient norm before clipping, and whether it was not finite (the update was skipped).
+        self.grad_norm_tensor: torch.Tensor | None = None
+        self.nonfinite_tensor: torch.Tensor | None = None
+        self._skip_count: torch.Tensor | int = 0  # skipped updates, summed on the device
         self._group_loss_sum: torch.Tensor | None = None  # sum of unscaled micro-batch losses, shape ()
         self._group_count = 0
         self._scaled = False
@@ -188,6 +199,26 @@ class TrainStep(abc.ABC):
     def unwrapped_model(self) -> torch.nn.Module:
         """The model without its DDP wrapper: for passes on one process (validation), which must not sync."""
         return self.accelerator.unwrap_model(self.model) if self.accelerator is not None else self.model
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The last group's global gradient norm before clipping (reading it waits for the device)."""
+        return None if self.grad_norm_tensor is None else float(self.grad_norm_tensor)
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the last call closed a group whose update was skipped (reading it waits for the device)."""
+        return self.nonfinite_tensor is not None and bool(self.nonfinite_tensor)
+
+    @property
+    def optimizer_stepped(self) -> bool:
+        """Whether the last call closed a group and applied its update (reading it waits for the device)."""
+        return self.nonfinite_tensor is not None and not bool(self.nonfinite_tensor)
+
+    @property
+    def num_skipped(self) -> int:
+        """Skipped updates so far (reading it waits for the device)."""
+        return int(self._skip_count)
 
     @property
     def loss_scale(self) -> float:
@@ -215,13 +246,14 @@ class TrainStep(abc.ABC):
         overflow before backward, turning every report into inf instead of letting the scaler back off.
         """
         self._scaled = True
-        loss = loss.to(torch.promote_types(loss.dtype, torch.float32)) / self.group_size
+        loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
+        loss = loss / self.group_size if self.group_size != 1 else loss
         return self.loss_scaler.scale(loss) if self.loss_scaler is not None else loss
 
     def unscale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Undo :meth:`scale_loss` for one micro-batch: the micro-batch's own mean loss."""
         loss = self.loss_scaler.unscale(loss) if self.loss_scaler is not None else loss
-        return loss * self.group_size
+        return loss * self.group_size if self.group_size != 1 else loss
 
     def __call__(self, *batch: Any) -> tuple[torch.Tensor, ...]:
         closes_group = self.at_group_end
@@ -230,9 +262,8 @@ class TrainStep(abc.ABC):
             self._backward(outputs[0])
         loss = self._record_loss(outputs[0])
         self.sync_gradients = closes_group
-        self.optimizer_stepped = False
-        self.step_skipped = False
-        self.grad_norm = None
+        self.grad_norm_tensor = None
+        self.nonfinite_tensor = None
         if closes_group:
             self._update()
         self._advance()
@@ -255,7 +286,7 @@ class TrainStep(abc.ABC):
             self.loss_scaler.load_state_dict(saved_scaler)
         self.micro_step = int(state["micro_step"])
         self.num_updates = int(state["num_updates"])
-        self.num_skipped = int(state["num_skipped"])
+        self._skip_count = int(state["num_skipped"])
 
     def _forward_checked(self, batch: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
         self._scaled = False
@@ -278,7 +309,7 @@ class TrainStep(abc.ABC):
         micro_loss = self.unscale_loss(scaled_loss.detach())
         self._group_loss_sum = micro_loss if self._group_loss_sum is None else self._group_loss_sum + micro_loss
         self._group_count += 1
-        return self._group_loss_sum / self._group_count
+        return self._group_loss_sum / self._group_count if self._group_count != 1 else self._group_loss_sum
 
     def _advance(self) -> None:
         if self.sync_gradients:
@@ -289,42 +320,66 @@ class TrainStep(abc.ABC):
             self.micro_step = 0
 
     def _update(self) -> None:
-        """Unscale, measure, clip and step; or skip everything when the gradients are not finite."""
+        """Unscale, measure, clip and step; or skip the update when the gradients are not finite."""
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         self._unscale_grads(params)
         norm = self._clip(params)
-        finite = math.isfinite(norm)  # the one host sync per optimizer step
-        self.grad_norm = norm
+        nonfinite = torch.logical_not(torch.isfinite(norm))
+        self.grad_norm_tensor, self.nonfinite_tensor = norm, nonfinite
+        self._skip_count = self._skip_count + nonfinite.long()
+        self.num_updates += 1
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # under accelerate's wrapper
+        if self._skips_on_device(optimizer):
+            self._step_unless(optimizer, nonfinite)
+        else:
+            self._step_if_finite(not bool(nonfinite))  # the one host sync per optimizer step
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        """No scaler to update on the host, an optimizer that takes ``found_inf``, and plain (unsharded)
+        parameters, which the fused kernels require next to a plain ``found_inf``."""
+        takes_found_inf = getattr(optimizer, "_step_supports_amp_scaling", False)
+        return self.loss_scaler is None and takes_found_inf and not is_sharded(self.model)
+
+    def _step_unless(self, optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
+        """Step an optimizer that skips its update on the device when ``found_inf`` is 1 (GradScaler's
+        protocol), so nothing waits for the device; the LR schedule follows the groups."""
+        optimizer.grad_scale = None
+        optimizer.found_inf = nonfinite.to(torch.float32)
+        try:
+            self.optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _step_if_finite(self, finite: bool) -> None:
         if finite:
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        else:
-            self.num_skipped += 1
-        self.optimizer.zero_grad(set_to_none=True)
         if self.loss_scaler is not None:
             self.loss_scaler.update(finite)
-        self.num_updates += 1
-        self.optimizer_stepped = finite
-        self.step_skipped = not finite
 
     def _unscale_grads(self, params: list[torch.nn.Parameter]) -> None:
         if self.loss_scale != 1.0:
             torch._foreach_mul_([p.grad for p in params], 1.0 / self.loss_scale)
 
-    def _clip(self, params: list[torch.nn.Parameter]) -> float:
-        """Clip to ``max_grad_norm`` (if set) and return the global norm before clipping.
+    def _clip(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """Clip to ``max_grad_norm`` (if set) and return the global norm before clipping (a device tensor).
 
         With no clipping the norm is still measured: it is the finiteness check and a logged value.
         """
         if not params:
-            return 0.0
+            return torch.zeros(())
         max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf
         if self.accelerator is not None:  # FSDP shards need accelerate's distributed norm
             norm = self.accelerator.clip_grad_norm_(params, max_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return float(norm)
+        if isinstance(norm, DTensor):  # sharded parameters: the global norm, as a plain tensor
+            norm = norm.full_tensor()
+        return norm.detach()
 
     def _sync_context(self, closes_group: bool) -> contextlib.AbstractContextManager:
         """No gradient all-reduce on micro-batches that do not close a group."""

@@ -4,6 +4,7 @@ encoding, all through diffusers' own ``FluxPipeline`` helpers so the layout matc
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,11 @@ def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return FluxPipeline._unpack_latents(tokens, height, width, vae_scale_factor=1)
 
 
-def latent_image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Rotary position ids of the packed latent tokens: (h/2 · w/2, 3)."""
+@functools.lru_cache(maxsize=32)
+def latent_image_ids(height: int, width: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """Rotary position ids of the packed latent tokens: (h/2 · w/2, 3). Made once per size, device and dtype
+    (diffusers builds them on the CPU and copies them over, which would make every step wait); the model
+    only reads them."""
     return FluxPipeline._prepare_latent_image_ids(1, height // 2, width // 2, device, dtype)
 
 
@@ -112,24 +116,26 @@ class FluxConditioner:
         def encode(pixels: torch.Tensor) -> torch.Tensor:
             return encode_posterior(self.pipeline.vae, pixels.to(self.device)).cpu()
 
-        return latents_for_batch(batch, encode, self.latent_cache, prefix=prefix).to(self.device)
+        return latents_for_batch(batch, encode, self.latent_cache, prefix=prefix).to(self.device, non_blocking=True)
 
-    def prompts(self, captions: list[str]) -> dict[str, torch.Tensor]:
-        """T5 embeddings (B, S, D), CLIP pooled (B, P) and text ids (S, 3) for the captions."""
+    def prompts(self, captions: list[str], known: Any = None) -> dict[str, torch.Tensor]:
+        """T5 embeddings (B, S, D), CLIP pooled (B, P) and text ids (S, 3) for the captions; ``known``: the
+        cache entries the loader read (``batch["text"]``)."""
         def encode(missing: list[int]) -> dict[str, torch.Tensor]:
             return encode_prompts(self.pipeline, [captions[i] for i in missing], self.max_sequence_length)
 
-        found = self.text_cache.get_or_compute([text_content_key(c) for c in captions], encode)
-        embeds = found["prompt_embeds"].to(self.device)
-        inputs = {"prompt_embeds": embeds, "pooled": found["pooled"].to(self.device),
+        found = self.text_cache.get_or_compute([text_content_key(c) for c in captions], encode, known)
+        embeds = found["prompt_embeds"].to(self.device, non_blocking=True)
+        inputs = {"prompt_embeds": embeds, "pooled": found["pooled"].to(self.device, non_blocking=True),
                   "text_ids": text_ids(embeds.shape[1], self.device, embeds.dtype)}
         if self.clip_ids:
-            inputs["clip_input_ids"] = clip_input_ids(self.pipeline, captions).to(self.device)
+            inputs["clip_input_ids"] = clip_input_ids(self.pipeline, captions).to(self.device, non_blocking=True)
         return inputs
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {"latent_dist": self.latents(batch), **self.prompts(batch["captions"]),
-                "is_reg": batch["is_reg"].to(self.device)}
+        # is_reg stays on the CPU: the loss splits the batch by it without waiting for the device.
+        return {"latent_dist": self.latents(batch), **self.prompts(batch["captions"], batch.get("text")),
+                "is_reg": batch["is_reg"]}
 
 
 def training_caches(root: Path, source: str, *, revision: str | None, variant: str | None, mixed_precision: str,

@@ -183,28 +183,29 @@ class SDXLConditioner:
         def encode(pixels: torch.Tensor) -> torch.Tensor:
             return encode_posterior(self.pipeline.vae, pixels.to(self.device)).cpu()
 
-        return latents_for_batch(batch, encode, self.latent_cache).to(self.device)
+        return latents_for_batch(batch, encode, self.latent_cache).to(self.device, non_blocking=True)
 
     @torch.no_grad()
-    def prompts(self, captions: list[str]) -> dict[str, torch.Tensor]:
+    def prompts(self, captions: list[str], known: Any = None) -> dict[str, torch.Tensor]:
+        """The captions' prompt embeddings; ``known``: the cache entries the loader read (``batch["text"]``)."""
         def encode(missing: list[int]) -> dict[str, torch.Tensor]:
             found = encode_prompts(self.pipeline, [captions[i] for i in missing])
             return {k: v.cpu() for k, v in found.items()}
 
         if self.text_cache is None:
             return {k: v.to(self.device) for k, v in encode(list(range(len(captions)))).items()}
-        found = self.text_cache.get_or_compute([text_content_key(c) for c in captions], encode)
-        return {k: v.to(self.device) for k, v in found.items()}
+        found = self.text_cache.get_or_compute([text_content_key(c) for c in captions], encode, known)
+        return {k: v.to(self.device, non_blocking=True) for k, v in found.items()}
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         inputs: dict[str, Any] = {
             "latent_dist": self.latents(batch),
             "add_time_ids": add_time_ids(batch["original_sizes"], batch["crop_top_lefts"],
-                                         batch["target_sizes"]).to(self.device),
-            "is_reg": batch["is_reg"].to(self.device),
+                                         batch["target_sizes"]).to(self.device, non_blocking=True),
+            "is_reg": batch["is_reg"].to(self.device, non_blocking=True),
         }
         if self.encode_text:
-            inputs.update(self.prompts(batch["captions"]))
+            inputs.update(self.prompts(batch["captions"], batch.get("text")))
         else:
             inputs["captions"] = batch["captions"]
         return inputs

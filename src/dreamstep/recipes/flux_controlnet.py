@@ -79,9 +79,8 @@ class FluxControlNetStep(TrainStep):
         latents = sample_latents(batch["latent_dist"])
         control = sample_latents(batch["control_dist"])
         noise = torch.randn_like(latents)
-        indices = fm.sample_timestep_indices(self.weighting_scheme, len(latents), len(self.sigmas),
-                                             **self.sampling).to(latents.device)
-        sigmas = fm.sigmas_at(self.sigmas, indices, latents.ndim).to(latents.device)
+        indices = fm.sample_timestep_indices(self.weighting_scheme, len(latents), len(self.sigmas), **self.sampling)
+        sigmas = fm.sigmas_at(self.sigmas, indices, latents.ndim, latents.device)
         loss = self.per_sample_loss(self.model, batch, latents, control, noise, sigmas, self.weighting_scheme)
         return (self.scale_loss(loss.mean()),)
 
@@ -164,7 +163,8 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
                     config_toml=config_to_toml(config),
-                    command="dreamstep train flux-controlnet", overwrite=config.overwrite_output_dir)
+                    command="dreamstep train flux-controlnet", overwrite=config.overwrite_output_dir,
+                    allow_tf32=config.allow_tf32)
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     plan = plan_steps(len(loader), **config.step_counts())
@@ -184,7 +184,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                     if d is not None])
     for part in (dataset, held_out):
         if part is not None:
-            part.latent_cache = latent_cache
+            part.latent_cache, part.text_cache = latent_cache, text_cache
 
     # 3. Encode (models/phases.py): the text encoders and the VAE encode every caption, pair and validation
     # prompt before the transformer loads; then those the loop does not use wait in host memory.
@@ -275,7 +275,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                      checkpoints_total_limit=config.checkpoints_total_limit)
     result = fit(run, step, batches, total_steps=plan.total_steps, trained=FullState(controlnet), hooks=hooks,
                  on_nonfinite_loss=config.on_nonfinite_loss,
-                 max_skipped_steps_fraction=config.max_skipped_steps_fraction)
+                 max_skipped_steps_fraction=config.max_skipped_steps_fraction, logging_steps=config.logging_steps)
 
     # 7. Save: the save_pretrained layout, final samples and scores, loss curve, summary.
     written = {}

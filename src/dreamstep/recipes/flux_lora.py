@@ -87,9 +87,8 @@ class FluxLoraStep(TrainStep):
         # latent_dist: (B, 2C, h, w), the VAE posterior's mean and std, already shifted and scaled.
         latents = sample_latents(batch["latent_dist"])
         noise = torch.randn_like(latents)
-        indices = fm.sample_timestep_indices(self.weighting_scheme, len(latents), len(self.sigmas),
-                                             **self.sampling).to(latents.device)
-        sigmas = fm.sigmas_at(self.sigmas, indices, latents.ndim).to(latents.device)
+        indices = fm.sample_timestep_indices(self.weighting_scheme, len(latents), len(self.sigmas), **self.sampling)
+        sigmas = fm.sigmas_at(self.sigmas, indices, latents.ndim, latents.device)
         per_sample = self.per_sample_loss(self.model, batch, latents, noise, sigmas, self.weighting_scheme)
         loss = fm.instance_plus_prior_loss(per_sample, batch["is_reg"], self.prior_loss_weight)
         return (self.scale_loss(loss),)
@@ -150,7 +149,8 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
                     config_toml=config_to_toml(config),
-                    command="dreamstep train flux-lora", overwrite=config.overwrite_output_dir)
+                    command="dreamstep train flux-lora", overwrite=config.overwrite_output_dir,
+                    allow_tf32=config.allow_tf32)
 
     flux.transformer_config(config)  # --blocks_to_swap checked before anything is encoded or written
 
@@ -176,7 +176,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
         image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
     for part in (dataset, held_out):
         if part is not None:
-            part.latent_cache = latent_cache
+            part.latent_cache, part.text_cache = latent_cache, text_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     # With class images made in step 2 the epoch is known only now, so the step counts are planned here.
@@ -265,7 +265,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                      checkpoints_total_limit=config.checkpoints_total_limit)
     result = fit(run, step, batches, total_steps=plan.total_steps, trained=trained, hooks=hooks,
                  on_nonfinite_loss=config.on_nonfinite_loss,
-                 max_skipped_steps_fraction=config.max_skipped_steps_fraction)
+                 max_skipped_steps_fraction=config.max_skipped_steps_fraction, logging_steps=config.logging_steps)
 
     # 8. Save: diffusers layout (+ sd-scripts names), final samples and scores, loss curve, summary.
     written = {}

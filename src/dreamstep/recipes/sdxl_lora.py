@@ -205,7 +205,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
                     config_toml=config_to_toml(config),
                     tensorboard_dir=config.logging_dir, samples_dir=Path(config.output_dir) / "sample",
                     command="dreamstep train sdxl-lora", resume_flag="--resume", overwrite=config.overwrite_output_dir,
-                    find_unused_parameters=bool(options.module_dropout) or train_text)
+                    find_unused_parameters=bool(options.module_dropout) or train_text, allow_tf32=config.allow_tf32)
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.max_data_loader_n_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     plan = plan_steps(len(loader), gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -232,7 +232,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
         image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
     for part in (dataset, held_out):
         if part is not None:
-            part.latent_cache = latent_cache
+            part.latent_cache, part.text_cache = latent_cache, text_cache
     conditioner = sdxl.SDXLConditioner(pipeline, device=run.device, latent_cache=latent_cache, text_cache=text_cache,
                                        encode_text=not train_text)
 
@@ -308,7 +308,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
                      save=writer.save, save_every=save_every, checkpoint_at_end=config.save_state,
                      checkpoint_every=save_every if config.save_state else Every())
     result = fit(run, step, ConditionedBatches(loader, conditioner), total_steps=plan.total_steps, trained=network,
-                 hooks=hooks)
+                 hooks=hooks, logging_steps=config.logging_steps)
 
     # 6. Save: the final LoRA, final samples and scores; temporary caches removed; the summary.
     last = result.position.global_step
