@@ -18,6 +18,8 @@ KNOWN_NOTICES: dict[str, tuple[str, ...]] = {
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported",
                             "Calling register_constant() on Enum subclasses is deprecated"),
     "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
+    # bitsandbytes on a CPU with bf16 instructions looks for a kernel downloaded from the hub, then uses its own.
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
     # A LoRA for the transformer (or UNet) alone has no text-encoder keys: nothing is missing.
     "diffusers.loaders.peft": ("No LoRA keys associated to",),
     "diffusers.loaders.lora_pipeline": ("No LoRA keys associated to",),

@@ -105,6 +105,8 @@ def test_resume_equals_an_uninterrupted_run(tiny_flux_dev_dir: Path, tmp_path: P
             "learning-rate schedule continues from its own value; for a new learning rate start a new run"
             ) in capsys.readouterr().out
     straight = load_file(tmp_path / "straight" / "pytorch_lora_weights.safetensors")
+    # config.toml says how many epochs ran (3 batches of 2 accumulated in 2s: 2 steps an epoch), not the default 1
+    assert "\nnum_train_epochs = 3\n" in (tmp_path / "straight" / "config.toml").read_text()
     resumed = load_file(split / "pytorch_lora_weights.safetensors")
     assert straight.keys() == resumed.keys() and any(k.startswith("text_encoder.") for k in straight)
     for key in straight:

@@ -6,13 +6,14 @@ combinations before any model is loaded.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
-from dreamstep.config.schema import SEED_BOUNDS, option
-from dreamstep.errors import UserError
 from dreamstep.config.memory import check_compile, check_quantization, parse_bytes
+from dreamstep.config.schema import SEED_BOUNDS, config_to_toml, option
+from dreamstep.errors import UserError
 
 # diffusers' get_scheduler names (all but piecewise_constant, which needs a rule string).
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -106,6 +107,11 @@ class FluxTrainingConfig(EvaluationOptions):
         return {"gradient_accumulation_steps": self.gradient_accumulation_steps,
                 "max_train_steps": self.max_train_steps, "num_epochs": self.num_train_epochs,
                 "warmup": self.lr_warmup_steps}
+
+    def resolved_toml(self, num_epochs: int) -> str:
+        """The settings for ``config.toml`` with the epochs the run really trains (those --max_train_steps
+        comes to), so the file says what ran."""
+        return config_to_toml(dataclasses.replace(self, num_train_epochs=num_epochs))
 
     def __post_init__(self) -> None:
         if self.resolution % 16:

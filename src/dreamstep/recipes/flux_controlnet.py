@@ -168,6 +168,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     plan = plan_steps(len(loader), **config.step_counts())
+    run.config_toml = config.resolved_toml(plan.num_epochs)
 
     transformer_config = flux.transformer_config(config)  # checked before anything is encoded or written
     if config.controlnet_model_name_or_path is None:

@@ -181,6 +181,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     # With class images made in step 2 the epoch is known only now, so the step counts are planned here.
     plan = plan_steps(len(loader), **config.step_counts())
+    run.config_toml = config.resolved_toml(plan.num_epochs)
 
     # 4. Encode (models/phases.py): the text encoders and the VAE encode every caption, held-out image and
     # validation prompt before the transformer loads; then those the loop does not use wait in host memory.
