@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dreamstep.errors import UserError, did_you_mean
-from dreamstep.notices import hide_known_notices
+from dreamstep.notices import hide_known_notices, hide_transformers_progress_bars
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,9 @@ def _run(key: tuple[str, ...], command: Command, argv: list[str]) -> None:
         hide_known_notices()
         module = _load(command.runner)
         module.configure_parser(parser, key)
-        module.run(parser.parse_args(argv), key)
+        args = parser.parse_args(argv)
+        hide_transformers_progress_bars()
+        module.run(args, key)
         return
     from dreamstep.config.schema import add_arguments, build_config
 
@@ -161,7 +163,9 @@ def _run(key: tuple[str, ...], command: Command, argv: list[str]) -> None:
     add_arguments(parser, options)
     config = build_config(options, parser.parse_args(argv))
     hide_known_notices()
-    _load(command.runner)(config)
+    runner = _load(command.runner)
+    hide_transformers_progress_bars()
+    runner(config)
 
 
 def _run_to_end(key: tuple[str, ...], command: Command, args: list[str]) -> None:

@@ -32,7 +32,9 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     from dreamstep.models.tiny import check_out_dir, write_tiny_model
+    from dreamstep.notices import hide_transformers_progress_bars
 
+    hide_transformers_progress_bars()
     start = time.perf_counter()
     if args.arch == "evaluators":
         from dreamstep.evaluation.tiny import write_tiny_evaluators
