@@ -143,7 +143,9 @@ def test_the_batch_size_of_a_dataset_toml_is_the_one_reported(captioned: Path, t
     toml.write_text(f'[general]\nresolution = 32\n[[datasets]]\nbatch_size = 2\n[[datasets.subsets]]\n'
                     f'image_dir = "{captioned}"\nclass_tokens = "sks robot"\n')
     assert _train(tiny_flux_dir, tmp_path / "out", "--dataset_config", str(toml)) == 0
-    assert ("effective batch 2 = 2 per process x 1 accumulated x 1 process" in capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert "effective batch 2 = 2 per process x 1 accumulated x 1 process" in out
+    assert "training pass: 32px, batch 2," in out  # the memory plan prices the TOML's batch too
 
 
 def test_best_by_val_loss_without_held_out_images_is_refused(captioned: Path, tiny_flux_dir: Path,

@@ -5,6 +5,7 @@ encoding, all through diffusers' own ``FluxPipeline`` helpers so the layout matc
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from PIL import Image
 
 from dreamstep.errors import UserError
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
+from dreamstep.data.dataset_config import load_dataset_config
 from dreamstep.files import atomic_path
 from dreamstep.generation.outputs import JSON_KEY, sample_parameters
 from dreamstep.models.loading import component_identity, load_flux, load_flux_transformer
@@ -254,8 +256,15 @@ def tokenizer_limits(pipeline: FluxPipeline, max_sequence_length: int) -> dict[s
 
 
 def plan_options(config: Any, *, rank: int, encoders_on_device: bool, validation_images: bool) -> PlanOptions:
-    """The memory-plan inputs of a FLUX trainer's config (any :class:`FluxTrainingConfig`)."""
-    return PlanOptions(resolution=config.resolution, batch_size=config.train_batch_size, rank=rank,
+    """The memory-plan inputs of a FLUX trainer's config (any :class:`FluxTrainingConfig`); a dataset TOML's
+    batch size and resolution win over the flags, as in training."""
+    resolution, batch_size = config.resolution, config.train_batch_size
+    if getattr(config, "dataset_config", None) is not None:
+        datasets = load_dataset_config(config.dataset_config, cli={"resolution": resolution,
+                                                                   "train_batch_size": batch_size})
+        resolution = max(round(math.prod(d.buckets.resolution) ** 0.5) for d in datasets)
+        batch_size = max(d.batch_size for d in datasets)
+    return PlanOptions(resolution=resolution, batch_size=batch_size, rank=rank,
                        gradient_checkpointing=config.gradient_checkpointing,
                        base_quantization=config.base_quantization,
                        text_encoder_quantization=config.text_encoder_quantization,

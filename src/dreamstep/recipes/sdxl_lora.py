@@ -191,7 +191,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
     train_text = not config.network_train_unet_only
     encoders_on_device = train_text or not config.cache_latents or dataset.encodes_in_the_loop()
     print_run_plan("sdxl", sdxl.config_source(config.pretrained_model_name_or_path, config.model_config), PlanOptions(
-        resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5), batch_size=config.train_batch_size,
+        resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5), batch_size=max(d.batch_size for d in datasets),
         rank=config.network_dim, gradient_checkpointing=config.gradient_checkpointing,
         base_quantization=config.unet_quantization, encoders_on_device=encoders_on_device,
         blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
