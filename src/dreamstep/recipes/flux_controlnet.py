@@ -153,6 +153,9 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
     validation = [(load_rgb(Path(image)), prompt) for image, prompt in config.validation_pairs()]
     scorer = load_scorer(config)
+    transformer_config = flux.transformer_config(config)  # checked before the plan, or anything is encoded
+    if config.controlnet_model_name_or_path is None:
+        cn.check_layers(config.num_double_layers, config.num_single_layers, transformer_config)
     print_run_plan("flux-controlnet", config.pretrained_model_name_or_path, flux.plan_options(
         config, rank=0, encoders_on_device=not config.cache_latents or dataset.encodes_in_the_loop(),
         validation_images=bool(validation)),
@@ -169,10 +172,6 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     plan = plan_steps(len(loader), **config.step_counts())
     run.config_toml = config.resolved_toml(plan.num_epochs)
-
-    transformer_config = flux.transformer_config(config)  # checked before anything is encoded or written
-    if config.controlnet_model_name_or_path is None:
-        cn.check_layers(config.num_double_layers, config.num_single_layers, transformer_config)
 
     # 2. Data: pairs; target and control posteriors cached (a random crop with room to move is encoded
     # every step), prompt embeddings cached.

@@ -140,6 +140,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
     check_optimization(**config.optimization())
     dataset, held_out = build_split_datasets(flux_lora_datasets(config, None), config.seed, config.validation_split)
     scorer = load_scorer(config)
+    flux.transformer_config(config)  # --blocks_to_swap checked before the plan, or anything is encoded
     print_run_plan("flux", config.pretrained_model_name_or_path, flux.plan_options(
         config, rank=config.rank,
         encoders_on_device=config.train_text_encoder or not config.cache_latents or dataset.encodes_in_the_loop(),
@@ -151,8 +152,6 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                     config_toml=config_to_toml(config),
                     command="dreamstep train flux-lora", overwrite=config.overwrite_output_dir,
                     allow_tf32=config.allow_tf32)
-
-    flux.transformer_config(config)  # --blocks_to_swap checked before anything is encoded or written
 
     # 2. Class images: the whole base pipeline makes the missing ones, then everything is freed.
     class_dir = None
