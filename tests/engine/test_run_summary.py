@@ -134,7 +134,7 @@ def test_the_held_out_images_are_named_and_a_tiny_split_still_holds_one_out(capt
     assert held[0].rsplit(": ", 1)[1] in {str(captioned / f"{n}.png") for n in ("short", "long", "wide")}
     assert f"images      {captioned}: 2 images" in out
     log = (tmp_path / "out" / "train.log").read_text()  # the summary is in the run's log too
-    assert " run:\n" in log and held[0] in log
+    assert " run:\n" in log and held[0] in log and " memory plan: estimated peak memory of each phase\n" in log
 
 
 def test_the_batch_size_of_a_dataset_toml_is_the_one_reported(captioned: Path, tiny_flux_dir: Path,

@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 from dreamstep.engine.metrics import MetricsTable, draw_metrics
 from dreamstep.generation.outputs import JSON_KEY, grid_png_info
 
-__all__ = ["TrainingLogger", "draw_loss_curve", "log_time", "save_image_grid", "say", "smooth"]
+__all__ = ["TrainingLogger", "draw_loss_curve", "log_time", "save_image_grid", "say", "say_before_the_run", "smooth",
+           "take_said_before_the_run"]
 
 ReportTo = Literal["tensorboard", "none"]
 
@@ -126,6 +127,22 @@ def say(message: str, *, is_main_process: bool = True, file: TextIO | None = Non
     """Print a line once (from the main process) without breaking a progress bar's line."""
     if is_main_process:
         tqdm.write(message, file=file)
+
+
+_BEFORE_THE_RUN: list[str] = []
+
+
+def say_before_the_run(text: str) -> None:
+    """Print ``text`` (e.g. the memory plan, made before the run starts) and keep it for the ``train.log`` of the
+    run that starts next in this process (:func:`take_said_before_the_run`)."""
+    tqdm.write(text)
+    _BEFORE_THE_RUN.append(text)
+
+
+def take_said_before_the_run() -> list[str]:
+    taken = list(_BEFORE_THE_RUN)
+    _BEFORE_THE_RUN.clear()
+    return taken
 
 
 def log_time(at: float | None = None) -> str:

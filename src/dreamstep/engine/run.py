@@ -30,7 +30,7 @@ from dreamstep.engine.checkpoint import (
     resume_candidates,
 )
 from dreamstep.engine.interrupt import StopSignals
-from dreamstep.engine.logging import TrainingLogger, say
+from dreamstep.engine.logging import TrainingLogger, say, take_said_before_the_run
 from dreamstep.engine.loop import TrainingResult
 from dreamstep.engine.run_folder import STATUS_FILE, OutputLock, RunStatus, check_output_dir
 from dreamstep.engine.train_step import make_accelerator
@@ -125,6 +125,7 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_che
     was trained with other ``resume_must_match`` settings (the flags that shape the trained weights) than
     ``config_toml``'s. Writes nothing."""
     end_unfinished_run("a later run in the same process started")
+    take_said_before_the_run()  # what an earlier command of this process said (a --dry_run's plan) is not ours
     resume, _ = resume_candidates(output_dir, resume_from_checkpoint, resume_flag)
     if resume is not None:
         check_resume_settings(resume, config_toml, resume_must_match)
@@ -174,6 +175,7 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
     refusal = broadcast_from_main(refusal, accelerator)
     if refusal is not None:
         raise UserError(refusal)
+    run.preamble += take_said_before_the_run()
     for warning in passed_over:
         say_and_log(run, warning)
     global _open_run

@@ -12,6 +12,7 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
+from dreamstep.engine.logging import say_before_the_run
 from dreamstep.errors import UserError
 from dreamstep.models import memory_plan as mp
 from dreamstep.models import published_configs as published
@@ -318,12 +319,11 @@ def plan_report(estimator: Estimator, options: PlanOptions, device_memory: int |
 def print_run_plan(arch: str, source: str, options: PlanOptions, device_memory: str | None,
                    **estimator_options: Any) -> None:
     """Print a training run's plan before its models load (``device_memory`` as the user wrote it, or
-    ``None`` to detect the card); ``estimator_options`` go to :class:`Estimator`."""
-    from tqdm.auto import tqdm
-
+    ``None`` to detect the card); ``estimator_options`` go to :class:`Estimator`. The run's ``train.log``
+    gets it too."""
     from dreamstep.models.loading import check_pipeline_source
 
     check_pipeline_source(source, "sdxl" if arch == "sdxl" else "flux")
     memory = parse_bytes(device_memory, "--device_memory") if device_memory else mp.detected_device_memory()
     estimator = Estimator(arch, source, options.rank, **estimator_options)
-    tqdm.write(plan_report(estimator, options, memory))
+    say_before_the_run(plan_report(estimator, options, memory))
