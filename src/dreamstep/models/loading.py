@@ -144,13 +144,18 @@ def load_flux(pretrained_model_name_or_path: str | Path, *, revision: str | None
     pipeline_quantization = quantization.pipeline_config(quantize, weight_dtype)
     if pipeline_quantization is not None:
         overrides["quantization_config"] = pipeline_quantization
+    pipe = _from_pretrained(FluxPipeline, source, revision=revision, variant=variant,
+                            **{_DTYPE_KWARG: weight_dtype}, **overrides)
+    return _components(pipe, FluxComponents)
+
+
+def _from_pretrained(pipeline_class: type, source: str, **kwargs: Any) -> Any:
+    """``pipeline_class.from_pretrained(source)``, its failures as one line naming ``source``."""
     try:
         with refusing_pickled_code(source, "model"):
-            pipe = FluxPipeline.from_pretrained(source, revision=revision, variant=variant,
-                                                **{_DTYPE_KWARG: weight_dtype}, **overrides)
+            return pipeline_class.from_pretrained(source, **kwargs)
     except _LOAD_ERRORS as e:
         raise _load_error(source, e) from e
-    return _components(pipe, FluxComponents)
 
 
 def load_flux_transformer(pretrained_model_name_or_path: str | Path, *, revision: str | None = None,
@@ -238,12 +243,8 @@ def load_sdxl(path_or_id_or_single_file: str | Path, *, revision: str | None = N
     name = _folder_or_hub_id(path_or_id_or_single_file, SDXLComponents, "StableDiffusionXLPipeline")
     pipeline_quantization = quantization.pipeline_config({"unet": unet_quantization}, weight_dtype)
     extra = {"quantization_config": pipeline_quantization} if pipeline_quantization is not None else {}
-    try:
-        with refusing_pickled_code(name, "model"):
-            pipe = StableDiffusionXLPipeline.from_pretrained(name, revision=revision, variant=variant,
-                                                             **{_DTYPE_KWARG: weight_dtype}, **extra)
-    except _LOAD_ERRORS as e:
-        raise _load_error(name, e) from e
+    pipe = _from_pretrained(StableDiffusionXLPipeline, name, revision=revision, variant=variant,
+                            **{_DTYPE_KWARG: weight_dtype}, **extra)
     return _components(pipe, SDXLComponents)
 
 
