@@ -47,6 +47,7 @@ def _trained_step(folder: Path, mode: str) -> tuple[FluxLoraStep, dict[str, torc
     transformer = FluxTransformer2DModel.from_pretrained(
         folder, subfolder="transformer", torch_dtype=torch.bfloat16,
         quantization_config=quantization.diffusers_config(mode, torch.bfloat16))
+    quantization.keep_only_quantized_weights(transformer)  # as dreamstep.models.loading does
     transformer.requires_grad_(False)
     add_lora(transformer, flux_lora_targets(transformer, ["attention"]), RANK, RANK)
     cast_trainable_params_to_fp32(transformer)

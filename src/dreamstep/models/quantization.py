@@ -120,7 +120,7 @@ def quantize_built_model(model: torch.nn.Module, mode: str, double_quant: bool =
         raise ValueError(f"unknown quantization mode {mode!r}")
 
 
-class _FrozenWeightLinear(torch.autograd.Function):
+class FrozenWeightLinear(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` for a weight and bias that get no gradient; backward keeps ``weight``
     as it is stored (quantized) and computes ``grad_x`` from its dequantized values."""
 
@@ -142,7 +142,7 @@ def _linear_keeping_the_stored_weight(module: nn.Linear, x: torch.Tensor) -> tor
     weight, bias = module.weight, module.bias
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         return torch.nn.functional.linear(x, weight, bias)
-    return _FrozenWeightLinear.apply(x, weight, bias)
+    return FrozenWeightLinear.apply(x, weight, bias)
 
 
 def keep_only_quantized_weights(model: nn.Module) -> int:
