@@ -10,8 +10,8 @@ Trainable weights: the LoRA injected on the meta model, fp32, plus the optimizer
 training step of the meta model at the run's resolution and batch (activations and gradients), with the
 run's LoRA and gradient checkpointing and the trainer's dtypes (fp32 cached inputs under autocast, which the
 meta device lacks and :class:`_MetaAutocast` stands in for, with the quantized linears' own output dtypes and
-no dequantized weight kept for backward); the encoders' passes while they encode; an inference forward and the VAE's decode at
-validation. Attention is priced as a fused (flash) kernel keeps it: q, k, v, the output and the
+no dequantized weight kept for backward); the encoders' passes while they encode; an inference forward and the
+VAE's decode at validation. Attention is priced as a fused (flash) kernel keeps it: q, k, v, the output and the
 log-sum-exp, never the N x N scores.
 
 The same :class:`LiveTensorBytes` measures a real run's peak (CPU tensors or CUDA), which is how the

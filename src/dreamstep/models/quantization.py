@@ -20,10 +20,11 @@ Only the linear layers' weights are quantized; norms, embeddings and biases stay
 has exactly the keys of one trained on the unquantized base and loads on it.
 
 A frozen torchao linear computes with a dequantized copy of its weight, and autograd keeps that copy (2 bytes
-per weight in bf16) from the forward until backward ends, even inside a gradient-checkpointed block: more than
-the bf16 weight the quantization meant to save. Backward only needs ``grad_input = grad_output @ W`` (a frozen
-weight gets no gradient), so :func:`keep_only_quantized_weights` gives each such linear a forward that keeps the
-quantized weight itself for backward and dequantizes it again there.
+per weight in bf16) from the forward until backward ends (in a gradient-checkpointed block, from its
+recomputation until its backward ends): without checkpointing, more than the quantization saves. Backward only
+needs ``grad_input = grad_output @ W`` (a frozen weight gets no gradient), so
+:func:`keep_only_quantized_weights` gives each such linear a forward that keeps the quantized weight itself for
+backward and dequantizes it again there.
 """
 
 from __future__ import annotations
