@@ -29,7 +29,7 @@ from peft import LoraConfig, inject_adapter_in_model
 
 from dreamstep.models import memory_plan as mp
 from dreamstep.models.plans import Estimator, _flux_step
-from dreamstep.models.quantization import diffusers_config
+from dreamstep.models.quantization import diffusers_config, keep_only_quantized_weights
 from dreamstep.models.published_configs import FLUX_DEV_TRANSFORMER
 
 
@@ -41,6 +41,7 @@ def measured_peaks(folder: Path, mode: str, resolution: int, batch: int, text_to
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer", torch_dtype=torch.bfloat16,
                                                    quantization_config=diffusers_config(mode, torch.bfloat16))
+    keep_only_quantized_weights(model)
     model.to(device).requires_grad_(False)
     inject_adapter_in_model(LoraConfig(r=16, lora_alpha=16, target_modules=["attn.to_q", "attn.to_k", "attn.to_v",
                                                                             "attn.to_out.0"]), model)

@@ -42,12 +42,13 @@ def test_plan_command_says_what_fits(capsys: pytest.CaptureFixture) -> None:
     assert main(["plan", "flux", "--device_memory", "12GB", "--base_quantization", "int8"]) == 0
     out = capsys.readouterr().out
     assert "11.90B" in out and "int8" in out and "does NOT fit" in out
+    assert "would fit: --text_encoder_quantization int8 + --blocks_to_swap" in out  # nothing alone is enough
     # Every phase, with T5 priced while it encodes and waiting in host memory while the transformer trains.
     assert all(f"  {phase}: on the device" in out for phase in ("encode", "load", "train", "validate"))
     assert "peak device memory" in out and "peak host memory" in out
     assert main(["plan", "sdxl", "--device_memory", "8GB"]) == 0
     out = capsys.readouterr().out
-    assert "does NOT fit" in out and "would fit:" in out and "--blocks_to_swap" in out
+    assert "does NOT fit" in out and "would fit: --base_quantization fp8 (or int8)" in out
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tiny_flux_dev_dir: Path, tmp_path: Path,

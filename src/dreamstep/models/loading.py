@@ -59,7 +59,11 @@ class SDXLComponents:
 
 
 def _components(pipe: Any, cls: type) -> Any:
-    return cls(**{name: getattr(pipe, name) for name in cls.__dataclass_fields__})
+    components = cls(**{name: getattr(pipe, name) for name in cls.__dataclass_fields__})
+    for name in cls.__dataclass_fields__:
+        if isinstance(getattr(components, name), torch.nn.Module):
+            quantization.keep_only_quantized_weights(getattr(components, name))
+    return components
 
 
 def _check_pipeline_folder(folder: Path, cls: type, pipeline: str) -> None:
@@ -169,17 +173,20 @@ def load_flux_transformer(pretrained_model_name_or_path: str | Path, *, revision
     if transformer_single_file is not None:
         file = _check_checkpoint_file(transformer_single_file, "transformer single file")
         try:
-            return FluxTransformer2DModel.from_single_file(
+            transformer = FluxTransformer2DModel.from_single_file(
                 str(file), config=source, subfolder="transformer", quantization_config=config,
                 **{_DTYPE_KWARG: weight_dtype})
         except _LOAD_ERRORS as e:
             raise UserError(f"could not load the FLUX transformer from {file}: {e}") from e
-    try:
-        return FluxTransformer2DModel.from_pretrained(source, subfolder="transformer", revision=revision,
-                                                      variant=variant, quantization_config=config,
-                                                      **{_DTYPE_KWARG: weight_dtype})
-    except _LOAD_ERRORS as e:
-        raise _load_error(source, e) from e
+    else:
+        try:
+            transformer = FluxTransformer2DModel.from_pretrained(
+                source, subfolder="transformer", revision=revision, variant=variant, quantization_config=config,
+                **{_DTYPE_KWARG: weight_dtype})
+        except _LOAD_ERRORS as e:
+            raise _load_error(source, e) from e
+    quantization.keep_only_quantized_weights(transformer)
+    return transformer
 
 
 def _check_checkpoint_file(path: str | Path, what: str) -> Path:

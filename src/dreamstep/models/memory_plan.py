@@ -10,8 +10,8 @@ Trainable weights: the LoRA injected on the meta model, fp32, plus the optimizer
 training step of the meta model at the run's resolution and batch (activations and gradients), with the
 run's LoRA and gradient checkpointing and the trainer's dtypes (fp32 cached inputs under autocast, which the
 meta device lacks and :class:`_MetaAutocast` stands in for, with the quantized linears' own output dtypes and
-kept copies); the encoders' passes while they encode; an inference forward and the VAE's decode at
-validation. Attention is priced as a fused (flash) kernel keeps it: q, k, v, the output and the
+no dequantized weight kept for backward); the encoders' passes while they encode; an inference forward and the
+VAE's decode at validation. Attention is priced as a fused (flash) kernel keeps it: q, k, v, the output and the
 log-sum-exp, never the N x N scores.
 
 The same :class:`LiveTensorBytes` measures a real run's peak (CPU tensors or CUDA), which is how the
@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dreamstep.config.memory import GIB, OPTIMIZER_STATE_BYTES
+from dreamstep.models import quantization
 
 # nf4-packed: the 4-bit values alone, without the fp32 absmax per 64 values that stays with the quantization state.
 _BYTES_PER_LINEAR_WEIGHT = {"none": None, "fp8": 1.0, "int8": 1.0, "nf4": 0.5 + 4 / 64, "nf4-packed": 0.5}
@@ -55,7 +56,8 @@ class LiveTensorBytes(TorchDispatchMode):
         self.peak = 0
         self._seen = WeakIdKeyDictionary()
         for tensor in existing:
-            self._seen[tensor.untyped_storage()] = 0
+            for plain in _plain_tensors(tensor):
+                self._seen[plain.untyped_storage()] = 0
 
     def _free(self, nbytes: int) -> None:
         self.live -= nbytes
@@ -81,13 +83,12 @@ _HALF_FUNCTIONS = ("linear", "conv2d", "scaled_dot_product_attention")
 _FP32_FUNCTIONS_CUDA = ("layer_norm", "group_norm", "softmax", "log_softmax")
 # A quantized frozen linear under autocast, as torchao 0.18 and bitsandbytes compute it: its output dtype ("input":
 # the input's, so the trainer's fp32 inputs make the residual stream fp32; "half": the autocast dtype), and the
-# bytes per weight element that stay alive until backward ends: from the forward (even inside a checkpointed block),
-# and again from a checkpointed block's recomputation. Fitted to LiveTensorBytes measurements of the real step on
-# the CPU (benchmarks/memory_plan_check.py, tests/models/test_plan_phases.py): torchao int8 keeps a bf16-sized copy
-# of each weight from the forward; fp8 two bytes from the forward and one from the recomputation (without
-# checkpointing this still reads about 2% under the measured pass); bitsandbytes dequantizes 4-bit weights again in
-# backward (not measurable without a GPU).
-QUANTIZED_LINEAR = {"int8": ("input", 2, 0), "fp8": ("half", 2, 1), "nf4": ("input", 0, 0)}
+# bytes per weight element that its dequantization holds while the matmul runs (torchao's weight-only int8: the
+# int8 values as fp32, then as bf16 for the matmul; fp8: the values as fp32, scaled in fp32, then bf16; measured
+# on the CPU with LiveTensorBytes, and the same generic ops run on CUDA). Neither keeps a dequantized copy for
+# backward (torchao's linears get quantization.keep_only_quantized_weights, bitsandbytes dequantizes 4-bit weights
+# again in backward).
+QUANTIZED_LINEAR = {"int8": ("input", 6), "fp8": ("half", 10), "nf4": ("input", 2)}
 
 
 class _MetaAutocast:
@@ -101,8 +102,6 @@ class _MetaAutocast:
         self.dtype = dtype
         self.fp32 = _FP32_FUNCTIONS_CUDA if device_type == "cuda" else ()
         self.quantized = WeakIdKeyDictionary(quantized or {})
-        self.kept = WeakIdKeyDictionary()  # what the quantized linears' forwards keep until backward ends
-        self.kept_again: list[torch.Tensor] = []  # and what their recomputations keep
         self.cast_cache = WeakIdKeyDictionary()  # autocast keeps its casts of trainable leaf weights while it is on
 
     def _cast(self, value: Any, dtype: torch.dtype) -> Any:
@@ -130,16 +129,18 @@ class _MetaAutocast:
 
     def _quantized_linear(self, linear: Callable[..., Any], mode: str, x: torch.Tensor, weight: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
-        output, kept_bytes, kept_again_bytes = QUANTIZED_LINEAR[mode]
-        compute = self.dtype or weight.dtype
         if x.requires_grad and torch.is_grad_enabled():
-            if weight in self.kept:  # a checkpointed block's recomputation
-                self.kept_again.append(torch.empty(weight.numel() * kept_again_bytes, dtype=torch.uint8,
-                                                   device=weight.device))
-            else:
-                self.kept[weight] = torch.empty(weight.numel() * kept_bytes, dtype=torch.uint8, device=weight.device)
-        # The dequantized weight: a fresh tensor, alive while the matmul (and autograd) needs it.
-        y = linear(x.to(compute), torch.empty(weight.shape, dtype=compute, device=weight.device))
+            # As the trainer's base computes it: backward keeps the (resident) weight and nothing else of its size;
+            # the forward below runs inside, without gradients.
+            return quantization.FrozenWeightLinear.apply(x, weight, bias)
+        output, dequantizing_bytes = QUANTIZED_LINEAR[mode]
+        compute = self.dtype or weight.dtype
+        # The dequantized weight and the steps to it: fresh tensors, alive while the matmul runs.
+        dequantized = torch.empty(weight.shape, dtype=compute, device=weight.device)
+        steps = torch.empty(weight.numel() * (dequantizing_bytes - dequantized.itemsize), dtype=torch.uint8,
+                            device=weight.device)
+        y = linear(x.to(compute), dequantized)
+        del dequantized, steps
         y = y.to(x.dtype if output == "input" else compute)
         return y + bias.to(y.dtype) if bias is not None else y
 
@@ -154,8 +155,6 @@ class _MetaAutocast:
         finally:
             for name, original in originals.items():
                 setattr(_F, name, original)
-            self.kept.clear()
-            self.kept_again.clear()
             self.cast_cache.clear()
 
 
@@ -187,12 +186,20 @@ def _fused_attention_on_meta() -> Iterator[None]:
         torch.nn.functional.scaled_dot_product_attention = original
 
 
-def stored_bytes(tensor: torch.Tensor) -> int:
-    """Bytes a tensor holds, counting the inner tensors of a quantized one (torchao's data and scales)."""
+def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensor itself, or the inner tensors of a quantized one (torchao's data and scales), which hold its bytes:
+    the views a quantized linear takes of them are not new memory."""
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
-        return sum(stored_bytes(getattr(tensor, name)) for name in names)
-    return tensor.untyped_storage().nbytes()
+        for name in names:
+            yield from _plain_tensors(getattr(tensor, name))
+    else:
+        yield tensor
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds, counting the inner tensors of a quantized one (torchao's data and scales)."""
+    return sum(plain.untyped_storage().nbytes() for plain in _plain_tensors(tensor))
 
 
 def tensors_of(*modules: nn.Module) -> Iterator[torch.Tensor]:

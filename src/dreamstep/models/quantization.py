@@ -18,13 +18,22 @@ One backend per mode, chosen by measurement (``benchmarks/quantized_base.py``: a
 Only the linear layers' weights are quantized; norms, embeddings and biases stay in the
 ``--mixed_precision`` dtype. peft adds its LoRA layers around the quantized linears, so the saved LoRA
 has exactly the keys of one trained on the unquantized base and loads on it.
+
+A frozen torchao linear computes with a dequantized copy of its weight, and autograd keeps that copy (2 bytes
+per weight in bf16) from the forward until backward ends (in a gradient-checkpointed block, from its
+recomputation until its backward ends): without checkpointing, more than the quantization saves. Backward only
+needs ``grad_input = grad_output @ W`` (a frozen weight gets no gradient), so
+:func:`keep_only_quantized_weights` gives each such linear a forward that keeps the quantized weight itself for
+backward and dequantizes it again there.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+from torch import nn
 
 
 def diffusers_config(mode: str, compute_dtype: torch.dtype) -> Any:
@@ -93,6 +102,7 @@ def quantize_built_model(model: torch.nn.Module, mode: str, double_quant: bool =
         from torchao.quantization import quantize_
 
         quantize_(model, torchao_weight_config(mode))
+        keep_only_quantized_weights(model)
     elif mode == "nf4":
         import bitsandbytes as bnb
 
@@ -109,3 +119,40 @@ def quantize_built_model(model: torch.nn.Module, mode: str, double_quant: bool =
                     setattr(parent, name, layer.to(child.weight.device))
     elif mode != "none":
         raise ValueError(f"unknown quantization mode {mode!r}")
+
+
+class FrozenWeightLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` for a weight and bias that get no gradient; backward keeps ``weight``
+    as it is stored (quantized) and computes ``grad_x`` from its dequantized values."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.input_dtype = x.dtype
+        return torch.nn.functional.linear(x, weight, bias)  # the layer's own op, under the caller's autocast
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (weight,) = ctx.saved_tensors
+        values = dequantized(weight)
+        return (grad_output.to(values.dtype) @ values).to(ctx.input_dtype), None, None
+
+
+def _linear_keeping_the_stored_weight(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # The module's weight at call time: block swapping puts a new weight object in place for each run.
+    weight, bias = module.weight, module.bias
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        return torch.nn.functional.linear(x, weight, bias)
+    return FrozenWeightLinear.apply(x, weight, bias)
+
+
+def keep_only_quantized_weights(model: nn.Module) -> int:
+    """Give every linear of ``model`` whose weight is a torchao tensor a forward whose backward keeps only the
+    quantized weight (not a dequantized copy); return how many. peft's LoRA layers call their base layer, so
+    LoRA added later goes through it too."""
+    from torchao.utils import TorchAOBaseTensor
+
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and isinstance(m.weight, TorchAOBaseTensor)]
+    for linear in linears:
+        linear.forward = functools.partial(_linear_keeping_the_stored_weight, linear)
+    return len(linears)
