@@ -74,8 +74,14 @@ def _on_device(components: dict[str, torch.nn.Module | None]) -> tuple[str, ...]
                  if module is not None and any(p.device.type == "cpu" for p in module.parameters()))
 
 
-def _watch_phases(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[tuple[str, ...]]]:
-    """Record, in a FLUX trainer run in this process, which components are on the device when captions and
+# Per family: the models module, the name of its base and the functions that load the encoders, load the base and
+# make validation images (sample images for SDXL).
+WATCHED = {"flux": (flux, "transformer", "load_encoders_for_training", "load_transformer_for_training", "generate"),
+           "sdxl": (sdxl, "unet", "load_encoders_for_training", "load_unet_for_training", "generate_samples")}
+
+
+def _watch_phases(monkeypatch: pytest.MonkeyPatch, family: str = "flux") -> dict[str, set[tuple[str, ...]]]:
+    """Record, in a trainer run of ``family`` in this process, which components are on the device when captions and
     images are encoded, at each training step, while validation images are made, and at the validation loss."""
     # Parked modules go to the meta device here (host memory stands in by a copy of their weights, which
     # brings them back): any use of a parked module fails, and where each module's weights are shows, at each
@@ -92,29 +98,30 @@ def _watch_phases(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[tuple[str, .
 
     seen: dict[str, set[tuple[str, ...]]] = {"encode": set(), "train": set(), "validate": set(), "loss": set()}
     parts: dict[str, torch.nn.Module | None] = {}
-    load_encoders, load_transformer = flux.load_encoders_for_training, flux.load_transformer_for_training
-    fill, generate = parking.fill_caches, flux.generate
+    models, base_name, *names = WATCHED[family]
+    load_encoders, load_base, generate = (getattr(models, name) for name in names)
+    fill = parking.fill_caches
     generating = False
 
     def encoders_and_watch(*args, **kwargs):
-        base = load_encoders(*args, **kwargs)
-        parts.update(transformer=None, text_encoder=base.text_encoder, text_encoder_2=base.text_encoder_2,
-                     vae=base.vae)
-        return base
+        components = load_encoders(*args, **kwargs)
+        parts.update({base_name: getattr(components, base_name), "text_encoder": components.text_encoder,
+                      "text_encoder_2": components.text_encoder_2, "vae": components.vae})
+        return components
 
     def fill_and_watch(*args, **kwargs):
         seen["encode"].add(_on_device(parts))
         return fill(*args, **kwargs)
 
-    def transformer_and_watch(*args, **kwargs):
-        transformer = load_transformer(*args, **kwargs)
-        parts["transformer"] = transformer
+    def base_and_watch(*args, **kwargs):
+        base = load_base(*args, **kwargs)
+        parts[base_name] = base
 
         def record(module, inputs):
             phase = "train" if torch.is_grad_enabled() else "validate" if generating else "loss"
             seen[phase].add(_on_device(parts))
-        transformer.register_forward_pre_hook(record)
-        return transformer
+        base.register_forward_pre_hook(record)
+        return base
 
     def generate_and_watch(*args, **kwargs):
         nonlocal generating
@@ -126,9 +133,8 @@ def _watch_phases(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[tuple[str, .
 
     monkeypatch.setattr(parking, "move", move)
     monkeypatch.setattr(parking, "fill_caches", fill_and_watch)
-    monkeypatch.setattr(flux, "generate", generate_and_watch)
-    monkeypatch.setattr(flux, "load_encoders_for_training", encoders_and_watch)
-    monkeypatch.setattr(flux, "load_transformer_for_training", transformer_and_watch)
+    for name, watched in zip(names, (encoders_and_watch, base_and_watch, generate_and_watch)):
+        monkeypatch.setattr(models, name, watched)
     return seen
 
 
@@ -183,27 +189,51 @@ def test_controlnet_phases_have_only_their_components_on_the_device(tiny_flux_de
         phase: recorded[phase] for phase in ("encode", "train", "validate")}
 
 
-def test_sdxl_text_encoders_are_off_the_device_in_every_step(
-        tiny_sdxl_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(parking, "PARKING_DEVICE", torch.device("meta"))
-    seen: list[set[str]] = []
-    load = sdxl.load_frozen_for_training
+# sdxl-lora in the same order, with its UNet.
+SDXL_PHASES = {phase: tuple("unet" if name == "transformer" else name for name in names)
+               for phase, names in PHASES_IN_SD_SCRIPTS_ORDER.items()}
 
-    def load_and_watch(*args, **kwargs):
-        base = load(*args, **kwargs)
 
-        def record(module, inputs):
-            if module.training:
-                seen.append({p.device.type for m in (base.text_encoder, base.text_encoder_2) for p in m.parameters()})
-        base.unet.register_forward_pre_hook(record)
-        return base
+@pytest.mark.parametrize("mode, single_file", [("none", False), ("int8", False), ("none", True)])
+def test_sdxl_phases_have_only_their_components_on_the_device(mode: str, single_file: bool, tiny_sdxl_dir: Path,
+                                                              tiny_sdxl_single_file: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single file is read whole: its UNet waits in host memory while the encoders encode."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red dog --n blurry --w 64 --h 64 --s 1\na blue cat --w 64 --h 64 --s 1 --l 1\n")
+    seen = _watch_phases(monkeypatch, "sdxl")
+    source = tiny_sdxl_single_file if single_file else tiny_sdxl_dir
+    assert run_cli("train", "sdxl-lora", f"--pretrained_model_name_or_path={source}",
+                   f"--dataset_config={write_method(tmp_path, 'captions')}", "--network_train_unet_only",
+                   "--max_train_steps=2", "--log_with=none", f"--output_dir={tmp_path / 'out'}",
+                   f"--base_quantization={mode}", "--validation_split=0.25", "--validate_every_n_steps=1",
+                   f"--sample_prompts={prompts}", "--sample_every_n_steps=1") == 0
+    recorded = _recorded_once(seen)
+    assert recorded == SDXL_PHASES
+    assert sorted(p.name for p in (tmp_path / "out" / "sample").glob("last_*.png")) == [
+        f"last_{step:06d}_{i:02d}.png" for step in (1, 2) for i in (0, 1)]
+    estimator = Estimator("sdxl", str(tiny_sdxl_dir), rank=4, device_type="cpu")
+    with_images, loss_only = (estimator(PlanOptions(resolution=64, rank=4, base_quantization=mode,
+                                                    validation_images=images)) for images in (True, False))
+    assert {phase: with_images.phase(phase).resident for phase in ("encode", "train", "validate")} == {
+        phase: recorded[phase] for phase in ("encode", "train", "validate")}
+    assert loss_only.phase("validate").resident == recorded["loss"]
 
-    monkeypatch.setattr(sdxl, "load_frozen_for_training", load_and_watch)
-    # (Samples bring the encoders back: test_sdxl_lora's UNet-only runs with --sample_prompts cover that.)
+
+def test_sdxl_text_encoders_that_train_stay_on_the_device(tiny_sdxl_dir: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the text-encoder LoRA (sd-scripts' default) the loop encodes every caption: both CLIP encoders stay
+    on the device from the encode phase on; the VAE (latents cached) still comes back only for samples."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red dog --w 64 --h 64 --s 1\n")
+    seen = _watch_phases(monkeypatch, "sdxl")
     assert run_cli("train", "sdxl-lora", f"--pretrained_model_name_or_path={tiny_sdxl_dir}",
-                   f"--dataset_config={write_method(tmp_path, 'class_tokens')}", "--network_train_unet_only",
-                   "--max_train_steps=3", "--log_with=none", f"--output_dir={tmp_path / 'out'}") == 0
-    assert seen == [{"meta"}] * 3
+                   f"--dataset_config={write_method(tmp_path, 'captions')}", "--max_train_steps=2", "--log_with=none",
+                   f"--output_dir={tmp_path / 'out'}", "--validation_split=0.25", "--validate_every_n_steps=1",
+                   f"--sample_prompts={prompts}", "--sample_every_n_steps=1") == 0
+    texts = ("text_encoder", "text_encoder_2")
+    assert _recorded_once(seen) == {"encode": (*texts, "vae"), "train": ("unet", *texts),
+                                    "validate": ("unet", *texts, "vae"), "loss": ("unet", *texts)}
 
 
 def test_nf4_without_a_gpu_is_one_line_before_anything_loads(tiny_flux_dev_dir: Path, tmp_path: Path,

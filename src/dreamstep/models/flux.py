@@ -20,8 +20,9 @@ from dreamstep.files import atomic_path
 from dreamstep.generation.outputs import JSON_KEY, sample_parameters
 from dreamstep.models.loading import component_identity, load_flux, load_flux_transformer
 from dreamstep.models.memory_plan import PlanOptions
+from dreamstep.models import parking
 from dreamstep.models.parking import ParkedModules
-from dreamstep.models.phases import ENCODERS, loop_encoders
+from dreamstep.models.phases import ENCODERS
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
 from dreamstep.notices import CAPTION_CUT, hidden
@@ -275,13 +276,10 @@ def plan_options(config: Any, *, rank: int, encoders_on_device: bool, validation
 
 def park_encoders(components: Any, device: torch.device, *, text_encoder_trains: bool,
                   latents_cached: bool) -> ParkedModules:
-    """Move the encoders the loop does not use off ``device`` (:func:`~dreamstep.models.phases.loop_encoders`):
-    T5 always (its outputs are cached), CLIP unless it trains, the VAE when the latents are cached. Call after
-    the caches are filled (:func:`~dreamstep.models.parking.fill_caches`), before the transformer loads."""
-    stays = loop_encoders("flux", text_encoders_train=text_encoder_trains, vae_in_the_loop=not latents_cached)
-    encoders = ParkedModules({name: getattr(components, name) for name in ENCODERS if name not in stays}, device)
-    encoders.park()
-    return encoders
+    """Move the encoders the loop does not use off ``device`` (:func:`~dreamstep.models.parking.park_encoders`):
+    T5 always (its outputs are cached), CLIP unless it trains, the VAE when the latents are cached."""
+    return parking.park_encoders("flux", components, device, text_encoders_train=text_encoder_trains,
+                                 latents_cached=latents_cached)
 
 
 def prompt_embeddings(conditioner: FluxConditioner, prompts: list[str]) -> dict[str, dict[str, torch.Tensor]]:

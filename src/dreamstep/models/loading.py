@@ -154,7 +154,8 @@ def load_flux(pretrained_model_name_or_path: str | Path, *, revision: str | None
 
 
 def _from_pretrained(pipeline_class: type, source: str, **kwargs: Any) -> Any:
-    """``pipeline_class.from_pretrained(source)``, its failures as one line naming ``source``."""
+    """``pipeline_class.from_pretrained(source)`` (a pipeline's or a model's), its failures as one line naming
+    ``source``."""
     try:
         with refusing_pickled_code(source, "model"):
             return pipeline_class.from_pretrained(source, **kwargs)
@@ -233,26 +234,46 @@ def _load_sdxl_single_file(file: Path, config: str | Path | None, weight_dtype: 
         raise UserError(f"could not load the SDXL checkpoint {file}: {e}{hint}") from e
 
 
+def is_single_file(path_or_id: str | Path) -> bool:
+    """Whether ``path_or_id`` names a single-file checkpoint rather than a diffusers folder or hub id."""
+    return Path(path_or_id).expanduser().is_file() or str(path_or_id).endswith(CHECKPOINT_SUFFIXES)
+
+
 def load_sdxl(path_or_id_or_single_file: str | Path, *, revision: str | None = None,
               variant: str | None = None, config: str | Path | None = None,
-              weight_dtype: torch.dtype = torch.float32, unet_quantization: str = "none") -> SDXLComponents:
+              weight_dtype: torch.dtype = torch.float32, unet_quantization: str = "none",
+              unet: bool = True) -> SDXLComponents:
     """Load an SDXL pipeline's components, all in ``weight_dtype``, from a diffusers folder, a hub id
     or a single-file checkpoint (``.safetensors`` / ``.ckpt``, original SGM layout).
 
     For a single file, ``config`` names a diffusers SDXL folder or hub id that supplies the model
     configs, tokenizers and scheduler; without it diffusers fetches them from the hub.
     ``unet_quantization`` is a :mod:`~dreamstep.models.quantization` mode for the UNet's linear layers.
+    Without ``unet`` a folder or hub id leaves the UNet out (``None``; :func:`load_sdxl_unet` loads it alone);
+    a single file is read whole, its UNet included.
     """
-    source = Path(path_or_id_or_single_file).expanduser()
-    if source.is_file() or str(path_or_id_or_single_file).endswith(CHECKPOINT_SUFFIXES):
-        file = _check_checkpoint_file(source, "SDXL checkpoint")
+    if is_single_file(path_or_id_or_single_file):
+        file = _check_checkpoint_file(Path(path_or_id_or_single_file).expanduser(), "SDXL checkpoint")
         return _components(_load_sdxl_single_file(file, config, weight_dtype, unet_quantization), SDXLComponents)
     name = _folder_or_hub_id(path_or_id_or_single_file, SDXLComponents, "StableDiffusionXLPipeline")
-    pipeline_quantization = quantization.pipeline_config({"unet": unet_quantization}, weight_dtype)
-    extra = {"quantization_config": pipeline_quantization} if pipeline_quantization is not None else {}
+    pipeline_quantization = quantization.pipeline_config({"unet": unet_quantization if unet else "none"},
+                                                         weight_dtype)
+    extra: dict[str, Any] = {"quantization_config": pipeline_quantization} if pipeline_quantization is not None else {}
+    if not unet:
+        extra["unet"] = None
     pipe = _from_pretrained(StableDiffusionXLPipeline, name, revision=revision, variant=variant,
                             **{_DTYPE_KWARG: weight_dtype}, **extra)
     return _components(pipe, SDXLComponents)
+
+
+def load_sdxl_unet(path_or_id: str | Path, *, revision: str | None = None, variant: str | None = None,
+                   weight_dtype: torch.dtype = torch.float32, unet_quantization: str = "none") -> torch.nn.Module:
+    """The UNet alone of an SDXL diffusers folder or hub id, in ``weight_dtype``, its linear weights quantized
+    as ``unet_quantization`` says."""
+    name = _folder_or_hub_id(path_or_id, SDXLComponents, "StableDiffusionXLPipeline")
+    return _from_pretrained(UNet2DConditionModel, name, subfolder="unet", revision=revision, variant=variant,
+                            quantization_config=quantization.diffusers_config(unet_quantization, weight_dtype),
+                            **{_DTYPE_KWARG: weight_dtype})
 
 
 def component_identity(source: str | Path, subfolder: str, *, revision: str | None = None,

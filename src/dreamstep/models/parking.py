@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dreamstep.models.phases import ENCODERS, loop_encoders
+
 # Where parked modules wait. Tests point it at the meta device, where any use of a parked module fails.
 PARKING_DEVICE = torch.device("cpu")
 
@@ -51,6 +53,16 @@ class ParkedModules:
 
     def describe(self) -> str:
         return ", ".join(self.modules) if self.modules else "none"
+
+
+def park_encoders(family: str, components: Any, device: torch.device, *, text_encoders_train: bool,
+                  latents_cached: bool) -> ParkedModules:
+    """Move the encoders of ``components`` that the loop does not use (:func:`~dreamstep.models.phases.loop_encoders`)
+    off ``device``. Call after the "encode" phase (:func:`encode_run`), before the transformer / UNet loads."""
+    stays = loop_encoders(family, text_encoders_train=text_encoders_train, vae_in_the_loop=not latents_cached)
+    encoders = ParkedModules({name: getattr(components, name) for name in ENCODERS if name not in stays}, device)
+    encoders.park()
+    return encoders
 
 
 def free_device_memory(device: torch.device) -> None:

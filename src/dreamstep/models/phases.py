@@ -1,17 +1,15 @@
 """The phases of a training run and which components are on the device in each, in sd-scripts' order:
 
-1. ``encode``: the text encoders and the VAE encode every caption, class prompt, validation prompt and cached
-   latent while the transformer / UNet is not loaded yet.
+1. ``encode``: the text encoders and the VAE encode every caption, class prompt, validation (sample) prompt and
+   cached latent while the transformer / UNet is not on the device: not loaded yet, or, for an SDXL single-file
+   checkpoint (read whole), waiting in host memory.
 2. ``load``: the encoders wait in host memory (or are dropped) and the transformer / UNet loads. diffusers'
-   bitsandbytes loader puts a 4-bit base on the device whole; other bases load into host memory first.
+   bitsandbytes loader puts a 4-bit base on the device whole (an SDXL single file's already while it encodes);
+   other bases load into host memory first.
 3. ``train``: the base, and only the encoders the loop itself needs (a text encoder that trains, the VAE for
    latents that are not cached).
 4. ``validate``: what trains, plus the VAE when validation makes images (their prompts' embeddings were
    encoded in phase 1); the validation loss brings nothing back.
-
-sdxl-lora does not follow this order yet: it loads its UNet beside the encoders (phase 1 holds all four),
-and brings every parked encoder back at validation (its sample prompts are encoded when they are sampled, and
-its scores run with the encoders on the device); the plan prices it as it is.
 
 The trainers place their modules by :func:`resident_components`, and the memory plan prices each phase by it.
 """
@@ -39,12 +37,10 @@ def resident_components(family: str, phase: str, *, in_the_loop: tuple[str, ...]
     text_encoder_2, vae); ``in_the_loop`` from :func:`loop_encoders`."""
     base = base_name(family)
     if phase == "encode":
-        return (base, *ENCODERS) if family == "sdxl" else ENCODERS
+        return ENCODERS
     if phase == "load":
-        return (base,) if base_loads_on_device or family == "sdxl" else ()
+        return (base,) if base_loads_on_device else ()
     resident = [base, *in_the_loop]
-    if phase == "validate" and family == "sdxl":
-        resident += ENCODERS
-    elif phase == "validate" and validation_images:
+    if phase == "validate" and validation_images:
         resident.append("vae")
     return tuple(name for name in (base, *ENCODERS) if name in resident)

@@ -270,8 +270,7 @@ class Estimator:
             passes = {f"encoding with {LABELS[self.family][n]}": self.encoder_pass(n, resolution, tokens)
                       for n in encoders}
             name, peak = max(passes.items(), key=lambda item: item[1])
-            base_there = [self._weights(self.base_name, options)] if self.base_name in resident else []
-            return Phase(phase, resident, base_there + device + [Line(f"the largest pass: {name}", 0, "", peak)], [])
+            return Phase(phase, resident, device + [Line(f"the largest pass: {name}", 0, "", peak)], [])
         if phase == "load":
             # Without quantization, or with torchao's, the base loads into host memory and then moves; diffusers'
             # bitsandbytes loader puts a 4-bit base on the device whole.

@@ -26,8 +26,10 @@ from PIL import Image
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.generation.outputs import JSON_KEY, png_info, sample_parameters
-from dreamstep.models.loading import component_identity, load_sdxl
+from dreamstep.models.loading import component_identity, load_sdxl, load_sdxl_unet
+from dreamstep.models import parking
 from dreamstep.models.parking import ParkedModules
+from dreamstep.models.phases import ENCODERS
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
 from dreamstep.notices import CAPTION_CUT, hidden
@@ -69,30 +71,64 @@ def config_source(source: str, model_config: str | None) -> str:
     return model_config or source
 
 
-def load_frozen_for_training(source: str, *, model_config: str | None, mixed_precision: str,
-                             device: torch.device, vae_fp32: bool = False, sdpa: bool = False,
-                             gradient_checkpointing: bool = False, unet_quantization: str = "none",
-                             unet_on_host: bool = False) -> Any:
-    """The SDXL components, frozen, in the half-precision dtype of ``mixed_precision`` (the VAE in fp32 with
-    ``vae_fp32``: SDXL's VAE overflows in fp16), on ``device``; the UNet's linear weights quantized as
-    ``unet_quantization`` says (:mod:`~dreamstep.models.quantization`), and kept in host memory with
-    ``unet_on_host``, for a block swapper to place. A single file finds its configs in ``model_config``,
-    or in its own folder when that holds ``model_index.json``, else diffusers fetches the SDXL base's."""
+def load_encoders_for_training(source: str, *, model_config: str | None, mixed_precision: str,
+                               device: torch.device, vae_fp32: bool = False, unet_quantization: str = "none") -> Any:
+    """The "encode" phase's components (:mod:`~dreamstep.models.phases`): both CLIP text encoders and the VAE
+    frozen in the half-precision dtype of ``mixed_precision`` (the VAE in fp32 with ``vae_fp32``: SDXL's VAE
+    overflows in fp16), on ``device``. A diffusers folder or hub id leaves the UNet unloaded (``base.unet`` is
+    ``None``); a single file holds it too, and it waits in host memory, frozen and quantized as
+    ``unet_quantization`` says (:mod:`~dreamstep.models.quantization`), for :func:`load_unet_for_training`. A single
+    file finds its configs in ``model_config``, or in its own folder when that holds ``model_index.json``, else
+    diffusers fetches the SDXL base's."""
     configs = config_source(source, model_config)
     base = load_sdxl(source, config=configs if configs != source else None,
-                     weight_dtype=weight_dtype_for(mixed_precision), unet_quantization=unet_quantization)
-    freeze(base.unet, base.vae, base.text_encoder, base.text_encoder_2)
-    for module in (base.unet, base.vae, base.text_encoder, base.text_encoder_2):
-        module.to("cpu" if module is base.unet and unet_on_host else device).eval()
+                     weight_dtype=weight_dtype_for(mixed_precision), unet_quantization=unet_quantization, unet=False)
+    for name in ENCODERS:
+        module = getattr(base, name)
+        freeze(module)
+        module.to(device).eval()
     if vae_fp32:
         base.vae.to(torch.float32)
+    if base.unet is not None:
+        freeze(base.unet)
+        parking.move(base.unet, parking.PARKING_DEVICE)
+    return base
+
+
+def load_unet_for_training(base: Any, source: str, *, mixed_precision: str, device: torch.device,
+                           sdpa: bool = False, gradient_checkpointing: bool = False, unet_quantization: str = "none",
+                           on_host: bool = False) -> torch.nn.Module:
+    """The "load" phase: the UNet frozen in the dtype of ``mixed_precision``, its linear weights quantized as
+    ``unet_quantization`` says, on ``device`` (``on_host``: left in host memory for a block swapper to place),
+    set as ``base.unet``. A single file's UNet, read in the "encode" phase, comes from host memory."""
+    unet = base.unet
+    if unet is None:
+        unet = load_sdxl_unet(source, weight_dtype=weight_dtype_for(mixed_precision),
+                              unet_quantization=unet_quantization)
+        freeze(unet)
+    parking.move(unet, torch.device("cpu") if on_host else device)
     if sdpa:
         from diffusers.models.attention_processor import AttnProcessor2_0
 
-        base.unet.set_attn_processor(AttnProcessor2_0())
+        unet.set_attn_processor(AttnProcessor2_0())
     if gradient_checkpointing:
-        base.unet.enable_gradient_checkpointing()
-    return base
+        unet.enable_gradient_checkpointing()
+    base.unet = unet.eval()
+    return unet
+
+
+def attach_unet(pipeline: StableDiffusionXLPipeline, base: Any) -> None:
+    """Put the UNet loaded after the "encode" phase into the pipeline assembled before it."""
+    pipeline.register_modules(unet=base.unet)
+    pipeline.default_sample_size = base.unet.config.sample_size  # the pipeline reads it from its UNet when built
+
+
+def without_text_encoders(pipeline: StableDiffusionXLPipeline) -> StableDiffusionXLPipeline:
+    """The same pipeline (same modules, no copies) without its text encoders, for prompts given as embeddings:
+    the encoders may wait off the device, and the pipeline neither runs them nor computes on their device."""
+    view = type(pipeline)(**{**pipeline.components, "text_encoder": None, "text_encoder_2": None})
+    view.set_progress_bar_config(disable=True)
+    return view
 
 
 def _identity(source: str, component: str, precision: str) -> str:
@@ -153,17 +189,14 @@ class SDXLLoraModel(torch.nn.Module):
         conditions = {"text_embeds": pooled, "time_ids": add_time_ids}
         return self.unet(noisy, timesteps, encoder_hidden_states=prompt_embeds, added_cond_kwargs=conditions,
                          return_dict=False)[0]
-def park_encoders(base: Any, device: torch.device, *, text_encoders_train: bool,
-                  latents_cached: bool) -> ParkedModules:
-    """Move the encoders the loop does not use off ``device``: both CLIP encoders unless they train (their
-    outputs are cached then), the VAE when the latents are cached. Call after
-    :func:`~dreamstep.models.parking.fill_caches`."""
-    parked = {} if text_encoders_train else {"text_encoder": base.text_encoder, "text_encoder_2": base.text_encoder_2}
-    if latents_cached:
-        parked["vae"] = base.vae
-    encoders = ParkedModules(parked, device)
-    encoders.park()
-    return encoders
+
+
+def park_encoders(base: Any, device: torch.device, *, text_in_the_loop: bool, latents_cached: bool) -> ParkedModules:
+    """Move the encoders the loop does not use off ``device`` (:func:`~dreamstep.models.parking.park_encoders`):
+    both CLIP encoders unless they encode in the loop (they train, or their outputs are not cached), the VAE
+    when the latents are cached."""
+    return parking.park_encoders("sdxl", base, device, text_encoders_train=text_in_the_loop,
+                                 latents_cached=latents_cached)
 
 
 class SDXLConditioner:
@@ -272,11 +305,37 @@ def sampler_for(name: str, scheduler_config: Any, where: str = "--sample_sampler
     return SAMPLERS[check_sampler(name, where)].from_config(scheduler_config)
 
 
+def prompt_key(sample: SamplePrompt) -> tuple[str, str]:
+    return sample.prompt, sample.negative_prompt
+
+
+@torch.no_grad()
+def sample_prompt_embeddings(pipeline: StableDiffusionXLPipeline, prompts: list[SamplePrompt]
+                             ) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
+    """What the pipeline encodes for each distinct sample prompt and negative prompt (for classifier-free
+    guidance; no negative prompt gives SDXL's zeros), in host memory: the "encode" phase makes them, so that
+    samples need no text encoder. Keys: :func:`prompt_key`; values: the pipeline's embedding arguments."""
+    found = {}
+    for sample in prompts:
+        if prompt_key(sample) not in found:
+            encoded = pipeline.encode_prompt(prompt=sample.prompt, negative_prompt=sample.negative_prompt or None,
+                                             device=pipeline.text_encoder_2.device, do_classifier_free_guidance=True)
+            names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
+                     "negative_pooled_prompt_embeds")
+            found[prompt_key(sample)] = {name: tensor.cpu() for name, tensor in zip(names, encoded)}
+    return found
+
+
 @torch.no_grad()
 def generate_samples(pipeline: StableDiffusionXLPipeline, prompts: list[SamplePrompt], *, default_sampler: str,
-                     seed: int, v_prediction: bool = False) -> list[Image.Image]:
+                     seed: int, v_prediction: bool = False,
+                     embeddings: dict[tuple[str, str], dict[str, torch.Tensor]] | None = None) -> list[Image.Image]:
     """One image per prompt; a prompt without --d gets ``seed + its index``, so samples are comparable
-    across steps. ``v_prediction`` samples a v-prediction model (--v_parameterization)."""
+    across steps. ``v_prediction`` samples a v-prediction model (--v_parameterization). ``embeddings``
+    (:func:`sample_prompt_embeddings`) are used instead of the text encoders, which may then wait off the device;
+    the pipeline makes the size conditioning (time ids) itself."""
+    if embeddings is not None:
+        pipeline = without_text_encoders(pipeline)
     images = []
     base_scheduler = pipeline.scheduler
     try:
@@ -284,8 +343,9 @@ def generate_samples(pipeline: StableDiffusionXLPipeline, prompts: list[SamplePr
             config = {**base_scheduler.config, "prediction_type": "v_prediction" if v_prediction else "epsilon"}
             pipeline.scheduler = sampler_for(sample.sampler or default_sampler, config)
             generator = torch.Generator("cpu").manual_seed(sample.seed if sample.seed is not None else seed + i)
-            result = pipeline(prompt=sample.prompt, negative_prompt=sample.negative_prompt or None,
-                              width=sample.width, height=sample.height, num_inference_steps=sample.steps,
+            text = (embeddings[prompt_key(sample)] if embeddings is not None else
+                    {"prompt": sample.prompt, "negative_prompt": sample.negative_prompt or None})
+            result = pipeline(**text, width=sample.width, height=sample.height, num_inference_steps=sample.steps,
                               guidance_scale=sample.scale, generator=generator)
             image = result.images[0]
             image.info[JSON_KEY] = sample_parameters(
@@ -300,13 +360,16 @@ def generate_samples(pipeline: StableDiffusionXLPipeline, prompts: list[SamplePr
 
 class SampleWriter:
     """Sample images with a training network applied, on the calling process; PNGs go to ``folder`` named as
-    sd-scripts names them, and the images are returned for the log's grid."""
+    sd-scripts names them, and the images are returned for the log's grid. With ``embeddings`` (the sample
+    prompts' :func:`sample_prompt_embeddings`) the text encoders are not used; of the parked ``encoders`` only
+    the VAE comes to the device, while sampling."""
 
     def __init__(self, pipeline: StableDiffusionXLPipeline, network: torch.nn.Module, prompts: list[SamplePrompt], *,
                  folder: Path, name: str, sampler: str, seed: int, v_prediction: bool, autocast: Any,
-                 encoders: ParkedModules | None = None):
+                 encoders: ParkedModules | None = None,
+                 embeddings: dict[tuple[str, str], dict[str, torch.Tensor]] | None = None):
         self.pipeline, self.network, self.prompts = pipeline, network, prompts
-        self.encoders = encoders  # brought to the device only while sampling
+        self.encoders, self.embeddings = encoders, embeddings
         self.folder, self.name = folder, name
         self.sampler, self.seed, self.v_prediction = sampler, seed, v_prediction
         self.autocast = autocast
@@ -315,9 +378,9 @@ class SampleWriter:
     def __call__(self, global_step: int) -> list[Image.Image]:
         self.network.eval()
         try:
-            with self.encoders.on_device() if self.encoders else contextlib.nullcontext(), self.autocast():
+            with self.encoders.on_device("vae") if self.encoders else contextlib.nullcontext(), self.autocast():
                 images = generate_samples(self.pipeline, self.prompts, default_sampler=self.sampler,
-                                          seed=self.seed, v_prediction=self.v_prediction)
+                                          seed=self.seed, v_prediction=self.v_prediction, embeddings=self.embeddings)
         finally:
             self.network.train()
         self.folder.mkdir(parents=True, exist_ok=True)

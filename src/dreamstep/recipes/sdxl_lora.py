@@ -189,13 +189,16 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
     scorer = load_scorer(config)
     train_text = not config.network_train_unet_only
-    encoders_on_device = train_text or not config.cache_latents or dataset.encodes_in_the_loop()
+    # The text encoders run in the loop when they train, or when their outputs are not cached.
+    text_in_the_loop = train_text or not config.cache_text_encoder_outputs
+    encoders_on_device = text_in_the_loop or not config.cache_latents or dataset.encodes_in_the_loop()
     print_run_plan("sdxl", sdxl.config_source(config.pretrained_model_name_or_path, config.model_config), PlanOptions(
         resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5), batch_size=max(d.batch_size for d in datasets),
         rank=config.network_dim, gradient_checkpointing=config.gradient_checkpointing,
         base_quantization=config.unet_quantization, encoders_on_device=encoders_on_device,
         blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
-        weight_dtype=weight_dtype_for(config.mixed_precision)), config.device_memory)
+        weight_dtype=weight_dtype_for(config.mixed_precision), validation_images=prompts is not None),
+        config.device_memory)
     if config.dry_run:
         return None
     # Module dropout skips whole LoRAs, and SDXL reads CLIP-L's penultimate layer, so the LoRAs on its
@@ -206,37 +209,49 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
                     tensorboard_dir=config.logging_dir, samples_dir=Path(config.output_dir) / "sample",
                     command="dreamstep train sdxl-lora", resume_flag="--resume", overwrite=config.overwrite_output_dir,
                     find_unused_parameters=bool(options.module_dropout) or train_text, allow_tf32=config.allow_tf32)
+
+    # 2. Data: bucketed samples; VAE posteriors and prompt embeddings from the content-keyed caches.
+    latent_cache, text_cache = sdxl.training_caches(
+        Path(config.output_dir) / "cache", config.pretrained_model_name_or_path,
+        mixed_precision=config.mixed_precision, vae_fp32=config.no_half_vae, cache_latents=config.cache_latents,
+        cache_text=not text_in_the_loop,
+        image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
+    for part in (dataset, held_out):
+        if part is not None:
+            part.latent_cache, part.text_cache = latent_cache, text_cache
     loader = make_dataloader(dataset, seed=config.seed, num_workers=config.max_data_loader_n_workers,
                              num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
     plan = plan_steps(len(loader), gradient_accumulation_steps=config.gradient_accumulation_steps,
                       max_train_steps=None if config.max_train_epochs else config.max_train_steps,
                       num_epochs=config.max_train_epochs, warmup=config.lr_warmup_steps)
 
-    # 2. Load: the base frozen in the --mixed_precision dtype; the Kohya network on top.
-    base = sdxl.load_frozen_for_training(
+    # 3. Encode (models/phases.py): both CLIP encoders and the VAE encode every caption, held-out image and sample
+    # prompt while the UNet is not on the device; then those the loop does not use wait in host memory.
+    base = sdxl.load_encoders_for_training(
         config.pretrained_model_name_or_path, model_config=config.model_config,
         mixed_precision=config.mixed_precision, device=run.device, vae_fp32=config.no_half_vae,
-        sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing,
-        unet_quantization=config.unet_quantization, unet_on_host=config.blocks_to_swap > 0)
-    network = build_network(config, base, options)
+        unet_quantization=config.unet_quantization)
     pipeline = sdxl.assemble_pipeline(base)
+    conditioner = sdxl.SDXLConditioner(pipeline, device=run.device, latent_cache=latent_cache, text_cache=text_cache,
+                                       encode_text=not train_text)
+    parking.encode_run(conditioner, dataset, held_out, epochs=plan.num_epochs)
+    # Text encoders that train give the samples' embeddings anew.
+    embeddings = sdxl.sample_prompt_embeddings(pipeline, prompts) if prompts and not train_text else None
+    encoders = sdxl.park_encoders(base, run.device, text_in_the_loop=text_in_the_loop,
+                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
+
+    # 4. Load: the UNet frozen in the --mixed_precision dtype (quantized as asked); the Kohya network on top.
+    sdxl.load_unet_for_training(
+        base, config.pretrained_model_name_or_path, mixed_precision=config.mixed_precision, device=run.device,
+        sdpa=config.sdpa or config.flash_attn or config.xformers, gradient_checkpointing=config.gradient_checkpointing,
+        unet_quantization=config.unet_quantization, on_host=config.blocks_to_swap > 0)
+    sdxl.attach_unet(pipeline, base)
+    network = build_network(config, base, options)
     model = sdxl.SDXLLoraModel(base.unet, network, pipeline).train()
     swapper = prepare_blocks(base.unet, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
                              device=run.device, num_processes=run.accelerator.num_processes, place=model)
 
-    # 3. Data: bucketed samples; VAE posteriors and prompt embeddings from the content-keyed caches.
-    latent_cache, text_cache = sdxl.training_caches(
-        Path(config.output_dir) / "cache", config.pretrained_model_name_or_path,
-        mixed_precision=config.mixed_precision, vae_fp32=config.no_half_vae, cache_latents=config.cache_latents,
-        cache_text=config.cache_text_encoder_outputs and not train_text,
-        image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
-    for part in (dataset, held_out):
-        if part is not None:
-            part.latent_cache, part.text_cache = latent_cache, text_cache
-    conditioner = sdxl.SDXLConditioner(pipeline, device=run.device, latent_cache=latent_cache, text_cache=text_cache,
-                                       encode_text=not train_text)
-
-    # 4. Step: optimizer over the network (UNet and text-encoder groups), schedule, scaler, clipping.
+    # 5. Step: optimizer over the network (UNet and text-encoder groups), schedule, scaler, clipping.
     optimizer = build_optimizer(
         config.optimizer_type, network.param_groups(config.unet_lr or config.learning_rate,
                                                     config.text_encoder_lr or config.learning_rate),
@@ -244,10 +259,6 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
                                       total_steps=plan.total_steps, num_cycles=config.lr_scheduler_num_cycles,
                                       power=config.lr_scheduler_power)
-    # Every caption and latent of the run encoded now; the frozen encoders wait off the device until needed.
-    parking.fill_caches(conditioner, dataset, epochs=plan.num_epochs)
-    encoders = sdxl.park_encoders(base, run.device, text_encoders_train=train_text,
-                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = SDXLLoraStep(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
@@ -263,7 +274,8 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
                       tokenizers={"CLIP": (pipeline.tokenizer, pipeline.tokenizer.model_max_length)})
 
-    # 5. Loop: the engine trains and resumes; LoRA files, samples, scores and states on their cadences.
+    # 6. Loop: the engine trains and resumes; LoRA files, samples, scores and states on their cadences. Samples
+    # bring back only the VAE (their prompts were encoded in step 3); the validation loss brings back nothing.
     folder = Path(config.output_dir)
     metadata = {**training_metadata(dataclasses.asdict(config), base_model=config.pretrained_model_name_or_path,
                                     steps_per_epoch=plan.steps_per_epoch),
@@ -275,7 +287,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
     sampler = (sdxl.SampleWriter(pipeline, network, prompts, folder=folder / "sample", name=config.output_name,
                                  sampler=config.sample_sampler, seed=config.seed,
                                  v_prediction=config.v_parameterization, autocast=run.accelerator.autocast,
-                                 encoders=encoders)
+                                 encoders=encoders, embeddings=embeddings)
                if prompts else None)
     if config.sample_at_first and sampler is not None and not run.resume_from and run.is_main_process:
         sampler(0)
@@ -291,8 +303,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
             return images
         if config.eval_metrics and not images:
             images = sampler(global_step)  # --eval_metrics needs --sample_prompts
-        with encoders.on_device():
-            run.logger.log_metrics(global_step, evaluator(images, [p.prompt for p in prompts or []]))
+        run.logger.log_metrics(global_step, evaluator(images, [p.prompt for p in prompts or []]))
         return images
 
     def sample_and_score(global_step: int) -> list:
@@ -310,7 +321,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
     result = fit(run, step, ConditionedBatches(loader, conditioner), total_steps=plan.total_steps, trained=network,
                  hooks=hooks, logging_steps=config.logging_steps)
 
-    # 6. Save: the final LoRA, final samples and scores; temporary caches removed; the summary.
+    # 7. Save: the final LoRA, final samples and scores; temporary caches removed; the summary.
     last = result.position.global_step
     written: dict[str, Path | None] = {}
     if run.is_main_process:
