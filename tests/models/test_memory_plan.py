@@ -46,7 +46,10 @@ def test_plan_command_says_what_fits(capsys: pytest.CaptureFixture) -> None:
     # Every phase, with T5 priced while it encodes and waiting in host memory while the transformer trains.
     assert all(f"  {phase}: on the device" in out for phase in ("encode", "load", "train", "validate"))
     assert "peak device memory" in out and "peak host memory" in out
+    # SDXL encodes before its UNet loads, so it fits 8 GB; 6 GB needs a smaller UNet.
     assert main(["plan", "sdxl", "--device_memory", "8GB"]) == 0
+    assert ": fits" in capsys.readouterr().out
+    assert main(["plan", "sdxl", "--device_memory", "6GB"]) == 0
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "would fit: --base_quantization fp8 (or int8)" in out
 
