@@ -22,6 +22,12 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
+def is_refused_pickle(error: BaseException) -> bool:
+    """Whether ``error`` is torch's ``weights_only`` loader refusing a pickle that holds more than tensors
+    (nothing in it ran; torch's own message suggests loading it unsafely, which is not advice to pass on)."""
+    return "Weights only load failed" in str(error)
+
+
 @contextlib.contextmanager
 def refusing_pickled_code(source: str | Path, flag: str) -> Iterator[None]:
     """Turn a model loader's refusal of a pickle that holds more than tensors (torch's ``weights_only``
@@ -31,7 +37,7 @@ def refusing_pickled_code(source: str | Path, flag: str) -> Iterator[None]:
     try:
         yield
     except pickle.UnpicklingError as error:
-        if "Weights only load failed" not in str(error):
+        if not is_refused_pickle(error):
             raise
         folder = Path(source).expanduser()
         files = sorted(p for p in folder.rglob("*") if p.suffix in _PICKLE_SUFFIXES) if folder.is_dir() else []

@@ -160,10 +160,15 @@ def test_each_phase_has_only_its_components_on_the_device(mode: str, tiny_flux_d
                    "--num_validation_images", "1", "--validation_inference_steps", "1") == 0
     recorded = _recorded_once(seen)
     assert recorded == PHASES_IN_SD_SCRIPTS_ORDER
-    # The plan puts the same components on the device in each phase.
-    estimator = Estimator("flux", str(tiny_flux_dev_dir), rank=4, device_type="cpu")
-    with_images, loss_only = (estimator(PlanOptions(resolution=32, rank=4, base_quantization=mode,
-                                                    validation_images=images)) for images in (True, False))
+    _assert_the_plan_prices(recorded, Estimator("flux", str(tiny_flux_dev_dir), rank=4, device_type="cpu"),
+                            resolution=32, base_quantization=mode)
+
+
+def _assert_the_plan_prices(recorded: dict, estimator: Estimator, **options) -> None:
+    """The plan puts the same components on the device in each phase as the trainer did (``recorded``), with
+    validation images and with the validation loss alone."""
+    with_images, loss_only = (estimator(PlanOptions(rank=4, validation_images=images, **options))
+                              for images in (True, False))
     assert {phase: with_images.phase(phase).resident for phase in ("encode", "train", "validate")} == {
         phase: recorded[phase] for phase in ("encode", "train", "validate")}
     assert loss_only.phase("validate").resident == recorded["loss"]
@@ -212,12 +217,8 @@ def test_sdxl_phases_have_only_their_components_on_the_device(mode: str, single_
     assert recorded == SDXL_PHASES
     assert sorted(p.name for p in (tmp_path / "out" / "sample").glob("last_*.png")) == [
         f"last_{step:06d}_{i:02d}.png" for step in (1, 2) for i in (0, 1)]
-    estimator = Estimator("sdxl", str(tiny_sdxl_dir), rank=4, device_type="cpu")
-    with_images, loss_only = (estimator(PlanOptions(resolution=64, rank=4, base_quantization=mode,
-                                                    validation_images=images)) for images in (True, False))
-    assert {phase: with_images.phase(phase).resident for phase in ("encode", "train", "validate")} == {
-        phase: recorded[phase] for phase in ("encode", "train", "validate")}
-    assert loss_only.phase("validate").resident == recorded["loss"]
+    _assert_the_plan_prices(recorded, Estimator("sdxl", str(tiny_sdxl_dir), rank=4, device_type="cpu"),
+                            resolution=64, base_quantization=mode)
 
 
 def test_sdxl_text_encoders_that_train_stay_on_the_device(tiny_sdxl_dir: Path, tmp_path: Path,

@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from dreamstep.engine.disk import DiskFullError, disk_full_message, free_bytes, is_disk_full, require_space
 from dreamstep.engine.sharding import load_optimizer_state, optimizer_state
 from dreamstep.engine.train_step import TrainStep
-from dreamstep.errors import UserError
+from dreamstep.errors import UserError, is_refused_pickle
 from dreamstep.files import honour_umask
 
 __all__ = [
@@ -417,7 +417,7 @@ def _read(path: Path, name: str, reader: Callable[[Path], Any]) -> Any:
     except UserError:
         raise
     except Exception as e:
-        if "Weights only load failed" in str(e):
+        if is_refused_pickle(e):
             raise DamagedCheckpointError(f"{file}: a pickle holding objects other than tensors, which may run code, "
                                          "so it was not loaded (nothing in it ran); resume from another "
                                          "checkpoint") from None

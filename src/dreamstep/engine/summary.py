@@ -45,11 +45,9 @@ def describe_fallback_captions(dataset: BucketDataset) -> list[str]:
     (``--instance_prompt``, ``--default_caption``, ``class_tokens``)."""
     missing: dict[Any, list[Path]] = {}
     for record in dataset.records:
-        subset = record.subset
-        if subset.is_reg or not subset.caption_extension or subset.metadata_file is not None:
-            continue
-        if not record.image.path.with_suffix(subset.caption_extension).is_file():
-            missing.setdefault(subset, []).append(record.image.path)
+        file = caption_file(record)
+        if not record.subset.is_reg and file is not None and not file.is_file():
+            missing.setdefault(record.subset, []).append(record.image.path)
     lines = []
     for subset, paths in missing.items():
         names = ", ".join(p.name for p in paths[:6]) + (" ..." if len(paths) > 6 else "")
@@ -59,14 +57,19 @@ def describe_fallback_captions(dataset: BucketDataset) -> list[str]:
     return lines
 
 
-def caption_source(record: Any) -> str:
-    """The file a record's caption came from: its caption file when there is one, else the image."""
+def caption_file(record: Any) -> Path | None:
+    """The caption file its subset reads for a record's image (it may be missing), or ``None`` when the subset
+    reads none (no caption extension, or captions from a metadata file)."""
     subset = record.subset
     if subset.caption_extension and subset.metadata_file is None:
-        caption_file = record.image.path.with_suffix(subset.caption_extension)
-        if caption_file.is_file():
-            return str(caption_file)
-    return f"{record.image.path} (its caption)"
+        return record.image.path.with_suffix(subset.caption_extension)
+    return None
+
+
+def caption_source(record: Any) -> str:
+    """The file a record's caption came from: its caption file when there is one, else the image."""
+    file = caption_file(record)
+    return str(file) if file is not None and file.is_file() else f"{record.image.path} (its caption)"
 
 
 def describe_truncation(dataset: BucketDataset, tokenizers: Mapping[str, tuple[Any, int]]) -> list[str]:

@@ -16,7 +16,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from dreamstep.errors import UserError
+from dreamstep.errors import UserError, is_refused_pickle
 from dreamstep.files import atomic_path
 from dreamstep.lora.formats import ADAPTER_METADATA_KEY
 from dreamstep.lora.mindspore_ckpt import load_mindspore_ckpt, save_mindspore_ckpt
@@ -67,8 +67,7 @@ def _read_torch(path: Path) -> LoraFile:
         with open(path, "rb") as f:
             obj = torch.load(f, map_location="cpu", weights_only=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile, OSError) as e:
-        if "Weights only load failed" in str(e):
-            # torch's own text suggests loading it unsafely (with terminal escape codes): not advice to pass on.
+        if is_refused_pickle(e):
             raise UserError(f"{path}: the torch checkpoint holds pickled objects other than tensors, which may "
                             "run code, so dreamstep does not load it; get the LoRA as a .safetensors file") from None
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -34,13 +34,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dreamstep.config.memory import GIB, OPTIMIZER_STATE_BYTES
+from dreamstep.config.memory import GIB
 from dreamstep.models import quantization
 
 # nf4-packed: the 4-bit values alone, without the fp32 absmax per 64 values that stays with the quantization state.
 _BYTES_PER_LINEAR_WEIGHT = {"none": None, "fp8": 1.0, "int8": 1.0, "nf4": 0.5 + 4 / 64, "nf4-packed": 0.5}
 # Bytes of optimizer state per trainable parameter (the fp32 gradients are counted by the training pass).
-OPTIMIZER_BYTES = OPTIMIZER_STATE_BYTES
 # What a CUDA run needs beyond the tensors (context, cuBLAS workspace, allocator slack), kept free.
 HEADROOM_FRACTION = 0.08
 

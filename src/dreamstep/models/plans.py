@@ -16,7 +16,7 @@ from dreamstep.engine.logging import say_before_the_run
 from dreamstep.errors import UserError
 from dreamstep.models import memory_plan as mp
 from dreamstep.models import published_configs as published
-from dreamstep.config.memory import parse_bytes
+from dreamstep.config.memory import OPTIMIZER_STATE_BYTES, parse_bytes
 from dreamstep.models.memory_plan import Line, MemoryPlan, Phase, PlanOptions
 from dreamstep.models.phases import PHASES, loop_encoders, resident_components
 
@@ -251,7 +251,7 @@ class Estimator:
 
     def _trainable_lines(self, options: PlanOptions) -> list[Line]:
         trained = sum(p.numel() for p in self.trainable.parameters() if p.requires_grad)
-        state = mp.OPTIMIZER_BYTES.get(options.optimizer, mp.OPTIMIZER_BYTES["AdamW"])
+        state = OPTIMIZER_STATE_BYTES.get(options.optimizer, OPTIMIZER_STATE_BYTES["AdamW"])
         return [Line(f"{self.trainable_label}: fp32 weights + {options.optimizer} state", trained, "fp32",
                      trained * (4 + state))]
 
