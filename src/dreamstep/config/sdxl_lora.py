@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -143,6 +144,10 @@ class SDXLLoraConfig(EvaluationOptions):
             raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
         if self.unet_lr == 0 and self.text_encoder_lr == 0:
             raise UserError("--unet_lr 0 and --text_encoder_lr 0 leave nothing to train; give one a learning rate")
+        if (self.unet_lr == 0 and self.network_train_unet_only) or \
+                (self.text_encoder_lr == 0 and self.network_train_text_encoder_only):
+            raise UserError("a learning rate of 0 freezes the only part that --network_train_*_only trains, "
+                            "leaving nothing to train; give it a learning rate or drop the flag")
         if self.full_fp16 and self.mixed_precision != "fp16":
             raise UserError("--full_fp16 needs --mixed_precision fp16")
         if self.full_bf16 and self.mixed_precision != "bf16":
@@ -170,6 +175,18 @@ class SDXLLoraConfig(EvaluationOptions):
         if self.output_name != Path(self.output_name).name or self.output_name in ("", ".", ".."):
             raise UserError(f"--output_name {self.output_name}: give a file name without folders (files go "
                             f"into --output_dir), e.g. --output_name {Path(self.output_name).name or 'last'}")
+        self._settle_defaults()
+
+    def _settle_defaults(self) -> None:
+        """What the flags come to, settled once here so that the run and its config.toml agree: a seed drawn
+        when none is given, and, as in sd-scripts, a part whose learning rate is 0 gets no optimizer group:
+        it is not trained."""
+        if self.seed is None:
+            self.seed = random.randrange(2**31)
+        if self.text_encoder_lr == 0:
+            self.network_train_unet_only = True
+        if self.unet_lr == 0:
+            self.network_train_text_encoder_only = True
 
     @property
     def unet_quantization(self) -> str:

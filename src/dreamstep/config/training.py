@@ -1,13 +1,14 @@
 """Options every FLUX trainer shares (flag names as in the diffusers / mindone training scripts).
 
-Recipes extend :class:`FluxTrainingConfig` with their own fields; ``__post_init__`` checks the
-combinations before any model is loaded.
+Recipes extend :class:`FluxTrainingConfig` with the option groups of :mod:`dreamstep.config.options` they
+have and their own fields; ``__post_init__`` checks the combinations before any model is loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Optional
 
 from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
@@ -81,7 +82,6 @@ class FluxTrainingConfig(EvaluationOptions):
                                       bounds="[0, inf)")
     checkpoints_total_limit: Optional[int] = option(None, "keep at most this many checkpoints", bounds="[1, inf)")
     resume_from_checkpoint: Optional[str] = option(None, "a checkpoint folder, or 'latest'")
-    validation_prompt: Optional[str] = option(None, "prompt for validation images during training")
     num_validation_images: int = option(2, "validation images per validation run", bounds="[1, inf)")
     validation_steps: int = option(0, "run validation every N optimizer steps (0: only at the end)", bounds="[0, inf)")
     validation_inference_steps: int = option(20, "denoising steps for validation images", bounds="[1, inf)")
@@ -107,6 +107,10 @@ class FluxTrainingConfig(EvaluationOptions):
         return {"gradient_accumulation_steps": self.gradient_accumulation_steps,
                 "max_train_steps": self.max_train_steps, "num_epochs": self.num_train_epochs,
                 "warmup": self.lr_warmup_steps}
+
+    def cache_root(self) -> Path:
+        """Where the run's latent and text caches live: --cache_dir, or OUTPUT_DIR/cache."""
+        return Path(self.cache_dir or Path(self.output_dir) / "cache")
 
     def resolved_toml(self, num_epochs: int) -> str:
         """The settings for ``config.toml`` with the epochs the run really trains (those --max_train_steps

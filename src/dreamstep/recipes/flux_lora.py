@@ -155,7 +155,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
 
     # 2. Class images: the whole base pipeline makes the missing ones, then everything is freed.
     class_dir = None
-    if config.with_prior_preservation and config.dataset_config is None:
+    if config.class_images_to_generate:
         class_dir = config.class_data_dir
         if run.is_main_process:
             _generate_class_images(config, class_dir, run.device)
@@ -205,11 +205,10 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
         transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
         device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
     flux.attach_transformer(pipeline, base)
-    alpha = config.lora_alpha if config.lora_alpha is not None else config.rank
-    add_lora(base.transformer, flux_lora_targets(base.transformer, config.lora_layers), config.rank, alpha,
+    add_lora(base.transformer, flux_lora_targets(base.transformer, config.lora_layers), config.rank, config.alpha,
              config.lora_dropout)
     if text_encoder is not None:
-        add_lora(text_encoder, CLIP_LORA_TARGETS, config.rank, alpha, config.lora_dropout)
+        add_lora(text_encoder, CLIP_LORA_TARGETS, config.rank, config.alpha, config.lora_dropout)
         text_encoder.train()
     cast_trainable_params_to_fp32(base.transformer, *([text_encoder] if text_encoder is not None else []))
     if config.gradient_checkpointing:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 from pathlib import Path
 from typing import Any
 
@@ -166,13 +165,6 @@ class SDXLLoraStep(TrainStep):
 def train(config: SDXLLoraConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, key, folder, image and the optimizer, before a model loads.
-    if config.seed is None:
-        config = dataclasses.replace(config, seed=random.randrange(2**31))
-    # sd-scripts gives a part whose learning rate is 0 no optimizer group: it stays as it is.
-    if config.text_encoder_lr == 0:
-        config = dataclasses.replace(config, network_train_unet_only=True)
-    if config.unet_lr == 0:
-        config = dataclasses.replace(config, network_train_text_encoder_only=True)
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume,
                      resume_flag="--resume", config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)

@@ -1,0 +1,134 @@
+"""Option groups that the trainers' configs compose, as litgpt composes ``TrainArgs`` and ``EvalArgs``: each
+flag is declared once, here, and a config inherits the groups it has (``class MyConfig(LoraOptions,
+PairedDataOptions, FluxTrainingConfig)``). The fields are keyword-only, so a group sits beside a config's
+required fields in any order. A group's ``check_*`` method refuses its bad combinations; the config's
+``__post_init__`` calls it, so everything is checked when the config is built, before any model loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from dreamstep.config.evaluation import EvaluationOptions
+from dreamstep.config.schema import option, refuse_unused
+from dreamstep.errors import UserError
+
+
+@dataclass
+class LoraOptions:
+    """The shape and targets of a FLUX transformer LoRA (diffusers' DreamBooth LoRA flag names)."""
+
+    rank: int = option(4, "LoRA rank", bounds="[1, inf)", kw_only=True)
+    lora_alpha: Optional[float] = option(None, "LoRA alpha (default: the rank, i.e. scale 1)", bounds="(0, inf)",
+                                         kw_only=True)
+    lora_dropout: float = option(0.0, "dropout on the LoRA branch", bounds="[0, 1)", kw_only=True)
+    lora_layers: list[str] = option(["attention"], "preset (attention, attention+ff, all-linear) or "
+                                                   "comma-separated module names", kw_only=True)
+    save_kohya_format: bool = option(False, "also write the LoRA with sd-scripts' key names", kw_only=True)
+
+    @property
+    def alpha(self) -> float:
+        """The alpha the LoRA is built with: --lora_alpha, or the rank."""
+        return self.lora_alpha if self.lora_alpha is not None else self.rank
+
+
+@dataclass
+class TextEncoderLoraOptions:
+    """A LoRA on the CLIP text encoder beside the transformer's, with its own optimizer group."""
+
+    train_text_encoder: bool = option(False, "also train a LoRA on the CLIP text encoder", kw_only=True)
+    text_encoder_lr: float = option(5e-6, "learning rate of the text-encoder LoRA (diffusers' default)",
+                                    bounds="(0, inf)", kw_only=True)
+    adam_weight_decay_text_encoder: float = option(1e-3, "weight decay of the text-encoder LoRA (diffusers' "
+                                                         "default)", bounds="[0, inf)", kw_only=True)
+
+    def check_text_encoder_lora(self) -> None:
+        if not self.train_text_encoder:
+            refuse_unused(self, ("text_encoder_lr", "adam_weight_decay_text_encoder"), "without --train_text_encoder")
+
+
+@dataclass
+class ImageDataOptions:
+    """What every FLUX trainer reads its images with: a Kohya dataset TOML, or folders with these flags."""
+
+    dataset_config: Optional[str] = option(None, "a Kohya dataset TOML instead of the folder flags", kw_only=True)
+    caption_extension: Optional[str] = option(".txt", "with folders: read each image's caption from a file with "
+                                                      "this extension beside it", kw_only=True)
+    repeats: int = option(1, "times each image appears per epoch", bounds="[1, inf)", kw_only=True)
+    random_flip: bool = option(False, "flip images horizontally at random (an image and its condition together)",
+                               kw_only=True)
+
+
+@dataclass
+class PairedDataOptions(ImageDataOptions):
+    """Target images each paired with a condition image (diffusers' ControlNet script's flags): two folders of
+    same-named files, a ``metadata.jsonl``, or a dataset TOML whose subsets have ``conditioning_data_dir``."""
+
+    train_data_dir: Optional[str] = option(None, "folder of target images (paired with --conditioning_data_dir, "
+                                                 "or holding a metadata.jsonl)", kw_only=True)
+    conditioning_data_dir: Optional[str] = option(None, "folder of condition images, each named like its target",
+                                                  kw_only=True)
+    jsonl_for_train: Optional[str] = option(None, "a metadata.jsonl with image, conditioning_image and text "
+                                                  "columns (paths relative to it or to --train_data_dir)",
+                                            kw_only=True)
+    default_caption: Optional[str] = option(None, "with folders: the caption of targets without a caption file",
+                                            kw_only=True)
+    random_crop: bool = option(False, "crop at random (default: center crop, as diffusers' scripts do)",
+                               kw_only=True)
+    proportion_empty_prompts: float = option(0.0, "fraction of samples trained with the empty prompt (drawn per "
+                                                  "seed, epoch and sample; sets every subset's caption dropout)",
+                                             bounds="[0, 1]", kw_only=True)
+
+    def check_paired_data(self) -> None:
+        flags_given = any(v is not None for v in (self.train_data_dir, self.jsonl_for_train))
+        if self.dataset_config is None and not flags_given:
+            raise UserError("give --train_data_dir with --conditioning_data_dir, --jsonl_for_train, "
+                            "or --dataset_config")
+        if self.dataset_config is not None and flags_given:
+            raise UserError("give either --dataset_config or the folder flags (--train_data_dir, "
+                            "--jsonl_for_train), not both")
+        if self.dataset_config is not None:
+            refuse_unused(self, ("conditioning_data_dir", "caption_extension", "default_caption", "repeats",
+                                 "random_crop", "random_flip"), "with --dataset_config (set it in the dataset TOML)")
+
+
+@dataclass
+class PromptValidationOptions(EvaluationOptions):
+    """Validation samples from one prompt, made every --validation_steps (FluxTrainingConfig's cadence) and
+    scored by --eval_metrics."""
+
+    validation_prompt: Optional[str] = option(None, "prompt for validation images during training", kw_only=True)
+
+    def check_prompt_validation(self) -> None:
+        if self.eval_metrics and not self.validation_prompt:
+            raise UserError("--eval_metrics scores the validation samples: give --validation_prompt too")
+
+
+@dataclass
+class PairedValidationOptions(EvaluationOptions):
+    """Validation samples from (condition image, prompt) pairs, scored by --eval_metrics: one of either is shared
+    by all of the other."""
+
+    validation_prompt: list[str] = option([], "prompts for validation images (one, or one per --validation_image)",
+                                          kw_only=True)
+    validation_image: list[str] = option([], "condition images for validation (one, or one per "
+                                             "--validation_prompt)", kw_only=True)
+
+    def check_paired_validation(self) -> None:
+        prompts, images = len(self.validation_prompt), len(self.validation_image)
+        if (prompts == 0) != (images == 0):
+            raise UserError("validation needs both --validation_prompt and --validation_image")
+        if prompts > 1 and images > 1 and prompts != images:
+            raise UserError(f"{prompts} --validation_prompt values but {images} --validation_image values; "
+                            "give one of either, or the same number of both")
+        if self.eval_metrics and not self.validation_prompt:
+            raise UserError("--eval_metrics scores the validation samples: give --validation_prompt and "
+                            "--validation_image too")
+
+    def validation_pairs(self) -> list[tuple[str, str]]:
+        """(condition image path, prompt) pairs; a single prompt or image is shared by all of the other."""
+        count = max(len(self.validation_prompt), len(self.validation_image))
+        prompts = self.validation_prompt * count if len(self.validation_prompt) == 1 else self.validation_prompt
+        images = self.validation_image * count if len(self.validation_image) == 1 else self.validation_image
+        return list(zip(images, prompts))
