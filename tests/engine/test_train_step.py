@@ -240,15 +240,13 @@ def test_reported_norm_is_unscaled_and_per_group():
     assert step.grad_norm == pytest.approx(true_norm, rel=1e-12)
 
 
-def test_seed_002_example_runs_as_written():
-    """(f) seed 002's example with PyTorch names: nn.Dense -> nn.Linear, AdamWeightDecay -> AdamW,
-    ops -> torch."""
+def test_a_forward_that_returns_its_loss_and_extras_trains_as_written():
+    """A subclass writes forward alone and returns its plain loss with extras; the step scales it, accumulates
+    over the epoch's groups (3 micro-batches: a group of 2, then one of 1) and clips."""
     class TrainStepForMyNet(TrainStep):
         def forward(self, x):
             y = self.model(x)
-            loss = torch.sum(y)
-            loss = self.scale_loss(loss)
-            return loss, y
+            return torch.sum(y), y
 
     model = torch.nn.Linear(10, 10)
     optim = torch.optim.AdamW(model.parameters())
@@ -275,15 +273,17 @@ def test_seed_002_example_runs_as_written():
     assert train_step.loss_scale == 2.0**16 and train_step.num_skipped == 0
 
 
-def test_forward_must_call_scale_loss():
-    class Forgetful(TrainStep):
+def test_the_step_scales_a_bare_loss_and_reports_it_unscaled():
+    class Bare(TrainStep):
         def forward(self, x):
-            return self.model(x).sum(), None
+            return self.model(x).sum()
 
-    model = torch.nn.Linear(2, 1)
-    step = Forgetful(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(RuntimeError, match="Forgetful.forward must return \\(self.scale_loss\\(loss\\)"):
-        step(torch.ones(1, 2))
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    step = Bare(model, torch.optim.SGD(model.parameters(), lr=0.5), loss_scaler=StaticLossScaler(2.0**10))
+    (loss,) = step(torch.ones(1, 2))
+    assert loss.item() == 2.0  # the loss forward returned, not 2**10 times it
+    assert model.weight.tolist() == [[0.5, 0.5]]  # the gradient (1, 1) unscaled before SGD's step of 0.5
 
 
 def test_constructor_rejects_accumulation_without_length_and_bad_values():

@@ -1,14 +1,21 @@
-"""One optimizer step hidden behind a call: the PyTorch ``TrainStep`` of seed 002.
+"""One optimizer step hidden behind a call, in PyTorch, as mindone's trainers wrap theirs around MindSpore's
+``TrainOneStepCell``.
 
-A subclass writes only ``forward(*batch)`` and returns ``(self.scale_loss(loss), *extras)``. Calling the
-step then runs, per micro-batch::
+A subclass writes only ``forward(*batch)`` and returns the micro-batch's mean loss, or ``(loss, *extras)``.
+Calling the step then runs, per micro-batch::
 
-    forward -> backward (no gradient all-reduce unless this micro-batch closes a group)
+    forward -> scale its loss (:meth:`TrainStep.scale_loss`)
+            -> backward (no gradient all-reduce unless this micro-batch closes a group)
     at the last micro-batch of a group: unscale -> global grad norm -> finite? -> clip -> optimizer.step
                                         -> lr_scheduler.step -> zero_grad -> loss scaler update
 
 and returns ``(loss, *extras)`` where ``loss`` is the mean unscaled loss of the micro-batches of the current
 accumulation group seen so far (at the group's last micro-batch: the group's mean loss, not loss / N).
+
+A step whose run is evaluated also gives ``validation_loss_at(batch, latents, noise, fraction)``: the unweighted
+loss of each held-out sample, (B,), at the fixed point ``fraction`` of its noise schedule, for given latents
+and noise, under :meth:`TrainStep.autocast` and through :attr:`TrainStep.unwrapped_model` (see
+:class:`dreamstep.evaluation.validation_loss.ValidationLoss`, which calls it).
 
 Accumulation groups follow the epoch: with ``gradient_accumulation_steps=N`` and ``length_of_dataloader=L``
 the micro-batches ``0..L-1`` of each epoch form groups of N, and the last group holds ``L mod N`` micro-batches
@@ -159,7 +166,7 @@ class TrainStep(abc.ABC):
                  loss_scaler: LossScaler | None = None, max_grad_norm: float | None = None,
                  gradient_accumulation_steps: int = 1, length_of_dataloader: int | None = None,
                  accelerator: Any = None, gradient_accumulation_kwargs: dict[str, Any] | None = None) -> None:
-        """``gradient_accumulation_kwargs={"length_of_dataloader": L}`` is the seed's spelling of
+        """``gradient_accumulation_kwargs={"length_of_dataloader": L}`` is mindone's spelling of
         ``length_of_dataloader`` and is accepted so that ported mindone code runs unchanged."""
         length_of_dataloader = _length_from_kwargs(length_of_dataloader, gradient_accumulation_kwargs)
         if gradient_accumulation_steps < 1:
@@ -188,12 +195,17 @@ class TrainStep(abc.ABC):
         self._skip_count: torch.Tensor | int = 0  # skipped updates, summed on the device
         self._group_loss_sum: torch.Tensor | None = None  # sum of unscaled micro-batch losses, shape ()
         self._group_count = 0
-        self._scaled = False
         self.optimizer.zero_grad(set_to_none=True)
 
     @abc.abstractmethod
-    def forward(self, *batch: Any) -> tuple[torch.Tensor, ...]:
-        """Compute the loss of one micro-batch; return ``(self.scale_loss(loss), *extras)``."""
+    def forward(self, *batch: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Compute the mean loss of one micro-batch; return it, or ``(loss, *extras)``. The step scales it."""
+
+    def validation_loss_at(self, batch: Any, latents: torch.Tensor, noise: torch.Tensor,
+                           fraction: float) -> torch.Tensor:
+        """The unweighted loss of each sample, (B,), at ``fraction`` of the noise schedule (see the module
+        docstring); a step whose run has a validation loss gives it."""
+        raise NotImplementedError(f"{type(self).__name__} has no validation loss")
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
@@ -240,12 +252,12 @@ class TrainStep(abc.ABC):
         return position_in_group == self.group_size - 1
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Divide by the group's real size (mean over the group) and multiply by the loss scale.
+        """Divide by the group's real size (mean over the group) and multiply by the loss scale (the step
+        does this to what ``forward`` returns).
 
         The loss is first widened to float32 (float64 stays): a half-precision loss times 2**16 would
         overflow before backward, turning every report into inf instead of letting the scaler back off.
         """
-        self._scaled = True
         loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         loss = loss / self.group_size if self.group_size != 1 else loss
         return self.loss_scaler.scale(loss) if self.loss_scaler is not None else loss
@@ -289,14 +301,11 @@ class TrainStep(abc.ABC):
         self._skip_count = int(state["num_skipped"])
 
     def _forward_checked(self, batch: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
-        self._scaled = False
+        """``forward``'s outputs, its loss scaled."""
         with self.autocast():
             outputs = self.forward(*batch)
-        outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
-        if not self._scaled:
-            raise RuntimeError(f"{type(self).__name__}.forward must return (self.scale_loss(loss), *extras); "
-                               "scale_loss was not called")
-        return outputs
+        loss, *extras = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+        return (self.scale_loss(loss), *extras)
 
     def _backward(self, scaled_loss: torch.Tensor) -> None:
         if self.accelerator is not None:

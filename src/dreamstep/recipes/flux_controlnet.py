@@ -41,7 +41,6 @@ from dreamstep.data.dataset_config import DatasetConfig, load_dataset_config, re
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import load_rgb
 from dreamstep.data.sources import bucket_spec, controlnet_from_flags
-from dreamstep.diffusion import flow_matching as fm
 from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import Every
@@ -50,70 +49,31 @@ from dreamstep.engine.plan import check_optimization, plan_steps
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.sharding import FullState, full_model_state, is_sharded, shard_model
 from dreamstep.engine.summary import print_run_summary
-from dreamstep.engine.train_step import TrainStep
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux, parking
 from dreamstep.models.blocks import prepare_blocks
+from dreamstep.models.flux_step import FluxFlowMatchingStep, condition_latents
 from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import autocast
-from dreamstep.models.vae import posterior_mean, sample_latents
 
 
-class FluxControlNetStep(TrainStep):
-    """One flow-matching step of the frozen base with the ControlNet's residuals added; only the
-    ControlNet (``model``) learns. The transformer is frozen but back-propagated through."""
+class FluxControlNetStep(FluxFlowMatchingStep):
+    """diffusers' ControlNet step: the ControlNet (``model``, the only part that learns) reads the packed control
+    latents beside x_σ; its residuals, one (B, N, D) per block, are added to the frozen transformer's hidden
+    states block by block, and the gradients flow back through the transformer."""
 
-    def __init__(self, controlnet: torch.nn.Module, *, transformer: torch.nn.Module, sigmas: torch.Tensor,
-                 weighting_scheme: str, logit_mean: float, logit_std: float, mode_scale: float,
-                 guidance_scale: float | None, **engine_options: Any):
-        super().__init__(controlnet, **engine_options)
+    def __init__(self, controlnet: torch.nn.Module, *, transformer: torch.nn.Module, **options: Any):
+        super().__init__(controlnet, **options)
         self.transformer = transformer
-        self.sigmas = sigmas  # (num_train_timesteps,): the training σ table
-        self.weighting_scheme = weighting_scheme
-        self.sampling = dict(logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale)
-        self.guidance_scale = guidance_scale
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
-        # latent_dist / control_dist: (B, 2C, h, w) VAE posterior mean and std; one fresh sample of each.
-        latents = sample_latents(batch["latent_dist"])
-        control = sample_latents(batch["control_dist"])
-        noise = torch.randn_like(latents)
-        indices = fm.sample_timestep_indices(self.weighting_scheme, len(latents), len(self.sigmas), **self.sampling)
-        sigmas = fm.sigmas_at(self.sigmas, indices, latents.ndim, latents.device)
-        loss = self.per_sample_loss(self.model, batch, latents, control, noise, sigmas, self.weighting_scheme)
-        return (self.scale_loss(loss.mean()),)
+    def condition(self, batch: dict[str, Any], sample: bool) -> torch.Tensor:
+        return condition_latents(batch, sample)
 
-    def validation_loss_at(self, batch: dict[str, torch.Tensor], latents: torch.Tensor, noise: torch.Tensor,
-                           fraction: float) -> torch.Tensor:
-        """Unweighted loss at the fixed σ that ``fraction`` of the schedule selects, with the control
-        posterior's mean (validation)."""
-        sigmas = torch.full((len(latents), 1, 1, 1), fm.sigma_at_fraction(self.sigmas, fraction),
-                            device=latents.device)
-        control = posterior_mean(batch["control_dist"])
-        with self.autocast():
-            return self.per_sample_loss(self.unwrapped_model, batch, latents, control, noise, sigmas, "none")
-
-    def per_sample_loss(self, controlnet: torch.nn.Module, batch: dict[str, torch.Tensor], latents: torch.Tensor,
-                        control: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor,
-                        weighting_scheme: str) -> torch.Tensor:
-        """The flow-matching loss of each sample, (B,), for given latents, control latents, noise and σ."""
-        bsz, _, height, width = latents.shape
-        # x_σ = (1 - σ)·x + σ·ε, packed into 2x2 patches: (B, N, 4C) with N = h/2 · w/2.
-        packed = flux.pack(fm.noisy_latents(latents, noise, sigmas))
-        guidance = (torch.full((bsz,), self.guidance_scale, device=latents.device)
-                    if self.guidance_scale is not None else None)
-        inputs = dict(hidden_states=packed, timestep=sigmas.flatten(), guidance=guidance,
-                      pooled_projections=batch["pooled"], encoder_hidden_states=batch["prompt_embeds"],
-                      txt_ids=batch["text_ids"], img_ids=flux.latent_image_ids(height, width, latents.device,
-                                                                              packed.dtype))
-        # The ControlNet reads the packed control latents (B, N, 4C) beside x_σ; its residuals, one
-        # (B, N, D) per block, are added to the transformer's hidden states block by block.
-        residuals = cn.residuals(controlnet, controlnet_cond=flux.pack(control), **inputs)
-        packed_pred = self.transformer(**inputs, **residuals, return_dict=False)[0]
-        pred = flux.unpack(packed_pred, height, width)
-        # Flow-matching target v = ε - x, each sample weighted by its own σ.
-        return fm.weighted_mse(pred, fm.velocity_target(latents, noise), sigmas, weighting_scheme)
+    def predict(self, controlnet: torch.nn.Module, inputs: dict[str, Any], batch: dict[str, Any],
+                condition: torch.Tensor) -> torch.Tensor:
+        residuals = cn.residuals(controlnet, controlnet_cond=flux.pack(condition), **inputs)
+        return self.transformer(**inputs, **residuals, return_dict=False)[0]
 
 
 def _datasets(config: FluxControlNetConfig) -> list[DatasetConfig]:
@@ -305,7 +265,7 @@ class ControlConditioner:
         self.conditioner = conditioner
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {**self.conditioner(batch), "control_dist": self.conditioner.latents(batch, prefix="conditioning_")}
+        return {**self.conditioner(batch), "condition_dist": self.conditioner.latents(batch, prefix="conditioning_")}
 
 
 def _validation_rows(config: FluxControlNetConfig, pipeline, validation: list[tuple[Image.Image, str]],

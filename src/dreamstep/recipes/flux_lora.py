@@ -29,14 +29,12 @@ from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches, make_dataloader
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import flux_lora_datasets
-from dreamstep.diffusion import flow_matching as fm
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.plan import check_optimization, plan_steps
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
-from dreamstep.engine.train_step import TrainStep
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import (
@@ -48,9 +46,9 @@ from dreamstep.lora.inject import (
 )
 from dreamstep.models import flux, parking
 from dreamstep.models.blocks import prepare_blocks
+from dreamstep.models.flux_step import FluxFlowMatchingStep
 from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import cast_trainable_params_to_fp32
-from dreamstep.models.vae import sample_latents
 
 
 class FluxLoraModel(nn.Module):
@@ -70,53 +68,12 @@ class FluxLoraModel(nn.Module):
                                 **transformer_inputs)[0]
 
 
-class FluxLoraStep(TrainStep):
-    """One flow-matching step (seed 000): noise the latents, predict the velocity, weighted MSE."""
+class FluxLoraStep(FluxFlowMatchingStep):
+    """diffusers' DreamBooth LoRA step: the transformer (and CLIP, when it trains) predicts the velocity."""
 
-    def __init__(self, model: FluxLoraModel, *, sigmas: torch.Tensor, weighting_scheme: str,
-                 logit_mean: float, logit_std: float, mode_scale: float, guidance_scale: float | None,
-                 prior_loss_weight: float, **engine_options: Any):
-        super().__init__(model, **engine_options)
-        self.sigmas = sigmas  # (num_train_timesteps,): the training σ table
-        self.weighting_scheme = weighting_scheme
-        self.sampling = dict(logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale)
-        self.guidance_scale = guidance_scale
-        self.prior_loss_weight = prior_loss_weight
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
-        # latent_dist: (B, 2C, h, w), the VAE posterior's mean and std, already shifted and scaled.
-        latents = sample_latents(batch["latent_dist"])
-        noise = torch.randn_like(latents)
-        indices = fm.sample_timestep_indices(self.weighting_scheme, len(latents), len(self.sigmas), **self.sampling)
-        sigmas = fm.sigmas_at(self.sigmas, indices, latents.ndim, latents.device)
-        per_sample = self.per_sample_loss(self.model, batch, latents, noise, sigmas, self.weighting_scheme)
-        loss = fm.instance_plus_prior_loss(per_sample, batch["is_reg"], self.prior_loss_weight)
-        return (self.scale_loss(loss),)
-
-    def per_sample_loss(self, model: nn.Module, batch: dict[str, torch.Tensor], latents: torch.Tensor,
-                        noise: torch.Tensor, sigmas: torch.Tensor, weighting_scheme: str) -> torch.Tensor:
-        """The flow-matching loss of each sample, (B,), for given latents, noise and σ (B, 1, 1, 1)."""
-        bsz, _, height, width = latents.shape
-        # x_σ = (1 - σ)·x + σ·ε; the model sees it packed into 2x2 patches: (B, h/2 · w/2, 4C).
-        packed = flux.pack(fm.noisy_latents(latents, noise, sigmas))
-        guidance = (torch.full((bsz,), self.guidance_scale, device=latents.device)
-                    if self.guidance_scale is not None else None)
-        packed_pred = model(
-            pooled_projections=batch["pooled"], clip_input_ids=batch.get("clip_input_ids"), hidden_states=packed,
-            timestep=sigmas.flatten(), guidance=guidance, encoder_hidden_states=batch["prompt_embeds"],
-            txt_ids=batch["text_ids"], img_ids=flux.latent_image_ids(height, width, latents.device, packed.dtype),
-        )
-        pred = flux.unpack(packed_pred, height, width)
-        # Flow-matching target v = ε - x, each sample weighted by its own σ.
-        return fm.weighted_mse(pred, fm.velocity_target(latents, noise), sigmas, weighting_scheme)
-
-    def validation_loss_at(self, batch: dict[str, torch.Tensor], latents: torch.Tensor, noise: torch.Tensor,
-                           fraction: float) -> torch.Tensor:
-        """Unweighted loss at the fixed σ that ``fraction`` of the schedule selects (validation)."""
-        sigmas = torch.full((len(latents), 1, 1, 1), fm.sigma_at_fraction(self.sigmas, fraction),
-                            device=latents.device)
-        with self.autocast():
-            return self.per_sample_loss(self.unwrapped_model, batch, latents, noise, sigmas, "none")
+    def predict(self, model: FluxLoraModel, inputs: dict[str, Any], batch: dict[str, Any],
+                condition: None) -> torch.Tensor:
+        return model(clip_input_ids=batch.get("clip_input_ids"), **inputs)
 
 
 def optimizer_groups(config: FluxLoraConfig, transformer: nn.Module,

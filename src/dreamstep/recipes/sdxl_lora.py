@@ -126,7 +126,7 @@ class SDXLLoraStep(TrainStep):
         self.timestep_range = timestep_range
         self.prior_loss_weight = prior_loss_weight
 
-    def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor]:
+    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
         latents = sample_latents(batch["latent_dist"])  # (B, 4, h, w), scaled by 0.13025
         noise = torch.randn_like(latents)
         if self.noise_offset:
@@ -139,7 +139,7 @@ class SDXLLoraStep(TrainStep):
             snr = noise_math.snr(self.noise_scheduler.alphas_cumprod, timesteps)
             loss = loss * noise_math.min_snr_weight(snr, self.min_snr_gamma, self.prediction_type == "v_prediction")
         weights = torch.where(batch["is_reg"], self.prior_loss_weight, 1.0)
-        return (self.scale_loss((loss * weights).mean()),)
+        return (loss * weights).mean()
 
     def per_sample_loss(self, model: nn.Module, batch: dict[str, Any], latents: torch.Tensor, noise: torch.Tensor,
                         timesteps: torch.Tensor) -> torch.Tensor:
