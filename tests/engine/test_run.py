@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_testkit import RegressionStep, flat_params, regression_batches, tiny_mlp
+from PIL import Image
 
 from dreamstep.engine.checkpoint import DamagedCheckpointError, TrainingPosition, load_checkpoint, save_checkpoint
 from dreamstep.engine.fit import RunHooks, finish, fit
@@ -153,3 +154,30 @@ def test_a_resume_that_fails_while_loading_puts_the_status_back(tmp_path: Path) 
     assert read_status(out)["state"] == "running"
     run.close("failed", "the model could not be loaded")
     assert _folder_bytes(out) == before
+
+
+def test_scores_come_back_through_their_own_hook_on_their_own_cadence(tmp_path: Path) -> None:
+    """Samples every 2 steps, scores every 4 (and at step 0 and the end); each scoring sees the images sampled
+    at its step, if any; the scores land in metrics.csv."""
+    run = start_run(tmp_path / "out", mixed_precision="no", seed=0, report_to="none", resume_from_checkpoint=None,
+                    config_toml="", command="dreamstep train test")
+    model = tiny_mlp()
+    step = RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    sampled, scored = [], []
+
+    def sample(global_step: int) -> list:
+        sampled.append(global_step)
+        return [Image.new("RGB", (8, 8))]
+
+    def score(global_step: int, images: list) -> dict[str, float]:
+        scored.append((global_step, len(images)))
+        return {"val_loss": float(global_step)}
+
+    hooks = RunHooks(sample=sample, score=score, sample_every=Every(2), score_every=Every(4), sample_first=True,
+                     sample_final=lambda global_step: [])
+    result = fit(run, step, regression_batches(STEPS, batch_size=2), total_steps=7, trained=model, hooks=hooks)
+    finished = finish(run, {}, result, hooks, best_by="val_loss")
+    assert sampled == [0, 2, 4, 6]
+    assert scored == [(0, 1), (4, 1), (7, 0)]  # the final point: sample_final gave no images
+    assert run.logger.metrics.rows == {0: {"val_loss": 0.0}, 4: {"val_loss": 4.0}, 7: {"val_loss": 7.0}}
+    assert finished.written["metrics table"].read_text().splitlines()[1:] == ["0,0", "4,4", "7,7"]

@@ -135,3 +135,15 @@ def test_the_encode_phase_holds_the_encoders_and_their_largest_pass(tiny_flux_de
     assert plan.phase("encode").resident == ("text_encoder", "text_encoder_2", "vae")
     planned = plan.phase("encode").device_total
     assert measured <= planned <= 1.25 * measured, planned / measured
+
+
+def test_the_plan_counts_the_condition_images_tokens_of_a_model_that_reads_them(tiny_flux_dev_dir: Path) -> None:
+    """A transformer that reads a condition image's tokens beside the target's (image_token_multiplier) is
+    planned for all of them: 4 images' tokens at 64 px are the tokens of one 128 px image."""
+    estimator = Estimator("flux", str(tiny_flux_dev_dir), rank=4, device_type="cpu")
+    one = mp.PlanOptions(resolution=64, rank=4, max_sequence_length=16)
+    two = mp.PlanOptions(resolution=64, rank=4, max_sequence_length=16, image_token_multiplier=2)
+    assert estimator(two).phase("train").device_total > estimator(one).phase("train").device_total
+    for train in (True, False):
+        assert (estimator.activations(64, 1, True, 16, train=train, image_token_multiplier=4)
+                == estimator.activations(128, 1, True, 16, train=train))

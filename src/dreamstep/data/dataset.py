@@ -41,7 +41,7 @@ class BucketDataset(Dataset):
     """
 
     def __init__(self, groups: Sequence[tuple[list[ImageRecord], int, bool]], seed: int,
-                 latent_cache: TensorCache | None = None):
+                 latent_cache: TensorCache | None = None, text_cache: TensorCache | None = None):
         self.records: list[ImageRecord] = []
         self.samples: list[int] = []  # sample index -> record index
         self.sample_group: list[tuple[int, int, int]] = []  # (dataset, bucket w, bucket h)
@@ -59,7 +59,7 @@ class BucketDataset(Dataset):
             raise UserError("the dataset has no images; check the image folders")
         self.seed = seed
         self.latent_cache = latent_cache
-        self.text_cache: TensorCache | None = None
+        self.text_cache = text_cache
         self.skipped: list[tuple[Path, str]] = []  # files in the image folders not trained on, and why
         self.held_out: list[Path] = []  # images of the folders held out for the validation loss
 
@@ -149,14 +149,16 @@ def transform_image(image: Image.Image, size: tuple[int, int], placement: Placem
 
 
 def build_dataset(configs: Sequence[DatasetConfig], seed: int, latent_cache: TensorCache | None = None,
-                  records: Sequence[list[ImageRecord]] | None = None) -> BucketDataset:
-    """Scan, validate and bucket every dataset (errors name the file) and return the torch dataset; its
-    ``skipped`` lists the files in the image folders that are not trained on, with the reason. ``records``
-    (one list per config, already collected) takes the place of the scan, e.g. a split's training part."""
+                  records: Sequence[list[ImageRecord]] | None = None,
+                  text_cache: TensorCache | None = None) -> BucketDataset:
+    """Scan, validate and bucket every dataset (errors name the file) and return the torch dataset, reading
+    the caches given (see :class:`BucketDataset`); its ``skipped`` lists the files in the image folders that
+    are not trained on, with the reason. ``records`` (one list per config, already collected) takes the place
+    of the scan, e.g. a split's training part."""
     if records is None:
         records = [collect_records(c) for c in configs]
     dataset = BucketDataset([(r, c.batch_size, c.prior_pairs) for r, c in zip(records, configs, strict=True)],
-                            seed, latent_cache)
+                            seed, latent_cache, text_cache)
     dataset.skipped = [entry for c in configs for entry in skipped_in(c)]
     return dataset
 

@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
+from dreamstep.data.cache import TensorCache
 from dreamstep.data.dataset import BucketDataset, build_dataset
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.records import ImageRecord, collect_records, rebalance_regularization
@@ -39,11 +40,13 @@ def split_records(records: list[ImageRecord], fraction: float, seed: int
     return [r for r in records if id(r) not in held_ids], held
 
 
-def build_split_datasets(configs: Sequence[DatasetConfig], seed: int, validation_split: float = 0.0
+def build_split_datasets(configs: Sequence[DatasetConfig], seed: int, validation_split: float = 0.0, *,
+                         latent_cache: TensorCache | None = None, text_cache: TensorCache | None = None
                          ) -> tuple[BucketDataset, BucketDataset | None]:
-    """The training dataset and the held-out one (``None`` without held-out images); each held-out image
-    appears once, whatever its ``num_repeats``. The training dataset's ``skipped`` lists the files in the
-    image folders that are not trained on, with the reason, and its ``held_out`` the images held out."""
+    """The training dataset and the held-out one (``None`` without held-out images), both reading the caches
+    given; each held-out image appears once, whatever its ``num_repeats``. The training dataset's ``skipped``
+    lists the files in the image folders that are not trained on, with the reason, and its ``held_out`` the
+    images held out."""
     training, held_out = [], []
     for config in configs:
         train_records, held = split_records(collect_records(config), validation_split, seed)
@@ -54,9 +57,9 @@ def build_split_datasets(configs: Sequence[DatasetConfig], seed: int, validation
         training.append(train_records)
         if held:
             held_out.append(([dataclasses.replace(r, num_repeats=1) for r in held], config.batch_size, False))
-    dataset = build_dataset(configs, seed, records=training)
+    dataset = build_dataset(configs, seed, latent_cache, records=training, text_cache=text_cache)
     dataset.held_out = [r.image.path for records, _, _ in held_out for r in records]
-    return dataset, BucketDataset(held_out, seed) if held_out else None
+    return dataset, BucketDataset(held_out, seed, latent_cache, text_cache) if held_out else None
 
 
 def subject_image_paths(dataset: BucketDataset, held_out: BucketDataset | None) -> list[Path]:

@@ -174,3 +174,32 @@ def flux_lora_datasets(config: Any, class_dir: str | None) -> list[DatasetConfig
     if config.validation_data_dir is not None:
         dataset = with_validation_folder(dataset, config.validation_data_dir)
     return [dataset]
+
+
+def paired_datasets(config: Any, methods: tuple[str, ...], command: str) -> list[DatasetConfig]:
+    """What a trainer of image pairs trains on, from its config (a
+    :class:`~dreamstep.config.options.PairedDataOptions`): its dataset TOML (subsets with
+    ``conditioning_data_dir``; ``methods`` are the TOML methods ``command`` takes), or its folder / JSONL
+    flags; with ``--proportion_empty_prompts`` as every subset's caption dropout."""
+    if config.dataset_config is not None:
+        datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
+                                                                   "train_batch_size": config.train_batch_size})
+        require_methods(datasets, methods, command)
+    else:
+        datasets = [controlnet_from_flags(
+            train_data_dir=config.train_data_dir, conditioning_data_dir=config.conditioning_data_dir,
+            jsonl_for_train=config.jsonl_for_train, caption_extension=config.caption_extension,
+            default_caption=config.default_caption, buckets=bucket_spec(config.resolution),
+            center_crop=not config.random_crop, random_flip=config.random_flip, repeats=config.repeats,
+            batch_size=config.train_batch_size)]
+    return [with_caption_dropout(d, config.proportion_empty_prompts) for d in datasets]
+
+
+def with_caption_dropout(dataset: DatasetConfig, proportion: float) -> DatasetConfig:
+    """``dataset`` with every subset's caption dropout at ``proportion`` (diffusers' --proportion_empty_prompts):
+    drawn per (seed, epoch, sample), so a resumed run drops the same captions."""
+    if proportion == 0.0:
+        return dataset
+    subsets = tuple(dataclasses.replace(s, captions=dataclasses.replace(s.captions, caption_dropout_rate=proportion))
+                    for s in dataset.subsets)
+    return dataclasses.replace(dataset, subsets=subsets)

@@ -39,17 +39,24 @@ from dreamstep.files import write_text_atomic
 @dataclass
 class RunHooks:
     """What a run does besides training, each on its own cadence; at a step where several are due they run
-    in this order. ``sample(global_step)``: images from the model as it trains (main process; every
-    process with ``sample_on_every_process``, for a sharded model that runs forward only on all at once),
-    logged as a grid; evaluation scores it logs with ``run.logger.log_metrics`` are reported with them;
-    ``sample_first`` samples the untrained model too (step 0 of a run that does not resume: the baseline
-    of the scores). ``save(global_step)``: write the trained weights (main process), not at the last
-    step, whose weights the recipe writes itself. Checkpoints (every process): ``checkpoint-N`` folders,
-    at most ``checkpoints_total_limit`` of them, and with ``checkpoint_at_end`` one at the last step too."""
+    in this order. A validation point: ``sample(global_step)`` gives images from the model as it trains,
+    logged as a grid, then ``score(global_step, images)`` gives the evaluation scores of that point (its
+    samples, a validation loss), logged and reported with them (a step scored before a resume is not scored
+    again). Both run on the main process (on every process with ``sample_on_every_process``, for a sharded
+    model that runs forward only on all at once). Samples are due at ``sample_every``, scores at
+    ``score_every`` (default: with the samples); ``sample_first`` validates the untrained model too (step 0 of
+    a run that does not resume: the baseline of the scores). At the end, :func:`finish` validates once more,
+    with ``sample_final`` instead of ``sample`` when given. ``save(global_step)``: write the trained weights
+    (main process), not at the last step, whose weights the recipe writes itself. Checkpoints (every process):
+    ``checkpoint-N`` folders, at most ``checkpoints_total_limit`` of them, and with ``checkpoint_at_end`` one at
+    the last step too."""
 
     sample: Callable[[int], list[Image.Image]] | None = None
+    score: Callable[[int, list[Image.Image]], Mapping[str, float]] | None = None
     sample_every: Every | AnyOf = field(default_factory=Every)
+    score_every: Every | AnyOf | None = None
     sample_first: bool = False
+    sample_final: Callable[[int], list[Image.Image]] | None = None
     sample_on_every_process: bool = False
     save: Callable[[int], Path] | None = None
     save_every: Every = field(default_factory=Every)
@@ -91,16 +98,14 @@ def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any,
             run.status.update(checkpoint=path.name)
             say_and_log(run, f"saved {path}")
 
-        def sample(position: TrainingPosition) -> None:
-            # One process generates (all, for a sharded model); the others wait. Sampling uses its own seeded
-            # generators, so the training RNG of every process is untouched.
-            global_step = position.global_step
-            images = _timed_sample(run, hooks.sample, global_step, hooks.sample_on_every_process)
+        def validate(position: TrainingPosition) -> None:
+            images, _ = _validation_point(run, hooks, position.global_step, hooks.sample, cadence.samples_due,
+                                          cadence.scores_due)
             if run.is_main_process:
-                path = run.logger.log_images(global_step, images)
-                scores = run.logger.metrics.rows.get(global_step)
+                path = run.logger.log_images(position.global_step, images)
+                scores = run.logger.metrics.rows.get(position.global_step)
                 if path is not None or scores:
-                    say_and_log(run, f"validation at step {global_step}: " + ", ".join(
+                    say_and_log(run, f"validation at step {position.global_step}: " + ", ".join(
                         [f"{k} {v:.4g}" for k, v in (scores or {}).items()] + ([f"images {path}"] if path else [])))
             run.accelerator.wait_for_everyone()
 
@@ -115,14 +120,16 @@ def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any,
                                   **({"loss": loss} if loss is not None else {}))
             return stop
 
-        scheduled = [Hook(hooks.sample_every, sample)] if hooks.sample is not None else []
+        cadence = _ValidationCadence(hooks.sample_every, hooks.score_every or hooks.sample_every)
+        scheduled = [Hook(cadence, validate)] if hooks.sample is not None or hooks.score is not None else []
         scheduled += [Hook(hooks.save_every, save)] if hooks.save is not None else []
         scheduled.append(Hook(hooks.checkpoint_every, checkpoint))
         run.started_at = time.perf_counter()
         run.signals.graceful = True
         try:
-            if hooks.sample_first and hooks.sample is not None and resume is None:
-                sample(TrainingPosition())
+            if hooks.sample_first and scheduled and resume is None:
+                cadence.samples_due = cadence.scores_due = True
+                validate(TrainingPosition())
             result = run_training(step, data, max_train_steps=total_steps, resume=resume, hooks=scheduled,
                                   logger=run.logger, on_nonfinite_loss=on_nonfinite_loss,
                                   max_skipped_fraction=max_skipped_steps_fraction, on_step=step_done,
@@ -223,30 +230,54 @@ def _interrupted(run: Run, error: KeyboardInterrupt) -> RunInterrupted:
     return RunInterrupted(message, getattr(error, "exit_code", run.signals.exit_code))
 
 
-def _timed_sample(run: Run, sample: Callable[[int], list[Image.Image]], global_step: int,
-                  on_every_process: bool) -> list[Image.Image] | None:
-    """``sample(global_step)`` on the processes that take part, its wall time added to the run's."""
-    if not (run.is_main_process or on_every_process):
-        return None
+@dataclass
+class _ValidationCadence:
+    """Due when samples or scores are, remembering which (for the hook that then runs)."""
+
+    sample_every: Every | AnyOf
+    score_every: Every | AnyOf
+    samples_due: bool = False
+    scores_due: bool = False
+
+    def due(self, global_step: int, steps_per_epoch: int) -> bool:
+        self.samples_due = self.sample_every.due(global_step, steps_per_epoch)
+        self.scores_due = self.score_every.due(global_step, steps_per_epoch)
+        return self.samples_due or self.scores_due
+
+
+def _validation_point(run: Run, hooks: RunHooks, global_step: int,
+                      sample: Callable[[int], list[Image.Image]] | None, samples: bool,
+                      scores: bool) -> tuple[list[Image.Image] | None, Mapping[str, float]]:
+    """The samples and scores of a validation point on the processes that take part (``None`` and nothing on
+    the others), the scores logged, the wall time added to the run's. One process generates (all, for a
+    sharded model); the others wait. Sampling uses its own seeded generators, so the training RNG of every
+    process is untouched."""
+    if not (run.is_main_process or hooks.sample_on_every_process):
+        return None, {}
     start = time.perf_counter()
-    images = sample(global_step)
+    images = sample(global_step) if samples and sample is not None else []
+    found: Mapping[str, float] = {}
+    if scores and hooks.score is not None and global_step not in run.logger.metrics.rows:
+        found = hooks.score(global_step, images)
+        if found:
+            run.logger.log_metrics(global_step, found)
     run.validation_seconds += time.perf_counter() - start
-    return images
+    return images, found
 
 
-def finish(run: Run, written: Mapping[str, Path | None], result: TrainingResult,
-           sample_final: Callable[[], list[Image.Image]] | None = None, *, best_by: str | None = None,
-           saved_at: Callable[[int], Path | None] | None = None,
-           sample_on_every_process: bool = False) -> FinishedRun:
-    """Final sample grid, evaluation scores (``metrics.csv``, ``metrics.png``, the best step by ``best_by``
-    next to the final one), loss curve, and the summary of every file written. ``saved_at(step)`` names
-    what was saved at a step (default: its ``checkpoint-N`` folder, if any). The run is then marked
+def finish(run: Run, written: Mapping[str, Path | None], result: TrainingResult, hooks: RunHooks | None = None,
+           *, best_by: str | None = None, saved_at: Callable[[int], Path | None] | None = None) -> FinishedRun:
+    """Final validation (``hooks.sample_final`` or ``hooks.sample`` and ``hooks.score`` at the last step; the
+    samples' grid tagged final), evaluation scores (``metrics.csv``, ``metrics.png``, the best step by
+    ``best_by`` next to the final one), loss curve, and the summary of every file written. ``saved_at(step)``
+    names what was saved at a step (default: its ``checkpoint-N`` folder, if any). The run is then marked
     finished."""
     outputs = dict(written)
     final_step = result.position.global_step
-    if sample_final is not None:
-        images = _timed_sample(run, lambda _: sample_final(), final_step, sample_on_every_process)
-        if run.is_main_process:
+    hooks = hooks or RunHooks()
+    if hooks.sample is not None or hooks.score is not None:
+        images, _ = _validation_point(run, hooks, final_step, hooks.sample_final or hooks.sample, True, True)
+        if run.is_main_process and images:
             outputs["samples"] = run.logger.log_images(final_step, images, tag="final")
     report = []
     if run.is_main_process and run.logger.metrics.rows:

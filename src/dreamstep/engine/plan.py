@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from dreamstep.data.dataset import make_dataloader
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 
 
@@ -35,6 +36,16 @@ def plan_steps(batches_per_epoch: int, *, gradient_accumulation_steps: int, max_
     total = max_train_steps if max_train_steps is not None else num_epochs * steps_per_epoch
     warmup_steps = int(warmup * total) if 0 < warmup < 1 else int(warmup)
     return TrainingPlan(steps_per_epoch, total, warmup_steps)
+
+
+def loader_and_plan(run: Any, dataset: Any, *, seed: int, num_workers: int, gradient_accumulation_steps: int,
+                    max_train_steps: int | None, num_epochs: int | None, warmup: float = 0) -> tuple[Any, TrainingPlan]:
+    """The data loader of this process's share of ``dataset`` (a ``BucketDataset``) in a started ``run``, and
+    the run's step counts (:func:`plan_steps`) over it."""
+    loader = make_dataloader(dataset, seed=seed, num_workers=num_workers, num_replicas=run.accelerator.num_processes,
+                             rank=run.accelerator.process_index)
+    return loader, plan_steps(len(loader), gradient_accumulation_steps=gradient_accumulation_steps,
+                              max_train_steps=max_train_steps, num_epochs=num_epochs, warmup=warmup)
 
 
 def check_optimization(optimizer: str, learning_rate: float, *, lr_scheduler: str, num_cycles: int = 1,

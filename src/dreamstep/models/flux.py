@@ -13,20 +13,19 @@ import torch
 from diffusers import FluxControlNetPipeline, FluxPipeline
 from PIL import Image
 
-from dreamstep.errors import UserError
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
 from dreamstep.data.dataset_config import load_dataset_config
+from dreamstep.errors import UserError
 from dreamstep.files import atomic_path
 from dreamstep.generation.outputs import JSON_KEY, sample_parameters
+from dreamstep.models import parking
 from dreamstep.models.loading import component_identity, load_flux, load_flux_transformer
 from dreamstep.models.memory_plan import PlanOptions
-from dreamstep.models import parking
 from dreamstep.models.parking import ParkedModules
 from dreamstep.models.phases import ENCODERS
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
 from dreamstep.notices import CAPTION_CUT, hidden
-
 
 # FLUX.1-dev's recommended sampling: 28 steps at distilled guidance 3.5.
 FLUX_DEV_SAMPLING = {"steps": 28, "guidance_scale": 3.5}
@@ -83,12 +82,16 @@ def text_ids(sequence_length: int, device: torch.device, dtype: torch.dtype) -> 
     return torch.zeros(sequence_length, 3, device=device, dtype=dtype)
 
 
-def assemble_pipeline(components: Any, controlnet: torch.nn.Module | None = None) -> FluxPipeline:
-    """A ``FluxPipeline`` over already-loaded components (no copies), or a ``FluxControlNetPipeline``
-    when a ``controlnet`` is given."""
+def assemble_pipeline(components: Any, controlnet: torch.nn.Module | None = None,
+                      pipeline_class: type[FluxPipeline] | None = None, **modules: Any) -> FluxPipeline:
+    """A pipeline over already-loaded components (no copies): a ``FluxPipeline``, a ``FluxControlNetPipeline``
+    when a ``controlnet`` is given, or ``pipeline_class`` (another FLUX pipeline of diffusers) with the further
+    ``modules`` it takes."""
     parts = {name: getattr(components, name) for name in
              ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "transformer")}
-    pipeline = FluxPipeline(**parts) if controlnet is None else FluxControlNetPipeline(**parts, controlnet=controlnet)
+    if controlnet is not None:
+        pipeline_class, modules = FluxControlNetPipeline, {**modules, "controlnet": controlnet}
+    pipeline = (pipeline_class or FluxPipeline)(**parts, **modules)
     pipeline.set_progress_bar_config(disable=True)  # the trainer shows its own progress
     return pipeline
 
@@ -141,11 +144,23 @@ class FluxConditioner:
                 "is_reg": batch["is_reg"]}
 
 
+class ControlConditioner:
+    """The step's inputs of a model with a condition image: what ``FluxConditioner`` gives (target posterior,
+    prompt embeddings) plus the condition images' posteriors (``condition_dist``), encoded with the same crop
+    and flip and through the same latent cache."""
+
+    def __init__(self, conditioner: FluxConditioner):
+        self.conditioner = conditioner
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {**self.conditioner(batch), "condition_dist": self.conditioner.latents(batch, prefix="conditioning_")}
+
+
 def training_caches(root: Path, source: str, *, revision: str | None, variant: str | None, mixed_precision: str,
                     max_sequence_length: int, cache_latents: bool, image_dirs: list[Path]
                     ) -> tuple[TensorCache | None, TensorCache]:
     """The latent cache (``None`` when ``cache_latents`` is off) and the text-embedding cache of a run,
-    each keyed to the weights that fill it."""
+    each keyed to the weights that fill it; nothing is written until the first entry is stored."""
     ident = dict(revision=revision, variant=variant, extra=mixed_precision)
     latents = (TensorCache(root / "latents", component_identity(source, "vae", **ident), image_dirs)
                if cache_latents else None)
@@ -256,9 +271,22 @@ def tokenizer_limits(pipeline: FluxPipeline, max_sequence_length: int) -> dict[s
             "T5": (pipeline.tokenizer_2, max_sequence_length)}
 
 
-def plan_options(config: Any, *, rank: int, encoders_on_device: bool, validation_images: bool) -> PlanOptions:
+def caches_of(config: Any, datasets: list[Any]) -> tuple[TensorCache | None, TensorCache]:
+    """:func:`training_caches` of a FLUX trainer's config (any :class:`FluxTrainingConfig`) for the images of
+    ``datasets`` (their image and condition folders)."""
+    image_dirs = [folder for dataset in datasets for subset in dataset.subsets
+                  for folder in (subset.image_dir, subset.conditioning_data_dir) if folder is not None]
+    return training_caches(config.cache_root(), config.pretrained_model_name_or_path, revision=config.revision,
+                           variant=config.variant, mixed_precision=config.mixed_precision,
+                           max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents,
+                           image_dirs=image_dirs)
+
+
+def plan_options(config: Any, *, rank: int, encoders_on_device: bool, validation_images: bool,
+                 image_token_multiplier: int = 1) -> PlanOptions:
     """The memory-plan inputs of a FLUX trainer's config (any :class:`FluxTrainingConfig`); a dataset TOML's
-    batch size and resolution win over the flags, as in training."""
+    batch size and resolution win over the flags, as in training. ``image_token_multiplier``: see
+    :class:`~dreamstep.models.memory_plan.PlanOptions`."""
     resolution, batch_size = config.resolution, config.train_batch_size
     if getattr(config, "dataset_config", None) is not None:
         datasets = load_dataset_config(config.dataset_config, cli={"resolution": resolution,
@@ -271,7 +299,8 @@ def plan_options(config: Any, *, rank: int, encoders_on_device: bool, validation
                        text_encoder_quantization=config.text_encoder_quantization,
                        encoders_on_device=encoders_on_device, blocks_to_swap=getattr(config, "blocks_to_swap", 0),
                        optimizer=config.optimizer, weight_dtype=weight_dtype_for(config.mixed_precision),
-                       max_sequence_length=config.max_sequence_length, validation_images=validation_images)
+                       max_sequence_length=config.max_sequence_length, validation_images=validation_images,
+                       image_token_multiplier=image_token_multiplier)
 
 
 def park_encoders(components: Any, device: torch.device, *, text_encoder_trains: bool,

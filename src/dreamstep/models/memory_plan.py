@@ -228,7 +228,8 @@ class PlanOptions:
     """The options of a run that move its peak memory. ``encoders_on_device``: the loop itself needs an
     encoder (a text encoder that trains, or the VAE for latents that are not cached), which then stays on the
     device while training; ``validation_images``: validation generates images (the VAE decodes them), not only
-    the validation loss."""
+    the validation loss; ``image_token_multiplier``: how many images' tokens the FLUX transformer reads per
+    sample (2 for a model that reads a condition image's tokens beside the target's)."""
 
     resolution: int = 1024
     batch_size: int = 1
@@ -242,6 +243,7 @@ class PlanOptions:
     weight_dtype: torch.dtype = torch.bfloat16
     max_sequence_length: int = 512
     validation_images: bool = True
+    image_token_multiplier: int = 1
 
 
 @dataclass

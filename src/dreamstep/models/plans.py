@@ -12,11 +12,11 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
+from dreamstep.config.memory import OPTIMIZER_STATE_BYTES, parse_bytes
 from dreamstep.engine.logging import say_before_the_run
 from dreamstep.errors import UserError
 from dreamstep.models import memory_plan as mp
 from dreamstep.models import published_configs as published
-from dreamstep.config.memory import OPTIMIZER_STATE_BYTES, parse_bytes
 from dreamstep.models.memory_plan import Line, MemoryPlan, Phase, PlanOptions
 from dreamstep.models.phases import PHASES, loop_encoders, resident_components
 
@@ -69,13 +69,15 @@ ENCODE_BATCH = 8
 
 
 def _flux_step(transformer: nn.Module, resolution: int, batch: int, text_tokens: int,
-               controlnet: nn.Module | None = None, train: bool = True) -> Callable[[], torch.Tensor | None]:
+               controlnet: nn.Module | None = None, train: bool = True,
+               image_token_multiplier: int = 1) -> Callable[[], torch.Tensor | None]:
     """One forward of the transformer (fed by ``controlnet``'s residuals when given) at ``resolution`` (FLUX
-    packs 2x2 latent patches: a 1024 px image is 64 x 64 tokens), returning a loss when ``train``. Training
+    packs 2x2 latent patches: a 1024 px image is 64 x 64 tokens, times ``image_token_multiplier`` for a model
+    that reads condition images' tokens beside the target's), returning a loss when ``train``. Training
     steps get the trainer's fp32 inputs (cached latents and embeddings; autocast casts them per op), inference
     the pipeline's, in the transformer's dtype."""
     config = transformer.config
-    tokens = (resolution // 16) ** 2
+    tokens = (resolution // 16) ** 2 * image_token_multiplier
 
     def run() -> torch.Tensor | None:
         dtype = torch.float32 if train else transformer.dtype
@@ -184,7 +186,8 @@ class Estimator:
 
     @lru_cache(maxsize=16)
     def activations(self, resolution: int, batch: int, checkpointing: bool, text_tokens: int,
-                    quantization: str = "none", half: torch.dtype | None = torch.bfloat16, train: bool = True) -> int:
+                    quantization: str = "none", half: torch.dtype | None = torch.bfloat16, train: bool = True,
+                    image_token_multiplier: int = 1) -> int:
         """Peak bytes of one training step's pass (``train``: inputs, activations, gradients) or one inference
         forward of the transformer / UNet, with the trainer's dtypes."""
         models = [self.base] if self.trainable is self.base else [self.trainable, self.base]
@@ -201,7 +204,8 @@ class Estimator:
             step = _sdxl_step(self.base, resolution, batch, 77, train)
         else:
             step = _flux_step(self.base, resolution, batch, text_tokens, train=train,
-                              controlnet=self.trainable if self.trainable is not self.base else None)
+                              controlnet=self.trainable if self.trainable is not self.base else None,
+                              image_token_multiplier=image_token_multiplier)
         grad = torch.enable_grad() if train else torch.no_grad()
         with torch.device("meta"), grad:
             return mp.pass_peak(nn.ModuleList(models), step, autocast=half, device_type=self.device_type,
@@ -283,12 +287,14 @@ class Estimator:
         if phase == "train":
             checkpointing = "with" if options.gradient_checkpointing else "without"
             peak = self.activations(resolution, options.batch_size, options.gradient_checkpointing, tokens,
-                                    options.base_quantization, half)
+                                    options.base_quantization, half,
+                                    image_token_multiplier=options.image_token_multiplier)
             device.append(Line(f"training pass: {resolution}px, batch {options.batch_size}, {checkpointing} "
                                "checkpointing (activations, gradients)", 0, "", peak))
             return Phase(phase, resident, device, host)
         passes = {f"{self.base_name} forward at {resolution}px": self.activations(
-            resolution, 1, False, tokens, options.base_quantization, half, train=False)}
+            resolution, 1, False, tokens, options.base_quantization, half, train=False,
+            image_token_multiplier=options.image_token_multiplier)}
         if options.validation_images:
             passes[f"VAE decode at {resolution}px"] = self.encoder_pass("vae", resolution, tokens, decode=True)
         name, peak = max(passes.items(), key=lambda item: item[1])

@@ -27,7 +27,6 @@ Outputs in --output_dir: ``config.json`` + ``diffusion_pytorch_model.safetensors
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +35,15 @@ from PIL import Image
 
 from dreamstep.config.flux_controlnet import FluxControlNetConfig
 from dreamstep.config.schema import config_to_toml
-from dreamstep.data.dataset import ConditionedBatches, make_dataloader
-from dreamstep.data.dataset_config import DatasetConfig, load_dataset_config, require_methods
+from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import load_rgb
-from dreamstep.data.sources import bucket_spec, controlnet_from_flags
+from dreamstep.data.sources import paired_datasets
 from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
-from dreamstep.engine.plan import check_optimization, plan_steps
+from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.sharding import FullState, full_model_state, is_sharded, shard_model
 from dreamstep.engine.summary import print_run_summary
@@ -76,31 +74,6 @@ class FluxControlNetStep(FluxFlowMatchingStep):
         return self.transformer(**inputs, **residuals, return_dict=False)[0]
 
 
-def _datasets(config: FluxControlNetConfig) -> list[DatasetConfig]:
-    if config.dataset_config is not None:
-        datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
-                                                                   "train_batch_size": config.train_batch_size})
-        require_methods(datasets, ("controlnet",), "train flux-controlnet")
-    else:
-        datasets = [controlnet_from_flags(
-            train_data_dir=config.train_data_dir, conditioning_data_dir=config.conditioning_data_dir,
-            jsonl_for_train=config.jsonl_for_train, caption_extension=config.caption_extension,
-            default_caption=config.default_caption, buckets=bucket_spec(config.resolution),
-            center_crop=not config.random_crop, random_flip=config.random_flip, repeats=config.repeats,
-            batch_size=config.train_batch_size)]
-    return [_with_empty_prompts(d, config.proportion_empty_prompts) for d in datasets]
-
-
-def _with_empty_prompts(dataset: DatasetConfig, proportion: float) -> DatasetConfig:
-    """--proportion_empty_prompts as the data package's caption dropout: drawn per (seed, epoch, sample),
-    so a resumed run drops the same captions."""
-    if proportion == 0.0:
-        return dataset
-    subsets = tuple(dataclasses.replace(s, captions=dataclasses.replace(s.captions, caption_dropout_rate=proportion))
-                    for s in dataset.subsets)
-    return dataclasses.replace(dataset, subsets=subsets)
-
-
 def train(config: FluxControlNetConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder, pair and image (validation images too) and the optimizer,
@@ -109,8 +82,12 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
     check_optimization(**config.optimization())
-    datasets = _datasets(config)
-    dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
+    datasets = paired_datasets(config, ("controlnet",), "train flux-controlnet")
+    # Target and control posteriors cached (a random crop with room to move is encoded every step), prompt
+    # embeddings cached.
+    latent_cache, text_cache = flux.caches_of(config, datasets)
+    dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
+                                             latent_cache=latent_cache, text_cache=text_cache)
     validation = [(load_rgb(Path(image)), prompt) for image, prompt in config.validation_pairs()]
     scorer = load_scorer(config)
     transformer_config = flux.transformer_config(config)  # checked before the plan, or anything is encoded
@@ -128,23 +105,11 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                     config_toml=config_to_toml(config),
                     command="dreamstep train flux-controlnet", overwrite=config.overwrite_output_dir,
                     allow_tf32=config.allow_tf32)
-    loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
-                             num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
-    plan = plan_steps(len(loader), **config.step_counts())
-    run.config_toml = config.resolved_toml(plan.num_epochs)
 
-    # 2. Data: pairs; target and control posteriors cached (a random crop with room to move is encoded
-    # every step), prompt embeddings cached.
-    latent_cache, text_cache = flux.training_caches(
-        Path(config.cache_dir or Path(config.output_dir) / "cache"), config.pretrained_model_name_or_path,
-        revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
-        max_sequence_length=config.max_sequence_length,
-        cache_latents=config.cache_latents,
-        image_dirs=[d for ds in datasets for s in ds.subsets for d in (s.image_dir, s.conditioning_data_dir)
-                    if d is not None])
-    for part in (dataset, held_out):
-        if part is not None:
-            part.latent_cache, part.text_cache = latent_cache, text_cache
+    # 2. Data: the pairs' loader and the step counts.
+    loader, plan = loader_and_plan(run, dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
+                                   **config.step_counts())
+    run.config_toml = config.resolved_toml(plan.num_epochs)
 
     # 3. Encode (models/phases.py): the text encoders and the VAE encode every caption, pair and validation
     # prompt before the transformer loads; then those the loop does not use wait in host memory.
@@ -152,7 +117,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
         config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
         mixed_precision=config.mixed_precision, device=run.device,
         text_encoder_quantization=config.text_encoder_quantization)
-    conditioner = ControlConditioner(flux.FluxConditioner(
+    conditioner = flux.ControlConditioner(flux.FluxConditioner(
         flux.assemble_pipeline(base), latent_cache=latent_cache, text_cache=text_cache,
         max_sequence_length=config.max_sequence_length, device=run.device))
     parking.encode_run(conditioner.conditioner, dataset, held_out, epochs=plan.num_epochs)
@@ -210,28 +175,28 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                       tokenizers=flux.tokenizer_limits(pipeline, config.max_sequence_length),
                       sharded_stage=config.zero_stage)
 
-    # 6. Loop: the engine trains, checkpoints and validates (samples, validation loss, scores); validation images
-    # bring back only the VAE (which also encodes the control image), the validation loss nothing.
+    # 6. Loop: the engine trains, checkpoints and validates (samples, then the validation loss and scores);
+    # validation images bring back only the VAE (which also encodes the control image), the loss nothing.
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
                                 loss_at=step.validation_loss_at, modules=[model], seed=config.seed,
                                 subject_images=subject_image_paths(dataset, held_out), device=run.device)
+    rows: dict[int, list] = {}  # the validation rows of the last step sampled, for its scores
 
-    def validate(global_step: int) -> list[Image.Image]:
-        rows = []
-        if validation:
-            with encoders.on_device("vae"):
-                rows = _validation_rows(config, pipeline, validation, run.device.type,
-                                        datasets[0].buckets.resolution, embeddings)
-        if evaluator is not None and global_step not in run.logger.metrics.rows:
-            samples = [(image, prompt, control) for control, prompt, images in rows for image in images]
-            run.logger.log_metrics(global_step, evaluator([s[0] for s in samples], [s[1] for s in samples],
-                                                          controls=[s[2] for s in samples]))
-        return [cn.side_by_side([[control, *images] for control, _, images in rows])] if rows else []
+    def sample(global_step: int) -> list[Image.Image]:
+        rows.clear()
+        with encoders.on_device("vae"):
+            rows[global_step] = _validation_rows(config, pipeline, validation, run.device.type,
+                                                 datasets[0].buckets.resolution, embeddings)
+        return [cn.side_by_side([[control, *images] for control, _, images in rows[global_step]])]
 
-    sample = validate if validation or evaluator else None
-    hooks = RunHooks(sample=sample, sample_every=Every(config.validation_steps or None),
-                     sample_first=evaluator is not None, sample_on_every_process=sharded,
-                     checkpoint_every=Every(config.checkpointing_steps or None),
+    def score(global_step: int, _: list[Image.Image]) -> dict[str, float]:
+        samples = [(image, prompt, control) for control, prompt, images in rows.pop(global_step, [])
+                   for image in images]
+        return evaluator([s[0] for s in samples], [s[1] for s in samples], controls=[s[2] for s in samples])
+
+    hooks = RunHooks(sample=sample if validation else None, score=score if evaluator is not None else None,
+                     sample_every=Every(config.validation_steps or None), sample_first=evaluator is not None,
+                     sample_on_every_process=sharded, checkpoint_every=Every(config.checkpointing_steps or None),
                      checkpoints_total_limit=config.checkpoints_total_limit)
     result = fit(run, step, batches, total_steps=plan.total_steps, trained=FullState(controlnet), hooks=hooks,
                  on_nonfinite_loss=config.on_nonfinite_loss,
@@ -242,9 +207,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     state = full_model_state(controlnet) if sharded else None  # every process helps gather it
     if run.is_main_process:
         written["ControlNet"] = cn.save(controlnet, config.output_dir, state)
-    final_step = result.position.global_step
-    return finish(run, written, result, sample_final=(lambda: sample(final_step)) if sample else None,
-                  best_by=config.best_metric(held_out is not None), sample_on_every_process=sharded)
+    return finish(run, written, result, hooks, best_by=config.best_metric(held_out is not None))
 
 
 def _optimizer(config: FluxControlNetConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -255,17 +218,6 @@ def _optimizer(config: FluxControlNetConfig, params: list[torch.nn.Parameter]) -
                                        weight_decay=config.adam_weight_decay, seed=config.seed)
     return build_optimizer(config.optimizer, [{"params": params, "lr": config.learning_rate}], config.learning_rate,
                            betas=betas, weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
-
-
-class ControlConditioner:
-    """The step's inputs: what ``FluxConditioner`` gives (target posterior, prompt embeddings) plus the
-    control images' posteriors, encoded with the same crop and flip and through the same latent cache."""
-
-    def __init__(self, conditioner: flux.FluxConditioner):
-        self.conditioner = conditioner
-
-    def __call__(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {**self.conditioner(batch), "condition_dist": self.conditioner.latents(batch, prefix="conditioning_")}
 
 
 def _validation_rows(config: FluxControlNetConfig, pipeline, validation: list[tuple[Image.Image, str]],

@@ -26,13 +26,14 @@ from torch import nn
 
 from dreamstep.config.flux_lora import FluxLoraConfig
 from dreamstep.config.schema import config_to_toml
-from dreamstep.data.dataset import ConditionedBatches, make_dataloader
+from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
+from dreamstep.data.images import IMAGE_EXTENSIONS
 from dreamstep.data.sources import flux_lora_datasets
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
-from dreamstep.engine.plan import check_optimization, plan_steps
+from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
@@ -95,7 +96,13 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
     check_optimization(**config.optimization())
-    dataset, held_out = build_split_datasets(flux_lora_datasets(config, None), config.seed, config.validation_split)
+    # Class images still to be made join the data in step 2; until then the instance images are checked alone.
+    class_dir = config.class_data_dir if config.class_images_to_generate else None
+    generate_class_images = class_dir is not None and _class_images_missing(config)
+    datasets = flux_lora_datasets(config, None if generate_class_images else class_dir)
+    latent_cache, text_cache = flux.caches_of(config, datasets)
+    dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
+                                             latent_cache=latent_cache, text_cache=text_cache)
     scorer = load_scorer(config)
     flux.transformer_config(config)  # --blocks_to_swap checked before the plan, or anything is encoded
     print_run_plan("flux", config.pretrained_model_name_or_path, flux.plan_options(
@@ -110,33 +117,21 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                     command="dreamstep train flux-lora", overwrite=config.overwrite_output_dir,
                     allow_tf32=config.allow_tf32)
 
-    # 2. Class images: the whole base pipeline makes the missing ones, then everything is freed.
-    class_dir = None
-    if config.class_images_to_generate:
-        class_dir = config.class_data_dir
+    # 2. Class images: the whole base pipeline makes the missing ones, then everything is freed; the data is
+    # then built with them (the class images are read only now).
+    if generate_class_images:
         if run.is_main_process:
             _generate_class_images(config, class_dir, run.device)
         run.accelerator.wait_for_everyone()
         parking.free_device_memory(run.device)
+        datasets = flux_lora_datasets(config, class_dir)
+        dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
+                                                 latent_cache=latent_cache, text_cache=text_cache)
 
-    # 3. Data: bucketed samples; posteriors and prompt embeddings from content-keyed caches.
-    datasets = flux_lora_datasets(config, class_dir)
-    if class_dir is not None:
-        dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
-    # Random crops of images larger than their bucket are encoded every step (see BucketDataset); the
-    # rest, random crops of images that already have their bucket's size included, are cached.
-    latent_cache, text_cache = flux.training_caches(
-        Path(config.cache_dir or Path(config.output_dir) / "cache"), config.pretrained_model_name_or_path,
-        revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
-        max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents,
-        image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
-    for part in (dataset, held_out):
-        if part is not None:
-            part.latent_cache, part.text_cache = latent_cache, text_cache
-    loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
-                             num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
-    # With class images made in step 2 the epoch is known only now, so the step counts are planned here.
-    plan = plan_steps(len(loader), **config.step_counts())
+    # 3. Data: bucketed samples, posteriors and prompt embeddings from the content-keyed caches (random crops
+    # of images larger than their bucket are encoded every step; see BucketDataset); the step counts.
+    loader, plan = loader_and_plan(run, dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
+                                   **config.step_counts())
     run.config_toml = config.resolved_toml(plan.num_epochs)
 
     # 4. Encode (models/phases.py): the text encoders and the VAE encode every caption, held-out image and
@@ -200,24 +195,20 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
                       tokenizers=flux.tokenizer_limits(pipeline, config.max_sequence_length))
 
-    # 7. Loop: the engine trains, checkpoints and validates (samples, validation loss, fidelity scores). The
-    # held-out batches come from the caches; validation images bring back only the VAE, which decodes them.
+    # 7. Loop: the engine trains, checkpoints and validates (samples, then the validation loss and fidelity
+    # scores). The held-out batches come from the caches; validation images bring back only the VAE.
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
                                 loss_at=step.validation_loss_at, modules=[model], seed=config.seed,
                                 subject_images=subject_image_paths(dataset, held_out), device=run.device)
 
-    def validate(global_step: int) -> list:
-        images = []
-        if prompts:
-            with encoders.on_device("vae"):
-                images = _validation_images(config, pipeline, datasets[0].buckets.resolution, embeddings)
-        if evaluator is not None and global_step not in run.logger.metrics.rows:
-            run.logger.log_metrics(global_step, evaluator(images, prompts))
-        return images
+    def sample(global_step: int) -> list:
+        with encoders.on_device("vae"):
+            return _validation_images(config, pipeline, datasets[0].buckets.resolution, embeddings)
 
-    sample = validate if prompts or evaluator else None
-    hooks = RunHooks(sample=sample, sample_every=Every(config.validation_steps or None),
-                     sample_first=evaluator is not None, checkpoint_every=Every(config.checkpointing_steps or None),
+    hooks = RunHooks(sample=sample if prompts else None,
+                     score=(lambda _, images: evaluator(images, prompts)) if evaluator is not None else None,
+                     sample_every=Every(config.validation_steps or None), sample_first=evaluator is not None,
+                     checkpoint_every=Every(config.checkpointing_steps or None),
                      checkpoints_total_limit=config.checkpoints_total_limit)
     result = fit(run, step, batches, total_steps=plan.total_steps, trained=trained, hooks=hooks,
                  on_nonfinite_loss=config.on_nonfinite_loss,
@@ -231,9 +222,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
             kohya_path = Path(config.output_dir) / KOHYA_WEIGHT_NAME
             convert_lora(written["LoRA (diffusers)"], kohya_path, to="kohya", model="flux", overwrite=True)
             written["LoRA (Kohya)"] = kohya_path
-    final_step = result.position.global_step
-    return finish(run, written, result, sample_final=(lambda: sample(final_step)) if sample else None,
-                  best_by=config.best_metric(held_out is not None))
+    return finish(run, written, result, hooks, best_by=config.best_metric(held_out is not None))
 
 
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
@@ -249,6 +238,13 @@ def _generate_class_images(config: FluxLoraConfig, class_dir: str, device: torch
     flux.generate_class_images(flux.assemble_pipeline(base), class_dir, config.class_prompt, config.num_class_images,
                                batch_size=config.sample_batch_size, resolution=config.resolution,
                                seed=config.seed, guidance_scale=config.guidance_scale)
+
+
+def _class_images_missing(config: FluxLoraConfig) -> bool:
+    """Whether the class folder holds fewer than --num_class_images images (the base model makes the rest)."""
+    folder = Path(config.class_data_dir)
+    found = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS] if folder.is_dir() else []
+    return len(found) < config.num_class_images
 
 
 def _validation_images(config: FluxLoraConfig, pipeline, size: tuple[int, int],

@@ -41,7 +41,6 @@ from dreamstep.data import (
     DatasetConfig,
     bucket_spec,
     load_dataset_config,
-    make_dataloader,
     require_methods,
 )
 from dreamstep.data.cache import remove_caches
@@ -52,7 +51,7 @@ from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import AnyOf, Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer, parse_optimizer_args
-from dreamstep.engine.plan import check_optimization, plan_steps
+from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
 from dreamstep.engine.train_step import TrainStep
@@ -70,7 +69,6 @@ from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import dtype_named, weight_dtype_for
 from dreamstep.models.vae import sample_latents
-
 
 # ------------------------------------------------------------------------------------------- builders
 
@@ -177,15 +175,23 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
                                                       config.network_dropout, config.network_args)
     prompts = (sdxl.read_sample_prompts(config.sample_prompts, datasets[0].buckets.resolution)
                if config.sample_prompts else None)
-    # Every image is read once (errors name the file); held-out images are split off for the validation loss.
-    dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
-    scorer = load_scorer(config)
     train_text = not config.network_train_unet_only
     # The text encoders run in the loop when they train, or when their outputs are not cached.
     text_in_the_loop = train_text or not config.cache_text_encoder_outputs
+    # VAE posteriors and prompt embeddings from the content-keyed caches.
+    latent_cache, text_cache = sdxl.training_caches(
+        Path(config.output_dir) / "cache", config.pretrained_model_name_or_path,
+        mixed_precision=config.mixed_precision, vae_fp32=config.no_half_vae, cache_latents=config.cache_latents,
+        cache_text=not text_in_the_loop,
+        image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
+    # Every image is read once (errors name the file); held-out images are split off for the validation loss.
+    dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
+                                             latent_cache=latent_cache, text_cache=text_cache)
+    scorer = load_scorer(config)
     encoders_on_device = text_in_the_loop or not config.cache_latents or dataset.encodes_in_the_loop()
     print_run_plan("sdxl", sdxl.config_source(config.pretrained_model_name_or_path, config.model_config), PlanOptions(
-        resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5), batch_size=max(d.batch_size for d in datasets),
+        resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5),
+        batch_size=max(d.batch_size for d in datasets),
         rank=config.network_dim, gradient_checkpointing=config.gradient_checkpointing,
         base_quantization=config.unet_quantization, encoders_on_device=encoders_on_device,
         blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
@@ -202,20 +208,11 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
                     command="dreamstep train sdxl-lora", resume_flag="--resume", overwrite=config.overwrite_output_dir,
                     find_unused_parameters=bool(options.module_dropout) or train_text, allow_tf32=config.allow_tf32)
 
-    # 2. Data: bucketed samples; VAE posteriors and prompt embeddings from the content-keyed caches.
-    latent_cache, text_cache = sdxl.training_caches(
-        Path(config.output_dir) / "cache", config.pretrained_model_name_or_path,
-        mixed_precision=config.mixed_precision, vae_fp32=config.no_half_vae, cache_latents=config.cache_latents,
-        cache_text=not text_in_the_loop,
-        image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None])
-    for part in (dataset, held_out):
-        if part is not None:
-            part.latent_cache, part.text_cache = latent_cache, text_cache
-    loader = make_dataloader(dataset, seed=config.seed, num_workers=config.max_data_loader_n_workers,
-                             num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
-    plan = plan_steps(len(loader), gradient_accumulation_steps=config.gradient_accumulation_steps,
-                      max_train_steps=None if config.max_train_epochs else config.max_train_steps,
-                      num_epochs=config.max_train_epochs, warmup=config.lr_warmup_steps)
+    # 2. Data: the bucketed samples' loader and the step counts.
+    loader, plan = loader_and_plan(run, dataset, seed=config.seed, num_workers=config.max_data_loader_n_workers,
+                                   gradient_accumulation_steps=config.gradient_accumulation_steps,
+                                   max_train_steps=None if config.max_train_epochs else config.max_train_steps,
+                                   num_epochs=config.max_train_epochs, warmup=config.lr_warmup_steps)
 
     # 3. Encode (models/phases.py): both CLIP encoders and the VAE encode every caption, held-out image and sample
     # prompt while the UNet is not on the device; then those the loop does not use wait in host memory.
@@ -288,26 +285,26 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
                                 subject_images=subject_image_paths(dataset, held_out), device=run.device)
     sample_every = Every(config.sample_every_n_steps, config.sample_every_n_epochs)
     validate_every = Every(config.validate_every_n_steps)
+    # --eval_metrics scores the sample prompts' images (it needs --sample_prompts): they are generated at every
+    # validation point; the baseline before training (step 0) has scores only.
+    scored_samples = evaluator is not None and bool(config.eval_metrics)
 
-    def score(global_step: int, images: list) -> list:
-        """Scores at a validation point; the sample prompts are generated for them when not taken yet."""
-        if evaluator is None or global_step in run.logger.metrics.rows:
-            return images
-        if config.eval_metrics and not images:
-            images = sampler(global_step)  # --eval_metrics needs --sample_prompts
-        run.logger.log_metrics(global_step, evaluator(images, [p.prompt for p in prompts or []]))
-        return images
+    def sample(global_step: int) -> list:
+        regular = global_step > 0 and sample_every.due(global_step, plan.steps_per_epoch)
+        for_scores = scored_samples and (global_step == 0 or validate_every.due(global_step, plan.steps_per_epoch))
+        return sampler(global_step) if regular or for_scores else []
 
-    def sample_and_score(global_step: int) -> list:
-        if global_step == 0:  # the baseline before training: scores only
-            return score(0, [])
-        due = sampler is not None and sample_every.due(global_step, plan.steps_per_epoch)
-        images = sampler(global_step) if due else []
-        return score(global_step, images) if validate_every.due(global_step, plan.steps_per_epoch) else images
+    def sample_final(global_step: int) -> list:
+        regular = not sample_every.due(global_step, plan.steps_per_epoch)  # not sampled at the last step yet
+        for_scores = scored_samples and global_step not in run.logger.metrics.rows
+        return sampler(global_step) if regular or for_scores else []
 
     save_every = Every(config.save_every_n_steps, config.save_every_n_epochs)
-    hooks = RunHooks(sample=sample_and_score if sampler is not None or evaluator is not None else None,
-                     sample_every=AnyOf(sample_every, validate_every), sample_first=evaluator is not None,
+    hooks = RunHooks(sample=sample if sampler is not None else None,
+                     score=(lambda _, images: evaluator(images, [p.prompt for p in prompts or []]))
+                     if evaluator is not None else None,
+                     sample_every=AnyOf(sample_every, validate_every), score_every=validate_every,
+                     sample_first=evaluator is not None, sample_final=sample_final if sampler is not None else None,
                      save=writer.save, save_every=save_every, checkpoint_at_end=config.save_state,
                      checkpoint_every=save_every if config.save_state else Every())
     result = fit(run, step, ConditionedBatches(loader, conditioner), total_steps=plan.total_steps, trained=network,
@@ -323,12 +320,9 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
         written["config"] = folder / "config.toml"
         kept = {"latents": config.cache_latents_to_disk, "text": config.cache_text_encoder_outputs_to_disk}
         remove_caches(folder / "cache", [name for name, keep in kept.items() if not keep])
-    sample_last = sampler is not None and not sample_every.due(last, plan.steps_per_epoch)
 
     def saved_at(global_step: int) -> Path | None:
         path = written.get("LoRA") if global_step == last else writer.path(global_step)
         return path if path is not None and path.is_file() else None
 
-    final = (lambda: score(last, sampler(last) if sample_last else [])) if evaluator or sample_last else None
-    return finish(run, written, result, sample_final=final,
-                  best_by=config.best_metric(held_out is not None), saved_at=saved_at)
+    return finish(run, written, result, hooks, best_by=config.best_metric(held_out is not None), saved_at=saved_at)
