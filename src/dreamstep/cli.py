@@ -40,6 +40,9 @@ COMMANDS: dict[tuple[str, ...], Command] = {
     ("train", "flux-controlnet"): Command(
         "ControlNet for FLUX.1", "dreamstep.recipes.flux_controlnet:train",
         "dreamstep.config.flux_controlnet:FluxControlNetConfig"),
+    ("train", "flux-kontext-lora"): Command(
+        "FLUX.1 Kontext LoRA: image editing from before/after pairs", "dreamstep.recipes.flux_kontext_lora:train",
+        "dreamstep.config.flux_kontext_lora:FluxKontextLoraConfig"),
     ("generate", "flux"): Command(
         "generate images with FLUX.1 (+ LoRAs, ControlNet)", "dreamstep.commands.generate:run",
         "dreamstep.config.generate:FluxGenerateConfig"),
@@ -55,7 +58,7 @@ COMMANDS: dict[tuple[str, ...], Command] = {
     ("plan",): Command(
         "estimate a LoRA run's peak device memory and what fits a card", "dreamstep.commands.plan"),
     ("tiny-model",): Command(
-        "write a tiny random FLUX or SDXL pipeline for offline tests", "dreamstep.commands.tiny_model"),
+        "write a tiny random FLUX, FLUX Kontext or SDXL pipeline for offline tests", "dreamstep.commands.tiny_model"),
     ("eval", "flux"): Command(
         "score FLUX LoRAs / ControlNets / checkpoints against the base model", "dreamstep.commands.evaluate"),
     ("eval", "sdxl"): Command(

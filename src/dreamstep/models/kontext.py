@@ -1,0 +1,166 @@
+"""FLUX.1 Kontext plumbing: the "before" image's latent tokens ride beside the target's, as diffusers'
+``FluxKontextPipeline`` and ``train_dreambooth_lora_flux_kontext.py`` lay them out.
+
+The transformer sees ``[target tokens | condition tokens]`` along the sequence; the condition tokens carry
+the same (row, column) position ids as a target of their size, with the first rotary axis set to 1 instead
+of 0, which is all that tells the two images apart. Only the target's tokens are a prediction: the rest of
+the output is cut off before the loss (training) or the scheduler step (inference).
+"""
+
+from __future__ import annotations
+
+import atexit
+import csv
+import dataclasses
+import functools
+import io
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import FluxKontextPipeline
+
+from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig, load_dataset_config
+from dreamstep.data.images import list_images
+from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
+from dreamstep.errors import UserError
+from dreamstep.models import flux
+
+# What a Hugging Face image folder names its metadata table.
+METADATA_NAMES = ("metadata.jsonl", "metadata.csv")
+# The first rotary axis of an image token: 0 for the image being denoised, 1 for the condition image.
+CONDITION_AXIS_VALUE = 1
+
+
+@functools.lru_cache(maxsize=32)
+def condition_image_ids(height: int, width: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """Rotary position ids of a packed condition latent of ``height`` x ``width``: (h/2 · w/2, 3), the target's
+    ids with the first axis set to :data:`CONDITION_AXIS_VALUE` (``FluxKontextPipeline.prepare_latents``)."""
+    ids = FluxKontextPipeline._prepare_latent_image_ids(1, height // 2, width // 2, device, dtype)
+    ids[..., 0] = CONDITION_AXIS_VALUE
+    return ids
+
+
+def joined_tokens(packed_target: torch.Tensor, target_size: tuple[int, int],
+                  condition: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transformer's ``hidden_states`` and ``img_ids`` for a packed target (B, N, 4C) of latent size
+    ``target_size`` (h, w) and an optional condition latent (B, C, h', w'): (B, N + N', 4C) and (N + N', 3).
+    Without a condition (text-to-image Kontext training) the target's tokens and ids alone."""
+    height, width = target_size
+    ids = flux.latent_image_ids(height, width, packed_target.device, packed_target.dtype)
+    if condition is None:
+        return packed_target, ids
+    condition_tokens = flux.pack(condition.to(packed_target.dtype))
+    condition_ids = condition_image_ids(condition.shape[2], condition.shape[3], packed_target.device,
+                                        packed_target.dtype)
+    return torch.cat([packed_target, condition_tokens], dim=1), torch.cat([ids, condition_ids], dim=0)
+
+
+def target_prediction(prediction: torch.Tensor, num_target_tokens: int) -> torch.Tensor:
+    """The prediction of the target's tokens (B, N, 4C) out of the transformer's output (B, N + N', 4C)."""
+    return prediction[:, :num_target_tokens]
+
+
+# ---------------------------------------------------------------- data
+
+def kontext_datasets(config: Any) -> list[DatasetConfig]:
+    """What ``train flux-kontext-lora`` trains on, from its config: a dataset TOML (ControlNet-style subsets with
+    ``conditioning_data_dir`` are pairs; DreamBooth or fine-tuning subsets train text-to-image), a metadata table
+    (``--dataset_name``) or the folders. Pairs are matched by name and share crop and flip (see
+    :mod:`~dreamstep.data.records`), every image checked before a model loads."""
+    if config.dataset_config is not None:
+        datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
+                                                                   "train_batch_size": config.train_batch_size})
+        if len({d.method == "controlnet" for d in datasets}) > 1:
+            raise UserError(f"{config.dataset_config}: some datasets have conditioning_data_dir and some do not; "
+                            "a run trains edits (conditioning_data_dir in every subset) or text-to-image (in none)")
+        return datasets
+    common = {"num_repeats": config.repeats, "flip_aug": config.random_flip, "random_crop": not config.center_crop}
+    buckets = bucket_spec(config.resolution)
+    if config.dataset_name is not None:
+        subset = SubsetConfig(where="--dataset_name", metadata_file=_pairs_file(config), caption_extension=None,
+                              **common)
+        method = "controlnet" if config.cond_image_column else "finetune"
+        return [DatasetConfig("--dataset_name", method, buckets, config.train_batch_size, (subset,))]
+    dataset = dreambooth_from_flags(
+        config.instance_data_dir, config.instance_prompt, caption_extension=config.caption_extension,
+        buckets=buckets, center_crop=config.center_crop, random_flip=config.random_flip, repeats=config.repeats,
+        batch_size=config.train_batch_size)
+    if config.conditioning_data_dir is None:
+        return [dataset]
+    list_images(Path(config.conditioning_data_dir), "--conditioning_data_dir")
+    subset = dataclasses.replace(dataset.subsets[0], conditioning_data_dir=Path(config.conditioning_data_dir))
+    return [dataclasses.replace(dataset, method="controlnet", subsets=(subset,))]
+
+
+def _metadata_path(name: str) -> Path:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        found = [path / f for f in METADATA_NAMES if (path / f).is_file()]
+        if not found:
+            raise UserError(f"--dataset_name {name}: no {' or '.join(METADATA_NAMES)} in the folder; add one row "
+                            "per pair")
+        return found[0]
+    if not path.is_file():
+        raise UserError(f"--dataset_name {name}: not found; give a metadata file or a folder holding one")
+    return path
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+        if path.suffix.lower() == ".csv":
+            return list(csv.DictReader(io.StringIO(text)))
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl" \
+            else json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError, csv.Error) as e:
+        raise UserError(f"--dataset_name {path}: not a readable {path.suffix} table ({e}); fix the file") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise UserError(f"--dataset_name {path}: expected one object per row")
+    return rows
+
+
+def _cell(row: dict[str, Any], column: str, flag: str, path: Path, number: int) -> Any:
+    if row.get(column) in (None, ""):
+        raise UserError(f"--dataset_name {path}: row {number} has no '{column}' ({flag}); columns there: "
+                        f"{', '.join(row)}")
+    return row[column]
+
+
+def _pairs_file(config: Any) -> Path:
+    """The ``--dataset_name`` table as the metadata JSONL the data package reads (``image``,
+    ``conditioning_image``, ``caption``; absolute paths), written to a temporary folder of this process."""
+    path = _metadata_path(config.dataset_name)
+    rows = []
+    for number, row in enumerate(_read_rows(path), start=1):
+        image_column = "file_name" if config.image_column == "image" and "image" not in row else config.image_column
+        entry = {"image": str(path.parent / str(_cell(row, image_column, "--image_column", path, number)))}
+        if config.cond_image_column:
+            cond = _cell(row, config.cond_image_column, "--cond_image_column", path, number)
+            entry["conditioning_image"] = str(path.parent / str(cond))
+        caption = row.get(config.caption_column) if config.caption_column else None
+        if config.caption_column and caption is None and config.instance_prompt is None:
+            _cell(row, config.caption_column, "--caption_column", path, number)
+        entry["caption"] = caption or config.instance_prompt
+        if entry["caption"] is None:
+            raise UserError(f"--dataset_name {path}: no edit instruction for row {number}; give --caption_column "
+                            "or --instance_prompt")
+        rows.append(entry)
+    folder = Path(tempfile.mkdtemp(prefix="dreamstep-kontext-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    pairs = folder / "metadata.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return pairs
+
+
+# ---------------------------------------------------------------- pipeline
+
+def assemble_pipeline(components: Any) -> FluxKontextPipeline:
+    """A ``FluxKontextPipeline`` over already-loaded FLUX components (no copies)."""
+    pipeline = FluxKontextPipeline(**{name: getattr(components, name) for name in (
+        "scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "transformer")})
+    pipeline.set_progress_bar_config(disable=True)  # the trainer shows its own progress
+    return pipeline
