@@ -46,6 +46,9 @@ COMMANDS: dict[tuple[str, ...], Command] = {
     ("generate", "flux"): Command(
         "generate images with FLUX.1 (+ LoRAs, ControlNet)", "dreamstep.commands.generate:run",
         "dreamstep.config.generate:FluxGenerateConfig"),
+    ("generate", "flux-kontext"): Command(
+        "edit an image with FLUX.1 Kontext (+ LoRAs)", "dreamstep.commands.generate:run",
+        "dreamstep.config.generate:FluxKontextGenerateConfig"),
     ("generate", "sdxl"): Command(
         "generate images with SDXL (+ LoRAs)", "dreamstep.commands.generate:run",
         "dreamstep.config.generate:SdxlGenerateConfig"),
@@ -61,6 +64,8 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "write a tiny random FLUX, FLUX Kontext or SDXL pipeline for offline tests", "dreamstep.commands.tiny_model"),
     ("eval", "flux"): Command(
         "score FLUX LoRAs / ControlNets / checkpoints against the base model", "dreamstep.commands.evaluate"),
+    ("eval", "flux-kontext"): Command(
+        "score FLUX.1 Kontext LoRAs / checkpoints against the base model", "dreamstep.commands.evaluate"),
     ("eval", "sdxl"): Command(
         "score SDXL LoRAs / checkpoints against the base model", "dreamstep.commands.evaluate"),
     ("dashboard",): Command(

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from diffusers import FluxKontextPipeline
+from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
 from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig, load_dataset_config
 from dreamstep.data.images import list_images
@@ -157,6 +158,16 @@ def _pairs_file(config: Any) -> Path:
 
 
 # ---------------------------------------------------------------- pipeline
+
+def edit_size(image_size: tuple[int, int], keep: bool) -> tuple[int, int]:
+    """(width, height) at which ``FluxKontextPipeline`` edits an image of ``image_size``: the Kontext training
+    resolution nearest its aspect ratio (what the pipeline resizes it to), or with ``keep`` its own size rounded
+    down to the 16 pixels of a latent patch."""
+    width, height = image_size
+    if keep:
+        return max(16, width // 16 * 16), max(16, height // 16 * 16)
+    return min(PREFERRED_KONTEXT_RESOLUTIONS, key=lambda size: abs(width / height - size[0] / size[1]))
+
 
 def assemble_pipeline(components: Any) -> FluxKontextPipeline:
     """A ``FluxKontextPipeline`` over already-loaded FLUX components (no copies)."""
