@@ -52,6 +52,12 @@ def tiny_flux_dev_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_kontext_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny FLUX.1 Kontext [dev] pipeline folder (a FluxKontextPipeline)."""
+    return write_tiny_model("flux-kontext", tmp_path_factory.mktemp("tiny") / "flux-kontext", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_sdxl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny SDXL pipeline folder that also holds the same weights as one SGM-layout file,
     ``<folder>/tiny_sdxl.safetensors`` (see ``tiny_sdxl_single_file``)."""
