@@ -233,3 +233,30 @@ def test_sdxl_files_give_the_trained_delta_in_sd_scripts_comfyui_and_diffusers(t
 def _text_model(name: str) -> str:
     return name.replace("text_encoder.encoder.", "text_encoder.text_model.encoder.").replace(
         "text_encoder_2.encoder.", "text_encoder_2.text_model.encoder.")
+
+
+def test_flux_kontext_lora_maps_fully_in_comfyui_and_diffusers_at_full_size(tmp_path: Path) -> None:
+    """train flux-kontext-lora's targets (--lora_layers all-linear, which holds the default attention preset), chosen
+    as the trainer chooses them on FLUX.1 Kontext [dev]'s transformer (FLUX.1-dev's architecture) built on the meta
+    device, written in diffusers' layout then in sd-scripts' names: ComfyUI maps every key of both files, and they
+    and diffusers' FluxKontextPipeline give the trained deltas."""
+    from accelerate import init_empty_weights
+    from diffusers import FluxKontextPipeline, FluxTransformer2DModel
+
+    from dreamstep.lora.inject import flux_lora_targets
+    from dreamstep.models.full_size import released_configs
+
+    config = {k: v for k, v in released_configs("flux")["transformer"].items() if not k.startswith("_")}
+    with init_empty_weights():
+        transformer = FluxTransformer2DModel.from_config({**config, "guidance_embeds": True})
+    names = [f"transformer.{n}" for n in flux_lora_targets(transformer, ["all-linear"])]
+    trained = _random(names, weight_shapes("flux"), 4, 8.0)
+    expected = _flux_expected(trained)
+    diffusers_file, kohya = tmp_path / "diffusers.safetensors", tmp_path / "kohya.safetensors"
+    convert_lora(_diffusers_input(tmp_path, trained), diffusers_file, to="diffusers", model="flux")
+    convert_lora(diffusers_file, kohya, to="kohya", model="flux")
+    for path in (diffusers_file, kohya):
+        patches, not_loaded = comfy_load(load_file(path), comfy_flux_key_map())
+        assert not_loaded == [], path.name
+        assert_same_deltas(probe_deltas(patches), expected)
+        assert_same_deltas(_flux_on_bfl(_diffusers_read(FluxKontextPipeline, path)), expected)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import csv
 import json
-import signal
 import shlex
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -133,7 +133,7 @@ def test_eval_scores_the_edits_of_every_candidate(trained: Path, tiny_flux_konte
                    "--steps", "2", "--num_images", "1", "--dino_model", tiny_evaluators["dino"],
                    "--clip_model", tiny_evaluators["clip"]) == 0
     rows = json.loads((out / "scores.json").read_text())["candidates"]
-    assert [r["label"] for r in rows][0] == "base model" and len(rows) == 2
+    assert rows[0]["label"] == "base model" and len(rows) == 2
     assert rows[0]["dino"] != rows[1]["dino"]  # the LoRA changed the edit that was scored
 
 
