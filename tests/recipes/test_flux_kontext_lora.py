@@ -259,3 +259,28 @@ def test_ctrl_c_saves_the_step_and_the_printed_command_continues(tiny_flux_konte
     assert command[:3] == ["dreamstep", "train", "flux-kontext-lora"]
     assert run_cli(*command[1:], "--max_train_steps", step + 1) == 0
     assert read_status(out)["state"] == "finished"
+
+
+def _pairs_run(model: Path, pairs: tuple[Path, Path], out: Path, *extra: object) -> dict[str, torch.Tensor]:
+    assert run_cli("train", "flux-kontext-lora", "--pretrained_model_name_or_path", model, "--output_dir", out,
+                   "--instance_data_dir", pairs[0], "--conditioning_data_dir", pairs[1], *TRAIN,
+                   "--learning_rate", "1e-3", "--gradient_checkpointing", "--max_train_steps", "2", *extra) == 0
+    return load_file(out / "pytorch_lora_weights.safetensors")
+
+
+def test_swapping_every_block_trains_the_same_lora(tiny_flux_kontext_dir: Path, pairs: tuple[Path, Path],
+                                                   tmp_path: Path) -> None:
+    kept = _pairs_run(tiny_flux_kontext_dir, pairs, tmp_path / "kept")
+    swapped = _pairs_run(tiny_flux_kontext_dir, pairs, tmp_path / "swapped", "--blocks_to_swap", "2")
+    for key in kept:
+        torch.testing.assert_close(swapped[key], kept[key], atol=1e-6, rtol=0)
+
+
+def test_a_lora_trained_on_an_int8_base_loads_on_the_unquantized_base(tiny_flux_kontext_dir: Path,
+                                                                      pairs: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    pytest.importorskip("torchao", reason="the quantized modes need the 'quant' extra")
+    trained = _pairs_run(tiny_flux_kontext_dir, pairs, tmp_path / "int8", "--base_quantization", "int8")
+    assert any(v.abs().sum() > 0 for k, v in trained.items() if "lora_B" in k)
+    pipe = FluxKontextPipeline.from_pretrained(tiny_flux_kontext_dir)
+    pipe.load_lora_weights(tmp_path / "int8" / "pytorch_lora_weights.safetensors")
