@@ -216,7 +216,7 @@ def _unmatched(root: Path, conditioning: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing_cond_dir", "unmatched_pair", "bad_vae_encode_mode", "missing_column",
-                                  "toml_missing_cond_dir", "two_sources"])
+                                  "toml_missing_cond_dir", "two_sources", "missing_validation_image"])
 def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_kontext_dir: Path,
                                                      pairs: tuple[Path, Path], tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -231,6 +231,8 @@ def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_kontex
                                    "'source' (--cond_image_column)"),
         "toml_missing_cond_dir": lambda: (["--dataset_config", _toml(tmp_path, images, tmp_path / "nope")], "nope"),
         "two_sources": lambda: ([*folders, conditioning, "--dataset_config", tmp_path / "x.toml"], "not 2"),
+        "missing_validation_image": lambda: ([*folders, conditioning, "--validation_prompt", INSTRUCTION,
+                                              "--validation_image", tmp_path / "no.png"], "--validation_image"),
     }[case]()
     out = tmp_path / "out"
     code = run_cli("train", "flux-kontext-lora", "--pretrained_model_name_or_path", tiny_flux_kontext_dir,

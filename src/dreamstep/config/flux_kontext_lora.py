@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from dreamstep.config.schema import option, refuse_unused
@@ -65,6 +66,8 @@ class FluxKontextLoraConfig(FluxTrainingConfig):
             refuse_unused(self, _TABLE_FLAGS, "without --dataset_name")
         if self.validation_image is not None and not self.validation_prompt:
             raise UserError("--validation_image is edited by --validation_prompt: give --validation_prompt too")
+        if self.validation_image is not None and not Path(self.validation_image).is_file():
+            raise UserError(f"--validation_image {self.validation_image}: file not found; check the path")
         if self.eval_metrics and not self.validation_prompt:
             raise UserError("--eval_metrics scores the validation samples: give --validation_prompt too")
 
