@@ -46,7 +46,10 @@ def test_joined_tokens_are_the_pipelines_layout() -> None:
         condition, 2, 16, 4 * pipe.vae_scale_factor, 6 * pipe.vae_scale_factor, torch.float32, "cpu",
         latents=packed_target)
 
-    hidden_states, img_ids = kontext.joined_tokens(packed_target, (4, 6), condition)
+    ids = flux.latent_image_ids(4, 6, "cpu", torch.float32)
+    joined = kontext.joined_inputs({"hidden_states": packed_target, "img_ids": ids, "guidance": None}, condition)
+    hidden_states, img_ids = joined["hidden_states"], joined["img_ids"]
+    assert joined["guidance"] is None  # the other inputs pass through
     torch.testing.assert_close(hidden_states, torch.cat([packed_target, condition_tokens], dim=1), rtol=0, atol=0)
     torch.testing.assert_close(img_ids, torch.cat([target_ids, condition_ids]), rtol=0, atol=0)
     assert (img_ids[:6, 0] == 0).all() and (img_ids[6:, 0] == 1).all()
@@ -54,10 +57,9 @@ def test_joined_tokens_are_the_pipelines_layout() -> None:
 
 
 def test_without_a_condition_the_target_is_alone() -> None:
-    packed = flux.pack(torch.randn(1, 16, 4, 4))
-    hidden_states, img_ids = kontext.joined_tokens(packed, (4, 4), None)
-    assert hidden_states is packed
-    torch.testing.assert_close(img_ids, flux.latent_image_ids(4, 4, "cpu", torch.float32))
+    inputs = {"hidden_states": flux.pack(torch.randn(1, 16, 4, 4)),
+              "img_ids": flux.latent_image_ids(4, 4, "cpu", torch.float32)}
+    assert kontext.joined_inputs(inputs, None) is inputs
 
 
 def test_edit_size_is_the_pipelines_resize() -> None:

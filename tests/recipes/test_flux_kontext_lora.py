@@ -286,3 +286,19 @@ def test_a_lora_trained_on_an_int8_base_loads_on_the_unquantized_base(tiny_flux_
     assert any(v.abs().sum() > 0 for k, v in trained.items() if "lora_B" in k)
     pipe = FluxKontextPipeline.from_pretrained(tiny_flux_kontext_dir)
     pipe.load_lora_weights(tmp_path / "int8" / "pytorch_lora_weights.safetensors")
+
+
+def test_the_memory_plan_prices_the_condition_tokens(tiny_flux_kontext_dir: Path, pairs: tuple[Path, Path],
+                                                     tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def training_pass(*condition: object) -> float:
+        capsys.readouterr()
+        assert run_cli("train", "flux-kontext-lora", "--pretrained_model_name_or_path", tiny_flux_kontext_dir,
+                       "--output_dir", tmp_path / "out", "--instance_data_dir", pairs[0], *condition,
+                       "--resolution", "256", "--dry_run") == 0
+        (line,) = [x for x in capsys.readouterr().out.splitlines() if "training pass: 256px" in x]
+        return float(line.split()[-2])
+
+    text_to_image = training_pass()
+    edit = training_pass("--conditioning_data_dir", pairs[1])
+    assert edit > 1.3 * text_to_image, (edit, text_to_image)  # twice the image tokens through every block
+    assert not (tmp_path / "out").exists()

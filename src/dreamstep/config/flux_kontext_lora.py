@@ -1,5 +1,6 @@
-"""Options of ``dreamstep train flux-kontext-lora``: the data and LoRA flags of diffusers'
-``train_dreambooth_lora_flux_kontext.py``, on top of the FLUX options every trainer shares.
+"""Options of ``dreamstep train flux-kontext-lora``: the data flags of diffusers'
+``train_dreambooth_lora_flux_kontext.py`` on top of the LoRA, data and validation groups and the FLUX options every
+trainer shares.
 """
 
 from __future__ import annotations
@@ -8,49 +9,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
+from dreamstep.config.options import ImageDataOptions, LoraOptions, PromptValidationOptions
 from dreamstep.config.schema import option, refuse_unused
 from dreamstep.config.training import FluxTrainingConfig
 from dreamstep.errors import UserError
 
 
 @dataclass
-class FluxKontextLoraConfig(FluxTrainingConfig):
+class FluxKontextLoraConfig(LoraOptions, ImageDataOptions, PromptValidationOptions, FluxTrainingConfig):
     # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
     resume_must_match: ClassVar[tuple[str, ...]] = (
         "pretrained_model_name_or_path", "transformer_single_file", "rank", "lora_alpha", "lora_layers")
 
     instance_data_dir: str | None = option(None, "folder of the target (\"after\") images; alone it trains "
-                                                    "text-to-image Kontext, as diffusers' script does")
+                                                 "text-to-image Kontext, as diffusers' script does")
     conditioning_data_dir: str | None = option(None, "folder of the condition (\"before\") images, each named "
-                                                        "like its target in --instance_data_dir")
-    instance_prompt: str | None = option(None, "the edit instruction of every pair without a caption")
-    caption_extension: str | None = option(".txt", "with --instance_data_dir: read each target's instruction "
-                                                      "from a file with this extension beside it")
-    dataset_name: str | None = option(None, "a local metadata file (.jsonl, .json or .csv, one row per pair) "
-                                               "or a folder holding metadata.jsonl / metadata.csv (a Hugging Face "
-                                               "image folder); image paths are relative to it")
+                                                     "like its target in --instance_data_dir")
+    instance_prompt: str | None = option(None, "the edit instruction of every target without a caption")
+    dataset_name: str | None = option(None, "a local metadata file (.jsonl, .json or .csv, one row per pair) or "
+                                            "a folder holding metadata.jsonl / metadata.csv (a Hugging Face image "
+                                            "folder); image paths are relative to it")
     image_column: str = option("image", "with --dataset_name: the column of the target image (a row without it "
                                         "may name the image in file_name, as a Hugging Face image folder does)")
     cond_image_column: str | None = option(None, "with --dataset_name: the column of the condition image "
-                                                    "(none: text-to-image Kontext training)")
+                                                 "(none: text-to-image Kontext training)")
     caption_column: str | None = option(None, "with --dataset_name: the column of the edit instruction "
-                                                 "(none: --instance_prompt for every row)")
-    dataset_config: str | None = option(None, "a Kohya dataset TOML instead of the folder flags (subsets with "
-                                                 "conditioning_data_dir train edits, without it text-to-image)")
+                                              "(none: --instance_prompt for every row)")
     vae_encode_mode: Literal["mode", "sample"] = option(
         "mode", "latents of both images: the VAE posterior's mode (diffusers' Kontext default) or a fresh sample "
                 "each step")
-    repeats: int = option(1, "times each pair appears per epoch", bounds="[1, inf)")
     center_crop: bool = option(False, "center-crop to --resolution (default: random crop, the same for both images)")
-    random_flip: bool = option(False, "flip both images of a pair horizontally at random")
-    rank: int = option(4, "LoRA rank", bounds="[1, inf)")
-    lora_alpha: float | None = option(None, "LoRA alpha (default: the rank, i.e. scale 1)", bounds="(0, inf)")
-    lora_dropout: float = option(0.0, "dropout on the LoRA branch", bounds="[0, 1)")
-    lora_layers: list[str] = option(["attention"], "preset (attention, attention+ff, all-linear) or "
-                                                   "comma-separated module names")
-    save_kohya_format: bool = option(False, "also write the LoRA with sd-scripts' key names")
     validation_image: str | None = option(None, "the condition image the --validation_prompt edits in the "
-                                                   "validation samples (none: text-to-image samples)")
+                                                "validation samples (none: text-to-image samples)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -68,8 +58,7 @@ class FluxKontextLoraConfig(FluxTrainingConfig):
             raise UserError("--validation_image is edited by --validation_prompt: give --validation_prompt too")
         if self.validation_image is not None and not Path(self.validation_image).is_file():
             raise UserError(f"--validation_image {self.validation_image}: file not found; check the path")
-        if self.eval_metrics and not self.validation_prompt:
-            raise UserError("--eval_metrics scores the validation samples: give --validation_prompt too")
+        self.check_prompt_validation()
 
 
 _TABLE_FLAGS = ("image_column", "cond_image_column", "caption_column")

@@ -45,19 +45,16 @@ def condition_image_ids(height: int, width: int, device: torch.device | str, dty
     return ids
 
 
-def joined_tokens(packed_target: torch.Tensor, target_size: tuple[int, int],
-                  condition: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The transformer's ``hidden_states`` and ``img_ids`` for a packed target (B, N, 4C) of latent size
-    ``target_size`` (h, w) and an optional condition latent (B, C, h', w'): (B, N + N', 4C) and (N + N', 3).
-    Without a condition (text-to-image Kontext training) the target's tokens and ids alone."""
-    height, width = target_size
-    ids = flux.latent_image_ids(height, width, packed_target.device, packed_target.dtype)
+def joined_inputs(inputs: dict[str, Any], condition: torch.Tensor | None) -> dict[str, Any]:
+    """The transformer's keyword arguments for a target (``hidden_states`` (B, N, 4C), ``img_ids`` (N, 3), ...) with
+    a condition latent (B, C, h', w') beside it: ``hidden_states`` (B, N + N', 4C) and ``img_ids`` (N + N', 3).
+    Without a condition (text-to-image Kontext training) the target's alone."""
     if condition is None:
-        return packed_target, ids
-    condition_tokens = flux.pack(condition.to(packed_target.dtype))
-    condition_ids = condition_image_ids(condition.shape[2], condition.shape[3], packed_target.device,
-                                        packed_target.dtype)
-    return torch.cat([packed_target, condition_tokens], dim=1), torch.cat([ids, condition_ids], dim=0)
+        return inputs
+    target, ids = inputs["hidden_states"], inputs["img_ids"]
+    condition_ids = condition_image_ids(condition.shape[2], condition.shape[3], ids.device, ids.dtype)
+    return {**inputs, "hidden_states": torch.cat([target, flux.pack(condition.to(target.dtype))], dim=1),
+            "img_ids": torch.cat([ids, condition_ids], dim=0)}
 
 
 def target_prediction(prediction: torch.Tensor, num_target_tokens: int) -> torch.Tensor:
@@ -167,11 +164,3 @@ def edit_size(image_size: tuple[int, int], keep: bool) -> tuple[int, int]:
     if keep:
         return max(16, width // 16 * 16), max(16, height // 16 * 16)
     return min(PREFERRED_KONTEXT_RESOLUTIONS, key=lambda size: abs(width / height - size[0] / size[1]))
-
-
-def assemble_pipeline(components: Any) -> FluxKontextPipeline:
-    """A ``FluxKontextPipeline`` over already-loaded FLUX components (no copies)."""
-    pipeline = FluxKontextPipeline(**{name: getattr(components, name) for name in (
-        "scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "transformer")})
-    pipeline.set_progress_bar_config(disable=True)  # the trainer shows its own progress
-    return pipeline

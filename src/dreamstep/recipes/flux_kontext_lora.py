@@ -25,138 +25,88 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from diffusers import FluxKontextPipeline
 from PIL import Image
 
 from dreamstep.config.flux_kontext_lora import FluxKontextLoraConfig
 from dreamstep.config.schema import config_to_toml
-from dreamstep.data.dataset import ConditionedBatches, make_dataloader
+from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import load_rgb
-from dreamstep.diffusion import flow_matching as fm
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
-from dreamstep.engine.plan import check_optimization, plan_steps
+from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
-from dreamstep.engine.train_step import TrainStep
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import TrainableState, add_lora, flux_lora_targets, save_flux_lora
 from dreamstep.models import flux, kontext, parking
 from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.controlnet import side_by_side
+from dreamstep.models.flux_step import FluxFlowMatchingStep, condition_latents
 from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import cast_trainable_params_to_fp32
-from dreamstep.models.vae import posterior_mean, sample_latents
 
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
 
 
-class FluxKontextStep(TrainStep):
-    """One flow-matching step on the target's tokens, the condition image's tokens beside them."""
+class FluxKontextStep(FluxFlowMatchingStep):
+    """diffusers' Kontext LoRA step: the condition image's packed tokens follow the noisy target's, with position
+    ids offset in the first axis; the transformer predicts both, and only the target's tokens are kept. Both
+    images' latents are their posterior's mode, or with ``vae_encode_mode="sample"`` one draw each."""
 
-    def __init__(self, transformer: torch.nn.Module, *, sigmas: torch.Tensor, weighting_scheme: str,
-                 logit_mean: float, logit_std: float, mode_scale: float, guidance_scale: float | None,
-                 vae_encode_mode: str, **engine_options: Any):
-        super().__init__(transformer, **engine_options)
-        self.sigmas = sigmas  # (num_train_timesteps,): the training σ table
-        self.weighting_scheme = weighting_scheme
-        self.sampling = {"logit_mean": logit_mean, "logit_std": logit_std, "mode_scale": mode_scale}
-        self.guidance_scale = guidance_scale
-        self.encoded = sample_latents if vae_encode_mode == "sample" else posterior_mean
+    def __init__(self, transformer: torch.nn.Module, *, vae_encode_mode: str, **options: Any):
+        super().__init__(transformer, **options)
+        self.draws = vae_encode_mode == "sample"
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
-        # latent_dist / condition_dist: (B, 2C, h, w) VAE posterior mean and std; the reference draws the
-        # latents, then the noise, then the timesteps.
-        latents = self.encoded(batch["latent_dist"])
-        condition = self.encoded(batch["condition_dist"]) if "condition_dist" in batch else None
-        noise = torch.randn_like(latents)
-        indices = fm.sample_timestep_indices(self.weighting_scheme, len(latents), len(self.sigmas), **self.sampling)
-        sigmas = fm.sigmas_at(self.sigmas, indices, latents.ndim, latents.device)
-        loss = self.per_sample_loss(self.model, batch, latents, condition, noise, sigmas, self.weighting_scheme)
-        return (self.scale_loss(loss.mean()),)
+    def target(self, batch: dict[str, Any]) -> torch.Tensor:
+        return condition_latents(batch, self.draws, key="latent_dist")
 
-    def per_sample_loss(self, transformer: torch.nn.Module, batch: dict[str, torch.Tensor], latents: torch.Tensor,
-                        condition: torch.Tensor | None, noise: torch.Tensor, sigmas: torch.Tensor,
-                        weighting_scheme: str) -> torch.Tensor:
-        """The flow-matching loss of each sample, (B,), for given latents, condition latents, noise and σ."""
-        bsz, _, height, width = latents.shape
-        # x_σ = (1 - σ)·x + σ·ε packed to (B, N, 4C); the condition's N' tokens follow: (B, N + N', 4C).
-        packed = flux.pack(fm.noisy_latents(latents, noise, sigmas))
-        hidden_states, img_ids = kontext.joined_tokens(packed, (height, width), condition)
-        guidance = (torch.full((bsz,), self.guidance_scale, device=latents.device)
-                    if self.guidance_scale is not None else None)
-        prediction = transformer(hidden_states=hidden_states, timestep=sigmas.flatten(), guidance=guidance,
-                                 pooled_projections=batch["pooled"], encoder_hidden_states=batch["prompt_embeds"],
-                                 txt_ids=batch["text_ids"], img_ids=img_ids, return_dict=False)[0]
-        pred = flux.unpack(kontext.target_prediction(prediction, packed.shape[1]), height, width)
-        # Flow-matching target v = ε - x on the target's tokens, each sample weighted by its own σ.
-        return fm.weighted_mse(pred, fm.velocity_target(latents, noise), sigmas, weighting_scheme)
+    def condition(self, batch: dict[str, Any], sample: bool) -> torch.Tensor | None:
+        return condition_latents(batch, sample and self.draws) if "condition_dist" in batch else None
 
-    def validation_loss_at(self, batch: dict[str, torch.Tensor], latents: torch.Tensor, noise: torch.Tensor,
-                           fraction: float) -> torch.Tensor:
-        """Unweighted loss at the fixed σ that ``fraction`` of the schedule selects, with the condition
-        posterior's mean (validation)."""
-        sigmas = torch.full((len(latents), 1, 1, 1), fm.sigma_at_fraction(self.sigmas, fraction),
-                            device=latents.device)
-        condition = posterior_mean(batch["condition_dist"]) if "condition_dist" in batch else None
-        with self.autocast():
-            return self.per_sample_loss(self.unwrapped_model, batch, latents, condition, noise, sigmas, "none")
-
-
-class KontextConditioner:
-    """The step's inputs: what ``FluxConditioner`` gives plus the condition images' posteriors (encoded with
-    the target's crop and flip, through the same latent cache) when the batch has them."""
-
-    def __init__(self, conditioner: flux.FluxConditioner):
-        self.conditioner = conditioner
-
-    def __call__(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        inputs = self.conditioner(batch)
-        if "conditioning_keys" in batch:
-            inputs["condition_dist"] = self.conditioner.latents(batch, prefix="conditioning_")
-        return inputs
+    def predict(self, transformer: torch.nn.Module, inputs: dict[str, Any], batch: dict[str, Any],
+                condition: torch.Tensor | None) -> torch.Tensor:
+        # (B, N + N', 4C) in, the target's N tokens out.
+        prediction = transformer(**kontext.joined_inputs(inputs, condition), return_dict=False)[0]
+        return kontext.target_prediction(prediction, inputs["hidden_states"].shape[1])
 
 
 def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
-    # 1. Check and plan: every flag, folder, pair and image (the validation image too) and the optimizer,
-    # before a model loads.
+    # 1. Check and plan: every flag, folder, pair and image and the optimizer, before a model loads.
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
     check_optimization(**config.optimization())
     datasets = kontext.kontext_datasets(config)
-    dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split)
+    paired = datasets[0].method == "controlnet"  # every dataset has condition images, or none has
+    # Target and condition posteriors cached (a random crop with room to move is encoded every step), the
+    # instructions' embeddings cached.
+    latent_cache, text_cache = flux.caches_of(config, datasets)
+    dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
+                                             latent_cache=latent_cache, text_cache=text_cache)
     validation_image = load_rgb(Path(config.validation_image)) if config.validation_image else None
     scorer = load_scorer(config)
     flux.transformer_config(config)  # --blocks_to_swap checked before the plan, or anything is encoded
+    # The transformer reads the condition's tokens beside the target's: twice the image tokens of a pair.
     print_run_plan("flux", config.pretrained_model_name_or_path, flux.plan_options(
         config, rank=config.rank, encoders_on_device=not config.cache_latents or dataset.encodes_in_the_loop(),
-        validation_images=bool(config.validation_prompt)), config.device_memory, lora_layers=config.lora_layers)
+        validation_images=bool(config.validation_prompt), image_token_multiplier=2 if paired else 1),
+        config.device_memory, lora_layers=config.lora_layers)
     if config.dry_run:
         return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
                     config_toml=config_to_toml(config), command="dreamstep train flux-kontext-lora",
                     overwrite=config.overwrite_output_dir, allow_tf32=config.allow_tf32)
-    loader = make_dataloader(dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
-                             num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index)
-    plan = plan_steps(len(loader), **config.step_counts())
-    run.config_toml = config.resolved_toml(plan.num_epochs)
 
-    # 2. Data: target and condition posteriors cached (a random crop with room to move is encoded every
-    # step), instruction embeddings cached.
-    latent_cache, text_cache = flux.training_caches(
-        Path(config.cache_dir or Path(config.output_dir) / "cache"), config.pretrained_model_name_or_path,
-        revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
-        max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents,
-        image_dirs=[d for ds in datasets for s in ds.subsets for d in (s.image_dir, s.conditioning_data_dir)
-                    if d is not None])
-    for part in (dataset, held_out):
-        if part is not None:
-            part.latent_cache, part.text_cache = latent_cache, text_cache
+    # 2. Data: the pairs' loader and the step counts.
+    loader, plan = loader_and_plan(run, dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
+                                   **config.step_counts())
+    run.config_toml = config.resolved_toml(plan.num_epochs)
 
     # 3. Encode (models/phases.py): the text encoders and the VAE encode every instruction, pair and validation
     # prompt before the transformer loads; then those the loop does not use wait in host memory.
@@ -164,13 +114,13 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
         config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
         mixed_precision=config.mixed_precision, device=run.device,
         text_encoder_quantization=config.text_encoder_quantization)
-    pipeline = kontext.assemble_pipeline(base)
-    conditioner = KontextConditioner(flux.FluxConditioner(
-        pipeline, latent_cache=latent_cache, text_cache=text_cache, max_sequence_length=config.max_sequence_length,
-        device=run.device))
+    pipeline = flux.assemble_pipeline(base, pipeline_class=FluxKontextPipeline)
+    encoder = flux.FluxConditioner(pipeline, latent_cache=latent_cache, text_cache=text_cache,
+                                   max_sequence_length=config.max_sequence_length, device=run.device)
+    conditioner = flux.ControlConditioner(encoder) if paired else encoder
     prompts = [config.validation_prompt] * config.num_validation_images if config.validation_prompt else []
-    parking.encode_run(conditioner.conditioner, dataset, held_out, epochs=plan.num_epochs)
-    embeddings = flux.prompt_embeddings(conditioner.conditioner, prompts)
+    parking.encode_run(encoder, dataset, held_out, epochs=plan.num_epochs)
+    embeddings = flux.prompt_embeddings(encoder, prompts)
     encoders = flux.park_encoders(base, run.device, text_encoder_trains=False,
                                   latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
     batches = ConditionedBatches(loader, conditioner)
@@ -182,8 +132,8 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
         device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
     flux.attach_transformer(pipeline, base)
     transformer = base.transformer
-    add_lora(transformer, flux_lora_targets(transformer, config.lora_layers), config.rank,
-             config.lora_alpha if config.lora_alpha is not None else config.rank, config.lora_dropout)
+    add_lora(transformer, flux_lora_targets(transformer, config.lora_layers), config.rank, config.alpha,
+             config.lora_dropout)
     cast_trainable_params_to_fp32(transformer)
     if config.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
@@ -212,25 +162,23 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
                       tokenizers=flux.tokenizer_limits(pipeline, config.max_sequence_length))
 
-    # 6. Loop: the engine trains, checkpoints and validates (edits of the validation image, validation loss,
-    # scores); validation images bring back only the VAE, the validation loss nothing.
+    # 6. Loop: the engine trains, checkpoints and validates (edits of the validation image, then the validation
+    # loss and scores); validation images bring back only the VAE, the validation loss nothing.
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
                                 loss_at=step.validation_loss_at, modules=[model], seed=config.seed,
                                 subject_images=subject_image_paths(dataset, held_out), device=run.device)
+    edits: dict[int, list[Image.Image]] = {}  # the samples of the last step sampled, for its scores
 
-    def validate(global_step: int) -> list[Image.Image]:
-        images = []
-        if prompts:
-            with encoders.on_device("vae"):
-                images = _validation_images(config, pipeline, validation_image, datasets[0].buckets.resolution,
-                                            embeddings)
-        if evaluator is not None and global_step not in run.logger.metrics.rows:
-            run.logger.log_metrics(global_step, evaluator(images, prompts))
-        return [side_by_side([[validation_image, *images]])] if images and validation_image else images
+    def sample(global_step: int) -> list[Image.Image]:
+        with encoders.on_device("vae"):
+            edits[global_step] = _validation_images(config, pipeline, validation_image,
+                                                    datasets[0].buckets.resolution, embeddings)
+        return [side_by_side([[validation_image, *edits[global_step]]])] if validation_image else edits[global_step]
 
-    sample = validate if prompts or evaluator else None
-    hooks = RunHooks(sample=sample, sample_every=Every(config.validation_steps or None),
-                     sample_first=evaluator is not None, checkpoint_every=Every(config.checkpointing_steps or None),
+    hooks = RunHooks(sample=sample if prompts else None,
+                     score=(lambda at, _: evaluator(edits.pop(at, []), prompts)) if evaluator is not None else None,
+                     sample_every=Every(config.validation_steps or None), sample_first=evaluator is not None,
+                     checkpoint_every=Every(config.checkpointing_steps or None),
                      checkpoints_total_limit=config.checkpoints_total_limit)
     result = fit(run, step, batches, total_steps=plan.total_steps,
                  trained=TrainableState({"transformer": transformer}), hooks=hooks,
@@ -245,9 +193,7 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
             kohya_path = Path(config.output_dir) / KOHYA_WEIGHT_NAME
             convert_lora(written["LoRA (diffusers)"], kohya_path, to="kohya", model="flux", overwrite=True)
             written["LoRA (Kohya)"] = kohya_path
-    final_step = result.position.global_step
-    return finish(run, written, result, sample_final=(lambda: sample(final_step)) if sample else None,
-                  best_by=config.best_metric(held_out is not None))
+    return finish(run, written, result, hooks, best_by=config.best_metric(held_out is not None))
 
 
 def _validation_images(config: FluxKontextLoraConfig, pipeline, condition: Image.Image | None,
