@@ -6,7 +6,6 @@ trainer shares.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar, Literal
 
 from dreamstep.config.options import ImageDataOptions, LoraOptions, PromptValidationOptions
@@ -56,8 +55,6 @@ class FluxKontextLoraConfig(LoraOptions, ImageDataOptions, PromptValidationOptio
             refuse_unused(self, _TABLE_FLAGS, "without --dataset_name")
         if self.validation_image is not None and not self.validation_prompt:
             raise UserError("--validation_image is edited by --validation_prompt: give --validation_prompt too")
-        if self.validation_image is not None and not Path(self.validation_image).is_file():
-            raise UserError(f"--validation_image {self.validation_image}: file not found; check the path")
         self.check_prompt_validation()
 
 

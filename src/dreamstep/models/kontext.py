@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from diffusers import FluxKontextPipeline
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+from PIL import Image
 
 from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig, load_dataset_config
-from dreamstep.data.images import list_images
+from dreamstep.data.images import list_images, load_rgb
 from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
 from dreamstep.errors import UserError
 from dreamstep.models import flux
@@ -155,6 +156,15 @@ def _pairs_file(config: Any) -> Path:
 
 
 # ---------------------------------------------------------------- pipeline
+
+def validation_image(path: str | None) -> Image.Image | None:
+    """--validation_image read, or ``None``; a missing or unreadable file is one line naming the flag."""
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        raise UserError(f"--validation_image {path}: file not found; check the path")
+    return load_rgb(Path(path))
+
 
 def edit_size(image_size: tuple[int, int], keep: bool) -> tuple[int, int]:
     """(width, height) at which ``FluxKontextPipeline`` edits an image of ``image_size``: the Kontext training

@@ -32,7 +32,6 @@ from dreamstep.config.flux_kontext_lora import FluxKontextLoraConfig
 from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
-from dreamstep.data.images import load_rgb
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
@@ -88,7 +87,7 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
     latent_cache, text_cache = flux.caches_of(config, datasets)
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
                                              latent_cache=latent_cache, text_cache=text_cache)
-    validation_image = load_rgb(Path(config.validation_image)) if config.validation_image else None
+    validation_image = kontext.validation_image(config.validation_image)
     scorer = load_scorer(config)
     flux.transformer_config(config)  # --blocks_to_swap checked before the plan, or anything is encoded
     # The transformer reads the condition's tokens beside the target's: twice the image tokens of a pair.
