@@ -47,6 +47,7 @@ from dreamstep.models.controlnet import side_by_side
 from dreamstep.models.flux_step import FluxFlowMatchingStep, condition_latents
 from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import cast_trainable_params_to_fp32
+from dreamstep.models.vae import posterior_mean, sample_latents
 
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
 
@@ -61,7 +62,7 @@ class FluxKontextStep(FluxFlowMatchingStep):
         self.draws = vae_encode_mode == "sample"
 
     def target(self, batch: dict[str, Any]) -> torch.Tensor:
-        return condition_latents(batch, self.draws, key="latent_dist")
+        return sample_latents(batch["latent_dist"]) if self.draws else posterior_mean(batch["latent_dist"])
 
     def condition(self, batch: dict[str, Any], sample: bool) -> torch.Tensor | None:
         return condition_latents(batch, sample and self.draws) if "condition_dist" in batch else None
