@@ -100,6 +100,17 @@ def test_outputs_and_the_validation_grid_shows_the_condition_beside_the_edit(tra
     assert grid.width == 2 * 32 and [(c["width"], c["height"], c["prompt"]) for c in cells] == [(32, 32, INSTRUCTION)]
 
 
+def test_the_dashboard_shows_the_run(trained: Path) -> None:
+    from dreamstep.dashboard.runs import RunIndex
+
+    (run,) = RunIndex([trained]).runs().values()
+    summary = run.summary()
+    assert (summary["state"], summary["step"], summary["errors"]) == ("finished", 60, [])
+    assert run.samples()[-1]["prompt"] == INSTRUCTION and len(run.curves()["loss"]["steps"]) == 60
+    assert {lora["name"]: "fits:      yes" in lora["info"] for lora in run.loras()} == {
+        "pytorch_lora_weights.safetensors": True, "pytorch_lora_weights_kohya.safetensors": True}
+
+
 def test_diffusers_loads_the_lora_and_generate_gives_the_same_edit_from_the_kohya_file(
         trained: Path, tiny_flux_kontext_dir: Path, pairs: tuple[Path, Path], tmp_path: Path) -> None:
     before = Image.open(pairs[1] / "0.png").convert("RGB")
