@@ -192,6 +192,10 @@ def evaluate(config: EvalConfig, model_type: str) -> dict[str, Any]:
     """Score the baseline and every candidate; write the tables, plots and samples; return the JSON summary.
     Every candidate is read first, so a damaged file or another model's LoRA is one line before anything
     loads or is written."""
+    if model_type == "flux-kontext" and not config.image:
+        raise UserError("eval flux-kontext scores edits: give --image (the images the prompts edit)")
+    if model_type != "flux-kontext" and config.image:
+        raise UserError("--image is the image FLUX.1 Kontext edits; use eval flux-kontext, or remove it")
     with tempfile.TemporaryDirectory(prefix="dreamstep-eval-") as work_dir:  # checkpoints written as LoRA files
         candidates = find_candidates(config.weights, Path(work_dir))
         for candidate in candidates:
@@ -204,10 +208,6 @@ def _score(config: EvalConfig, model_type: str, candidates: list[Candidate]) -> 
     out = Path(config.output_dir)
     if model_type != "flux" and any(c.kind != "lora" for c in candidates):
         raise UserError("ControlNets are FLUX-only here; use 'dreamstep eval flux'")
-    if model_type == "flux-kontext" and not config.image:
-        raise UserError("eval flux-kontext scores edits: give --image (the images the prompts edit)")
-    if model_type != "flux-kontext" and config.image:
-        raise UserError("--image is the image FLUX.1 Kontext edits; use eval flux-kontext, or remove it")
     if "edge" in config.metrics and not any(c.kind != "lora" for c in candidates):
         raise UserError("--metrics edge scores ControlNets; none of --weights is a ControlNet")
     prompts = _prompts(config)
