@@ -66,3 +66,13 @@ def test_edit_size_is_the_pipelines_resize() -> None:
     assert kontext.edit_size((1000, 1000), keep=False) == (1024, 1024)
     assert kontext.edit_size((1920, 1080), keep=False) == (1392, 752)
     assert kontext.edit_size((70, 40), keep=True) == (64, 32)
+
+
+def test_plan_flux_kontext_prices_the_condition_tokens(tiny_flux_kontext_dir: Path, capsys) -> None:
+    def training_pass(model: str) -> float:
+        assert main(["plan", model, "--pretrained_model_name_or_path", str(tiny_flux_kontext_dir), "--resolution",
+                     "256", "--device_memory", "1GB"]) == 0
+        (line,) = [x for x in capsys.readouterr().out.splitlines() if "training pass: 256px" in x]
+        return float(line.split()[-2])
+
+    assert training_pass("flux-kontext") > 1.3 * training_pass("flux")  # a Kontext folder plans as FLUX too
