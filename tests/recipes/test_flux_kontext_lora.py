@@ -313,3 +313,21 @@ def test_the_memory_plan_prices_the_condition_tokens(tiny_flux_kontext_dir: Path
     edit = training_pass("--conditioning_data_dir", pairs[1])
     assert edit > 1.3 * text_to_image, (edit, text_to_image)  # twice the image tokens through every block
     assert not (tmp_path / "out").exists()
+
+
+def test_a_pair_trains_in_its_aspect_ratio_bucket(tiny_flux_kontext_dir: Path, tmp_path: Path) -> None:
+    """Wide pairs in a bucketed TOML: both images of a pair land in the target's bucket, not a square."""
+    images, conditioning = write_control_pairs(tmp_path / "pairs", count=2)
+    for folder in (images, conditioning):
+        for path in folder.glob("*.png"):
+            Image.open(path).resize((128, 64)).save(path)
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f"[general]\ncaption_extension = '.txt'\n[[datasets]]\nresolution = 64\nenable_bucket = true\n"
+                    "min_bucket_reso = 16\nmax_bucket_reso = 128\nbucket_reso_steps = 16\n[[datasets.subsets]]\n"
+                    f"image_dir = '{images.as_posix()}'\nconditioning_data_dir = '{conditioning.as_posix()}'\n")
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-kontext-lora", "--pretrained_model_name_or_path", tiny_flux_kontext_dir,
+                   "--output_dir", out, "--dataset_config", toml, *TRAIN, "--max_train_steps", "1") == 0
+    shapes = {tuple(load_file(p)["latents"].shape) for p in (out / "cache" / "latents").rglob("*.safetensors")}
+    (shape,) = shapes  # targets and conditions alike
+    assert shape[2] > shape[1]  # wider than tall, as the pairs
