@@ -12,6 +12,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 
+from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.lora.inject import add_lora, flux_lora_targets
@@ -56,8 +57,8 @@ def _trained_step(folder: Path, mode: str) -> tuple[FluxLoraStep, dict[str, torc
     model = FluxLoraModel(transformer)
     optimizer = build_optimizer("AdamW", [{"params": [p for p in model.parameters() if p.requires_grad]}], 1e-4)
     step = FluxLoraStep(model, optimizer=optimizer, accelerator=make_accelerator(mixed_precision="bf16"),
-                        sigmas=torch.linspace(1, 0, 1000), weighting_scheme="none", logit_mean=0.0, logit_std=1.0,
-                        mode_scale=1.29, guidance_scale=3.5, prior_loss_weight=1.0)
+                        sigmas=torch.linspace(1, 0, 1000), objective=FlowMatchingObjective(),
+                        guidance_scale=3.5, prior_loss_weight=1.0)
     side = RESOLUTION // 8
     # What FluxConditioner gives the step: fp32 posteriors and embeddings from the caches.
     batch = {"latent_dist": torch.randn(1, 32, side, side), "prompt_embeds": torch.randn(1, TEXT_TOKENS, 4096),

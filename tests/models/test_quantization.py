@@ -13,6 +13,7 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel
 
+from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.lora.inject import add_lora, flux_lora_targets
 from dreamstep.models import loading, quantization
@@ -81,8 +82,8 @@ def _train(folder: Path, mode: str, fixed: bool, checkpointing: bool,
     start = {name: p.detach().clone() for name, p in transformer.named_parameters() if p.requires_grad}
     optimizer = torch.optim.SGD(params, lr=LEARNING_RATE)
     step = FluxLoraStep(model, optimizer=optimizer, accelerator=make_accelerator(mixed_precision="bf16"),
-                        sigmas=torch.linspace(1, 0, 1000), weighting_scheme="none", logit_mean=0.0, logit_std=1.0,
-                        mode_scale=1.29, guidance_scale=3.5, prior_loss_weight=1.0)
+                        sigmas=torch.linspace(1, 0, 1000), objective=FlowMatchingObjective(),
+                        guidance_scale=3.5, prior_loss_weight=1.0)
     channels = transformer.config.in_channels // 4
     saved, grad_inputs = [], []
 

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dreamstep.data.cache import TensorCache
 from dreamstep.data.dataset import ConditionedBatches, build_dataset, make_dataloader
 from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
+from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.logging import TrainingLogger
 from dreamstep.engine.loop import run_training
 from dreamstep.engine.optim import build_optimizer
@@ -81,8 +82,8 @@ def _flux_lora_run(tmp_path: Path) -> tuple[FluxLoraStep, ConditionedBatches]:
     params = [p for p in pipe.transformer.parameters() if p.requires_grad]
     step = FluxLoraStep(FluxLoraModel(pipe.transformer), optimizer=build_optimizer("AdamW", params, 1e-4),
                         accelerator=make_accelerator(mixed_precision="no"), max_grad_norm=1.0,
-                        sigmas=flux.training_sigmas(pipe.scheduler), weighting_scheme="none", logit_mean=0.0,
-                        logit_std=1.0, mode_scale=1.29, guidance_scale=3.5, prior_loss_weight=1.0)
+                        sigmas=flux.training_sigmas(pipe.scheduler), objective=FlowMatchingObjective(),
+                        guidance_scale=3.5, prior_loss_weight=1.0)
     return step, ConditionedBatches(make_dataloader(dataset, seed=0), conditioner)
 
 

@@ -8,10 +8,11 @@ required fields in any order. A group's ``check_*`` method refuses its bad combi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.schema import option, refuse_unused
+from dreamstep.diffusion.losses import HUBER_SCHEDULES, LOSS_TYPES, LossFunction
 from dreamstep.errors import UserError
 
 
@@ -31,6 +32,37 @@ class LoraOptions:
     def alpha(self) -> float:
         """The alpha the LoRA is built with: --lora_alpha, or the rank."""
         return self.lora_alpha if self.lora_alpha is not None else self.rank
+
+
+@dataclass
+class LossOptions:
+    """sd-scripts' loss types (``--loss_type``, ``--huber_schedule``, ``--huber_c``, ``--huber_scale``), its names,
+    defaults and formulas (:mod:`dreamstep.diffusion.losses`)."""
+
+    loss_type: Literal[LOSS_TYPES] = option(  # type: ignore[valid-type]
+        "l2", "loss of each latent element: l2 (MSE), l1, huber or smooth_l1 (pseudo-Huber, scheduled threshold)",
+        kw_only=True)
+    huber_schedule: Literal[HUBER_SCHEDULES] = option(  # type: ignore[valid-type]
+        "snr", "how the Huber threshold follows the timestep (snr needs a DDPM schedule: SDXL, not FLUX)",
+        kw_only=True)
+    huber_c: float = option(0.1, "Huber threshold (constant), or its value at the last timestep (exponential, snr)",
+                            bounds="(0, 1]", kw_only=True)
+    huber_scale: float = option(1.0, "Huber threshold scale (constant, exponential)", bounds="(0, inf)",
+                                kw_only=True)
+
+    def check_loss(self, snr_schedule: bool) -> None:
+        """Refuse Huber flags without a Huber loss, and the snr schedule where there is no SNR
+        (``snr_schedule``: whether the model's noise schedule has one)."""
+        if self.loss_type not in ("huber", "smooth_l1"):
+            refuse_unused(self, ("huber_c", "huber_scale"), f"with --loss_type {self.loss_type}")
+            return
+        if self.huber_schedule == "snr" and not snr_schedule:
+            raise UserError(f"--loss_type {self.loss_type} with --huber_schedule snr needs a DDPM schedule's SNR, "
+                            "which flow matching has not (sd-scripts stops there too); give --huber_schedule "
+                            "constant or exponential")
+
+    def loss_function(self) -> LossFunction:
+        return LossFunction(self.loss_type, self.huber_schedule, self.huber_c, self.huber_scale)
 
 
 @dataclass

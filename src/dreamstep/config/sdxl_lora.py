@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 
 from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.memory import check_compile, check_quantization, parse_bytes
+from dreamstep.config.options import LossOptions
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
@@ -19,7 +20,7 @@ SAMPLERS = ("ddim", "pndm", "euler", "k_euler", "euler_a", "k_euler_a", "dpmsolv
 
 
 @dataclass
-class SDXLLoraConfig(EvaluationOptions):
+class SDXLLoraConfig(LossOptions, EvaluationOptions):
     # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
     resume_must_match: ClassVar[tuple[str, ...]] = (
         "pretrained_model_name_or_path", "network_dim", "network_alpha", "network_args", "network_train_unet_only",
@@ -107,6 +108,11 @@ class SDXLLoraConfig(EvaluationOptions):
     multires_noise_discount: float = option(0.3, "weight decay per multires noise level", bounds="[0, 1]")
     zero_terminal_snr: bool = option(False, "rescale the noise schedule to zero SNR at the last timestep "
                                             "(sd-scripts' flag; usually with --v_parameterization)")
+    debiased_estimation_loss: bool = option(False, "weight each sample's loss by 1/√SNR (1/(SNR + 1) with "
+                                                   "--v_parameterization), SNR capped at 1000")
+    ip_noise_gamma: float | None = option(None, "input perturbation: noise the model's input with ε + γ·ξ while the "
+                                                "target stays ε (0.1 is typical)", bounds="(0, inf)")
+    ip_noise_gamma_random_strength: bool = option(False, "draw γ from U(0, --ip_noise_gamma) for every batch")
     min_timestep: int = option(0, "smallest training timestep", bounds="[0, 1000)")
     max_timestep: int = option(1000, "training timesteps are below this", bounds="(0, 1000]")
     prior_loss_weight: float = option(1.0, "loss weight of regularization images", bounds="[0, inf)")
@@ -164,6 +170,12 @@ class SDXLLoraConfig(EvaluationOptions):
             parse_bytes(self.device_memory, "--device_memory")
         if self.adaptive_noise_scale is not None and self.noise_offset is None:
             raise UserError("--adaptive_noise_scale needs --noise_offset")
+        if self.ip_noise_gamma_random_strength and self.ip_noise_gamma is None:
+            raise UserError("--ip_noise_gamma_random_strength needs --ip_noise_gamma")
+        if self.debiased_estimation_loss and self.zero_terminal_snr and not self.v_parameterization:
+            raise UserError("--debiased_estimation_loss weighs ε-prediction by 1/√SNR, infinite at the last timestep "
+                            "of --zero_terminal_snr; add --v_parameterization or drop one of the two")
+        self.check_loss(snr_schedule=True)
         if self.min_timestep >= self.max_timestep:
             raise UserError(f"--min_timestep must be below --max_timestep (got {self.min_timestep}, "
                             f"{self.max_timestep})")

@@ -13,7 +13,9 @@ from typing import Any, Literal, Optional
 
 from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
 from dreamstep.config.memory import check_compile, check_quantization, parse_bytes
-from dreamstep.config.schema import SEED_BOUNDS, config_to_toml, option
+from dreamstep.config.options import LossOptions
+from dreamstep.config.schema import SEED_BOUNDS, config_to_toml, option, refuse_unused
+from dreamstep.diffusion.flow_matching import TIMESTEP_SAMPLINGS, FlowMatchingObjective
 from dreamstep.errors import UserError
 
 # diffusers' get_scheduler names (all but piecewise_constant, which needs a rule string).
@@ -21,7 +23,7 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
 
 
 @dataclass
-class FluxTrainingConfig(EvaluationOptions):
+class FluxTrainingConfig(LossOptions, EvaluationOptions):
     pretrained_model_name_or_path: str = option(help="base FLUX.1 model: a diffusers folder or a hub id")
     output_dir: str = option(help="where weights, checkpoints, samples and logs are written")
     revision: Optional[str] = option(None, "hub revision of the base model")
@@ -58,6 +60,13 @@ class FluxTrainingConfig(EvaluationOptions):
     logit_mean: float = option(0.0, "mean of logit_normal sampling", bounds="(-inf, inf)")
     logit_std: float = option(1.0, "std of logit_normal sampling", bounds="(0, inf)")
     mode_scale: float = option(1.29, "scale of mode sampling", bounds="[-1, 1.75]")
+    timestep_sampling: Literal[TIMESTEP_SAMPLINGS] = option(  # type: ignore[valid-type]
+        "sigma", "sd-scripts' σ sampling: sigma (an entry of the base model's σ table, drawn by --weighting_scheme), "
+                 "uniform, sigmoid (of N(0, 1)·--sigmoid_scale), shift (that, shifted by --discrete_flow_shift) or "
+                 "flux_shift (that, shifted by the image's token count as FLUX.1 samples)")
+    sigmoid_scale: float = option(1.0, "scale of the normal draw for sigmoid, shift and flux_shift sampling",
+                                  bounds="(0, inf)")
+    discrete_flow_shift: float = option(3.0, "σ shift of --timestep_sampling shift", bounds="(0, inf)")
     guidance_scale: float = option(3.5, "guidance value fed to guidance-distilled models (FLUX.1-dev)",
                                    bounds="[0, inf)")
     max_sequence_length: int = option(512, "T5 tokens per prompt", bounds="[1, 512]")
@@ -108,6 +117,22 @@ class FluxTrainingConfig(EvaluationOptions):
                 "max_train_steps": self.max_train_steps, "num_epochs": self.num_train_epochs,
                 "warmup": self.lr_warmup_steps}
 
+    def flow_matching_objective(self) -> FlowMatchingObjective:
+        """How the step draws σ and scores the prediction (diffusers' reading of the prediction)."""
+        return FlowMatchingObjective(
+            weighting_scheme=self.weighting_scheme, logit_mean=self.logit_mean, logit_std=self.logit_std,
+            mode_scale=self.mode_scale, timestep_sampling=self.timestep_sampling, sigmoid_scale=self.sigmoid_scale,
+            discrete_flow_shift=self.discrete_flow_shift, loss=self.loss_function())
+
+    def check_timestep_sampling(self) -> None:
+        if self.timestep_sampling != "shift":
+            refuse_unused(self, ("discrete_flow_shift",), f"with --timestep_sampling {self.timestep_sampling}")
+        if self.timestep_sampling in ("sigma", "uniform"):
+            refuse_unused(self, ("sigmoid_scale",), f"with --timestep_sampling {self.timestep_sampling}")
+        if self.timestep_sampling != "sigma" and self.weighting_scheme in ("logit_normal", "mode"):
+            raise UserError(f"--weighting_scheme {self.weighting_scheme} draws σ from the σ table, which "
+                            f"--timestep_sampling {self.timestep_sampling} does not use; give one of the two")
+
     def cache_root(self) -> Path:
         """Where the run's latent and text caches live: --cache_dir, or OUTPUT_DIR/cache."""
         return Path(self.cache_dir or Path(self.output_dir) / "cache")
@@ -129,6 +154,8 @@ class FluxTrainingConfig(EvaluationOptions):
         if self.blocks_to_swap and not self.gradient_checkpointing:
             raise UserError("--blocks_to_swap needs --gradient_checkpointing: without it backward holds every "
                             "block's weights on the device and swapping saves no memory")
+        self.check_timestep_sampling()
+        self.check_loss(snr_schedule=False)
         self.check_evaluation(self.metrics_allowed)
 
     metrics_allowed = FIDELITY_METRICS

@@ -4,16 +4,31 @@ With clean latents x, noise ε and σ ∈ [0, 1]:  x_σ = (1 - σ)·x + σ·ε, 
 velocity  v = ε - x.  Timesteps are drawn by index into the scheduler's (shifted) σ table; the SD3
 paper's non-uniform samplers (logit-normal, mode) and loss weightings (sigma_sqrt, cosmap) come from
 diffusers' ``training_utils``.
+
+sd-scripts' FLUX trainer (``library/flux_train_utils.py``) adds its own σ samplers and ways to read the
+prediction, here under its names: ``--timestep_sampling sigma|uniform|sigmoid|shift|flux_shift`` with
+``--sigmoid_scale`` and ``--discrete_flow_shift`` (:func:`sample_sigmas`), and ``--model_prediction_type
+raw|additive|sigma_scaled`` (:func:`apply_model_prediction_type`). :class:`FlowMatchingObjective` holds one
+trainer's choice of all of these and the loss (:mod:`dreamstep.diffusion.losses`).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
+from dreamstep.diffusion.losses import LossFunction
+
 WeightingScheme = Literal["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"]
+TimestepSampling = Literal["sigma", "uniform", "sigmoid", "shift", "flux_shift"]
+ModelPredictionType = Literal["raw", "additive", "sigma_scaled"]
+TIMESTEP_SAMPLINGS = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
+MODEL_PREDICTION_TYPES = ("raw", "additive", "sigma_scaled")
 
 
 def sample_timestep_indices(
@@ -91,3 +106,101 @@ def instance_plus_prior_loss(per_sample: torch.Tensor, is_reg: torch.Tensor, pri
     prior = prior.to(per_sample.device, non_blocking=True)
     loss = loss + prior_loss_weight * per_sample.index_select(0, prior).mean()
     return loss
+
+
+def time_shift(mu: float, sigma: float, t: torch.Tensor) -> torch.Tensor:
+    """FLUX.1's resolution-dependent shift of σ: e^μ / (e^μ + (1/t - 1)^sigma)."""
+    return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** sigma)
+
+
+def linear_function(x1: float = 256, y1: float = 0.5, x2: float = 4096, y2: float = 1.15) -> Callable[[float], float]:
+    """The line through (x1, y1) and (x2, y2): FLUX.1's μ of an image of x packed tokens (0.5 at 256, 1.15
+    at 4096), sd-scripts' ``get_lin_function``."""
+    slope = (y2 - y1) / (x2 - x1)
+    return lambda x: slope * x + y1 - slope * x1
+
+
+def sample_sigmas(sampling: TimestepSampling, batch_size: int, latent_size: tuple[int, int], *,
+                  sigmoid_scale: float = 1.0, discrete_flow_shift: float = 3.0,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """σ of each sample, (batch_size,), float32 on the CPU, drawn as sd-scripts'
+    ``get_noisy_model_input_and_timesteps`` draws it for every method but ``sigma`` (which indexes a σ table:
+    :func:`sample_timestep_indices`). ``latent_size`` is the unpacked latent's (h, w).
+
+    - ``uniform``: σ ~ U(0, 1);
+    - ``sigmoid``: σ = sigmoid(s·n), n ~ N(0, 1), s = ``sigmoid_scale`` (x-flux);
+    - ``shift``: σ' = sigmoid(s·n), then σ = k·σ' / (1 + (k - 1)·σ') with k = ``discrete_flow_shift``;
+    - ``flux_shift``: σ' = sigmoid(s·n), then σ = time_shift(μ, 1, σ') with μ from the image's packed
+      token count (h/2)·(w/2), as FLUX.1's sampler shifts its schedule.
+    """
+    if sampling == "uniform":
+        return torch.rand((batch_size,), generator=generator)
+    if sampling not in ("sigmoid", "shift", "flux_shift"):
+        raise ValueError(f"timestep sampling {sampling!r} draws no σ directly; use sample_timestep_indices")
+    sigmas = torch.sigmoid(sigmoid_scale * torch.randn((batch_size,), generator=generator))
+    if sampling == "shift":
+        return (sigmas * discrete_flow_shift) / (1 + (discrete_flow_shift - 1) * sigmas)
+    if sampling == "flux_shift":
+        height, width = latent_size
+        return time_shift(linear_function()((height // 2) * (width // 2)), 1.0, sigmas)
+    return sigmas
+
+
+def apply_model_prediction_type(prediction_type: ModelPredictionType, prediction: torch.Tensor,
+                                noisy_input: torch.Tensor, sigmas: torch.Tensor,
+                                weighting_scheme: WeightingScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """sd-scripts' reading of the transformer's output before the loss, and the loss weighting that goes with
+    it: ``raw`` the output as is; ``additive`` output + x_σ; ``sigma_scaled`` x_σ - σ·output, weighted by
+    ``weighting_scheme`` (SD3 §3.1). sd-scripts scores all three against v = ε - x. The weighting is ``None``
+    (unweighted) for the first two."""
+    if prediction_type == "raw":
+        return prediction, None
+    if prediction_type == "additive":
+        return prediction + noisy_input, None
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas).float()
+    return prediction * (-sigmas) + noisy_input, weighting
+
+
+@dataclass(frozen=True)
+class FlowMatchingObjective:
+    """How a FLUX trainer draws σ and scores the prediction. ``timestep_sampling="sigma"`` draws an index into
+    the σ table by ``weighting_scheme``'s density (diffusers' and sd-scripts' default); the other methods
+    draw σ directly (:func:`sample_sigmas`). ``model_prediction_type=None`` is diffusers' scripts' reading:
+    the raw output, weighted by ``weighting_scheme`` at every σ; a type is sd-scripts' reading
+    (:func:`apply_model_prediction_type`)."""
+
+    weighting_scheme: WeightingScheme = "none"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    timestep_sampling: TimestepSampling = "sigma"
+    sigmoid_scale: float = 1.0
+    discrete_flow_shift: float = 3.0
+    model_prediction_type: ModelPredictionType | None = None
+    loss: LossFunction = field(default_factory=LossFunction)
+
+    def sample(self, sigma_table: torch.Tensor, batch_size: int, latent_size: tuple[int, int],
+               device: torch.device) -> torch.Tensor:
+        """σ of each sample, (B, 1, 1, 1), float32 on ``device``, drawn on the CPU (no wait for the device)."""
+        if self.timestep_sampling == "sigma":
+            indices = sample_timestep_indices(self.weighting_scheme, batch_size, len(sigma_table),
+                                              logit_mean=self.logit_mean, logit_std=self.logit_std,
+                                              mode_scale=self.mode_scale)
+            return sigmas_at(sigma_table, indices, 4, device)
+        sigmas = sample_sigmas(self.timestep_sampling, batch_size, latent_size, sigmoid_scale=self.sigmoid_scale,
+                               discrete_flow_shift=self.discrete_flow_shift)
+        return sigmas.reshape(-1, 1, 1, 1).to(device, non_blocking=True)
+
+    def per_element_loss(self, prediction: torch.Tensor, noisy_input: torch.Tensor, target: torch.Tensor,
+                         sigmas: torch.Tensor, num_train_timesteps: int, weighted: bool = True) -> torch.Tensor:
+        """The float32 loss of each element of the (B, C, h, w) prediction against the target, read and weighted
+        as configured (``weighted=False``: no σ weighting, for a validation loss comparable across σ)."""
+        if self.model_prediction_type is None:
+            weighting = compute_loss_weighting_for_sd3(weighting_scheme=self.weighting_scheme, sigmas=sigmas).float()
+        else:
+            prediction, weighting = apply_model_prediction_type(self.model_prediction_type, prediction, noisy_input,
+                                                                sigmas, self.weighting_scheme)
+        # FLUX's timesteps are σ·T: where the exponential Huber schedule places each sample.
+        per_element = self.loss.per_element(prediction, target, sigmas.flatten() * num_train_timesteps,
+                                            num_train_timesteps)
+        return per_element * weighting if weighted and weighting is not None else per_element

@@ -7,7 +7,9 @@ module adds the pieces sd-scripts trains with:
 
 - min-SNR-γ loss weighting (Hang et al. 2023, "Efficient Diffusion Training via Min-SNR Weighting");
 - offset noise (Guttenberg 2023, "Diffusion with Offset Noise") and sd-scripts' adaptive scale;
-- multi-resolution ("pyramid") noise (Whitaker 2023, "Multi-Resolution Noise for Diffusion Model Training").
+- multi-resolution ("pyramid") noise (Whitaker 2023, "Multi-Resolution Noise for Diffusion Model Training");
+- input perturbation (Ning et al. 2023, "Input Perturbation Reduces Exposure Bias in Diffusion Models");
+- debiased estimation loss weighting (Yu et al. 2024, "Debias the Training of Diffusion Models").
 """
 
 from __future__ import annotations
@@ -44,6 +46,23 @@ def min_snr_weight(snr_values: torch.Tensor, gamma: float, v_prediction: bool = 
         return clipped / (snr_values + 1.0)
     # At SNR 0 (the last step of a zero-terminal-SNR schedule) the ratio's limit is 1, not 0/0.
     return torch.where(snr_values > 0, clipped / snr_values, torch.ones_like(snr_values))
+
+
+def debiased_estimation_weight(snr_values: torch.Tensor, v_prediction: bool = False) -> torch.Tensor:
+    """Per-sample loss weight 1/√SNR for ε-prediction, 1/(SNR + 1) for v-prediction, with SNR capped at 1000
+    (it is infinite at t = 0), as sd-scripts' ``apply_debiased_estimation``."""
+    capped = torch.clamp(snr_values, max=1000.0)
+    return 1.0 / (capped + 1.0) if v_prediction else 1.0 / torch.sqrt(capped)
+
+
+def input_perturbation(noise: torch.Tensor, gamma: float, random_strength: bool = False) -> torch.Tensor:
+    """The noise the model's input is made with: ε + γ·ξ, ξ ~ N(0, 1) (the target stays ε); with
+    ``random_strength`` γ is drawn from U(0, gamma) once per batch (sd-scripts' ``--ip_noise_gamma``,
+    ``--ip_noise_gamma_random_strength``)."""
+    strength: float | torch.Tensor = gamma
+    if random_strength:
+        strength = torch.rand(1, device=noise.device) * gamma
+    return noise + strength * torch.randn_like(noise)
 
 
 def offset_noise(noise: torch.Tensor, latents: torch.Tensor, offset: float,

@@ -24,17 +24,16 @@ from dreamstep.models.vae import posterior_mean, sample_latents
 
 class FluxFlowMatchingStep(TrainStep):
     """One flow-matching step of a FLUX transformer (see the module docstring). ``model`` is what trains (and
-    what DDP wraps); ``sigmas`` the training σ table; ``guidance_scale`` is fed to guidance-distilled bases
+    what DDP wraps); ``sigmas`` the training σ table; ``objective`` how σ is drawn and the prediction scored
+    (``FluxTrainingConfig.flow_matching_objective()``); ``guidance_scale`` is fed to guidance-distilled bases
     (``None`` for the others); ``prior_loss_weight`` weights the regularization samples' mean loss against the
     instance samples' (``None``: one mean over the batch)."""
 
-    def __init__(self, model: torch.nn.Module, *, sigmas: torch.Tensor, weighting_scheme: str, logit_mean: float,
-                 logit_std: float, mode_scale: float, guidance_scale: float | None,
-                 prior_loss_weight: float | None = None, **engine_options: Any):
+    def __init__(self, model: torch.nn.Module, *, sigmas: torch.Tensor, objective: fm.FlowMatchingObjective,
+                 guidance_scale: float | None, prior_loss_weight: float | None = None, **engine_options: Any):
         super().__init__(model, **engine_options)
         self.sigmas = sigmas  # (num_train_timesteps,): the training σ table
-        self.weighting_scheme = weighting_scheme
-        self.sampling = dict(logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale)
+        self.objective = objective
         self.guidance_scale = guidance_scale
         self.prior_loss_weight = prior_loss_weight
 
@@ -60,9 +59,8 @@ class FluxFlowMatchingStep(TrainStep):
         latents = self.target(batch)
         condition = self.condition(batch, sample=True)
         noise = torch.randn_like(latents)
-        indices = fm.sample_timestep_indices(self.weighting_scheme, len(latents), len(self.sigmas), **self.sampling)
-        sigmas = fm.sigmas_at(self.sigmas, indices, latents.ndim, latents.device)
-        per_sample = self.per_sample_loss(self.model, batch, latents, noise, sigmas, self.weighting_scheme, condition)
+        sigmas = self.objective.sample(self.sigmas, len(latents), latents.shape[2:], latents.device)
+        per_sample = self.per_sample_loss(self.model, batch, latents, noise, sigmas, True, condition)
         if self.prior_loss_weight is None:
             return per_sample.mean()
         return fm.instance_plus_prior_loss(per_sample, batch["is_reg"], self.prior_loss_weight)
@@ -75,15 +73,17 @@ class FluxFlowMatchingStep(TrainStep):
                             device=latents.device)
         condition = self.condition(batch, sample=False)
         with self.autocast():
-            return self.per_sample_loss(self.unwrapped_model, batch, latents, noise, sigmas, "none", condition)
+            return self.per_sample_loss(self.unwrapped_model, batch, latents, noise, sigmas, False, condition)
 
     def per_sample_loss(self, model: torch.nn.Module, batch: dict[str, Any], latents: torch.Tensor,
-                        noise: torch.Tensor, sigmas: torch.Tensor, weighting_scheme: str,
+                        noise: torch.Tensor, sigmas: torch.Tensor, weighted: bool,
                         condition: torch.Tensor | None) -> torch.Tensor:
-        """The flow-matching loss of each sample, (B,), for given latents, noise and σ (B, 1, 1, 1)."""
+        """The flow-matching loss of each sample, (B,), for given latents, noise and σ (B, 1, 1, 1); ``weighted``:
+        with the objective's σ weighting (training) or without (validation)."""
         bsz, _, height, width = latents.shape
         # x_σ = (1 - σ)·x + σ·ε; the model sees it packed into 2x2 patches: (B, h/2 · w/2, 4C).
-        packed = flux.pack(fm.noisy_latents(latents, noise, sigmas))
+        noisy = fm.noisy_latents(latents, noise, sigmas)
+        packed = flux.pack(noisy)
         guidance = (torch.full((bsz,), self.guidance_scale, device=latents.device)
                     if self.guidance_scale is not None else None)
         inputs = dict(hidden_states=packed, timestep=sigmas.flatten(), guidance=guidance,
@@ -91,8 +91,10 @@ class FluxFlowMatchingStep(TrainStep):
                       txt_ids=batch["text_ids"], img_ids=flux.latent_image_ids(height, width, latents.device,
                                                                               packed.dtype))
         pred = flux.unpack(self.predict(model, inputs, batch, condition), height, width)
-        # Flow-matching target v = ε - x, each sample weighted by its own σ.
-        return fm.weighted_mse(pred, fm.velocity_target(latents, noise), sigmas, weighting_scheme)
+        # Flow-matching target v = ε - x; the loss of each element (--loss_type), weighted by its sample's own σ.
+        per_element = self.objective.per_element_loss(pred, noisy, fm.velocity_target(latents, noise), sigmas,
+                                                      len(self.sigmas), weighted)
+        return per_element.reshape(bsz, -1).mean(dim=1)
 
 
 def condition_latents(batch: dict[str, Any], sample: bool, key: str = "condition_dist") -> torch.Tensor:

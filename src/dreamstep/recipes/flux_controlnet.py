@@ -1,23 +1,23 @@
 """FLUX.1 ControlNet: ``dreamstep train flux-controlnet``.
 
-Features: a ControlNet built from the base transformer (``--num_double_layers``, ``--num_single_layers``;
-output projections zero-initialised, so training starts from the base's own prediction) or loaded
-(``--controlnet_model_name_or_path``), trained beside the frozen base as diffusers'
-``train_controlnet_flux.py`` does: the control image's latents are packed like the target's and fed to
-the ControlNet, whose per-block residuals are added inside the transformer; gradients flow through the
-frozen transformer into the ControlNet. Data: a folder of pairs (``--train_data_dir`` +
-``--conditioning_data_dir``, same-named files, captions from ``--caption_extension`` files), a
-``metadata.jsonl`` with ``image``, ``conditioning_image`` and ``text`` (``--jsonl_for_train``, or found
-in ``--train_data_dir``), or a Kohya dataset TOML whose subsets have ``conditioning_data_dir``; every
-pair is checked before a model loads. Text embeddings cached; target and control latents cached (except
-random crops of images larger than their bucket); ``--proportion_empty_prompts``; SD3 timestep sampling /
-weighting; guidance for guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. Precision:
-frozen weights in ``--mixed_precision``, ControlNet weights fp32 with half-precision compute, or with
-``--controlnet_weights_dtype bf16`` bf16 weights and an AdamW whose math is fp32 with stochastic rounding
-(12 instead of 16 bytes of trainable state per parameter). Resumable checkpoints, validation grids through
-diffusers' ``FluxControlNetPipeline`` (control image beside the results), TensorBoard, a loss curve PNG;
-evaluation at the validation points (validation loss on held-out pairs: --validation_split or a TOML subset
-with is_validation; --eval_metrics edge,clip_t,...: the samples' edge agreement with edge-map controls).
+Features: a ControlNet built from the base transformer (``--num_double_layers``, ``--num_single_layers``; output
+projections zero-initialised, so training starts from the base's own prediction) or loaded
+(``--controlnet_model_name_or_path``), trained beside the frozen base as diffusers' ``train_controlnet_flux.py``
+does: the control image's latents are packed like the target's and fed to the ControlNet, whose per-block residuals
+are added inside the transformer; gradients flow through the frozen transformer into the ControlNet. Data: a folder
+of pairs (``--train_data_dir`` + ``--conditioning_data_dir``, same-named files, captions from
+``--caption_extension`` files), a ``metadata.jsonl`` with ``image``, ``conditioning_image`` and ``text``
+(``--jsonl_for_train``, or found in ``--train_data_dir``), or a Kohya dataset TOML whose subsets have
+``conditioning_data_dir``; every pair is checked before a model loads. Text embeddings cached; target and control
+latents cached (except random crops of images larger than their bucket); ``--proportion_empty_prompts``; SD3
+timestep sampling / weighting, sd-scripts' ``--timestep_sampling`` and ``--loss_type``; guidance for
+guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. Precision: frozen weights in
+``--mixed_precision``, ControlNet weights fp32 with half-precision compute, or with ``--controlnet_weights_dtype
+bf16`` bf16 weights and an AdamW whose math is fp32 with stochastic rounding (12 instead of 16 bytes of trainable
+state per parameter). Resumable checkpoints, validation grids through diffusers' ``FluxControlNetPipeline`` (control
+image beside the results), TensorBoard, a loss curve PNG; evaluation at the validation points (validation loss on
+held-out pairs: --validation_split or a TOML subset with is_validation; --eval_metrics edge,clip_t,...: the samples'
+edge agreement with edge-map controls).
 
 Outputs in --output_dir: ``config.json`` + ``diffusion_pytorch_model.safetensors`` (what
 ``FluxControlNetModel.from_pretrained`` loads), ``samples/``, ``loss_curve.png``, ``metrics.csv`` and
@@ -165,8 +165,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
         accelerator=run.accelerator, max_grad_norm=config.max_grad_norm or None,
         gradient_accumulation_steps=config.gradient_accumulation_steps, length_of_dataloader=len(loader),
         sigmas=flux.training_sigmas(base.scheduler),
-        weighting_scheme=config.weighting_scheme, logit_mean=config.logit_mean, logit_std=config.logit_std,
-        mode_scale=config.mode_scale,
+        objective=config.flow_matching_objective(),
         guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)
 
     print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,

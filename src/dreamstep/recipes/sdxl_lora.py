@@ -1,21 +1,21 @@
 """Kohya-compatible SDXL LoRA: ``dreamstep train sdxl-lora``, taking sd-scripts' ``sdxl_train_network.py``
 flags with their meaning.
 
-Features: the dataset from a Kohya dataset TOML (``--dataset_config``: DreamBooth class+identifier,
-DreamBooth captions, fine-tuning metadata, regularization subsets, buckets) or from Kohya's folder flags
-(``--train_data_dir`` with ``<repeats>_<class tokens>`` folders, ``--reg_data_dir``, ``--in_json``); the
-``networks.lora`` network on the UNet and both text encoders with sd-scripts' key names (``--network_dim``,
-``--network_alpha``, ``--network_dropout``, ``--network_args conv_dim= conv_alpha= rank_dropout=
-module_dropout=``, ``--network_train_unet_only``, ``--network_train_text_encoder_only``,
-``--network_weights``); ε- or v-prediction (``--v_parameterization``) with ``--min_snr_gamma``,
-``--noise_offset`` + ``--adaptive_noise_scale``, multires noise, ``--prior_loss_weight``; precision
-``--mixed_precision``, ``--full_fp16``, ``--full_bf16``, ``--no_half_vae``; ``--gradient_checkpointing``;
-``--sdpa``/``--flash_attn``/``--xformers`` (all PyTorch scaled-dot-product attention); the optimizers of
-:mod:`dreamstep.engine.optim` with ``--optimizer_args``; LR schedules with warm-up; latents and text
-embeddings cached by content (exactly what encoding every step gives: the VAE posterior is cached and
-sampled each step); ``--save_every_n_steps``/``--save_every_n_epochs``; ``--save_state`` + ``--resume``
-(exact); ``--sample_prompts`` with sd-scripts' per-line options; TensorBoard and a loss curve; evaluation
-every ``--validate_every_n_steps`` (validation loss on held-out images: ``--validation_split`` or a TOML
+Features: the dataset from a Kohya dataset TOML (``--dataset_config``: DreamBooth class+identifier, DreamBooth
+captions, fine-tuning metadata, regularization subsets, buckets) or from Kohya's folder flags (``--train_data_dir``
+with ``<repeats>_<class tokens>`` folders, ``--reg_data_dir``, ``--in_json``); the ``networks.lora`` network on the
+UNet and both text encoders with sd-scripts' key names (``--network_dim``, ``--network_alpha``,
+``--network_dropout``, ``--network_args conv_dim= conv_alpha= rank_dropout= module_dropout=``,
+``--network_train_unet_only``, ``--network_train_text_encoder_only``, ``--network_weights``); ε- or v-prediction
+(``--v_parameterization``) with ``--min_snr_gamma``, ``--noise_offset`` + ``--adaptive_noise_scale``, multires
+noise, ``--ip_noise_gamma``, ``--prior_loss_weight``, ``--loss_type`` (Huber schedules),
+``--debiased_estimation_loss``; precision ``--mixed_precision``, ``--full_fp16``, ``--full_bf16``,
+``--no_half_vae``; ``--gradient_checkpointing``; ``--sdpa``/``--flash_attn``/``--xformers`` (all PyTorch
+scaled-dot-product attention); the optimizers of :mod:`dreamstep.engine.optim` with ``--optimizer_args``; LR
+schedules with warm-up; latents and text embeddings cached by content (exactly what encoding every step gives: the
+VAE posterior is cached and sampled each step); ``--save_every_n_steps``/``--save_every_n_epochs``; ``--save_state``
++ ``--resume`` (exact); ``--sample_prompts`` with sd-scripts' per-line options; TensorBoard and a loss curve;
+evaluation every ``--validate_every_n_steps`` (validation loss on held-out images: ``--validation_split`` or a TOML
 subset with ``is_validation = true``; ``--eval_metrics`` scores of the sample prompts' images).
 
 Outputs in --output_dir: ``<output_name>.safetensors`` (or ``.ckpt``) with sd-scripts' ``ss_*`` metadata,
@@ -48,6 +48,7 @@ from dreamstep.data.dataset_config import parse_resolution
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import kohya_folders_from_flags
 from dreamstep.diffusion import noise_prediction as noise_math
+from dreamstep.diffusion.losses import LossFunction
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import AnyOf, Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer, parse_optimizer_args
@@ -109,16 +110,21 @@ def build_network(config: SDXLLoraConfig, base: Any, options: NetworkOptions) ->
 # ----------------------------------------------------------------------------------------- the step
 
 class SDXLLoraStep(TrainStep):
-    """One DDPM step: noise the latents at a random timestep, predict ε (or v), weighted MSE."""
+    """One DDPM step: noise the latents at a random timestep, predict ε (or v), weighted loss (--loss_type),
+    in sd-scripts' order of draws and weights."""
 
     def __init__(self, model: nn.Module, *, noise_scheduler: Any, v_prediction: bool, min_snr_gamma: float | None,
                  noise_offset: float | None, adaptive_noise_scale: float | None, multires_iterations: int | None,
                  multires_discount: float, timestep_range: tuple[int, int], prior_loss_weight: float,
-                 **engine_options: Any):
+                 loss: LossFunction, debiased_estimation_loss: bool, ip_noise_gamma: float | None,
+                 ip_noise_gamma_random_strength: bool, **engine_options: Any):
         super().__init__(model, **engine_options)
         self.noise_scheduler = noise_scheduler
         self.prediction_type = "v_prediction" if v_prediction else "epsilon"
         self.min_snr_gamma = min_snr_gamma
+        self.loss = loss
+        self.debiased_estimation_loss = debiased_estimation_loss
+        self.input_perturbation = (ip_noise_gamma, ip_noise_gamma_random_strength)
         self.noise_offset, self.adaptive_noise_scale = noise_offset, adaptive_noise_scale
         self.multires = (multires_iterations, multires_discount)
         self.timestep_range = timestep_range
@@ -132,22 +138,33 @@ class SDXLLoraStep(TrainStep):
         if self.multires[0]:
             noise = noise_math.pyramid_noise(noise, *self.multires)
         timesteps = noise_math.sample_timesteps(latents.shape[0], *self.timestep_range, device=latents.device)
-        loss = self.per_sample_loss(self.model, batch, latents, noise, timesteps)  # (B,)
-        if self.min_snr_gamma:
+        input_noise = noise
+        if self.input_perturbation[0]:
+            input_noise = noise_math.input_perturbation(noise, *self.input_perturbation)
+        loss = self.per_sample_loss(self.model, batch, latents, noise, timesteps, input_noise)  # (B,)
+        loss = loss * torch.where(batch["is_reg"], self.prior_loss_weight, 1.0)
+        v_prediction = self.prediction_type == "v_prediction"
+        if self.min_snr_gamma or self.debiased_estimation_loss:
             snr = noise_math.snr(self.noise_scheduler.alphas_cumprod, timesteps)
-            loss = loss * noise_math.min_snr_weight(snr, self.min_snr_gamma, self.prediction_type == "v_prediction")
-        weights = torch.where(batch["is_reg"], self.prior_loss_weight, 1.0)
-        return (loss * weights).mean()
+        if self.min_snr_gamma:
+            loss = loss * noise_math.min_snr_weight(snr, self.min_snr_gamma, v_prediction)
+        if self.debiased_estimation_loss:
+            loss = loss * noise_math.debiased_estimation_weight(snr, v_prediction)
+        return loss.mean()
 
     def per_sample_loss(self, model: nn.Module, batch: dict[str, Any], latents: torch.Tensor, noise: torch.Tensor,
-                        timesteps: torch.Tensor) -> torch.Tensor:
-        """Unweighted MSE of the prediction target per sample, (B,), at the given noise and timesteps."""
+                        timesteps: torch.Tensor, input_noise: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss (--loss_type) of the prediction target per sample, (B,), at the given noise and timesteps;
+        ``input_noise`` (default: ``noise``) is what the model's input is noised with (input perturbation)."""
         # x_t = √ᾱ_t·x₀ + √(1-ᾱ_t)·ε
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        noisy = self.noise_scheduler.add_noise(latents, noise if input_noise is None else input_noise, timesteps)
         prediction = model(noisy, timesteps, batch["add_time_ids"], prompt_embeds=batch.get("prompt_embeds"),
                            pooled=batch.get("pooled"), captions=batch.get("captions"))
         target = noise_math.prediction_target(self.noise_scheduler, latents, noise, timesteps, self.prediction_type)
-        return noise_math.per_sample_mse(prediction, target)
+        per_element = self.loss.per_element(prediction, target, timesteps,
+                                            self.noise_scheduler.config.num_train_timesteps,
+                                            self.noise_scheduler.alphas_cumprod)
+        return per_element.mean(dim=tuple(range(1, per_element.ndim)))
 
     def validation_loss_at(self, batch: dict[str, Any], latents: torch.Tensor, noise: torch.Tensor,
                            fraction: float) -> torch.Tensor:
@@ -257,7 +274,9 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
         v_prediction=config.v_parameterization, min_snr_gamma=config.min_snr_gamma,
         noise_offset=config.noise_offset, adaptive_noise_scale=config.adaptive_noise_scale,
         multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
-        timestep_range=(config.min_timestep, config.max_timestep), prior_loss_weight=config.prior_loss_weight)
+        timestep_range=(config.min_timestep, config.max_timestep), prior_loss_weight=config.prior_loss_weight,
+        loss=config.loss_function(), debiased_estimation_loss=config.debiased_estimation_loss,
+        ip_noise_gamma=config.ip_noise_gamma, ip_noise_gamma_random_strength=config.ip_noise_gamma_random_strength)
     print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(network,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
