@@ -9,6 +9,7 @@ import torch
 from diffusers import FluxKontextPipeline
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
+from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.lora.inject import add_lora, flux_lora_targets
@@ -93,8 +94,8 @@ def test_one_step_has_the_reference_scripts_loss(with_condition: bool, vae_encod
     params = [p for p in pipe.transformer.parameters() if p.requires_grad]
     step = FluxKontextStep(pipe.transformer, optimizer=build_optimizer("AdamW", params, 1e-4),
                            accelerator=make_accelerator(mixed_precision="no"), max_grad_norm=1.0,
-                           sigmas=flux.training_sigmas(pipe.scheduler), weighting_scheme=weighting_scheme,
-                           logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance_scale=GUIDANCE,
+                           sigmas=flux.training_sigmas(pipe.scheduler),
+                           objective=FlowMatchingObjective(weighting_scheme=weighting_scheme), guidance_scale=GUIDANCE,
                            vae_encode_mode=vae_encode_mode)
 
     torch.manual_seed(7)

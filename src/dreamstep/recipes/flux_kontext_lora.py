@@ -154,8 +154,7 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
         length_of_dataloader=len(loader), sigmas=flux.training_sigmas(base.scheduler),
-        weighting_scheme=config.weighting_scheme, logit_mean=config.logit_mean, logit_std=config.logit_std,
-        mode_scale=config.mode_scale, vae_encode_mode=config.vae_encode_mode,
+        objective=config.flow_matching_objective(), vae_encode_mode=config.vae_encode_mode,
         guidance_scale=config.guidance_scale if transformer.config.guidance_embeds else None)
     print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(transformer,),
