@@ -265,7 +265,7 @@ def transformer_config(config: Any) -> dict[str, Any]:
 
 
 def attach_transformer(pipeline: FluxPipeline, components: Any) -> None:
-    """Put the transformer loaded after the encode phase into the pipeline assembled before it."""
+    """Put the transformer loaded after the "encode" phases into the pipeline assembled before it."""
     pipeline.register_modules(transformer=components.transformer)
 
 
@@ -316,7 +316,7 @@ def park_encoders(components: Any, device: torch.device, *, text_encoder_trains:
 
 
 def prompt_embeddings(conditioner: FluxConditioner, prompts: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """The embeddings of each distinct prompt (validation prompts, encoded in the "encode" phase)."""
+    """The embeddings of each distinct prompt (validation prompts, encoded in the "encode text" phase)."""
     return {prompt: conditioner.prompts([prompt]) for prompt in dict.fromkeys(prompts)}
 
 

@@ -102,7 +102,7 @@ def load_unet_for_training(base: Any, source: str, *, mixed_precision: str, devi
                            on_host: bool = False) -> torch.nn.Module:
     """The "load" phase: the UNet frozen in the dtype of ``mixed_precision``, its linear weights quantized as
     ``unet_quantization`` says, on ``device`` (``on_host``: left in host memory for a block swapper to place),
-    set as ``base.unet``. A single file's UNet, read in the "encode" phase, comes from host memory."""
+    set as ``base.unet``. A single file's UNet, read in the "encode" phases, comes from host memory."""
     unet = base.unet
     if unet is None:
         unet = load_sdxl_unet(source, weight_dtype=weight_dtype_for(mixed_precision),
@@ -120,7 +120,7 @@ def load_unet_for_training(base: Any, source: str, *, mixed_precision: str, devi
 
 
 def attach_unet(pipeline: StableDiffusionXLPipeline, base: Any) -> None:
-    """Put the UNet loaded after the "encode" phase into the pipeline assembled before it."""
+    """Put the UNet loaded after the "encode" phases into the pipeline assembled before it."""
     pipeline.register_modules(unet=base.unet)
     pipeline.default_sample_size = base.unet.config.sample_size  # the pipeline reads it from its UNet when built
 
@@ -315,7 +315,7 @@ def prompt_key(sample: SamplePrompt) -> tuple[str, str]:
 def sample_prompt_embeddings(pipeline: StableDiffusionXLPipeline, prompts: list[SamplePrompt]
                              ) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
     """What the pipeline encodes for each distinct sample prompt and negative prompt (for classifier-free
-    guidance; no negative prompt gives SDXL's zeros), in host memory: the "encode" phase makes them, so that
+    guidance; no negative prompt gives SDXL's zeros), in host memory: the "encode text" phase makes them, so that
     samples need no text encoder. Keys: :func:`prompt_key`; values: the pipeline's embedding arguments."""
     found = {}
     for sample in prompts:
