@@ -1,7 +1,6 @@
 """Building the diffusers pipeline that generates: FLUX.1 (``FluxPipeline``, or ``FluxControlNetPipeline``
 with a ControlNet), FLUX.1 Kontext (``FluxKontextPipeline``) or SDXL (``StableDiffusionXLPipeline`` with sd-scripts'
-Euler sampler), from a diffusers
-folder, a hub id or a single file, on the chosen device and precision.
+Euler sampler), from a diffusers folder, a hub id or a single file, on the chosen device and precision.
 """
 
 from __future__ import annotations
@@ -124,9 +123,9 @@ def keep_vae_fp32(pipe: Any) -> None:
 def build_pipeline(model_type: str, model: str, *, model_config: str | None, dtype: torch.dtype,
                    device: torch.device, no_half_vae: bool = False, controlnet: str | None = None,
                    cpu_offload: bool = False) -> Any:
-    """The pipeline for ``model_type`` ('flux', 'flux-kontext' or 'sdxl') on ``device`` in ``dtype``; ``no_half_vae`` keeps
-    the VAE in fp32 (SDXL's VAE overflows in fp16); ``cpu_offload`` moves each model to the GPU only while
-    it runs."""
+    """The pipeline for ``model_type`` ('flux', 'flux-kontext' or 'sdxl') on ``device`` in ``dtype``;
+    ``no_half_vae`` keeps the VAE in fp32 (SDXL's VAE overflows in fp16); ``cpu_offload`` moves each model to the
+    GPU only while it runs."""
     if model_config is not None and not is_single_file(model):
         raise UserError("--model_config only applies to a single-file --model; remove it (a folder or hub id "
                         "has its own configs)")
