@@ -35,6 +35,7 @@ from dreamstep.data.cache import TensorCache
 from dreamstep.data.dataset import ConditionedBatches, build_dataset, make_dataloader
 from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
 from dreamstep.diffusion import flow_matching as fm
+from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.logging import TrainingLogger
 from dreamstep.engine.loop import run_training
 from dreamstep.engine.optim import build_optimizer
@@ -115,8 +116,8 @@ def dreamstep_step(transformer: torch.nn.Module, params: list[torch.nn.Parameter
                    accelerator) -> FluxLoraStep:
     """The trainer's step at its defaults: fused AdamW, clipping at 1, uniform timesteps, guidance 3.5."""
     return FluxLoraStep(FluxLoraModel(transformer), optimizer=build_optimizer("AdamW", params, 1e-4),
-                        accelerator=accelerator, max_grad_norm=1.0, sigmas=sigmas, weighting_scheme="none",
-                        logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance_scale=3.5, prior_loss_weight=1.0)
+                        accelerator=accelerator, max_grad_norm=1.0, sigmas=sigmas, objective=FlowMatchingObjective(),
+                        guidance_scale=3.5, prior_loss_weight=1.0)
 
 
 def trainer_loop_times(pipe, step: FluxLoraStep, resolution: int, tokens: int, steps: int, warmup: int,

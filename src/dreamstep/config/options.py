@@ -8,12 +8,15 @@ required fields in any order. A group's ``check_*`` method refuses its bad combi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
+from dreamstep.config.choices import HUBER_SCHEDULES, LOSS_TYPES
 from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.schema import option, refuse_unused
-from dreamstep.diffusion.losses import HUBER_SCHEDULES, LOSS_TYPES, LossFunction
 from dreamstep.errors import UserError
+
+if TYPE_CHECKING:
+    from dreamstep.diffusion.losses import LossFunction
 
 
 @dataclass
@@ -62,6 +65,8 @@ class LossOptions:
                             "constant or exponential")
 
     def loss_function(self) -> LossFunction:
+        from dreamstep.diffusion.losses import LossFunction  # torch: not at import, so --help answers first
+
         return LossFunction(self.loss_type, self.huber_schedule, self.huber_c, self.huber_scale)
 
 

@@ -9,14 +9,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
+from dreamstep.config.choices import TIMESTEP_SAMPLINGS
 from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
 from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
 from dreamstep.config.options import LossOptions
 from dreamstep.config.schema import SEED_BOUNDS, config_to_toml, option, refuse_unused
-from dreamstep.diffusion.flow_matching import TIMESTEP_SAMPLINGS, FlowMatchingObjective
 from dreamstep.errors import UserError
+
+if TYPE_CHECKING:
+    from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 
 # diffusers' get_scheduler names (all but piecewise_constant, which needs a rule string).
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -119,6 +122,8 @@ class FluxTrainingConfig(LossOptions, EvaluationOptions):
 
     def flow_matching_objective(self) -> FlowMatchingObjective:
         """How the step draws σ and scores the prediction (diffusers' reading of the prediction)."""
+        from dreamstep.diffusion.flow_matching import FlowMatchingObjective  # torch: not at import
+
         return FlowMatchingObjective(
             weighting_scheme=self.weighting_scheme, logit_mean=self.logit_mean, logit_std=self.logit_std,
             mode_scale=self.mode_scale, timestep_sampling=self.timestep_sampling, sigmoid_scale=self.sigmoid_scale,
