@@ -37,6 +37,8 @@ from dreamstep.lora.layouts import (
     kohya_state_dict,
     modules_from_file,
 )
+from dreamstep.lora.lycoris_files import READERS, read_lycoris
+from dreamstep.lora.lycoris_network import is_lycoris
 from dreamstep.models.precision import dtype_named
 
 # --------------------------------------------------------------------------- one function per direction
@@ -253,6 +255,16 @@ def load_lora_as_diffusers(path: str | Path, model: str, configs: Mapping[str, M
     return diffusers_state_dict(modules), lora.metadata
 
 
+def refuse_lycoris(src: Path, model: str | None) -> None:
+    """One line for a LyCORIS file (LoKr, LoHa, DoRA, Tucker): no layout ``convert`` writes can hold it."""
+    lora_file = read_lora_file(src)
+    if is_lycoris(lora_file.tensors):
+        lycoris = read_lycoris(src, model, lora_file)
+        algorithms, model = "/".join(lycoris.algorithms), lycoris.model
+        raise UserError(f"{src}: a {algorithms} file in LyCORIS' layout, which no --to layout holds (they hold plain "
+                        f"LoRA); {READERS.get(model or '', 'ComfyUI and Forge')} read this file as it is")
+
+
 @dataclass
 class Converted:
     """What :func:`convert_lora` did."""
@@ -281,6 +293,7 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
     container = "mindspore" if to == "mindspore" else container_for(dst)
     if to == "mindspore" and dst.suffix.lower() != ".ckpt":
         raise UserError(f"{dst}: a MindSpore checkpoint must end in .ckpt")
+    refuse_lycoris(src, model)
     lora = read_lora(src, model)
     keys = _keys_for(lora, configs)
     if to == "mindspore" and keys.model != "sdxl":

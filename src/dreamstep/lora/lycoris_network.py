@@ -1,14 +1,15 @@
 """LoKr, LoHa, LoCon/LoRA and DoRA adapters through LyCORIS (``lycoris-lora``), named as ComfyUI, Forge and
 sd-scripts with LyCORIS read them.
 
-Why LyCORIS and not peft (measured by ``benchmarks/adapter_libraries.py``, tiny FLUX and SDXL, and at FLUX.1-dev
-and SDXL shapes on the meta device): both hold the same algorithms, and at LoKr factor 16 / LoHa rank 16 / DoRA
-rank 16 their parameter counts and CPU step times are of one order, so the file decides. LyCORIS' modules save
-exactly the tensors ComfyUI's ``weight_adapter`` and sd-scripts' ``lycoris.kohya`` read (``lokr_w1``,
-``lokr_w2_a``, ``hada_w1_a``, ``lora_down.weight``, a scalar ``alpha`` per module and ``dora_scale``), its
-arguments are the ones sd-scripts users already pass (``algo=lokr factor=16 ...``), and it reads its own files
-back (:func:`lycoris.modules.get_module`). peft's LoKr and LoHa save no alpha and no factor, and peft's DoRA
-saves ``lora_magnitude_vector``, which neither ComfyUI nor sd-scripts read. LyCORIS' network wrappers are not
+Why LyCORIS and not peft (``benchmarks/adapters.py``, one FLUX.1-dev 3072x3072 attention layer, 256 tokens, CPU,
+2026-11-25): both have the same parameters per layer (LoKr factor 16: 37,120; LoHa rank 16: 196,608; DoRA rank 16:
+101,376), and peft's training step is faster on the CPU (LoKr 1.1 vs 1.6 s, LoHa 1.0 vs 2.3 s, DoRA 0.7 vs 1.1 s:
+LyCORIS rebuilds the whole weight every forward). The files decide: LyCORIS' modules save exactly the tensors
+ComfyUI's ``weight_adapter`` and sd-scripts' ``lycoris.kohya`` read (``lokr_w1``, ``lokr_w2_a``, ``hada_w1_a``,
+``lora_down.weight``, a scalar ``alpha`` per module, ``dora_scale``), its arguments are the ones sd-scripts users
+pass (``algo=lokr factor=16 ...``), and it reads its files back (:func:`lycoris.modules.get_module`). peft's LoKr
+and LoHa save no alpha (so a reader cannot tell their scale), and peft's DoRA saves ``lora_magnitude_vector``,
+which neither ComfyUI nor sd-scripts reads. LyCORIS' network wrappers are not
 used: their presets match class names of sd-scripts' own UNet and, on diffusers' SDXL UNet, name
 ``time_embedding.linear_1`` twice and stop; so the layers are chosen here (by sd-scripts' and LyCORIS' rules,
 see :func:`sdxl_targets`) and each gets a LyCORIS module class.
@@ -31,17 +32,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lycoris.modules import LoConModule, LohaModule, LokrModule, get_module, make_module
 from torch import nn
 
 from dreamstep.errors import UserError
 from dreamstep.lora.formats import ModelKeys
 from dreamstep.lora.io import container_for, read_lora_file, write_lora_file
 
-# LyCORIS' algo names that dreamstep trains, and the module class of each.
-ALGORITHMS: dict[str, type[nn.Module]] = {"lora": LoConModule, "locon": LoConModule, "loha": LohaModule,
-                                          "lokr": LokrModule}
-ALGORITHM_NAMES = {"LoConModule": "LoRA/LoCon", "LohaModule": "LoHa", "LokrModule": "LoKr"}
+# LyCORIS' algo names that dreamstep trains, and the LyCORIS module class of each (imported when used: importing
+# lycoris takes seconds, as it imports peft and bitsandbytes, and most commands never need it).
+ALGORITHMS = {"lora": "LoConModule", "locon": "LoConModule", "loha": "LohaModule", "lokr": "LokrModule"}
+ALGORITHM_NAMES = {"LoConModule": "LoRA", "LohaModule": "LoHa", "LokrModule": "LoKr"}  # LyCORIS class -> name
+# LoHa and LoKr classes whose merge applies alpha / rank twice (see apply_lycoris).
+_DOUBLE_SCALED_MERGE = ("LohaModule", "LokrModule")
 FLUX_PREFIX = "lycoris_"
 # Tensor names only LyCORIS files have (a plain LoRA file has lora_down/lora_up/alpha or lora_A/lora_B).
 LYCORIS_SUFFIXES = (".lokr_w1", ".lokr_w1_a", ".lokr_w1_b", ".lokr_w2", ".lokr_w2_a", ".lokr_w2_b", ".lokr_t1",
@@ -254,7 +256,10 @@ class LycorisNetwork(nn.Module):
 def _module_for(name: str, layer: nn.Module, options: LycorisOptions) -> nn.Module:
     conv = isinstance(layer, nn.Conv2d) and layer.kernel_size != (1, 1)
     dim, alpha = (options.conv_rank, options.conv_alpha or options.alpha) if conv else (options.dim, options.alpha)
-    module = ALGORITHMS[options.algo](name, layer, 1.0, dim, alpha, **options.module_kwargs())
+    import lycoris.modules
+
+    module_class = getattr(lycoris.modules, ALGORITHMS[options.algo])
+    module = module_class(name, layer, 1.0, dim, alpha, **options.module_kwargs())
     return module.to(device=layer.weight.device)
 
 
@@ -281,6 +286,8 @@ def modules_from_tensors(tensors: Mapping[str, torch.Tensor], names: Mapping[str
                          source: str) -> dict[str, nn.Module]:
     """LyCORIS' own modules rebuilt from a file's tensors onto the layers ``names`` gives, by LyCORIS'
     ``get_module``/``make_module``; a module name that no layer has is a UserError naming it."""
+    from lycoris.modules import get_module, make_module
+
     module_names = sorted({key.split(".", 1)[0] for key in tensors})
     modules = {}
     for name in module_names:
@@ -299,21 +306,19 @@ def modules_from_tensors(tensors: Mapping[str, torch.Tensor], names: Mapping[str
 def apply_lycoris(tensors: Mapping[str, torch.Tensor], names: Mapping[str, tuple[str, nn.Module]], weight: float,
                   merge: bool, source: str) -> list[nn.Module]:
     """Apply a LyCORIS file to the model layers ``names`` gives, at ``weight``: merged into the weights (LyCORIS'
-    ``merge_to``) or as modules on the forward (``apply_to``). Returns the modules (kept alive by the caller)."""
+    ``merge_to``) or as modules on the forward (``apply_to``). Returns the modules.
+
+    lycoris-lora's LoHa and LoKr (3.2 to 4.1.3) apply alpha / rank twice when merging (``get_weight`` already holds it,
+    ``get_diff_weight`` multiplies again) but once on the forward, which is what trained and what ComfyUI
+    computes; so their merge is asked for ``weight / scale``. With DoRA that cannot be corrected so, and such a
+    module stays on the forward."""
     modules = list(modules_from_tensors(tensors, names, source).values())
     for module in modules:
         module.eval()
-        if merge and not (isinstance(module, LohaModule) and module.wd):
-            module.merge_to(_merge_multiplier(module, weight))
+        double_scaled = type(module).__name__ in _DOUBLE_SCALED_MERGE
+        if merge and not (double_scaled and module.wd):
+            module.merge_to(weight / module.scale if double_scaled else weight)
         else:
             module.multiplier = weight
             module.apply_to()
     return modules
-
-
-def _merge_multiplier(module: nn.Module, weight: float) -> float:
-    """The multiplier ``merge_to`` needs for the forward's delta at ``weight``. lycoris-lora 4.1.3's LoHa
-    applies alpha / rank twice when merging (``get_weight`` already holds it, ``get_diff_weight`` multiplies
-    again) but once on the forward, which is what trained; a LoHa with DoRA cannot be corrected so, and
-    stays on the forward."""
-    return weight / module.scale if isinstance(module, LohaModule) else weight
