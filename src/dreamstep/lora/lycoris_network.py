@@ -21,26 +21,28 @@ SimpleTuner writes and ComfyUI maps onto BFL's fused weights), CLIP as sd-script
 
 DoRA: LyCORIS rescales each output row by default (``wd_on_output=True``, as peft and the paper). ComfyUI and Forge
 apply such a file with the norm of the *base* row instead of the adapted one, so their weight differs slightly
-from the trained one; with ``wd_on_output=False`` (one scale per input column) both compute the same weight.
+from the trained one (``tests/lora/test_lycoris_files.py`` shows by how much). With ``wd_on_output=False`` (one
+scale per input column) both would compute the same weight, but lycoris-lora cannot read such a file back, so
+dreamstep refuses it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from dreamstep.config.lycoris import LycorisOptions
 from dreamstep.errors import UserError
 from dreamstep.lora.formats import ModelKeys
 from dreamstep.lora.io import container_for, read_lora_file, write_lora_file
 
 # LyCORIS' algo names that dreamstep trains, and the LyCORIS module class of each (imported when used: importing
 # lycoris takes seconds, as it imports peft and bitsandbytes, and most commands never need it).
-ALGORITHMS = {"lora": "LoConModule", "locon": "LoConModule", "loha": "LohaModule", "lokr": "LokrModule"}
+MODULE_CLASSES = {"lora": "LoConModule", "locon": "LoConModule", "loha": "LohaModule", "lokr": "LokrModule"}
 ALGORITHM_NAMES = {"LoConModule": "LoRA", "LohaModule": "LoHa", "LokrModule": "LoKr"}  # LyCORIS class -> name
 # LoHa and LoKr classes whose merge applies alpha / rank twice (see apply_lycoris).
 _DOUBLE_SCALED_MERGE = ("LohaModule", "LokrModule")
@@ -49,62 +51,6 @@ FLUX_PREFIX = "lycoris_"
 LYCORIS_SUFFIXES = (".lokr_w1", ".lokr_w1_a", ".lokr_w1_b", ".lokr_w2", ".lokr_w2_a", ".lokr_w2_b", ".lokr_t1",
                     ".lokr_t2", ".hada_w1_a", ".hada_w1_b", ".hada_w2_a", ".hada_w2_b", ".hada_t1", ".hada_t2",
                     ".dora_scale", ".lora_mid.weight")
-
-
-@dataclass(frozen=True)
-class LycorisOptions:
-    """One algorithm and its settings, in LyCORIS' names and with its defaults."""
-
-    algo: str = "lora"
-    dim: int = 4
-    alpha: float = 1.0
-    conv_dim: int | None = None  # 3x3 convolutions (LoCon); None: LyCORIS' default, dim
-    conv_alpha: float | None = None  # None: alpha
-    factor: int = -1  # LoKr: the Kronecker factor; -1 the most balanced split of each width
-    decompose_both: bool = False  # LoKr: also the small Kronecker factor as a low-rank product
-    full_matrix: bool = False  # LoKr: the large factor as a full matrix (no rank)
-    use_tucker: bool = False  # Tucker decomposition of convolutions
-    use_scalar: bool = False  # a trained scalar in front of the update
-    dora_wd: bool = False  # DoRA: magnitude and direction
-    wd_on_output: bool = True  # DoRA: one magnitude per output row (True) or per input column
-    rs_lora: bool = False  # scale alpha / sqrt(dim) instead of alpha / dim
-    dropout: float = 0.0  # LoRA/LoCon only
-    rank_dropout: float = 0.0
-    module_dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.algo not in ALGORITHMS:
-            raise UserError(f"algo={self.algo}: dreamstep trains {', '.join(ALGORITHMS)} with LyCORIS; "
-                            "choose one of them")
-        if self.dim < 1 or (self.conv_dim is not None and self.conv_dim < 0):
-            raise UserError(f"the adapter rank must be at least 1 (got {self.dim}, conv_dim {self.conv_dim})")
-        if self.factor == 0 or self.factor < -1:
-            raise UserError(f"factor={self.factor}: the LoKr factor is a positive width divisor, or -1 for the "
-                            "most balanced split")
-        for name in ("dropout", "rank_dropout", "module_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise UserError(f"{name}={getattr(self, name)} must be in [0, 1)")
-        if self.dora_wd and not self.wd_on_output:
-            raise UserError("wd_on_output=False: lycoris-lora cannot read such a DoRA file back (sd-scripts' "
-                            "--network_weights and generate would fail); leave wd_on_output at True")
-        if self.dropout and self.algo in ("loha", "lokr"):
-            raise UserError(f"dropout={self.dropout}: LyCORIS' {self.algo} has no plain dropout; use rank_dropout "
-                            "or module_dropout")
-
-    @property
-    def conv_rank(self) -> int:
-        return self.dim if self.conv_dim is None else self.conv_dim
-
-    def module_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of a LyCORIS module class (beyond name, layer, multiplier, rank and alpha)."""
-        return {"dropout": self.dropout, "rank_dropout": self.rank_dropout, "module_dropout": self.module_dropout,
-                "use_tucker": self.use_tucker, "use_scalar": self.use_scalar, "decompose_both": self.decompose_both,
-                "factor": self.factor, "weight_decompose": self.dora_wd, "wd_on_out": self.wd_on_output,
-                "full_matrix": self.full_matrix, "rs_lora": self.rs_lora}
-
-    def metadata(self) -> dict[str, str]:
-        """The settings as strings, for a file's header and ``lora info``."""
-        return {k: str(v) for k, v in asdict(self).items() if v is not None}
 
 
 def is_lycoris(keys: Iterable[str]) -> bool:
@@ -258,7 +204,7 @@ def _module_for(name: str, layer: nn.Module, options: LycorisOptions) -> nn.Modu
     dim, alpha = (options.conv_rank, options.conv_alpha or options.alpha) if conv else (options.dim, options.alpha)
     import lycoris.modules
 
-    module_class = getattr(lycoris.modules, ALGORITHMS[options.algo])
+    module_class = getattr(lycoris.modules, MODULE_CLASSES[options.algo])
     module = module_class(name, layer, 1.0, dim, alpha, **options.module_kwargs())
     return module.to(device=layer.weight.device)
 
@@ -277,6 +223,37 @@ def create_network(names: Mapping[str, tuple[str, nn.Module]], targets: Mapping[
     network = LycorisNetwork(modules, options)
     network.attach()
     return network
+
+
+def create_sdxl_network(unet: nn.Module, text_encoders: Mapping[str, nn.Module], options: LycorisOptions, *,
+                        train_unet: bool = True, train_text_encoder: bool = True) -> LycorisNetwork:
+    """sd-scripts' ``lycoris.kohya`` network over an SDXL UNet and its CLIP encoders ({"text_encoder": CLIP-L,
+    "text_encoder_2": CLIP-G}), with sd-scripts' names, attached."""
+    from dreamstep.lora.formats import sdxl_keys
+
+    keys = sdxl_keys(dict(unet.config), text_encoders["text_encoder"].config.num_hidden_layers,
+                     text_encoders["text_encoder_2"].config.num_hidden_layers)
+    names = file_names(keys, {"unet": unet, **text_encoders})
+    targets = sdxl_targets(unet if train_unet else None, text_encoders if train_text_encoder else {},
+                           options.preset, conv=options.conv_rank > 0)
+    return create_network(names, targets, options)
+
+
+def create_flux_network(transformer: nn.Module, targets: Iterable[str], text_encoder: nn.Module | None,
+                        text_encoder_targets: Iterable[str], options: LycorisOptions) -> LycorisNetwork:
+    """A network over the FLUX transformer's ``targets`` (module paths) and, when given, the CLIP text encoder's
+    modules whose paths end with one of ``text_encoder_targets``, attached."""
+    from dreamstep.lora.formats import flux_keys
+
+    components = {"transformer": transformer} | ({"text_encoder": text_encoder} if text_encoder is not None else {})
+    clip_layers = text_encoder.config.num_hidden_layers if text_encoder is not None else 12
+    names = file_names(flux_keys(dict(transformer.config), clip_layers), components)
+    chosen = {f"transformer.{path}": transformer.get_submodule(path) for path in targets}
+    if text_encoder is not None:
+        suffixes = tuple(text_encoder_targets)
+        chosen |= {f"text_encoder.{path}": layer for path, layer in text_encoder.named_modules()
+                   if _adaptable(layer) and path.endswith(suffixes)}
+    return create_network(names, chosen, options)
 
 
 # ------------------------------------------------------------------------------------ applying files
