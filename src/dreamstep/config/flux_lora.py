@@ -58,6 +58,10 @@ class FluxLoraConfig(LoraOptions, TextEncoderLoraOptions, ImageDataOptions, Prom
                 refuse_unused(self, ("prior_loss_weight",), "without --with_prior_preservation or --dataset_config")
         self.check_text_encoder_lora()
         self.check_lora_type()
+        if self.lora_type != "lora" and self.base_quantization != "none":
+            raise UserError(f"--base_quantization {self.base_quantization} with --lora_type {self.lora_type}: LyCORIS "
+                            "rebuilds each adapted weight every step, which dreamstep has not tested on quantized "
+                            "weights; use --base_quantization none, or --lora_type lora")
         self.check_prompt_validation()
 
     def may_hold_out_images(self) -> bool:

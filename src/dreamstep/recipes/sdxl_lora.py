@@ -8,7 +8,8 @@ DreamBooth captions, fine-tuning metadata, regularization subsets, buckets) or f
 ``--network_alpha``, ``--network_dropout``, ``--network_args conv_dim= conv_alpha= rank_dropout=
 module_dropout=``, ``--network_train_unet_only``, ``--network_train_text_encoder_only``,
 ``--network_weights``), or LyCORIS' ``lycoris.kohya`` (``--network_args algo=lokr|loha|locon|lora factor=
-preset= dora_wd= ...``: LoKr, LoHa, LoCon, DoRA) with the same names; ε- or v-prediction (``--v_parameterization``) with ``--min_snr_gamma``,
+preset= dora_wd= ...``: LoKr, LoHa, LoCon, DoRA) with the same names; ε- or v-prediction
+(``--v_parameterization``) with ``--min_snr_gamma``,
 ``--noise_offset`` + ``--adaptive_noise_scale``, multires noise, ``--prior_loss_weight``; precision
 ``--mixed_precision``, ``--full_fp16``, ``--full_bf16``, ``--no_half_vae``; ``--gradient_checkpointing``;
 ``--sdpa``/``--flash_attn``/``--xformers`` (all PyTorch scaled-dot-product attention); the optimizers of
