@@ -10,7 +10,7 @@ import pytest
 from generation_testkit import generate, lycoris_file
 from test_generate_loras import CHANGED, SAME
 
-from dreamstep.lora.lycoris_network import LycorisOptions
+from dreamstep.config.lycoris import LycorisOptions
 
 TYPES = {
     "lokr": LycorisOptions("lokr", dim=4, alpha=2.0, factor=4),

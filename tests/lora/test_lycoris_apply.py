@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from dreamstep.lora.lycoris_network import LycorisOptions, apply_lycoris, create_network
+from dreamstep.config.lycoris import LycorisOptions
+from dreamstep.lora.lycoris_network import apply_lycoris, create_network
 
 TYPES = {
     "lokr": LycorisOptions("lokr", dim=2, alpha=3.0, factor=4),

@@ -13,9 +13,10 @@ from lycoris.modules import get_module
 from lycoris_rules import comfy_load_lycoris, comfy_weight, diff_shape
 from torch import nn
 
+from dreamstep.config.lycoris import LycorisOptions
 from dreamstep.lora.formats import SDXL_UNET_CONFIG, model_keys
 from dreamstep.lora.inject import CLIP_LORA_TARGETS, flux_lora_targets
-from dreamstep.lora.lycoris_network import LycorisOptions, create_network, file_names, sdxl_targets
+from dreamstep.lora.lycoris_network import create_network, file_names, sdxl_targets
 from dreamstep.models.full_size import _build, released_configs
 
 TYPES = {

@@ -7,16 +7,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from diffusers import FluxPipeline, StableDiffusionXLPipeline
 from lora_testkit import inference_mode
 from test_cli import _error, _run
 
+from dreamstep.config.lycoris import LycorisOptions
+from dreamstep.generation.loras import LoraSpec, apply_loras
 from dreamstep.lora.formats import model_keys, pipeline_configs
 from dreamstep.lora.inject import flux_lora_targets
-from dreamstep.lora.lycoris_network import LycorisOptions, create_network, file_names, sdxl_targets
+from dreamstep.lora.lycoris_network import create_network, file_names, sdxl_targets
 
 
-def _write(pipe, model: str, options: LycorisOptions, path: Path) -> tuple[Path, int]:
+def _write(pipe, model: str, options: LycorisOptions, path: Path, noise: float = 0.0) -> tuple[Path, int]:
     """The trainers' network over the tiny pipeline, saved; and its trainable parameter count."""
     if model == "flux":
         components = {"transformer": pipe.transformer}
@@ -27,6 +30,9 @@ def _write(pipe, model: str, options: LycorisOptions, path: Path) -> tuple[Path,
         encoders = {k: v for k, v in components.items() if k != "unet"}
         targets = sdxl_targets(pipe.unet, encoders, "full", conv=options.conv_dim != 0)
     network = create_network(file_names(model_keys(model, pipeline_configs(pipe)), components), targets, options)
+    with torch.no_grad():
+        for p in network.parameters():  # as after training
+            p.add_(torch.randn_like(p) * noise)
     network.save_weights(path, None, {"ss_network_module": "lycoris.kohya"})
     network.detach()
     return path, sum(p.numel() for p in network.parameters())
@@ -77,5 +83,36 @@ def test_convert_refuses_a_lokr_in_one_line(capsys, flux_dev, tmp_path: Path) ->
     path, _ = _write(flux_dev, "flux", LycorisOptions("lokr", dim=2, alpha=1.0, factor=4), tmp_path / "k.safetensors")
     for to in ("diffusers", "kohya"):
         line = _error(capsys, "convert", "lora", path, tmp_path / "out.safetensors", "--to", to)
-        assert "a LoKr file in LyCORIS' layout, which no --to layout holds" in line and str(path) in line
+        assert f"a LoKr file in LyCORIS' layout, which --to {to} cannot hold" in line and str(path) in line
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("model", ["flux", "sdxl"])
+def test_dora_converted_to_diffusers_loads_in_diffusers_with_the_trained_layers(
+        model: str, capsys, tiny_flux_dev_dir: Path, tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    pipeline_class, folder = ((FluxPipeline, tiny_flux_dev_dir) if model == "flux"
+                              else (StableDiffusionXLPipeline, tiny_sdxl_dir))
+    torch.manual_seed(0)
+    trainer_pipe = pipeline_class.from_pretrained(folder)
+    options = LycorisOptions("lora", dim=2, alpha=1.0, conv_dim=0, dora_wd=True)
+    path, _ = _write(trainer_pipe, model, options, tmp_path / "dora.safetensors", noise=0.3)
+    out = tmp_path / "peft.safetensors"
+    code, stdout, _ = _run(capsys, "convert", "lora", path, out, "--to", "diffusers", "--base", folder)
+    assert code == 0 and f"lycoris-{model} (safetensors) -> {out}: diffusers-{model}" in stdout
+
+    in_diffusers = pipeline_class.from_pretrained(folder)
+    in_diffusers.load_lora_weights(str(out))
+    in_lycoris = pipeline_class.from_pretrained(folder)
+    apply_loras(in_lycoris, [LoraSpec(path)], model, merge=False)
+    main = "transformer" if model == "flux" else "unet"
+    changed = 0
+    for name, layer in getattr(in_lycoris, main).named_modules():
+        if not hasattr(layer, "_lycoris_wrappers"):
+            continue
+        peft_layer = getattr(in_diffusers, main).get_submodule(name)
+        x = (torch.randn(1, layer.in_channels, 4, 4) if isinstance(layer, torch.nn.Conv2d)
+             else torch.randn(2, layer.in_features))
+        with torch.no_grad():
+            torch.testing.assert_close(peft_layer(x), layer(x), rtol=1e-4, atol=1e-5, msg=name)
+            changed += int((layer(x) - layer.forward.__self__.org_forward(x)).abs().max() > 1e-3)
+    assert changed > 3

@@ -32,7 +32,8 @@ class LoraOptions:
                 "Forge load: lokr (Kronecker product), loha (Hadamard product), dora (LoRA with a trained magnitude)",
         kw_only=True)
     lokr_factor: int = option(16, "LoKr: each width splits into factor x width/factor, or the nearest divisor "
-                                  "(-1: the most balanced split); 16 as SimpleTuner", kw_only=True)
+                                  "(-1: the most balanced split); 16 as SimpleTuner", bounds="[-1, inf)",
+                               kw_only=True)
     lokr_full_matrix: bool = option(True, "LoKr: the larger Kronecker factor as a full matrix, so --rank is unused "
                                           "(SimpleTuner's default); false: a product of rank --rank", kw_only=True)
     lokr_decompose_both: bool = option(False, "LoKr: the smaller Kronecker factor as a product of rank --rank too",

@@ -5,6 +5,7 @@ report for them. Algorithms are told by LyCORIS' own rules (:func:`lycoris.modul
 from __future__ import annotations
 
 import collections
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -89,6 +90,11 @@ class LycorisFile:
     model: str | None
     modules: dict[str, LycorisModule]
     metadata: dict[str, str]
+
+    @property
+    def format(self) -> str:
+        """e.g. 'lycoris-flux'."""
+        return f"lycoris-{self.model or 'unknown'}"
 
     @property
     def algorithms(self) -> list[str]:
@@ -181,3 +187,37 @@ def report_lines(lycoris: LycorisFile, fits: str | None) -> list[str]:
         lines.append(f"  {group:<{width}}  {count}  {algorithm} ({settings}){alpha}  "
                      f"{sum(m.parameters for m in modules):,} params")
     return lines
+
+
+def dora_as_diffusers(lycoris: LycorisFile, keys: ModelKeys, shapes: Mapping[str, tuple[int, ...]]
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """A LyCORIS DoRA (or plain LoRA) file as the diffusers/PEFT layout that ``load_lora_weights`` reads into
+    peft's DoRA layers: ``<component>.<module>.lora_A.weight`` / ``.lora_B.weight`` (alpha / rank folded in) and
+    ``.lora_magnitude_vector`` (LyCORIS' ``dora_scale``, one per output row, the norm peft divides by being the
+    same one), with ``use_dora`` in the adapter header. None when a module is no plain LoRA (LoKr, LoHa,
+    Tucker, or a per-input-column DoRA), which peft cannot hold."""
+    from dreamstep.lora.layouts import LoraWeights, diffusers_adapter_metadata, fold_alpha
+
+    names = diffusers_names(keys, shapes)
+    modules, magnitudes = {}, {}
+    for name, module in lycoris.modules.items():
+        t = module.tensors
+        if module.algorithm != "LoRA" or "lora_mid.weight" in t or name not in names:
+            return None
+        down, up = t["lora_down.weight"], t["lora_up.weight"]
+        if "dora_scale" in t:
+            if t["dora_scale"].shape[0] != up.shape[0]:
+                return None
+            spatial = [1] * (down.dim() - 2)  # peft keeps a convolution's magnitudes as (1, out, 1, 1)
+            magnitudes[names[name]] = t["dora_scale"].reshape(1, -1, *spatial) if spatial else t["dora_scale"].flatten()
+        modules[names[name]] = LoraWeights(down, up, module.alpha or float(down.shape[0]))
+    folded = fold_alpha(modules)
+    tensors = {}
+    for name, m in folded.items():
+        tensors |= {f"{name}.lora_A.weight": m.down.contiguous(), f"{name}.lora_B.weight": m.up.contiguous()}
+        if name in magnitudes:
+            tensors[f"{name}.lora_magnitude_vector"] = magnitudes[name].contiguous()
+    header = json.loads(diffusers_adapter_metadata(folded)[formats.ADAPTER_METADATA_KEY])
+    components = {name.partition(".")[0] for name in magnitudes}
+    header |= {f"{component}.use_dora": True for component in components}
+    return tensors, {formats.ADAPTER_METADATA_KEY: json.dumps(header, indent=2, sort_keys=True)}
