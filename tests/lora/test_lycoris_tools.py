@@ -10,6 +10,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline, StableDiffusionXLPipeline
 from lora_testkit import inference_mode
+from safetensors.torch import load_file
 from test_cli import _error, _run
 
 from dreamstep.config.lycoris import LycorisOptions
@@ -100,19 +101,19 @@ def test_dora_converted_to_diffusers_loads_in_diffusers_with_the_trained_layers(
     code, stdout, _ = _run(capsys, "convert", "lora", path, out, "--to", "diffusers", "--base", folder)
     assert code == 0 and f"lycoris-{model} (safetensors) -> {out}: diffusers-{model}" in stdout
 
-    in_diffusers = pipeline_class.from_pretrained(folder)
+    base, in_diffusers, in_lycoris = (pipeline_class.from_pretrained(folder) for _ in range(3))
     in_diffusers.load_lora_weights(str(out))
-    in_lycoris = pipeline_class.from_pretrained(folder)
     apply_loras(in_lycoris, [LoraSpec(path)], model, merge=False)
     main = "transformer" if model == "flux" else "unet"
-    changed = 0
-    for name, layer in getattr(in_lycoris, main).named_modules():
-        if not hasattr(layer, "_lycoris_wrappers"):
-            continue
-        peft_layer = getattr(in_diffusers, main).get_submodule(name)
-        x = (torch.randn(1, layer.in_channels, 4, 4) if isinstance(layer, torch.nn.Conv2d)
-             else torch.randn(2, layer.in_features))
+    names = file_names(model_keys(model, pipeline_configs(base)), {main: getattr(base, main)})
+    modules = {key.split(".")[0] for key in load_file(path)}
+    adapted = {names[m][0].partition(".")[2] for m in modules if m in names}  # the UNet's or transformer's
+    assert len(adapted) > 3
+    for name in adapted:
+        layers = [getattr(pipe, main).get_submodule(name) for pipe in (base, in_diffusers, in_lycoris)]
+        x = (torch.randn(1, layers[0].in_channels, 4, 4) if isinstance(layers[0], torch.nn.Conv2d)
+             else torch.randn(2, layers[0].in_features))
         with torch.no_grad():
-            torch.testing.assert_close(peft_layer(x), layer(x), rtol=1e-4, atol=1e-5, msg=name)
-            changed += int((layer(x) - layer.forward.__self__.org_forward(x)).abs().max() > 1e-3)
-    assert changed > 3
+            before, peft_out, lycoris_out = (layer(x) for layer in layers)
+        torch.testing.assert_close(peft_out, lycoris_out, rtol=1e-4, atol=1e-5, msg=name)
+        assert (lycoris_out - before).abs().max() > 1e-3, name
