@@ -107,7 +107,7 @@ SDXL_PRESETS: dict[str, tuple[tuple[str, ...], bool, tuple[str, ...]]] = {
 
 
 def _layers_in(model: nn.Module, classes: tuple[str, ...]) -> dict[str, nn.Module]:
-    """Every Linear and Conv2d inside a block of one of ``classes`` (the block's own path first)."""
+    """Every Linear and Conv2d inside a block of one of ``classes``, by its path in ``model``."""
     out: dict[str, nn.Module] = {}
     for name, block in model.named_modules():
         if type(block).__name__ in classes:
