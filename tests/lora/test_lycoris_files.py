@@ -14,10 +14,11 @@ from lycoris_rules import comfy_load_lycoris, comfy_weight, diff_shape
 from torch import nn
 
 from dreamstep.config.lycoris import LycorisOptions
-from dreamstep.lora.formats import SDXL_UNET_CONFIG, model_keys
+from dreamstep.lora.formats import model_keys
 from dreamstep.lora.inject import CLIP_LORA_TARGETS, flux_lora_targets
 from dreamstep.lora.lycoris_network import create_network, file_names, sdxl_targets
 from dreamstep.models.full_size import _build, released_configs
+from dreamstep.models.published_configs import SDXL_UNET
 
 TYPES = {
     "lokr": LycorisOptions("lokr", dim=16, alpha=8.0, factor=16),
@@ -56,7 +57,7 @@ def test_full_size_files_load_in_comfyui_and_lycoris_with_every_key(model: str, 
     names, targets = (_flux if model == "flux" else _sdxl)(configs)
     network = create_network(names, targets, TYPES[kind])  # the modules move to their layers' meta device
     tensors = network.state_dict()
-    comfy_names = _comfy_flux_names() if model == "flux" else comfy_sdxl_key_map(SDXL_UNET_CONFIG)
+    comfy_names = _comfy_flux_names() if model == "flux" else comfy_sdxl_key_map(SDXL_UNET)
 
     patches, not_loaded = comfy_load_lycoris(tensors, comfy_names)
 
@@ -142,7 +143,7 @@ def test_comfyui_computes_the_trained_weight_at_full_width(model: str, kind: str
     network = create_network(names, targets, options)
     _trained(network, 1)
     tensors = network.state_dict()
-    comfy_names = _comfy_flux_names() if model == "flux" else comfy_sdxl_key_map(SDXL_UNET_CONFIG)
+    comfy_names = _comfy_flux_names() if model == "flux" else comfy_sdxl_key_map(SDXL_UNET)
     patches, not_loaded = comfy_load_lycoris(tensors, comfy_names)
     assert not_loaded == []
     by_layer = {id(layer): name for name, (_, layer) in names.items()}
