@@ -56,6 +56,7 @@ class FluxLoraConfig(LoraOptions, TextEncoderLoraOptions, ImageDataOptions, Prom
             refuse_unused(self, _PRIOR_FLAGS, "without --with_prior_preservation")
             if self.dataset_config is None:  # a dataset TOML's is_reg subsets are weighted by it
                 refuse_unused(self, ("prior_loss_weight",), "without --with_prior_preservation or --dataset_config")
+        self.check_captions(self.dataset_config is not None)
         self.check_text_encoder_lora()
         self.check_prompt_validation()
 

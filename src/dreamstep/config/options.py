@@ -8,7 +8,7 @@ required fields in any order. A group's ``check_*`` method refuses its bad combi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.schema import option, refuse_unused
@@ -81,7 +81,41 @@ class TextEncoderLoraOptions:
 
 
 @dataclass
-class ImageDataOptions:
+class CaptionAugmentationOptions:
+    """sd-scripts' caption flags: shuffled tags, tags kept in front, tag dropout and whole-caption dropout, drawn
+    per (seed, epoch, sample), so a resumed run draws the same. Every caption a run will train with, the empty
+    one of a dropped caption included, is encoded once into the text cache before training (keyed by content).
+    They set every subset of the folder flags, and are the lowest-precedence values of a dataset TOML (a subset's
+    own keys win), as in sd-scripts."""
+
+    shuffle_caption: bool = option(False, "shuffle the comma-separated tags of each caption every epoch",
+                                   kw_only=True)
+    keep_tokens: int = option(0, "with --shuffle_caption or tag dropout: keep the first N tags in place",
+                              bounds="[0, inf)", kw_only=True)
+    caption_dropout_rate: float = option(
+        0.0, "fraction of samples trained with the empty caption (its embedding cached once)", bounds="[0, 1]",
+        aliases=("proportion_empty_prompts",), kw_only=True)
+    caption_dropout_every_n_epochs: int = option(0, "train every N-th epoch with empty captions (0: never)",
+                                                 bounds="[0, inf)", kw_only=True)
+    caption_tag_dropout_rate: float = option(0.0, "drop each tag (after --keep_tokens) with this probability",
+                                             bounds="[0, 1]", kw_only=True)
+
+    def caption_flags(self) -> dict[str, Any]:
+        """The five values by their dataset TOML key."""
+        return {name: getattr(self, name) for name in CAPTION_FLAGS}
+
+    def check_captions(self, dataset_toml: bool) -> None:
+        """--keep_tokens alone has no effect, unless a dataset TOML's subsets shuffle or drop tags."""
+        if not dataset_toml and not self.shuffle_caption and self.caption_tag_dropout_rate == 0:
+            refuse_unused(self, ("keep_tokens",), "without --shuffle_caption or --caption_tag_dropout_rate")
+
+
+CAPTION_FLAGS = ("shuffle_caption", "keep_tokens", "caption_dropout_rate", "caption_dropout_every_n_epochs",
+                 "caption_tag_dropout_rate")
+
+
+@dataclass
+class ImageDataOptions(CaptionAugmentationOptions):
     """What every FLUX trainer reads its images with: a Kohya dataset TOML, or folders with these flags."""
 
     dataset_config: Optional[str] = option(None, "a Kohya dataset TOML instead of the folder flags", kw_only=True)
@@ -108,11 +142,9 @@ class PairedDataOptions(ImageDataOptions):
                                             kw_only=True)
     random_crop: bool = option(False, "crop at random (default: center crop, as diffusers' scripts do)",
                                kw_only=True)
-    proportion_empty_prompts: float = option(0.0, "fraction of samples trained with the empty prompt (drawn per "
-                                                  "seed, epoch and sample; sets every subset's caption dropout)",
-                                             bounds="[0, 1]", kw_only=True)
 
     def check_paired_data(self) -> None:
+        self.check_captions(self.dataset_config is not None)
         flags_given = any(v is not None for v in (self.train_data_dir, self.jsonl_for_train))
         if self.dataset_config is None and not flags_given:
             raise UserError("give --train_data_dir with --conditioning_data_dir, --jsonl_for_train, "

@@ -162,15 +162,16 @@ def flux_lora_datasets(config: Any, class_dir: str | None) -> list[DatasetConfig
     its dataset TOML, or its instance (and class) folders, with its defaults. The dashboard's dataset check
     reads a folder through this too, so it shows what the trainer will do."""
     if config.dataset_config is not None:
-        datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
-                                                                   "train_batch_size": config.train_batch_size})
+        datasets = load_dataset_config(config.dataset_config, cli={
+            "resolution": config.resolution, "train_batch_size": config.train_batch_size, **config.caption_flags()})
         require_methods(datasets, ("dreambooth", "finetune"), "train flux-lora")
         return datasets
-    dataset = dreambooth_from_flags(
+    dataset = with_caption_flags(dreambooth_from_flags(
         config.instance_data_dir, config.instance_prompt, caption_extension=config.caption_extension,
         class_data_dir=class_dir, class_prompt=config.class_prompt if class_dir else None,
         buckets=bucket_spec(config.resolution), center_crop=config.center_crop,
-        random_flip=config.random_flip, repeats=config.repeats, batch_size=config.train_batch_size)
+        random_flip=config.random_flip, repeats=config.repeats, batch_size=config.train_batch_size),
+        config.caption_flags())
     if config.validation_data_dir is not None:
         dataset = with_validation_folder(dataset, config.validation_data_dir)
     return [dataset]
@@ -180,10 +181,10 @@ def paired_datasets(config: Any, methods: tuple[str, ...], command: str) -> list
     """What a trainer of image pairs trains on, from its config (a
     :class:`~dreamstep.config.options.PairedDataOptions`): its dataset TOML (subsets with
     ``conditioning_data_dir``; ``methods`` are the TOML methods ``command`` takes), or its folder / JSONL
-    flags; with ``--proportion_empty_prompts`` as every subset's caption dropout."""
+    flags; with the caption flags (:class:`~dreamstep.config.options.CaptionAugmentationOptions`)."""
     if config.dataset_config is not None:
-        datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
-                                                                   "train_batch_size": config.train_batch_size})
+        datasets = load_dataset_config(config.dataset_config, cli={
+            "resolution": config.resolution, "train_batch_size": config.train_batch_size, **config.caption_flags()})
         require_methods(datasets, methods, command)
     else:
         datasets = [controlnet_from_flags(
@@ -192,14 +193,12 @@ def paired_datasets(config: Any, methods: tuple[str, ...], command: str) -> list
             default_caption=config.default_caption, buckets=bucket_spec(config.resolution),
             center_crop=not config.random_crop, random_flip=config.random_flip, repeats=config.repeats,
             batch_size=config.train_batch_size)]
-    return [with_caption_dropout(d, config.proportion_empty_prompts) for d in datasets]
+        datasets = [with_caption_flags(d, config.caption_flags()) for d in datasets]
+    return datasets
 
 
-def with_caption_dropout(dataset: DatasetConfig, proportion: float) -> DatasetConfig:
-    """``dataset`` with every subset's caption dropout at ``proportion`` (diffusers' --proportion_empty_prompts):
-    drawn per (seed, epoch, sample), so a resumed run drops the same captions."""
-    if proportion == 0.0:
-        return dataset
-    subsets = tuple(dataclasses.replace(s, captions=dataclasses.replace(s.captions, caption_dropout_rate=proportion))
-                    for s in dataset.subsets)
+def with_caption_flags(dataset: DatasetConfig, flags: dict[str, Any]) -> DatasetConfig:
+    """``dataset`` with every subset's caption options set by the caption flags (sd-scripts' names, e.g.
+    ``caption_dropout_rate``): the draws are made per (seed, epoch, sample), so a resumed run draws the same."""
+    subsets = tuple(dataclasses.replace(s, captions=dataclasses.replace(s.captions, **flags)) for s in dataset.subsets)
     return dataclasses.replace(dataset, subsets=subsets)

@@ -9,15 +9,16 @@ of pairs (``--train_data_dir`` + ``--conditioning_data_dir``, same-named files, 
 ``--caption_extension`` files), a ``metadata.jsonl`` with ``image``, ``conditioning_image`` and ``text``
 (``--jsonl_for_train``, or found in ``--train_data_dir``), or a Kohya dataset TOML whose subsets have
 ``conditioning_data_dir``; every pair is checked before a model loads. Text embeddings cached; target and control
-latents cached (except random crops of images larger than their bucket); ``--proportion_empty_prompts``; SD3
-timestep sampling / weighting, sd-scripts' ``--timestep_sampling`` and ``--loss_type``; guidance for
-guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. Precision: frozen weights in
-``--mixed_precision``, ControlNet weights fp32 with half-precision compute, or with ``--controlnet_weights_dtype
-bf16`` bf16 weights and an AdamW whose math is fp32 with stochastic rounding (12 instead of 16 bytes of trainable
-state per parameter). Resumable checkpoints, validation grids through diffusers' ``FluxControlNetPipeline`` (control
-image beside the results), TensorBoard, a loss curve PNG; evaluation at the validation points (validation loss on
-held-out pairs: --validation_split or a TOML subset with is_validation; --eval_metrics edge,clip_t,...: the samples'
-edge agreement with edge-map controls).
+latents cached (except random crops of images larger than their bucket); caption dropout
+(``--caption_dropout_rate``, alias ``--proportion_empty_prompts``) and sd-scripts' caption flags; SD3 timestep
+sampling / weighting, sd-scripts' ``--timestep_sampling`` and ``--loss_type``; guidance for guidance-distilled
+bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. Precision: frozen weights in ``--mixed_precision``,
+ControlNet weights fp32 with half-precision compute, or with ``--controlnet_weights_dtype bf16`` bf16 weights and an
+AdamW whose math is fp32 with stochastic rounding (12 instead of 16 bytes of trainable state per parameter).
+Resumable checkpoints, validation grids through diffusers' ``FluxControlNetPipeline`` (control image beside the
+results), TensorBoard, a loss curve PNG; evaluation at the validation points (validation loss on held-out pairs:
+--validation_split or a TOML subset with is_validation; --eval_metrics edge,clip_t,...: the samples' edge agreement
+with edge-map controls).
 
 Outputs in --output_dir: ``config.json`` + ``diffusion_pytorch_model.safetensors`` (what
 ``FluxControlNetModel.from_pretrained`` loads), ``samples/``, ``loss_curve.png``, ``metrics.csv`` and

@@ -9,9 +9,9 @@ UNet and both text encoders with sd-scripts' key names (``--network_dim``, ``--n
 ``--network_train_unet_only``, ``--network_train_text_encoder_only``, ``--network_weights``); ε- or v-prediction
 (``--v_parameterization``) with ``--min_snr_gamma``, ``--noise_offset`` + ``--adaptive_noise_scale``, multires
 noise, ``--ip_noise_gamma``, ``--prior_loss_weight``, ``--loss_type`` (Huber schedules),
-``--debiased_estimation_loss``; precision ``--mixed_precision``, ``--full_fp16``, ``--full_bf16``,
-``--no_half_vae``; ``--gradient_checkpointing``; ``--sdpa``/``--flash_attn``/``--xformers`` (all PyTorch
-scaled-dot-product attention); the optimizers of :mod:`dreamstep.engine.optim` with ``--optimizer_args``; LR
+``--debiased_estimation_loss``; sd-scripts' caption flags; precision ``--mixed_precision``, ``--full_fp16``,
+``--full_bf16``, ``--no_half_vae``; ``--gradient_checkpointing``; ``--sdpa``/``--flash_attn``/``--xformers`` (all
+PyTorch scaled-dot-product attention); the optimizers of :mod:`dreamstep.engine.optim` with ``--optimizer_args``; LR
 schedules with warm-up; latents and text embeddings cached by content (exactly what encoding every step gives: the
 VAE posterior is cached and sampled each step); ``--save_every_n_steps``/``--save_every_n_epochs``; ``--save_state``
 + ``--resume`` (exact); ``--sample_prompts`` with sd-scripts' per-line options; TensorBoard and a loss curve;
@@ -46,7 +46,7 @@ from dreamstep.data import (
 from dreamstep.data.cache import remove_caches
 from dreamstep.data.dataset_config import parse_resolution
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
-from dreamstep.data.sources import kohya_folders_from_flags
+from dreamstep.data.sources import kohya_folders_from_flags, with_caption_flags
 from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.diffusion.losses import LossFunction
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
@@ -78,7 +78,7 @@ def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
     cli = {k: getattr(config, k) for k in ("resolution", "train_batch_size", "enable_bucket", "min_bucket_reso",
                                            "max_bucket_reso", "bucket_reso_steps", "bucket_no_upscale")}
     if config.dataset_config is not None:
-        datasets = load_dataset_config(config.dataset_config, cli=cli)
+        datasets = load_dataset_config(config.dataset_config, cli={**cli, **config.caption_flags()})
         require_methods(datasets, ("dreambooth", "finetune"), "train sdxl-lora")
         return datasets
     if config.resolution is None:
@@ -86,9 +86,10 @@ def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
     buckets = bucket_spec(parse_resolution(config.resolution, "--resolution"), bool(config.enable_bucket),
                           **{k: v for k, v in cli.items()
                              if k.endswith(("reso", "steps", "upscale")) and v is not None})
-    return [kohya_folders_from_flags(config.train_data_dir, reg_data_dir=config.reg_data_dir, in_json=config.in_json,
-                                     caption_extension=config.caption_extension, buckets=buckets,
-                                     batch_size=config.train_batch_size)]
+    dataset = kohya_folders_from_flags(config.train_data_dir, reg_data_dir=config.reg_data_dir, in_json=config.in_json,
+                                       caption_extension=config.caption_extension, buckets=buckets,
+                                       batch_size=config.train_batch_size)
+    return [with_caption_flags(dataset, config.caption_flags())]
 
 
 def build_network(config: SDXLLoraConfig, base: Any, options: NetworkOptions) -> LoRANetwork:
