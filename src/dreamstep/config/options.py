@@ -66,6 +66,36 @@ class LossOptions:
 
 
 @dataclass
+class EmaOptions:
+    """An exponential moving average of the trained weights (LoRA or ControlNet), as ai-toolkit, SimpleTuner and
+    OneTrainer keep one, with diffusers' EMAModel (:mod:`dreamstep.engine.ema`)."""
+
+    ema_decay: Optional[float] = option(None, "keep an EMA of the trained weights with this decay (e.g. 0.999; "
+                                              "warmed up from 0 as diffusers does); saved as a second file",
+                                        bounds="(0, 1)", kw_only=True)
+    ema_update_every: int = option(1, "update the EMA every N optimizer steps", bounds="[1, inf)", kw_only=True)
+    ema_warmup_power: Optional[float] = option(None, "warm the decay up as 1 - (1 + n)^-power (2/3 for long runs, "
+                                                     "3/4 for short; default: (1 + n) / (10 + n))",
+                                               bounds="(0, inf)", kw_only=True)
+    ema_on_cpu: bool = option(False, "keep the EMA in host memory (small cards; each update waits for the "
+                                     "device)", kw_only=True)
+    ema_validation: bool = option(True, "with --ema_decay: samples and evaluation use the EMA weights",
+                                  kw_only=True)
+
+    def check_ema(self) -> None:
+        if self.ema_decay is None:
+            refuse_unused(self, ("ema_update_every", "ema_warmup_power", "ema_on_cpu", "ema_validation"),
+                          "without --ema_decay")
+
+    def ema_options(self) -> dict[str, Any] | None:
+        """The average's settings as :class:`~dreamstep.engine.ema.WeightAverage` takes them; ``None``: no EMA."""
+        if self.ema_decay is None:
+            return None
+        return {"decay": self.ema_decay, "update_every": self.ema_update_every,
+                "warmup_power": self.ema_warmup_power, "on_cpu": self.ema_on_cpu}
+
+
+@dataclass
 class TextEncoderLoraOptions:
     """A LoRA on the CLIP text encoder beside the transformer's, with its own optimizer group."""
 

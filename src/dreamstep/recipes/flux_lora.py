@@ -6,15 +6,16 @@ transformer (``--lora_layers``: attention (default), attention+ff, all-linear, o
 the CLIP text encoder; sd-scripts' caption flags (shuffle, keep_tokens, tag and caption dropout); flow-matching loss
 with the SD3 timestep samplers / weightings, sd-scripts' ``--timestep_sampling`` and ``--loss_type`` (Huber);
 guidance for guidance-distilled bases; mixed precision (frozen weights in --mixed_precision, LoRA weights fp32);
-latents and text embeddings cached by content; resumable checkpoints; validation grids; TensorBoard; a loss curve
-PNG; evaluation at the validation points (a deterministic validation loss on held-out images: --validation_split,
---validation_data_dir; DreamBooth's DINO / CLIP-I / CLIP-T of the validation samples: --eval_metrics) with the best
-step named at the end.
+latents and text embeddings cached by content; an EMA of the LoRA weights (``--ema_decay``); resumable checkpoints;
+validation grids; TensorBoard; a loss curve PNG; evaluation at the validation points (a deterministic validation
+loss on held-out images: --validation_split, --validation_data_dir; DreamBooth's DINO / CLIP-I / CLIP-T of the
+validation samples: --eval_metrics) with the best step named at the end.
 
 Outputs in --output_dir: ``pytorch_lora_weights.safetensors`` (diffusers layout, adapter config in the
 header), with --save_kohya_format also ``pytorch_lora_weights_kohya.safetensors`` (sd-scripts names),
-``samples/``, ``loss_curve.png``, with evaluation ``metrics.csv`` and ``metrics.png``, TensorBoard event
-files, ``checkpoint-N/``, ``cache/`` and ``config.toml``.
+with --ema_decay ``pytorch_lora_weights_ema.safetensors`` (the EMA weights), ``samples/``, ``loss_curve.png``,
+with evaluation ``metrics.csv`` and ``metrics.png``, TensorBoard event files, ``checkpoint-N/``, ``cache/`` and
+``config.toml``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import IMAGE_EXTENSIONS
 from dreamstep.data.sources import flux_lora_datasets
+from dreamstep.engine.ema import validation_weights, weight_average, with_average
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
@@ -181,9 +183,10 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
                                       total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
+    ema = weight_average(model, config.ema_options())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = FluxLoraStep(
-        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
+        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
         length_of_dataloader=len(loader), sigmas=flux.training_sigmas(base.scheduler),
         objective=config.flow_matching_objective(), prior_loss_weight=config.prior_loss_weight,
@@ -209,8 +212,9 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                      score=(lambda _, images: evaluator(images, prompts)) if evaluator is not None else None,
                      sample_every=Every(config.validation_steps or None), sample_first=evaluator is not None,
                      checkpoint_every=Every(config.checkpointing_steps or None),
-                     checkpoints_total_limit=config.checkpoints_total_limit)
-    result = fit(run, step, batches, total_steps=plan.total_steps, trained=trained, hooks=hooks,
+                     checkpoints_total_limit=config.checkpoints_total_limit,
+                     validation_weights=validation_weights(ema, config.ema_validation))
+    result = fit(run, step, batches, total_steps=plan.total_steps, trained=with_average(trained, ema), hooks=hooks,
                  on_nonfinite_loss=config.on_nonfinite_loss,
                  max_skipped_steps_fraction=config.max_skipped_steps_fraction, logging_steps=config.logging_steps)
 
@@ -218,6 +222,10 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
     written = {}
     if run.is_main_process:
         written["LoRA (diffusers)"] = save_flux_lora(config.output_dir, base.transformer, text_encoder)
+        if ema is not None:
+            with ema.swapped_in():
+                written["LoRA (EMA)"] = save_flux_lora(config.output_dir, base.transformer, text_encoder,
+                                                       weight_name=EMA_WEIGHT_NAME)
         if config.save_kohya_format:
             kohya_path = Path(config.output_dir) / KOHYA_WEIGHT_NAME
             convert_lora(written["LoRA (diffusers)"], kohya_path, to="kohya", model="flux", overwrite=True)
@@ -226,6 +234,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
 
 
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
+EMA_WEIGHT_NAME = "pytorch_lora_weights_ema.safetensors"
 
 
 def _generate_class_images(config: FluxLoraConfig, class_dir: str, device: torch.device) -> None:
