@@ -23,7 +23,8 @@ LOSS = {"loss_type": "l2", "huber_schedule": "snr", "huber_c": 0.1, "huber_scale
         "ema_update_every": 1, "ema_warmup_power": None, "ema_on_cpu": False, "ema_validation": True}
 FLUX = {**LOSS, "timestep_sampling": "sigma", "sigmoid_scale": 1.0, "discrete_flow_shift": 3.0}
 SDXL = {**LOSS, "debiased_estimation_loss": False, "ip_noise_gamma": None, "ip_noise_gamma_random_strength": False}
-DEFAULTS = {FluxLoraConfig: FLUX, FluxControlNetConfig: FLUX, SDXLLoraConfig: SDXL}
+DEFAULTS = {FluxLoraConfig: {**FLUX, "masked_loss": False}, FluxControlNetConfig: FLUX,
+            SDXLLoraConfig: {**SDXL, "masked_loss": False}}
 
 
 def _config(config_class: type, **values):

@@ -88,3 +88,38 @@ def test_flux_controlnet_saves_its_ema_as_a_controlnet_that_diffusers_loads(tiny
     ema = FluxControlNetModel.from_pretrained(out / "ema")
     differs = [not torch.equal(a, b) for a, b in zip(raw.state_dict().values(), ema.state_dict().values())]
     assert ema.state_dict().keys() == raw.state_dict().keys() and any(differs)
+
+
+def test_masked_loss_trains_flux_lora_on_alpha_masks_and_sdxl_lora_on_a_mask_folder(
+        tiny_flux_dir: Path, tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    from PIL import Image
+    from sdxl_testkit import write_images
+
+    flux_images = tmp_path / "flux"
+    flux_images.mkdir()
+    for i in range(2):
+        image = Image.new("RGBA", (32, 32), (0, 0, 0, 0))
+        image.paste((200, 40, 40, 255), (0, 0, 16, 32))  # only the left half is the subject
+        image.save(flux_images / f"{i}.png")
+    flux_toml = tmp_path / "flux.toml"
+    flux_toml.write_text(f"[[datasets]]\nresolution = 32\n[[datasets.subsets]]\nimage_dir = "
+                         f"'{flux_images.as_posix()}'\nclass_tokens = 'sks'\nalpha_mask = true\n")
+    assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dir, "--output_dir",
+                   tmp_path / "flux-out", "--dataset_config", flux_toml, "--masked_loss", "--max_train_steps", "2",
+                   "--report_to", "none", "--checkpointing_steps", "0") == 0
+
+    sdxl_images, masks = tmp_path / "sdxl", tmp_path / "masks"
+    masks.mkdir()
+    for path in write_images(sdxl_images, count=2):
+        mask = Image.new("L", (64, 64), 0)
+        mask.paste(255, (0, 0, 32, 64))
+        mask.save(masks / path.name)
+    sdxl_toml = tmp_path / "sdxl.toml"
+    sdxl_toml.write_text(f"[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "
+                         f"'{sdxl_images.as_posix()}'\nclass_tokens = 'sks'\n"
+                         f"conditioning_data_dir = '{masks.as_posix()}'\n")
+    out = tmp_path / "sdxl-out"
+    assert run_cli("train", "sdxl-lora", "--pretrained_model_name_or_path", tiny_sdxl_dir, "--dataset_config",
+                   sdxl_toml, "--output_dir", out, "--masked_loss", "--max_train_steps", "2", "--log_with",
+                   "none") == 0
+    assert _resolved(out)["masked_loss"] is True and (out / "last.safetensors").is_file()

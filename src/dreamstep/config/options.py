@@ -96,6 +96,20 @@ class EmaOptions:
 
 
 @dataclass
+class MaskedLossOptions:
+    """sd-scripts' ``--masked_loss`` (:mod:`dreamstep.data.masks`): the masks come from a dataset TOML."""
+
+    masked_loss: bool = option(False, "weight the loss by each image's mask: its alpha channel (alpha_mask = true "
+                                      "in a dataset TOML subset) or the same-named image of the subset's "
+                                      "conditioning_data_dir; black regions train nothing", kw_only=True)
+
+    def check_masked_loss(self, dataset_toml: bool) -> None:
+        if self.masked_loss and not dataset_toml:
+            raise UserError("--masked_loss reads its masks from a dataset TOML (alpha_mask = true, or "
+                            "conditioning_data_dir in each subset); give --dataset_config")
+
+
+@dataclass
 class TextEncoderLoraOptions:
     """A LoRA on the CLIP text encoder beside the transformer's, with its own optimizer group."""
 

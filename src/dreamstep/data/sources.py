@@ -31,6 +31,7 @@ from dreamstep.data.dataset_config import (
     require_methods,
 )
 from dreamstep.data.images import list_images
+from dreamstep.data.masks import refuse_alpha_masks_without_masked_loss, with_masks
 from dreamstep.errors import UserError
 
 
@@ -164,8 +165,7 @@ def flux_lora_datasets(config: Any, class_dir: str | None) -> list[DatasetConfig
     if config.dataset_config is not None:
         datasets = load_dataset_config(config.dataset_config, cli={
             "resolution": config.resolution, "train_batch_size": config.train_batch_size, **config.caption_flags()})
-        require_methods(datasets, ("dreambooth", "finetune"), "train flux-lora")
-        return datasets
+        return masked_datasets(datasets, config.masked_loss, "train flux-lora")
     dataset = with_caption_flags(dreambooth_from_flags(
         config.instance_data_dir, config.instance_prompt, caption_extension=config.caption_extension,
         class_data_dir=class_dir, class_prompt=config.class_prompt if class_dir else None,
@@ -175,6 +175,17 @@ def flux_lora_datasets(config: Any, class_dir: str | None) -> list[DatasetConfig
     if config.validation_data_dir is not None:
         dataset = with_validation_folder(dataset, config.validation_data_dir)
     return [dataset]
+
+
+def masked_datasets(datasets: list[DatasetConfig], masked_loss: bool, command: str) -> list[DatasetConfig]:
+    """A LoRA trainer's TOML datasets: DreamBooth or fine-tuning ones; with ``--masked_loss`` each subset's masks
+    set (:func:`~dreamstep.data.masks.with_masks`; a dataset with ``conditioning_data_dir`` holds masks then)."""
+    if not masked_loss:
+        require_methods(datasets, ("dreambooth", "finetune"), command)
+        refuse_alpha_masks_without_masked_loss(datasets)
+        return datasets
+    require_methods(datasets, ("dreambooth", "finetune", "controlnet"), command)
+    return [with_masks(d) for d in datasets]
 
 
 def paired_datasets(config: Any, methods: tuple[str, ...], command: str) -> list[DatasetConfig]:

@@ -43,14 +43,13 @@ from dreamstep.data import (
     DatasetConfig,
     bucket_spec,
     load_dataset_config,
-    require_methods,
 )
 from dreamstep.data.cache import remove_caches
 from dreamstep.data.dataset_config import parse_resolution
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
-from dreamstep.data.sources import kohya_folders_from_flags, with_caption_flags
+from dreamstep.data.sources import kohya_folders_from_flags, masked_datasets, with_caption_flags
 from dreamstep.diffusion import noise_prediction as noise_math
-from dreamstep.diffusion.losses import LossFunction
+from dreamstep.diffusion.losses import LossFunction, masked
 from dreamstep.engine.ema import validation_weights, weight_average, with_average
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import AnyOf, Every
@@ -82,8 +81,7 @@ def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
                                            "max_bucket_reso", "bucket_reso_steps", "bucket_no_upscale")}
     if config.dataset_config is not None:
         datasets = load_dataset_config(config.dataset_config, cli={**cli, **config.caption_flags()})
-        require_methods(datasets, ("dreambooth", "finetune"), "train sdxl-lora")
-        return datasets
+        return masked_datasets(datasets, config.masked_loss, "train sdxl-lora")
     if config.resolution is None:
         raise UserError("--resolution is required with --train_data_dir (e.g. --resolution 1024,1024)")
     buckets = bucket_spec(parse_resolution(config.resolution, "--resolution"), bool(config.enable_bucket),
@@ -168,6 +166,8 @@ class SDXLLoraStep(TrainStep):
         per_element = self.loss.per_element(prediction, target, timesteps,
                                             self.noise_scheduler.config.num_train_timesteps,
                                             self.noise_scheduler.alphas_cumprod)
+        if "masks" in batch:  # --masked_loss: a black region of the image contributes nothing
+            per_element = masked(per_element, batch["masks"])
         return per_element.mean(dim=tuple(range(1, per_element.ndim)))
 
     def validation_loss_at(self, batch: dict[str, Any], latents: torch.Tensor, noise: torch.Tensor,
