@@ -20,7 +20,7 @@ from dreamstep.notices import hide_known_notices
 
 hide_known_notices()
 
-from dreamstep.models.tiny import SINGLE_FILE_NAME, write_tiny_model
+from dreamstep.models.tiny import SINGLE_FILE_NAME, write_tiny_model  # noqa: E402  (after the notices are hidden)
 
 # Two cores on the CI machine, shared by two pytest-xdist workers: one thread each avoids oversubscription
 # (tiny models gain nothing from intra-op threads). A fixed count also keeps float results reproducible.
@@ -49,6 +49,12 @@ def tiny_flux_dev_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny guidance-distilled FLUX.1 pipeline folder (like FLUX.1-dev)."""
     return write_tiny_model("flux", tmp_path_factory.mktemp("tiny") / "flux-dev", seed=0,
                             guidance_embeds=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_kontext_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny FLUX.1 Kontext [dev] pipeline folder (a FluxKontextPipeline)."""
+    return write_tiny_model("flux-kontext", tmp_path_factory.mktemp("tiny") / "flux-kontext", seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from dreamstep.config.flux_controlnet import FluxControlNetConfig
+from dreamstep.config.flux_kontext_lora import FluxKontextLoraConfig
 from dreamstep.config.flux_lora import FluxLoraConfig
 from dreamstep.config.schema import build_config, load_toml
 from dreamstep.config.sdxl_lora import SDXLLoraConfig
@@ -14,7 +15,7 @@ from dreamstep.data.dataset_config import parse_dataset_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TRAINING_SCHEMAS = {"demo_flux_lora": FluxLoraConfig, "flux_controlnet": FluxControlNetConfig,
-                    "sdxl_lora": SDXLLoraConfig}
+                    "flux_kontext_lora": FluxKontextLoraConfig, "sdxl_lora": SDXLLoraConfig}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)

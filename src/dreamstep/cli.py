@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from dreamstep.command_end import command_failed
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.notices import hide_known_notices, hide_transformers_progress_bars
 
@@ -40,9 +41,15 @@ COMMANDS: dict[tuple[str, ...], Command] = {
     ("train", "flux-controlnet"): Command(
         "ControlNet for FLUX.1", "dreamstep.recipes.flux_controlnet:train",
         "dreamstep.config.flux_controlnet:FluxControlNetConfig"),
+    ("train", "flux-kontext-lora"): Command(
+        "FLUX.1 Kontext LoRA: image editing from before/after pairs", "dreamstep.recipes.flux_kontext_lora:train",
+        "dreamstep.config.flux_kontext_lora:FluxKontextLoraConfig"),
     ("generate", "flux"): Command(
         "generate images with FLUX.1 (+ LoRAs, ControlNet)", "dreamstep.commands.generate:run",
         "dreamstep.config.generate:FluxGenerateConfig"),
+    ("generate", "flux-kontext"): Command(
+        "edit an image with FLUX.1 Kontext (+ LoRAs)", "dreamstep.commands.generate:run",
+        "dreamstep.config.generate:FluxKontextGenerateConfig"),
     ("generate", "sdxl"): Command(
         "generate images with SDXL (+ LoRAs)", "dreamstep.commands.generate:run",
         "dreamstep.config.generate:SdxlGenerateConfig"),
@@ -55,9 +62,11 @@ COMMANDS: dict[tuple[str, ...], Command] = {
     ("plan",): Command(
         "estimate a LoRA run's peak device memory and what fits a card", "dreamstep.commands.plan"),
     ("tiny-model",): Command(
-        "write a tiny random FLUX or SDXL pipeline for offline tests", "dreamstep.commands.tiny_model"),
+        "write a tiny random FLUX, FLUX Kontext or SDXL pipeline for offline tests", "dreamstep.commands.tiny_model"),
     ("eval", "flux"): Command(
         "score FLUX LoRAs / ControlNets / checkpoints against the base model", "dreamstep.commands.evaluate"),
+    ("eval", "flux-kontext"): Command(
+        "score FLUX.1 Kontext LoRAs / checkpoints against the base model", "dreamstep.commands.evaluate"),
     ("eval", "sdxl"): Command(
         "score SDXL LoRAs / checkpoints against the base model", "dreamstep.commands.evaluate"),
     ("dashboard",): Command(
@@ -175,9 +184,7 @@ def _run_to_end(key: tuple[str, ...], command: Command, args: list[str]) -> None
     try:
         _run(key, command, args)
     except BaseException as error:
-        run_module = sys.modules.get("dreamstep.engine.run")
-        if run_module is not None:
-            run_module.end_unfinished_run(str(error).split("\n")[0] or type(error).__name__)
+        command_failed(str(error).split("\n")[0] or type(error).__name__)
         raise
     _leave_process_group()
 

@@ -95,3 +95,37 @@ def test_lora_spec_keeps_colons_of_existing_files(tmp_path: Path) -> None:
     odd.write_bytes(b"")
     assert parse_lora_spec(str(odd)) == LoraSpec(odd, 1.0)
     assert parse_lora_spec(f"{odd}:0.25") == LoraSpec(odd, 0.25)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("--prompt", "a"), "--image"),  # what FLUX.1 Kontext edits is required
+    (("--prompt", "a", "--image", "nope.png"), "--image nope.png: file not found"),
+    (("--prompt", "a", "--image", "{image}", "--negative_prompt", "b"), "unless --true_cfg_scale"),
+])
+def test_bad_kontext_flags(tiny_flux_kontext_dir: Path, tmp_path: Path, capsys, args: tuple[str, ...],
+                           expected: str) -> None:
+    from PIL import Image
+
+    image = tmp_path / "in.png"
+    Image.new("RGB", (32, 32)).save(image)
+    line = _error_line(capsys, "generate", "flux-kontext", "--model", tiny_flux_kontext_dir, "--output_dir",
+                       tmp_path / "out", *(str(a).format(image=image) for a in args))
+    assert expected in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type, extra, expected", [
+    ("flux-kontext", (), "eval flux-kontext scores edits: give --image"),
+    ("flux", ("--image", "{image}"), "--image is the image FLUX.1 Kontext edits; use eval flux-kontext"),
+])
+def test_eval_asks_for_the_image_kontext_edits(tiny_flux_kontext_dir: Path, tmp_path: Path, capsys,
+                                               model_type: str, extra: tuple[str, ...], expected: str) -> None:
+    from PIL import Image
+
+    image = tmp_path / "in.png"
+    Image.new("RGB", (32, 32)).save(image)
+    line = _error_line(capsys, "eval", model_type, "--model", tiny_flux_kontext_dir, "--weights", tmp_path,
+                       "--prompt", "a", "--metrics", "clip_t", "--output_dir", tmp_path / "out",
+                       *(str(a).format(image=image) for a in extra))
+    assert expected in line
+    assert not (tmp_path / "out").exists()

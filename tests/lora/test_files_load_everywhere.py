@@ -33,11 +33,12 @@ from dreamstep.lora.convert import (
     diffusers_state_dict,
     kohya_state_dict,
 )
-from dreamstep.lora.formats import SDXL_UNET_CONFIG, model_keys
+from dreamstep.lora.formats import model_keys
 from dreamstep.lora.inject import CLIP_LORA_TARGETS
 from dreamstep.lora.io import write_lora_file
 from dreamstep.lora.layouts import diffusers_adapter_metadata
 from dreamstep.models.full_size import weight_shapes
+from dreamstep.models.published_configs import SDXL_UNET
 
 ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")  # flux-lora's default preset
 RANK_ALPHA = [(8, 4.0), (3, 7.0)]
@@ -90,7 +91,7 @@ def _diffusers_read(pipeline_class, path: Path) -> list[Patch]:
     component its key conversion and the ``LoraConfig`` it builds from the header or the alphas; each
     module's scale is the alpha / rank peft gives it from that config. CLIP names come as transformers 5
     has them (no 'text_model.')."""
-    kwargs = ({"unet_config": FrozenDict(SDXL_UNET_CONFIG)} if pipeline_class is StableDiffusionXLPipeline
+    kwargs = ({"unet_config": FrozenDict(SDXL_UNET)} if pipeline_class is StableDiffusionXLPipeline
               else {"return_alphas": True})
     state, alphas, metadata = pipeline_class.lora_state_dict(str(path), return_lora_metadata=True, **kwargs)
     patches = []
@@ -209,7 +210,7 @@ def test_sdxl_files_give_the_trained_delta_in_sd_scripts_comfyui_and_diffusers(t
     write_lora_file(kohya_file, kohya_state_dict({keys.by_diffusers[n].kohya: m for n, m in trained.items()}), {},
                     "safetensors")
     convert_lora(kohya_file, diffusers_file, to="diffusers", model="sdxl")
-    key_map = comfy_sdxl_key_map(SDXL_UNET_CONFIG)
+    key_map = comfy_sdxl_key_map(SDXL_UNET)
     expected = _sdxl_expected(trained, key_map)
 
     kohya = load_file(kohya_file)
@@ -233,3 +234,30 @@ def test_sdxl_files_give_the_trained_delta_in_sd_scripts_comfyui_and_diffusers(t
 def _text_model(name: str) -> str:
     return name.replace("text_encoder.encoder.", "text_encoder.text_model.encoder.").replace(
         "text_encoder_2.encoder.", "text_encoder_2.text_model.encoder.")
+
+
+def test_flux_kontext_lora_maps_fully_in_comfyui_and_diffusers_at_full_size(tmp_path: Path) -> None:
+    """train flux-kontext-lora's targets (--lora_layers all-linear, which holds the default attention preset), chosen
+    as the trainer chooses them on FLUX.1 Kontext [dev]'s transformer (FLUX.1-dev's architecture) built on the meta
+    device, written in diffusers' layout then in sd-scripts' names: ComfyUI maps every key of both files, and they
+    and diffusers' FluxKontextPipeline give the trained deltas."""
+    from accelerate import init_empty_weights
+    from diffusers import FluxKontextPipeline, FluxTransformer2DModel
+
+    from dreamstep.lora.inject import flux_lora_targets
+    from dreamstep.models.full_size import released_configs
+
+    config = {k: v for k, v in released_configs("flux")["transformer"].items() if not k.startswith("_")}
+    with init_empty_weights():
+        transformer = FluxTransformer2DModel.from_config({**config, "guidance_embeds": True})
+    names = [f"transformer.{n}" for n in flux_lora_targets(transformer, ["all-linear"])]
+    trained = _random(names, weight_shapes("flux"), 4, 8.0)
+    expected = _flux_expected(trained)
+    diffusers_file, kohya = tmp_path / "diffusers.safetensors", tmp_path / "kohya.safetensors"
+    convert_lora(_diffusers_input(tmp_path, trained), diffusers_file, to="diffusers", model="flux")
+    convert_lora(diffusers_file, kohya, to="kohya", model="flux")
+    for path in (diffusers_file, kohya):
+        patches, not_loaded = comfy_load(load_file(path), comfy_flux_key_map())
+        assert not_loaded == [], path.name
+        assert_same_deltas(probe_deltas(patches), expected)
+        assert_same_deltas(_flux_on_bfl(_diffusers_read(FluxKontextPipeline, path)), expected)

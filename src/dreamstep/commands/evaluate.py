@@ -1,10 +1,11 @@
-"""``dreamstep eval flux|sdxl``: which checkpoint to keep, in numbers.
+"""``dreamstep eval flux|flux-kontext|sdxl``: which checkpoint to keep, in numbers.
 
 Scores any set of LoRA files, ``checkpoint-N`` folders, FLUX ControlNet folders and whole run folders (each
 expanded into its checkpoints and final weights), plus the base model alone as the baseline (step 0), on
 the same prompts with the same seeds: DINO and CLIP-I against the subject's images (``--instance_data_dir``),
 CLIP-T against the prompts with the identifier taken out, and for ControlNets the edge agreement with
-``--control_image``. Works on what all three trainers write.
+``--control_image``; for FLUX.1 Kontext LoRAs each prompt edits its ``--image`` (score the edits against the
+"after" images with ``--instance_data_dir``). Works on what every trainer writes.
 
 Writes into ``--output_dir``: ``scores.csv`` and ``scores.json`` (one row per candidate: label, path, step,
 scores; the JSON also names the best candidate per metric), ``<metric>.png`` (the metric over training
@@ -56,6 +57,7 @@ class EvalConfig:
     from_file: str | None = option(None, "text file with one prompt per line, instead of --prompt")
     instance_data_dir: str | None = option(None, "the subject's images (needed for dino and clip_i)")
     control_image: list[str] = option([], "ControlNet control images: one, or one per prompt")
+    image: list[str] = option([], "eval flux-kontext: the images the prompts edit: one, or one per prompt")
     metrics: list[str] = option(["dino", "clip_i", "clip_t"], "dino, clip_i, clip_t; edge for ControlNets",
                                 aliases=("eval_metrics",))
     best_by: str | None = option(None, "metric that names the best candidate (default: the first --metrics)",
@@ -91,6 +93,8 @@ class EvalConfig:
             raise UserError("dino and clip_i compare with the subject's images: give --instance_data_dir")
         if "edge" in self.metrics and not self.control_image:
             raise UserError("--metrics edge needs --control_image (an edge map)")
+        if self.image and self.control_image:
+            raise UserError("--image is what FLUX.1 Kontext edits, --control_image a ControlNet's input: give one")
         for flag in ("num_images", "batch_size", "steps", "resolution"):
             if getattr(self, flag) is not None and getattr(self, flag) < 1:
                 raise UserError(f"--{flag} must be at least 1 (got {getattr(self, flag)})")
@@ -108,17 +112,17 @@ def _prompts(config: EvalConfig) -> list[str]:
     return prompts
 
 
-def _controls(config: EvalConfig, prompts: list[str]) -> list[Image.Image | None]:
-    if not config.control_image:
+def _per_prompt(values: list[str], flag: str, prompts: list[str]) -> list[Image.Image | None]:
+    """The images of ``flag`` (control images, or the images Kontext edits), one per prompt."""
+    if not values:
         return [None] * len(prompts)
-    if len(config.control_image) not in (1, len(prompts)):
-        raise UserError(f"{len(config.control_image)} --control_image values for {len(prompts)} prompts; give one, "
-                        "or one per prompt")
+    if len(values) not in (1, len(prompts)):
+        raise UserError(f"{len(values)} {flag} values for {len(prompts)} prompts; give one, or one per prompt")
     images = []
-    for text in config.control_image:
+    for text in values:
         path = Path(text).expanduser()
         if not path.is_file():
-            raise UserError(f"--control_image {path}: file not found; check the path")
+            raise UserError(f"{flag} {path}: file not found; check the path")
         images.append(load_rgb(path))
     return images * len(prompts) if len(images) == 1 else images
 
@@ -132,18 +136,20 @@ class Generator:
         self.dtype = choose_dtype(config.dtype, self.device)
         self.pipe = build_pipeline(model_type, config.model, model_config=config.model_config, dtype=self.dtype,
                                    device=self.device)
-        distilled = model_type == "flux" and self.pipe.transformer.config.guidance_embeds
-        defaults = (28, 3.5 if distilled else 0.0) if model_type == "flux" else (30, 7.0)
+        distilled = model_type != "sdxl" and self.pipe.transformer.config.guidance_embeds
+        defaults = (28, 3.5 if distilled else 0.0) if model_type != "sdxl" else (30, 7.0)
         self.steps = config.steps or defaults[0]
         self.guidance = config.guidance_scale if config.guidance_scale is not None else defaults[1]
         self.size = config.resolution or self.pipe.default_sample_size * self.pipe.vae_scale_factor
 
     def images(self, candidate: Candidate | None, prompts: list[str], controls: list[Image.Image | None]
                ) -> list[Image.Image]:
-        pipe, with_control = self.pipe, candidate is not None and candidate.kind != "lora"
+        """``controls``: ControlNet control images, or the images Kontext edits."""
+        pipe = self.pipe
+        with_control = self.model_type == "flux-kontext" or (candidate is not None and candidate.kind != "lora")
         if candidate is not None and candidate.kind == "lora":
-            apply_loras(self.pipe, [LoraSpec(candidate.path)], self.model_type, merge=False)
-        elif with_control:
+            apply_loras(self.pipe, [LoraSpec(candidate.path)], _lora_model(self.model_type), merge=False)
+        elif candidate is not None:
             pipe = flux.assemble_pipeline(SimpleNamespace(**self.pipe.components), self._controlnet(candidate))
         try:
             return [image for prompt, control in zip(prompts, controls)
@@ -154,6 +160,8 @@ class Generator:
 
     def _generate(self, pipe: Any, prompt: str, control: Image.Image | None) -> list[Image.Image]:
         extra = {"control_image": control} if control is not None else {}
+        if self.model_type == "flux-kontext":  # the edit keeps the size asked for, not 1024² of area
+            extra = {"image": control, "max_area": self.size * self.size, "_auto_resize": False}
         out = []
         for i in range(self.config.num_images):
             generator = torch.Generator("cpu").manual_seed(self.config.seed + i)
@@ -175,26 +183,36 @@ def _model_type(key: tuple[str, ...]) -> str:
     return key[-1]
 
 
+def _lora_model(model_type: str) -> str:
+    """The model whose LoRA formats a candidate is read in: Kontext LoRAs are FLUX LoRAs."""
+    return "sdxl" if model_type == "sdxl" else "flux"
+
+
 def evaluate(config: EvalConfig, model_type: str) -> dict[str, Any]:
     """Score the baseline and every candidate; write the tables, plots and samples; return the JSON summary.
     Every candidate is read first, so a damaged file or another model's LoRA is one line before anything
     loads or is written."""
+    if model_type == "flux-kontext" and not config.image:
+        raise UserError("eval flux-kontext scores edits: give --image (the images the prompts edit)")
+    if model_type != "flux-kontext" and config.image:
+        raise UserError("--image is the image FLUX.1 Kontext edits; use eval flux-kontext, or remove it")
     with tempfile.TemporaryDirectory(prefix="dreamstep-eval-") as work_dir:  # checkpoints written as LoRA files
         candidates = find_candidates(config.weights, Path(work_dir))
         for candidate in candidates:
             if candidate.kind == "lora":
-                read_lora(candidate.path, model_type)
+                read_lora(candidate.path, _lora_model(model_type))
         return _score(config, model_type, candidates)
 
 
 def _score(config: EvalConfig, model_type: str, candidates: list[Candidate]) -> dict[str, Any]:
     out = Path(config.output_dir)
-    if model_type == "sdxl" and any(c.kind != "lora" for c in candidates):
+    if model_type != "flux" and any(c.kind != "lora" for c in candidates):
         raise UserError("ControlNets are FLUX-only here; use 'dreamstep eval flux'")
     if "edge" in config.metrics and not any(c.kind != "lora" for c in candidates):
         raise UserError("--metrics edge scores ControlNets; none of --weights is a ControlNet")
     prompts = _prompts(config)
-    controls = _controls(config, prompts)
+    controls = _per_prompt(config.image or config.control_image, "--image" if config.image else "--control_image",
+                           prompts)
     fidelity = [m for m in config.metrics if m in FIDELITY_METRICS]
     references = ([load_rgb(p) for p in list_images(Path(config.instance_data_dir), "--instance_data_dir")]
                   if config.instance_data_dir else [])

@@ -1,5 +1,6 @@
-"""``dreamstep plan flux|sdxl``: the memory plan of a LoRA run without training, e.g.
-``dreamstep plan flux --resolution 1024 --base_quantization int8 --device_memory 16GB``."""
+"""``dreamstep plan flux|flux-kontext|sdxl``: the memory plan of a LoRA run without training, e.g.
+``dreamstep plan flux --resolution 1024 --base_quantization int8 --device_memory 16GB``; ``flux-kontext`` plans a
+FLUX.1 Kontext LoRA on before/after pairs (the condition image's tokens beside the target's)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,16 @@ from pathlib import Path
 from dreamstep.config.memory import OPTIMIZER_STATE_BYTES, QUANTIZATION_MODES, parse_bytes
 from dreamstep.errors import UserError
 
-PIPELINES = {"flux": "FluxPipeline", "sdxl": "StableDiffusionXLPipeline"}
+PIPELINES = {"flux": "FluxPipeline", "flux-kontext": "FluxKontextPipeline", "sdxl": "StableDiffusionXLPipeline"}
 MAX_T5_TOKENS = 512  # FLUX.1-dev's T5 reads at most 512 tokens
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
     parser.description = ("Estimate the peak device and host memory of each phase of a FLUX.1 or SDXL LoRA run "
-                          "(encode, load, train, validate) before loading anything "
+                          "(encode images, encode text, load, train, validate) before loading anything "
                           "(full-size published configs, or a local model folder's), and say which options fit "
                           "the card.")
-    parser.add_argument("model", choices=("flux", "sdxl"), help="FLUX.1 LoRA or SDXL LoRA")
+    parser.add_argument("model", choices=tuple(PIPELINES), help="FLUX.1 LoRA, FLUX.1 Kontext LoRA or SDXL LoRA")
     parser.add_argument("--pretrained_model_name_or_path", default=None,
                         help="a local model folder to read the configs from (default: FLUX.1-dev / SDXL base 1.0)")
     parser.add_argument("--resolution", type=int, default=1024)
@@ -43,7 +44,7 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse what no run could train with, each in one line naming the flag, before anything is built."""
-    step = 16 if args.model == "flux" else 8
+    step = 8 if args.model == "sdxl" else 16
     if args.resolution < step or args.resolution % step:
         raise UserError(f"--resolution {args.resolution}: give a positive multiple of {step} "
                         f"(e.g. {max(step, round(args.resolution / step) * step)})")
@@ -81,7 +82,7 @@ def check_model_folder(source: str, model: str) -> None:
         found = json.loads(index.read_text()).get("_class_name", "?")
     except ValueError:
         raise UserError(f"{index}: not valid JSON") from None
-    if found != PIPELINES[model] and not (model == "flux" and found.startswith("Flux")):
+    if found != PIPELINES[model] and not (model.startswith("flux") and found.startswith("Flux")):
         other = next((m for m, name in PIPELINES.items() if name == found), None)
         hint = f"; plan it with 'dreamstep plan {other}'" if other else ""
         raise UserError(f"--pretrained_model_name_or_path {source}: a {found} folder, not {PIPELINES[model]}{hint}")
@@ -101,8 +102,10 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
                           text_encoder_quantization=args.text_encoder_quantization,
                           encoders_on_device=args.encoders_on_device, blocks_to_swap=args.blocks_to_swap,
                           optimizer=args.optimizer, max_sequence_length=args.max_sequence_length,
-                          validation_images=not args.no_validation_images)
-    estimator = Estimator(args.model, args.pretrained_model_name_or_path, args.rank, lora_layers=args.lora_layers)
+                          validation_images=not args.no_validation_images,
+                          image_token_multiplier=2 if args.model == "flux-kontext" else 1)
+    family = "sdxl" if args.model == "sdxl" else "flux"
+    estimator = Estimator(family, args.pretrained_model_name_or_path, args.rank, lora_layers=args.lora_layers)
     if not 0 <= args.blocks_to_swap < len(estimator.blocks):
         raise UserError(f"--blocks_to_swap {args.blocks_to_swap}: the model has {len(estimator.blocks)} blocks; "
                         f"choose 0 to {len(estimator.blocks) - 1}")

@@ -1,4 +1,4 @@
-"""``dreamstep tiny-model flux|sdxl OUT``: write a tiny random pipeline with :mod:`dreamstep.models.tiny`;
+"""``dreamstep tiny-model flux|flux-kontext|sdxl OUT``: write a tiny random pipeline with :mod:`dreamstep.models.tiny`;
 ``dreamstep tiny-model evaluators OUT``: tiny random DINO and CLIP models with :mod:`dreamstep.evaluation.tiny`."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dreamstep.config.choices import TINY_ARCHS, TINY_SDXL_SINGLE_FILE
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
-    parser.description = ("Write a tiny random FLUX.1 or SDXL pipeline folder (diffusers layout) for "
-                          "offline tests and demos; loads with FluxPipeline / "
+    parser.description = ("Write a tiny random FLUX.1, FLUX.1 Kontext or SDXL pipeline folder (diffusers "
+                          "layout) for offline tests and demos; loads with FluxPipeline / FluxKontextPipeline / "
                           "StableDiffusionXLPipeline.from_pretrained(OUT). 'evaluators' writes tiny "
                           "DINO and CLIP models for --eval_metrics.")
     parser.add_argument("arch", choices=(*TINY_ARCHS, "evaluators"),

@@ -1,4 +1,4 @@
-"""Options of ``dreamstep generate flux|sdxl``: one class per model, so each command lists and accepts
+"""Options of ``dreamstep generate flux|flux-kontext|sdxl``: one class per model, so each command lists and accepts
 only the flags that mean something for its model."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ class GenerateConfig:
     """The flags both models share."""
 
     model_type: ClassVar[str]
+    lora_model: ClassVar[str]  # the model whose LoRA formats --lora reads
     size_multiple: ClassVar[int]  # the VAE downsamples 8x; FLUX packs 2x2 latent patches on top
 
     model: str = option(help="diffusers pipeline folder, hub id, or single file (SDXL checkpoint such as "
@@ -64,6 +65,7 @@ class GenerateConfig:
 @dataclass
 class SdxlGenerateConfig(GenerateConfig):
     model_type: ClassVar[str] = "sdxl"
+    lora_model: ClassVar[str] = "sdxl"
     size_multiple: ClassVar[int] = 8
 
 
@@ -72,6 +74,7 @@ class FluxGenerateConfig(GenerateConfig):
     """FLUX adds true classifier-free guidance and a ControlNet."""
 
     model_type: ClassVar[str] = "flux"
+    lora_model: ClassVar[str] = "flux"
     size_multiple: ClassVar[int] = 16
 
     true_cfg_scale: float = option(1.0, "classifier-free guidance with --negative_prompt when > 1 "
@@ -86,6 +89,28 @@ class FluxGenerateConfig(GenerateConfig):
             raise UserError("--controlnet needs --control_image (the conditioning image)")
         if self.control_image is not None and self.controlnet is None:
             raise UserError("--control_image needs --controlnet (the ControlNet folder)")
+        if self.negative_prompt and self.true_cfg_scale <= 1.0:
+            raise UserError("--negative_prompt has no effect on FLUX unless --true_cfg_scale > 1 "
+                            "(e.g. --true_cfg_scale 4)")
+
+
+@dataclass
+class FluxKontextGenerateConfig(GenerateConfig):
+    """FLUX.1 Kontext edits --image as --prompt says."""
+
+    model_type: ClassVar[str] = "flux-kontext"
+    lora_model: ClassVar[str] = "flux"
+    size_multiple: ClassVar[int] = 16
+
+    image: str = option(help="the image to edit", kw_only=True)
+    keep_image_size: bool = option(False, "edit at the image's own size (rounded down to a multiple of 16) "
+                                          "instead of the Kontext training resolution nearest its aspect ratio",
+                                   kw_only=True)
+    true_cfg_scale: float = option(1.0, "classifier-free guidance with --negative_prompt when > 1 "
+                                        "(two transformer passes per step)", bounds="[1, inf)", kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.negative_prompt and self.true_cfg_scale <= 1.0:
             raise UserError("--negative_prompt has no effect on FLUX unless --true_cfg_scale > 1 "
                             "(e.g. --true_cfg_scale 4)")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from dreamstep.config.evaluation import EvaluationOptions
-from dreamstep.config.memory import check_compile, check_quantization, parse_bytes
+from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
 from dreamstep.config.options import CaptionAugmentationOptions, EmaOptions, LossOptions, MaskedLossOptions
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.config.training import LR_SCHEDULERS
@@ -165,6 +165,9 @@ class SDXLLoraConfig(LossOptions, CaptionAugmentationOptions, EmaOptions, Masked
             raise UserError(f"--fp8_base asks for an fp8 UNet but --base_quantization is "
                             f"{self.base_quantization}; give one of the two")
         check_quantization(self.unet_quantization, "--fp8_base" if self.fp8_base else "--base_quantization")
+        single_file = self.pretrained_model_name_or_path if Path(self.pretrained_model_name_or_path).is_file() else None
+        check_single_file_quantization(self.unet_quantization, "--base_quantization", single_file,
+                                       "--pretrained_model_name_or_path")
         check_compile(self.compile, self.unet_quantization, "--fp8_base" if self.fp8_base else "--base_quantization")
         if self.device_memory is not None:
             parse_bytes(self.device_memory, "--device_memory")

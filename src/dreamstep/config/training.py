@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
-from dreamstep.config.memory import check_compile, check_quantization, parse_bytes
+from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
 from dreamstep.config.options import EmaOptions, LossOptions
 from dreamstep.config.schema import SEED_BOUNDS, config_to_toml, option, refuse_unused
 from dreamstep.diffusion.flow_matching import TIMESTEP_SAMPLINGS, FlowMatchingObjective
@@ -147,6 +147,8 @@ class FluxTrainingConfig(LossOptions, EmaOptions, EvaluationOptions):
             raise UserError(f"--resolution must be a multiple of 16 for FLUX's 2x2 latent packing "
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
         check_quantization(self.base_quantization, "--base_quantization")
+        check_single_file_quantization(self.base_quantization, "--base_quantization", self.transformer_single_file,
+                                       "--transformer_single_file")
         check_compile(self.compile, self.base_quantization, "--base_quantization")
         check_quantization(self.text_encoder_quantization, "--text_encoder_quantization")
         if self.device_memory is not None:

@@ -1,11 +1,11 @@
-"""``dreamstep generate flux|sdxl``: images from FLUX.1 or SDXL with any number of LoRAs and, for FLUX, a
-ControlNet, through diffusers' pipelines.
+"""``dreamstep generate flux|flux-kontext|sdxl``: images from FLUX.1 or SDXL with any number of LoRAs and, for
+FLUX, a ControlNet, through diffusers' pipelines; FLUX.1 Kontext edits ``--image``.
 
 Features: a diffusers folder, hub id or single-file ``--model`` (``--model_config`` supplies the rest of a
 single file's pipeline); ``--prompt`` or ``--from_file`` (one prompt per line); ``--negative_prompt``
 (FLUX: with ``--true_cfg_scale`` > 1); ``--lora FILE[:WEIGHT]``, repeatable, in every format ``dreamstep
 convert`` reads, applied as adapters or folded into the weights (``--merge``); ``--controlnet`` with
-``--control_image``; SDXL samples with Euler, 50 steps, CFG 7 by default (the seed's minimal inference).
+``--control_image``; SDXL samples with Euler, 50 steps, CFG 7 by default (as sd-scripts' ``sdxl_minimal_inference.py``).
 
 Each image is ``OUTPUT_DIR/<index>-<seed>.png`` (indices continue after the folder's earlier images), with
 its parameters in PNG text chunks: ``parameters`` (A1111's layout) and ``dreamstep`` (JSON). Image ``i``
@@ -26,7 +26,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from dreamstep import __version__
-from dreamstep.config.generate import FluxGenerateConfig, GenerateConfig
+from dreamstep.config.generate import FluxGenerateConfig, FluxKontextGenerateConfig, GenerateConfig
 from dreamstep.data.images import load_rgb
 from dreamstep.errors import UserError
 from dreamstep.evaluation.candidates import lora_file_for
@@ -40,6 +40,7 @@ from dreamstep.generation.pipelines import (
 )
 from dreamstep.lora.convert import read_lora
 from dreamstep.models.flux import FLUX_DEV_SAMPLING
+from dreamstep.models.kontext import edit_size
 
 SDXL_DEFAULTS = {"steps": 50, "guidance_scale": 7.0}
 # A model without guidance embedding (FLUX.1-schnell) is distilled to a few steps and no guidance.
@@ -62,11 +63,14 @@ def read_prompts(config: GenerateConfig) -> list[str]:
 
 
 def _control_image(config: GenerateConfig) -> Image.Image | None:
-    if not isinstance(config, FluxGenerateConfig) or config.control_image is None:
+    """The ControlNet's control image, or the image Kontext edits."""
+    flag, value = next(((f, getattr(config, f)) for f in ("control_image", "image") if hasattr(config, f)),
+                       (None, None))
+    if value is None:
         return None
-    path = Path(config.control_image).expanduser()
+    path = Path(value).expanduser()
     if not path.is_file():
-        raise UserError(f"--control_image {path}: file not found; check the path")
+        raise UserError(f"--{flag} {path}: file not found; check the path")
     return load_rgb(path)
 
 
@@ -86,7 +90,9 @@ def resolve_settings(config: GenerateConfig, model_type: str, pipe: Any,
     else:
         defaults = FLUX_DEV_SAMPLING if pipe.transformer.config.guidance_embeds else FLUX_UNGUIDED_DEFAULTS
         steps, guidance = defaults["steps"], defaults["guidance_scale"]
-    if control is not None:
+    if isinstance(config, FluxKontextGenerateConfig):
+        native = edit_size(control.size, keep=config.keep_image_size)
+    elif control is not None:
         multiple = config.size_multiple
         native = (control.width // multiple * multiple, control.height // multiple * multiple)
     else:
@@ -102,9 +108,13 @@ def _pipeline_kwargs(config: GenerateConfig, model_type: str, settings: dict[str
     kwargs = {"num_inference_steps": settings["steps"], "guidance_scale": settings["guidance_scale"],
               "width": settings["width"], "height": settings["height"],
               "negative_prompt": config.negative_prompt}
-    if isinstance(config, FluxGenerateConfig):
+    if isinstance(config, (FluxGenerateConfig, FluxKontextGenerateConfig)):
         kwargs["true_cfg_scale"] = config.true_cfg_scale
-    if control is not None:
+    if isinstance(config, FluxKontextGenerateConfig):
+        # The output keeps the size asked for (the pipeline would scale it to 1024² of area).
+        kwargs.update(image=control, _auto_resize=not config.keep_image_size,
+                      max_area=settings["width"] * settings["height"])
+    elif control is not None:
         kwargs.update(control_image=control, controlnet_conditioning_scale=config.controlnet_conditioning_scale)
     return kwargs
 
@@ -118,8 +128,10 @@ def image_parameters(config: GenerateConfig, model_type: str, settings: dict[str
         **settings, "loras": [{"path": str(s.path), "weight": s.weight} for s in loras], "merge": config.merge,
         "dtype": str(dtype).removeprefix("torch."), "dreamstep_version": __version__,
     }
-    if isinstance(config, FluxGenerateConfig):
+    if isinstance(config, (FluxGenerateConfig, FluxKontextGenerateConfig)):
         params["true_cfg_scale"] = config.true_cfg_scale
+    if isinstance(config, FluxKontextGenerateConfig):
+        params.update(image=config.image, keep_image_size=config.keep_image_size)
     if getattr(config, "controlnet", None) is not None:
         params.update(controlnet=config.controlnet, control_image=config.control_image,
                       controlnet_conditioning_scale=config.controlnet_conditioning_scale)
@@ -146,7 +158,7 @@ def generate_images(config: GenerateConfig) -> list[Path]:
     with tempfile.TemporaryDirectory(prefix="dreamstep-lora-") as work_dir:  # LoRAs of flux-lora checkpoints
         files = [dataclasses.replace(spec, path=lora_file_for(spec.path, Path(work_dir), "--lora")) for spec in loras]
         for spec in files:
-            read_lora(spec.path, model_type)
+            read_lora(spec.path, config.lora_model)
         control = _control_image(config)
         output_dir = _output_dir(config)
         device = choose_device(config.device)
@@ -154,7 +166,7 @@ def generate_images(config: GenerateConfig) -> list[Path]:
         pipe = build_pipeline(model_type, config.model, model_config=config.model_config, dtype=dtype,
                               device=device, no_half_vae=config.no_half_vae,
                               controlnet=getattr(config, "controlnet", None), cpu_offload=config.cpu_offload)
-        apply_loras(pipe, files, model_type, config.merge)
+        apply_loras(pipe, files, config.lora_model, config.merge)
     settings = resolve_settings(config, model_type, pipe, control)
     kwargs = _pipeline_kwargs(config, model_type, settings, control)
     first_seed = config.seed if config.seed is not None else secrets.randbelow(2**31)

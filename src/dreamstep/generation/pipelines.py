@@ -1,6 +1,6 @@
 """Building the diffusers pipeline that generates: FLUX.1 (``FluxPipeline``, or ``FluxControlNetPipeline``
-with a ControlNet) or SDXL (``StableDiffusionXLPipeline`` with the seed's Euler sampler), from a diffusers
-folder, a hub id or a single file, on the chosen device and precision.
+with a ControlNet), FLUX.1 Kontext (``FluxKontextPipeline``) or SDXL (``StableDiffusionXLPipeline`` with sd-scripts'
+Euler sampler), from a diffusers folder, a hub id or a single file, on the chosen device and precision.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from diffusers import (
     EulerDiscreteScheduler,
     FluxControlNetModel,
     FluxControlNetPipeline,
+    FluxKontextPipeline,
     FluxPipeline,
     StableDiffusionXLPipeline,
 )
@@ -22,7 +23,8 @@ from dreamstep.models.loading import CHECKPOINT_SUFFIXES, load_flux, load_sdxl
 from dreamstep.models.precision import dtype_named
 
 # Where a single-file --model takes its other components and configs when --model_config is not given.
-DEFAULT_BASES = {"flux": "black-forest-labs/FLUX.1-dev", "sdxl": "stabilityai/stable-diffusion-xl-base-1.0"}
+DEFAULT_BASES = {"flux": "black-forest-labs/FLUX.1-dev", "flux-kontext": "black-forest-labs/FLUX.1-Kontext-dev",
+                 "sdxl": "stabilityai/stable-diffusion-xl-base-1.0"}
 
 
 def choose_device(name: str | None) -> torch.device:
@@ -57,14 +59,16 @@ def is_single_file(model: str) -> bool:
     return Path(model).expanduser().is_file() or model.endswith(CHECKPOINT_SUFFIXES)
 
 
-def _flux_pipeline(model: str, model_config: str | None, dtype: torch.dtype,
-                   controlnet: str | None) -> FluxPipeline:
+def _flux_pipeline(model_type: str, model: str, model_config: str | None, dtype: torch.dtype,
+                   controlnet: str | None) -> FluxPipeline | FluxKontextPipeline:
     if is_single_file(model):
-        components = load_flux(model_config or DEFAULT_BASES["flux"], transformer_single_file=model,
+        components = load_flux(model_config or DEFAULT_BASES[model_type], transformer_single_file=model,
                                weight_dtype=dtype)
     else:
         components = load_flux(model, weight_dtype=dtype)
     parts = vars(components)
+    if model_type == "flux-kontext":
+        return FluxKontextPipeline(**parts)
     if controlnet is None:
         return FluxPipeline(**parts)
     return FluxControlNetPipeline(**parts, controlnet=load_flux_controlnet(controlnet, dtype))
@@ -87,7 +91,7 @@ def _sdxl_pipeline(model: str, model_config: str | None, dtype: torch.dtype) -> 
     config = (model_config or DEFAULT_BASES["sdxl"]) if is_single_file(model) else None
     components = load_sdxl(model, config=config, weight_dtype=dtype)
     pipe = StableDiffusionXLPipeline(**vars(components), add_watermarker=False)
-    # The seed's minimal inference samples with Euler (sd-scripts' sdxl_minimal_inference.py).
+    # sd-scripts' sdxl_minimal_inference.py samples with Euler.
     pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
     return pipe
 
@@ -119,14 +123,14 @@ def keep_vae_fp32(pipe: Any) -> None:
 def build_pipeline(model_type: str, model: str, *, model_config: str | None, dtype: torch.dtype,
                    device: torch.device, no_half_vae: bool = False, controlnet: str | None = None,
                    cpu_offload: bool = False) -> Any:
-    """The pipeline for ``model_type`` ('flux' or 'sdxl') on ``device`` in ``dtype``; ``no_half_vae`` keeps
-    the VAE in fp32 (SDXL's VAE overflows in fp16); ``cpu_offload`` moves each model to the GPU only while
-    it runs."""
+    """The pipeline for ``model_type`` ('flux', 'flux-kontext' or 'sdxl') on ``device`` in ``dtype``;
+    ``no_half_vae`` keeps the VAE in fp32 (SDXL's VAE overflows in fp16); ``cpu_offload`` moves each model to the
+    GPU only while it runs."""
     if model_config is not None and not is_single_file(model):
         raise UserError("--model_config only applies to a single-file --model; remove it (a folder or hub id "
                         "has its own configs)")
-    if model_type == "flux":
-        pipe = _flux_pipeline(model, model_config, dtype, controlnet)
+    if model_type.startswith("flux"):
+        pipe = _flux_pipeline(model_type, model, model_config, dtype, controlnet)
     else:
         pipe = _sdxl_pipeline(model, model_config, dtype)
     if no_half_vae and dtype != torch.float32:

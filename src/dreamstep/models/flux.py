@@ -17,7 +17,6 @@ from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_ke
 from dreamstep.data.dataset_config import load_dataset_config
 from dreamstep.errors import UserError
 from dreamstep.files import atomic_path
-from dreamstep.generation.outputs import JSON_KEY, sample_parameters
 from dreamstep.models import parking
 from dreamstep.models.loading import component_identity, load_flux, load_flux_transformer
 from dreamstep.models.memory_plan import PlanOptions
@@ -26,6 +25,7 @@ from dreamstep.models.phases import ENCODERS
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
 from dreamstep.notices import CAPTION_CUT, hidden
+from dreamstep.png_text import JSON_KEY, sample_parameters
 
 # FLUX.1-dev's recommended sampling: 28 steps at distilled guidance 3.5.
 FLUX_DEV_SAMPLING = {"steps": 28, "guidance_scale": 3.5}
@@ -209,6 +209,8 @@ def load_frozen_for_training(source: str, *, revision: str | None, variant: str 
     components = load_encoders_for_training(source, revision=revision, variant=variant,
                                             mixed_precision=mixed_precision, device=device,
                                             text_encoder_quantization=text_encoder_quantization)
+    for name in ENCODERS:
+        parking.place(getattr(components, name), device)
     load_transformer_for_training(components, source, revision=revision, variant=variant,
                                   transformer_single_file=transformer_single_file, mixed_precision=mixed_precision,
                                   device=device, base_quantization=base_quantization, on_host=transformer_on_host)
@@ -217,15 +219,17 @@ def load_frozen_for_training(source: str, *, revision: str | None, variant: str 
 
 def load_encoders_for_training(source: str, *, revision: str | None, variant: str | None, mixed_precision: str,
                                device: torch.device, text_encoder_quantization: str = "none") -> Any:
-    """The "encode" phase's components (:mod:`~dreamstep.models.phases`): the text encoders and the VAE frozen in
-    the half-precision dtype of ``mixed_precision`` (fp32 for "no"), T5 quantized as asked, on ``device``; the
-    transformer is not loaded (``components.transformer`` is ``None``)."""
+    """The "encode" phases' components (:mod:`~dreamstep.models.phases`): the text encoders and the VAE frozen in
+    the half-precision dtype of ``mixed_precision`` (fp32 for "no"), T5 quantized as asked, waiting in host memory
+    (:func:`~dreamstep.models.parking.encode_run` brings each to ``device`` in its turn); the transformer is not
+    loaded (``components.transformer`` is ``None``)."""
     components = load_flux(source, revision=revision, variant=variant, weight_dtype=weight_dtype_for(mixed_precision),
                            quantize={"text_encoder_2": text_encoder_quantization}, transformer=False)
     for name in ENCODERS:
         module = getattr(components, name)
         freeze(module)
-        module.to(device).eval()
+        parking.place(module, parking.PARKING_DEVICE)
+        module.eval()
     return components
 
 
@@ -234,13 +238,13 @@ def load_transformer_for_training(components: Any, source: str, *, revision: str
                                   base_quantization: str = "none", on_host: bool = False) -> torch.nn.Module:
     """The "load" phase: the transformer frozen in the dtype of ``mixed_precision``, its linear weights quantized as
     asked (:mod:`~dreamstep.models.quantization`), on ``device`` (``on_host``: left in host memory for a
-    :class:`~dreamstep.models.blocks.BlockSwapper` to place part by part; diffusers' bitsandbytes loader puts a
-    4-bit transformer on the GPU anyway), set as ``components.transformer``. Trainable adapters are added (in
+    :class:`~dreamstep.models.blocks.BlockSwapper` to place part by part, a 4-bit one quantized there too), set as
+    ``components.transformer``. Trainable adapters are added (in
     fp32) by the caller."""
     transformer = load_flux_transformer(source, revision=revision, variant=variant,
                                         transformer_single_file=transformer_single_file,
                                         weight_dtype=weight_dtype_for(mixed_precision),
-                                        base_quantization=base_quantization)
+                                        base_quantization=base_quantization, on_host=on_host)
     freeze(transformer)
     if not on_host:
         transformer.to(device)
@@ -264,7 +268,7 @@ def transformer_config(config: Any) -> dict[str, Any]:
 
 
 def attach_transformer(pipeline: FluxPipeline, components: Any) -> None:
-    """Put the transformer loaded after the encode phase into the pipeline assembled before it."""
+    """Put the transformer loaded after the "encode" phases into the pipeline assembled before it."""
     pipeline.register_modules(transformer=components.transformer)
 
 
@@ -315,7 +319,7 @@ def park_encoders(components: Any, device: torch.device, *, text_encoder_trains:
 
 
 def prompt_embeddings(conditioner: FluxConditioner, prompts: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """The embeddings of each distinct prompt (validation prompts, encoded in the "encode" phase)."""
+    """The embeddings of each distinct prompt (validation prompts, encoded in the "encode text" phase)."""
     return {prompt: conditioner.prompts([prompt]) for prompt in dict.fromkeys(prompts)}
 
 

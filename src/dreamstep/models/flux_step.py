@@ -46,6 +46,10 @@ class FluxFlowMatchingStep(TrainStep):
         ``pooled_projections``, ``encoder_hidden_states``, ``txt_ids``, ``img_ids`` (N, 3)); ``condition`` is
         what :meth:`condition` gave."""
 
+    def target(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The target latents (B, C, h, w): one draw from their posterior (a recipe may take its mode instead)."""
+        return sample_latents(batch["latent_dist"])
+
     def condition(self, batch: dict[str, Any], sample: bool) -> torch.Tensor | None:
         """The condition latents (B, C, h, w) of a recipe with a condition image, drawn from their posterior
         (``sample``) or its mean (validation); ``None`` without one."""
@@ -53,7 +57,7 @@ class FluxFlowMatchingStep(TrainStep):
 
     def forward(self, batch: dict[str, Any]) -> torch.Tensor:
         # latent_dist: (B, 2C, h, w), the VAE posterior's mean and std, already shifted and scaled.
-        latents = sample_latents(batch["latent_dist"])
+        latents = self.target(batch)
         condition = self.condition(batch, sample=True)
         noise = torch.randn_like(latents)
         sigmas = self.objective.sample(self.sigmas, len(latents), latents.shape[2:], latents.device)

@@ -8,7 +8,8 @@ CPU in seconds. What is kept from the real models, and why:
   levels) so image sizes and latent sizes relate exactly as for FLUX.1, one double-stream and one
   single-stream block, CLIP-L-style pooled text and a T5 encoder. ``guidance_embeds=True`` gives the
   guidance-distilled variant (like FLUX.1-dev) with FLUX.1-dev's dynamic-shift scheduler; without it
-  the scheduler is FLUX.1-schnell's.
+  the scheduler is FLUX.1-schnell's. FLUX.1 Kontext is the guidance-distilled FLUX in a
+  ``FluxKontextPipeline`` (same components; the pipeline feeds the condition image's tokens beside the target's).
 - SDXL: the real UNet topology in miniature (DownBlock2D, CrossAttnDownBlock2D, CrossAttnDownBlock2D;
   ``layers_per_block=2``; ``text_time`` added conditioning; linear attention projections), so the
   original SGM / Kohya module names (``input_blocks.4.1.transformer_blocks.0.attn1.to_q``) exist
@@ -32,6 +33,7 @@ from diffusers import (
     DiffusionPipeline,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     StableDiffusionXLPipeline,
@@ -200,6 +202,14 @@ def build_tiny_flux(seed: int = 0, guidance_embeds: bool = False) -> FluxPipelin
     return pipe
 
 
+def build_tiny_flux_kontext(seed: int = 0) -> FluxKontextPipeline:
+    """A random FLUX.1 Kontext [dev] pipeline: the guidance-distilled tiny FLUX (Kontext [dev] has guidance
+    embedding and FLUX.1-dev's scheduler) in a ``FluxKontextPipeline``."""
+    flux = build_tiny_flux(seed=seed, guidance_embeds=True)
+    return FluxKontextPipeline(**{name: getattr(flux, name) for name in (
+        "scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "transformer")})
+
+
 # ---------------------------------------------------------------- SDXL
 
 def _sdxl_scheduler() -> EulerDiscreteScheduler:
@@ -267,7 +277,7 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> None:
 
 def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, guidance_embeds: bool = False,
                      single_file: bool = False, overwrite: bool = False) -> Path:
-    """Write a tiny pipeline folder for ``arch`` ("flux" or "sdxl") and return its path.
+    """Write a tiny pipeline folder for ``arch`` ("flux", "flux-kontext" or "sdxl") and return its path.
 
     With ``single_file`` (SDXL only) it also writes ``<out_dir>/tiny_sdxl.safetensors`` in the
     original SGM key layout, loadable by ``StableDiffusionXLPipeline.from_single_file(path,
@@ -283,6 +293,8 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, guidance_emb
     check_out_dir(out_dir, overwrite)
     if arch == "flux":
         pipe = build_tiny_flux(seed=seed, guidance_embeds=guidance_embeds)
+    elif arch == "flux-kontext":
+        pipe = build_tiny_flux_kontext(seed=seed)
     else:
         pipe = build_tiny_sdxl(seed=seed)
     pipe.save_pretrained(out_dir, safe_serialization=True)
@@ -295,7 +307,7 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, guidance_emb
     return out_dir
 
 
-def param_count(pipe: FluxPipeline | StableDiffusionXLPipeline) -> dict[str, int]:
+def param_count(pipe: DiffusionPipeline) -> dict[str, int]:
     """Number of parameters of each model component of a pipeline."""
     return {name: sum(p.numel() for p in module.parameters())
             for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)}

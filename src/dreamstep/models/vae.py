@@ -20,9 +20,11 @@ def encode_posterior(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor
 
 
 def sample_latents(latent_dist: torch.Tensor) -> torch.Tensor:
-    """One latent sample x = μ + σ·n from (B, 2C, h, w) mean and std: (B, C, h, w)."""
+    """One latent sample x = μ + σ·n from (B, 2C, h, w) mean and std: (B, C, h, w). n is drawn in the contiguous
+    order diffusers' ``latent_dist.sample()`` draws it, whatever the memory layout of the posterior (a VAE output
+    is not contiguous, a cached one is): the same seed gives the same sample either way."""
     mean, std = latent_dist.chunk(2, dim=1)
-    return mean + std * torch.randn_like(mean)
+    return mean + std * torch.randn(mean.shape, dtype=mean.dtype, device=mean.device)
 
 
 def posterior_mean(latent_dist: torch.Tensor) -> torch.Tensor:
