@@ -19,10 +19,12 @@ REQUIRED = {
     FluxControlNetConfig: {"pretrained_model_name_or_path": "m", "output_dir": "o", "train_data_dir": "t"},
     SDXLLoraConfig: {"pretrained_model_name_or_path": "m", "output_dir": "o", "train_data_dir": "t"},
 }
-LOSS = {"loss_type": "l2", "huber_schedule": "snr", "huber_c": 0.1, "huber_scale": 1.0}
+LOSS = {"loss_type": "l2", "huber_schedule": "snr", "huber_c": 0.1, "huber_scale": 1.0, "ema_decay": None,
+        "ema_update_every": 1, "ema_warmup_power": None, "ema_on_cpu": False, "ema_validation": True}
 FLUX = {**LOSS, "timestep_sampling": "sigma", "sigmoid_scale": 1.0, "discrete_flow_shift": 3.0}
 SDXL = {**LOSS, "debiased_estimation_loss": False, "ip_noise_gamma": None, "ip_noise_gamma_random_strength": False}
-DEFAULTS = {FluxLoraConfig: FLUX, FluxControlNetConfig: FLUX, SDXLLoraConfig: SDXL}
+DEFAULTS = {FluxLoraConfig: {**FLUX, "masked_loss": False}, FluxControlNetConfig: FLUX,
+            SDXLLoraConfig: {**SDXL, "masked_loss": False}}
 
 
 def _config(config_class: type, **values):
@@ -40,8 +42,9 @@ def test_every_option_is_in_help_with_its_default_and_in_the_resolved_toml(confi
             assert helps[name].endswith(f"(default: {default})") and f"{name} = " in toml
         assert len(helps[name]) > 30
     changed = {FluxLoraConfig: {"loss_type": "huber", "huber_schedule": "exponential", "timestep_sampling": "shift",
-                                "discrete_flow_shift": 2.5},
-               FluxControlNetConfig: {"loss_type": "smooth_l1", "huber_schedule": "constant", "huber_c": 0.3},
+                                "discrete_flow_shift": 2.5, "ema_decay": 0.99, "ema_on_cpu": True},
+               FluxControlNetConfig: {"loss_type": "smooth_l1", "huber_schedule": "constant", "huber_c": 0.3,
+                                      "ema_decay": 0.9, "ema_update_every": 4, "ema_warmup_power": 0.75},
                SDXLLoraConfig: {"loss_type": "l1", "debiased_estimation_loss": True, "ip_noise_gamma": 0.1}}
     toml = config_to_toml(_config(config_class, **changed[config_class]))
     for name, value in changed[config_class].items():
@@ -63,6 +66,9 @@ def test_every_option_is_in_help_with_its_default_and_in_the_resolved_toml(confi
      "--ip_noise_gamma_random_strength needs --ip_noise_gamma"),
     (SDXLLoraConfig, {"debiased_estimation_loss": True, "zero_terminal_snr": True},
      "infinite at the last timestep of --zero_terminal_snr"),
+    (FluxLoraConfig, {"ema_on_cpu": True}, "--ema_on_cpu has no effect without --ema_decay"),
+    (SDXLLoraConfig, {"ema_update_every": 10}, "--ema_update_every has no effect without --ema_decay"),
+    (FluxControlNetConfig, {"ema_decay": 0.99, "zero_stage": 2}, "--ema_decay keeps an average of whole weights"),
 ])
 def test_combinations_that_cannot_work_are_refused(config_class: type, values: dict, message: str) -> None:
     with pytest.raises(UserError) as error:

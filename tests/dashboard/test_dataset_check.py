@@ -134,3 +134,49 @@ def test_dataset_page_data_over_http(dataset_toml):
     (Path(epoch0["images"][0]["path"]).parent / "new.png").write_bytes(b"not an image")
     rescanned = c.get("/api/dataset?rescan=1").json()
     assert any("new.png" in p for p in rescanned["problems"])
+
+
+def test_the_check_shows_each_images_mask_and_names_an_all_black_one(tmp_path: Path) -> None:
+    """A TOML with masks is read as --masked_loss reads it: alpha masks and a mask folder are served as images
+    beside their image, and an all-black mask is a problem of its image."""
+    import io
+
+    from starlette.testclient import TestClient
+
+    from dreamstep.dashboard.app import create_app
+
+    alpha, plain, masks = tmp_path / "alpha", tmp_path / "plain", tmp_path / "masks"
+    for folder in (alpha, plain, masks):
+        folder.mkdir()
+    for i, opaque_columns in enumerate((32, 16, 0)):  # the third image's alpha is black everywhere
+        image = Image.new("RGBA", (64, 64), (0, 0, 0, 0))
+        if opaque_columns:
+            image.paste((90, 120, 30, 255), (0, 0, opaque_columns, 64))
+        image.save(alpha / f"a{i}.png")
+        (alpha / f"a{i}.txt").write_text(CAPTION)
+    _image(plain / "p0.png", (64, 64))
+    mask = Image.new("RGB", (64, 64), "black")
+    mask.paste((255, 255, 255), (0, 0, 64, 48))
+    mask.save(masks / "p0.png")
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f"[general]\ncaption_extension = '.txt'\n[[datasets]]\nresolution = 64\n"
+                    f"[[datasets.subsets]]\nimage_dir = '{alpha.as_posix()}'\nalpha_mask = true\n"
+                    f"[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = '{plain.as_posix()}'\n"
+                    f"conditioning_data_dir = '{masks.as_posix()}'\n")
+    check = check_dataset(toml, resolution=64)
+    images = {i["name"]: i for i in summary(check, 0)["images"]}
+    assert all(i["mask"] for i in images.values())
+    assert not images["a2.png"]["used"]
+    assert "mask: the alpha channel is black everywhere" in images["a2.png"]["problems"][0]
+
+    client = TestClient(create_app([], dataset=str(toml), dataset_check=check))
+    names = [i.path.name for i in check.images]
+    for name, white_columns, white_rows in (("a0.png", 32, 64), ("a1.png", 16, 64), ("p0.png", 64, 48)):
+        response = client.get(f"/api/dataset/mask/{names.index(name)}?size=64")
+        assert response.status_code == 200 and response.headers["content-type"] == "image/jpeg"
+        shown = np.asarray(Image.open(io.BytesIO(response.content)).convert("L"), dtype=np.float32)
+        assert shown[: white_rows - 4, : white_columns - 4].min() > 200  # JPEG: away from the edges
+        if white_columns < 64:
+            assert shown[:, white_columns + 4:].max() < 50
+        if white_rows < 64:
+            assert shown[white_rows + 4:].max() < 50

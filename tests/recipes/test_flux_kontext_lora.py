@@ -155,18 +155,20 @@ def test_resume_equals_an_uninterrupted_run(tiny_flux_kontext_dir: Path, pairs: 
               "--conditioning_data_dir", conditioning, "--resolution", "32", "--max_sequence_length", "16",
               "--report_to", "none",
               "--train_batch_size", "2", "--random_flip", "--vae_encode_mode", "sample", "--learning_rate", "1e-3",
-              "--weighting_scheme", "logit_normal", "--checkpointing_steps", "2")
+              "--weighting_scheme", "logit_normal", "--checkpointing_steps", "2",
+              "--ema_decay", "0.9", "--caption_dropout_rate", "0.5")
     assert run_cli("train", "flux-kontext-lora", *common, "--output_dir", tmp_path / "straight",
                    "--max_train_steps", "4") == 0
     split = tmp_path / "split"
     assert run_cli("train", "flux-kontext-lora", *common, "--output_dir", split, "--max_train_steps", "2") == 0
     assert run_cli("train", "flux-kontext-lora", *common, "--output_dir", split, "--max_train_steps", "4",
                    "--resume_from_checkpoint", "latest") == 0
-    straight = load_file(tmp_path / "straight" / "pytorch_lora_weights.safetensors")
-    resumed = load_file(split / "pytorch_lora_weights.safetensors")
-    assert straight.keys() == resumed.keys()
-    for key in straight:
-        torch.testing.assert_close(resumed[key], straight[key], atol=1e-6, rtol=0)
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors"):  # and the EMA
+        straight = load_file(tmp_path / "straight" / name)
+        resumed = load_file(split / name)
+        assert straight.keys() == resumed.keys()
+        for key in straight:
+            torch.testing.assert_close(resumed[key], straight[key], atol=1e-6, rtol=0)
 
 
 def _table(root: Path, images: Path, conditioning: Path, kind: str) -> Path:

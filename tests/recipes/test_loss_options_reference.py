@@ -118,6 +118,42 @@ def test_one_step_has_sd_scripts_loss_for_the_same_draws(case: str, transformer:
     assert loss.item() == pytest.approx(expected.mean([1, 2, 3]).mean().item(), rel=1e-5)
 
 
+def test_a_masked_region_contributes_no_gradient_and_the_loss_is_sd_scripts_masked_loss(
+        transformer: torch.nn.Module) -> None:
+    """apply_masked_loss: the (B, 1, H, W) mask area-averaged to the latent size weights each element; the
+    prediction's gradient is zero under black, and the loss is the masked elements' sum over all elements."""
+    batch = _batch()
+    mask = torch.ones(BATCH, 1, HEIGHT * 8, WIDTH * 8)
+    mask[:, :, HEIGHT * 4:] = 0.0  # the bottom half of each image is black
+    mask[1, :, : HEIGHT * 2] = 0.5  # a grey band: half the weight
+    batch["masks"] = mask
+    outputs = []
+
+    def keep_output(module, args, output):
+        output[0].retain_grad()
+        outputs.append(output[0])
+
+    handle = transformer.register_forward_hook(keep_output)
+    try:
+        step = _step(transformer, FlowMatchingObjective())
+        torch.manual_seed(2)
+        loss = step.forward(batch)
+        loss.backward()
+    finally:
+        handle.remove()
+        transformer.zero_grad()
+    grad = flux.unpack(outputs[0].grad, HEIGHT, WIDTH)  # (B, 16, h, w)
+    assert grad[:, :, HEIGHT // 2:].eq(0).all() and grad[:, :, : HEIGHT // 2].ne(0).any()
+    pred = flux.unpack(outputs[0].detach(), HEIGHT, WIDTH)
+    torch.manual_seed(2)
+    mean, std = batch["latent_dist"].chunk(2, dim=1)
+    latents = mean + std * torch.randn_like(mean)
+    target = torch.randn_like(latents) - latents
+    weight = torch.nn.functional.interpolate(mask, size=(HEIGHT, WIDTH), mode="area")
+    expected = ((pred - target) ** 2 * weight).mean([1, 2, 3]).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
 def test_loss_types_change_the_gradient_as_their_formulas_say(transformer: torch.nn.Module) -> None:
     """Per element, l1's gradient is sign(d), huber's 2c·d/√(d² + c²): the same draws give other gradients."""
     grads = {}

@@ -56,6 +56,8 @@ class FluxControlNetConfig(PairedDataOptions, PairedValidationOptions, FluxTrain
         if self.zero_stage and self.controlnet_weights_dtype == "bf16":
             raise UserError("--controlnet_weights_dtype bf16 (stochastic-rounding AdamW) cannot train sharded "
                             "weights; use --controlnet_weights_dtype fp32 with --zero_stage")
+        if self.zero_stage and self.ema_decay is not None:
+            raise UserError("--ema_decay keeps an average of whole weights, which --zero_stage shards; drop one")
         if self.shard_base and not self.zero_stage:
             raise UserError("--shard_base needs --zero_stage 2 or 3")
         if self.shard_base and self.base_quantization != "none":

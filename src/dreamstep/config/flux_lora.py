@@ -8,15 +8,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from dreamstep.config.options import ImageDataOptions, LoraOptions, PromptValidationOptions, TextEncoderLoraOptions
+from dreamstep.config.options import (
+    ImageDataOptions,
+    LoraOptions,
+    MaskedLossOptions,
+    PromptValidationOptions,
+    TextEncoderLoraOptions,
+)
 from dreamstep.config.schema import option, refuse_unused
 from dreamstep.config.training import FluxTrainingConfig
 from dreamstep.errors import UserError
 
 
 @dataclass
-class FluxLoraConfig(LoraOptions, TextEncoderLoraOptions, ImageDataOptions, PromptValidationOptions,
-                     FluxTrainingConfig):
+class FluxLoraConfig(LoraOptions, TextEncoderLoraOptions, ImageDataOptions, MaskedLossOptions,
+                     PromptValidationOptions, FluxTrainingConfig):
     # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
     resume_must_match: ClassVar[tuple[str, ...]] = (
         "pretrained_model_name_or_path", "transformer_single_file", "rank", "lora_alpha", "lora_layers",
@@ -56,6 +62,8 @@ class FluxLoraConfig(LoraOptions, TextEncoderLoraOptions, ImageDataOptions, Prom
             refuse_unused(self, _PRIOR_FLAGS, "without --with_prior_preservation")
             if self.dataset_config is None:  # a dataset TOML's is_reg subsets are weighted by it
                 refuse_unused(self, ("prior_loss_weight",), "without --with_prior_preservation or --dataset_config")
+        self.check_captions(self.dataset_config is not None)
+        self.check_masked_loss(self.dataset_config is not None)
         self.check_text_encoder_lora()
         self.check_lora_type()
         if self.lora_type != "lora" and self.base_quantization != "none":

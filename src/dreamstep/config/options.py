@@ -8,7 +8,7 @@ required fields in any order. A group's ``check_*`` method refuses its bad combi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from dreamstep.config.choices import HUBER_SCHEDULES, LOSS_TYPES
 from dreamstep.config.evaluation import EvaluationOptions
@@ -113,6 +113,50 @@ class LossOptions:
 
 
 @dataclass
+class EmaOptions:
+    """An exponential moving average of the trained weights (LoRA or ControlNet), as ai-toolkit, SimpleTuner and
+    OneTrainer keep one, with diffusers' EMAModel (:mod:`dreamstep.engine.ema`)."""
+
+    ema_decay: Optional[float] = option(None, "keep an EMA of the trained weights with this decay (e.g. 0.999; "
+                                              "warmed up from 0 as diffusers does); saved as a second file",
+                                        bounds="(0, 1)", kw_only=True)
+    ema_update_every: int = option(1, "update the EMA every N optimizer steps", bounds="[1, inf)", kw_only=True)
+    ema_warmup_power: Optional[float] = option(None, "warm the decay up as 1 - (1 + n)^-power (2/3 for long runs, "
+                                                     "3/4 for short; default: (1 + n) / (10 + n))",
+                                               bounds="(0, inf)", kw_only=True)
+    ema_on_cpu: bool = option(False, "keep the EMA in host memory (small cards; each update waits for the "
+                                     "device)", kw_only=True)
+    ema_validation: bool = option(True, "with --ema_decay: samples and evaluation use the EMA weights",
+                                  kw_only=True)
+
+    def check_ema(self) -> None:
+        if self.ema_decay is None:
+            refuse_unused(self, ("ema_update_every", "ema_warmup_power", "ema_on_cpu", "ema_validation"),
+                          "without --ema_decay")
+
+    def ema_options(self) -> dict[str, Any] | None:
+        """The average's settings as :class:`~dreamstep.engine.ema.WeightAverage` takes them; ``None``: no EMA."""
+        if self.ema_decay is None:
+            return None
+        return {"decay": self.ema_decay, "update_every": self.ema_update_every,
+                "warmup_power": self.ema_warmup_power, "on_cpu": self.ema_on_cpu}
+
+
+@dataclass
+class MaskedLossOptions:
+    """sd-scripts' ``--masked_loss`` (:mod:`dreamstep.data.masks`): the masks come from a dataset TOML."""
+
+    masked_loss: bool = option(False, "weight the loss by each image's mask: its alpha channel (alpha_mask = true "
+                                      "in a dataset TOML subset) or the same-named image of the subset's "
+                                      "conditioning_data_dir; black regions train nothing", kw_only=True)
+
+    def check_masked_loss(self, dataset_toml: bool) -> None:
+        if self.masked_loss and not dataset_toml:
+            raise UserError("--masked_loss reads its masks from a dataset TOML (alpha_mask = true, or "
+                            "conditioning_data_dir in each subset); give --dataset_config")
+
+
+@dataclass
 class TextEncoderLoraOptions:
     """A LoRA on the CLIP text encoder beside the transformer's, with its own optimizer group."""
 
@@ -128,7 +172,41 @@ class TextEncoderLoraOptions:
 
 
 @dataclass
-class ImageDataOptions:
+class CaptionAugmentationOptions:
+    """sd-scripts' caption flags: shuffled tags, tags kept in front, tag dropout and whole-caption dropout, drawn
+    per (seed, epoch, sample), so a resumed run draws the same. Every caption a run will train with, the empty
+    one of a dropped caption included, is encoded once into the text cache before training (keyed by content).
+    They set every subset of the folder flags, and are the lowest-precedence values of a dataset TOML (a subset's
+    own keys win), as in sd-scripts."""
+
+    shuffle_caption: bool = option(False, "shuffle the comma-separated tags of each caption every epoch",
+                                   kw_only=True)
+    keep_tokens: int = option(0, "with --shuffle_caption or tag dropout: keep the first N tags in place",
+                              bounds="[0, inf)", kw_only=True)
+    caption_dropout_rate: float = option(
+        0.0, "fraction of samples trained with the empty caption (its embedding cached once)", bounds="[0, 1]",
+        aliases=("proportion_empty_prompts",), kw_only=True)
+    caption_dropout_every_n_epochs: int = option(0, "train every N-th epoch with empty captions (0: never)",
+                                                 bounds="[0, inf)", kw_only=True)
+    caption_tag_dropout_rate: float = option(0.0, "drop each tag (after --keep_tokens) with this probability",
+                                             bounds="[0, 1]", kw_only=True)
+
+    def caption_flags(self) -> dict[str, Any]:
+        """The five values by their dataset TOML key."""
+        return {name: getattr(self, name) for name in CAPTION_FLAGS}
+
+    def check_captions(self, dataset_toml: bool) -> None:
+        """--keep_tokens alone has no effect, unless a dataset TOML's subsets shuffle or drop tags."""
+        if not dataset_toml and not self.shuffle_caption and self.caption_tag_dropout_rate == 0:
+            refuse_unused(self, ("keep_tokens",), "without --shuffle_caption or --caption_tag_dropout_rate")
+
+
+CAPTION_FLAGS = ("shuffle_caption", "keep_tokens", "caption_dropout_rate", "caption_dropout_every_n_epochs",
+                 "caption_tag_dropout_rate")
+
+
+@dataclass
+class ImageDataOptions(CaptionAugmentationOptions):
     """What every FLUX trainer reads its images with: a Kohya dataset TOML, or folders with these flags."""
 
     dataset_config: Optional[str] = option(None, "a Kohya dataset TOML instead of the folder flags", kw_only=True)
@@ -155,11 +233,9 @@ class PairedDataOptions(ImageDataOptions):
                                             kw_only=True)
     random_crop: bool = option(False, "crop at random (default: center crop, as diffusers' scripts do)",
                                kw_only=True)
-    proportion_empty_prompts: float = option(0.0, "fraction of samples trained with the empty prompt (drawn per "
-                                                  "seed, epoch and sample; sets every subset's caption dropout)",
-                                             bounds="[0, 1]", kw_only=True)
 
     def check_paired_data(self) -> None:
+        self.check_captions(self.dataset_config is not None)
         flags_given = any(v is not None for v in (self.train_data_dir, self.jsonl_for_train))
         if self.dataset_config is None and not flags_given:
             raise UserError("give --train_data_dir with --conditioning_data_dir, --jsonl_for_train, "

@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.lycoris import LYCORIS_MODULE, lycoris_from_network_args
 from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
-from dreamstep.config.options import LossOptions
+from dreamstep.config.options import CaptionAugmentationOptions, EmaOptions, LossOptions, MaskedLossOptions
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
@@ -21,7 +21,7 @@ SAMPLERS = ("ddim", "pndm", "euler", "k_euler", "euler_a", "k_euler_a", "dpmsolv
 
 
 @dataclass
-class SDXLLoraConfig(LossOptions, EvaluationOptions):
+class SDXLLoraConfig(LossOptions, CaptionAugmentationOptions, EmaOptions, MaskedLossOptions, EvaluationOptions):
     # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
     resume_must_match: ClassVar[tuple[str, ...]] = (
         "pretrained_model_name_or_path", "network_module", "network_dim", "network_alpha", "network_args",
@@ -188,6 +188,9 @@ class SDXLLoraConfig(LossOptions, EvaluationOptions):
             raise UserError("--debiased_estimation_loss weighs ε-prediction by 1/√SNR, infinite at the last timestep "
                             "of --zero_terminal_snr; add --v_parameterization or drop one of the two")
         self.check_loss(snr_schedule=True)
+        self.check_captions(self.dataset_config is not None)
+        self.check_ema()
+        self.check_masked_loss(self.dataset_config is not None)
         if self.min_timestep >= self.max_timestep:
             raise UserError(f"--min_timestep must be below --max_timestep (got {self.min_timestep}, "
                             f"{self.max_timestep})")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 from dreamstep.config.choices import TIMESTEP_SAMPLINGS
 from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
 from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
-from dreamstep.config.options import LossOptions
+from dreamstep.config.options import EmaOptions, LossOptions
 from dreamstep.config.schema import SEED_BOUNDS, config_to_toml, option, refuse_unused
 from dreamstep.errors import UserError
 
@@ -26,7 +26,7 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
 
 
 @dataclass
-class FluxTrainingConfig(LossOptions, EvaluationOptions):
+class FluxTrainingConfig(LossOptions, EmaOptions, EvaluationOptions):
     pretrained_model_name_or_path: str = option(help="base FLUX.1 model: a diffusers folder or a hub id")
     output_dir: str = option(help="where weights, checkpoints, samples and logs are written")
     revision: Optional[str] = option(None, "hub revision of the base model")
@@ -163,6 +163,7 @@ class FluxTrainingConfig(LossOptions, EvaluationOptions):
                             "block's weights on the device and swapping saves no memory")
         self.check_timestep_sampling()
         self.check_loss(snr_schedule=False)
+        self.check_ema()
         self.check_evaluation(self.metrics_allowed)
 
     metrics_allowed = FIDELITY_METRICS

@@ -96,7 +96,7 @@ class _DatasetState:
                  check: DatasetCheck | None):
         self.source, self.resolution, self.seed, self.instance_prompt = source, resolution, seed, instance_prompt
         self.check = check
-        self.thumbs: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self.thumbs: OrderedDict[tuple[int, int, bool], bytes] = OrderedDict()
         self.lock = threading.Lock()
 
     def rescan(self) -> None:
@@ -164,14 +164,17 @@ def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_chec
     def dataset_image(request: Request) -> Response:
         check = state.check
         number = _int(request.path_params["number"], -1)
-        if check is None or not 0 <= number < len(check.images):
+        mask = request.url.path.startswith("/api/dataset/mask/")
+        if check is None or not 0 <= number < len(check.images) or (mask and check.images[number].mask is None):
             return PlainTextResponse("no such image", 404)
         size = min(1024, max(32, _int(request.query_params.get("size"), 256)))
-        key = (number, size)
+        key = (number, size, mask)
         with state.lock:
             data = state.thumbs.get(key)
         if data is None:
-            data = _thumbnail(check.images[number].path, size)
+            image = check.images[number]
+            data = (_thumbnail(image.mask, size, check.subsets[image.subset][1].mask_source) if mask
+                    else _thumbnail(image.path, size))
             if data is None:
                 return PlainTextResponse("unreadable image", 404)
             with state.lock:
@@ -190,6 +193,7 @@ def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_chec
         Route("/files/{run_id}/{path:path}", run_file),
         Route("/api/dataset", dataset_summary),
         Route("/api/dataset/image/{number}", dataset_image),
+        Route("/api/dataset/mask/{number}", dataset_image),
         Mount("/static", StaticFiles(directory=STATIC)),
     ]
     return Starlette(routes=routes, middleware=[Middleware(_Guard, token=token)])
@@ -202,14 +206,16 @@ def _int(text: str | None, default: int) -> int:
         return default
 
 
-def _thumbnail(path: Path, size: int) -> bytes | None:
-    """A JPEG of the image as the trainer decodes it (EXIF orientation, any mode to RGB), at most ``size``."""
+def _thumbnail(path: Path, size: int, mask_source: str | None = None) -> bytes | None:
+    """A JPEG of the image as the trainer decodes it (EXIF orientation, any mode to RGB), or of its
+    ``--masked_loss`` mask (``mask_source``: alpha or conditioning), at most ``size``."""
     from dreamstep.data.images import load_rgb
+    from dreamstep.data.masks import read_mask
     from dreamstep.errors import UserError
 
     try:
-        image = load_rgb(path)
-    except UserError:
+        image = read_mask(path, mask_source) if mask_source is not None else load_rgb(path)
+    except (UserError, OSError):
         return None
     image.thumbnail((size, size))
     buffer = io.BytesIO()

@@ -16,8 +16,9 @@ from typing import Any
 from dreamstep.config.flux_lora import FluxLoraConfig
 from dreamstep.data.buckets import BucketPlanner
 from dreamstep.data.dataset import BucketDataset
-from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig
+from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig, load_dataset_config
 from dreamstep.data.images import ImageInfo, inspect_image, list_images
+from dreamstep.data.masks import check_mask, mask_path
 from dreamstep.data.records import ImageRecord, dataset_repeats, folder_caption, subset_entries
 from dreamstep.data.sources import flux_lora_datasets
 from dreamstep.errors import UserError
@@ -39,6 +40,7 @@ class CheckedImage:
     resized: tuple[int, int] | None = None
     problems: list[str] = field(default_factory=list)
     record: ImageRecord | None = None
+    mask: Path | None = None  # the file --masked_loss reads its mask from (the image itself for alpha masks)
 
     @property
     def upscaled(self) -> bool:
@@ -81,8 +83,16 @@ def load_configs(source: str | Path, resolution: int, instance_prompt: str | Non
         raise UserError(f"--dataset {path}: no such file or folder; give a dataset TOML or an image folder")
     given = {"dataset_config": str(path)} if path.is_file() else {"instance_data_dir": str(path),
                                                                   "instance_prompt": instance_prompt}
-    config = FluxLoraConfig(pretrained_model_name_or_path=".", output_dir=".", resolution=resolution, **given)
+    config = FluxLoraConfig(pretrained_model_name_or_path=".", output_dir=".", resolution=resolution,
+                            masked_loss=path.is_file() and _declares_masks(path, resolution), **given)
     return flux_lora_datasets(config, None)
+
+
+def _declares_masks(toml: Path, resolution: int) -> bool:
+    """Whether a dataset TOML gives masks (alpha_mask, or masks in conditioning_data_dir): it is then read as
+    ``--masked_loss`` reads it, and the check shows the masks."""
+    datasets = load_dataset_config(toml, cli={"resolution": resolution})
+    return any(s.alpha_mask or s.conditioning_data_dir is not None for d in datasets for s in d.subsets)
 
 
 def check_dataset(source: str | Path, resolution: int = 1024, seed: int = 0,
@@ -101,9 +111,10 @@ def check_dataset(source: str | Path, resolution: int = 1024, seed: int = 0,
             found, subset_problems = _entries(subset, config.method)
             problems += subset_problems
             entries.append((subset, found))
-        checked = [CheckedImage(path, first + s, caption, count, problems=[problem] if problem else [])
-                   for s, ((_, found), counts) in enumerate(zip(entries, dataset_repeats(config, entries)))
-                   for (path, caption, problem), count in zip(found, counts)]
+        checked = [CheckedImage(path, first + s, caption, count, problems=[problem] if problem else [],
+                                mask=_mask_file(path, conditioning, subset))
+                   for s, ((subset, found), counts) in enumerate(zip(entries, dataset_repeats(config, entries)))
+                   for (path, caption, problem, conditioning), count in zip(found, counts)]
         _inspect_all(checked, BucketPlanner(config.buckets), subsets)
         groups.append(([i.record for i in checked if i.record is not None], config.batch_size,
                        config.prior_pairs))
@@ -113,11 +124,16 @@ def check_dataset(source: str | Path, resolution: int = 1024, seed: int = 0,
     return DatasetCheck(str(source), configs, subsets, images, problems, dataset, seed)
 
 
-def _entries(subset: SubsetConfig, method: str) -> tuple[list[tuple[Path, str | None, str | None]], list[str]]:
-    """(image, caption, problem) for each image of a subset, with the trainer's rules; where the trainer
-    would stop at the first missing caption, go on image by image."""
+def _mask_file(image: Path, conditioning: Path | None, subset: SubsetConfig) -> Path | None:
+    return mask_path(image, conditioning, subset.mask_source) if subset.mask_source is not None else None
+
+
+def _entries(subset: SubsetConfig, method: str) -> tuple[list[tuple[Path, str | None, str | None, Path | None]],
+                                                         list[str]]:
+    """(image, caption, problem, conditioning image) for each image of a subset, with the trainer's rules; where
+    the trainer would stop at the first missing caption, go on image by image."""
     try:
-        return [(e.path, e.caption, None) for e in subset_entries(subset, method)], []
+        return [(e.path, e.caption, None, e.conditioning) for e in subset_entries(subset, method)], []
     except UserError as e:
         if subset.image_dir is None or subset.metadata_file is not None or subset.conditioning_data_dir:
             return [], [str(e)]
@@ -125,12 +141,12 @@ def _entries(subset: SubsetConfig, method: str) -> tuple[list[tuple[Path, str | 
         paths = list_images(subset.image_dir, subset.where)
     except UserError as e:
         return [], [str(e)]
-    found: list[tuple[Path, str | None, str | None]] = []
+    found: list[tuple[Path, str | None, str | None, Path | None]] = []
     for path in paths:
         try:
-            found.append((path, folder_caption(path, subset), None))
+            found.append((path, folder_caption(path, subset), None, None))
         except UserError as e:
-            found.append((path, None, f"missing caption: {str(e).split(': ', 1)[-1]}"))
+            found.append((path, None, f"missing caption: {str(e).split(': ', 1)[-1]}", None))
     return found, []
 
 
@@ -153,6 +169,13 @@ def _inspect_all(images: list[CheckedImage], planner: BucketPlanner,
             image.problems.append(f"will be upscaled from {info.size[0]}x{info.size[1]} to "
                                   f"{image.resized[0]}x{image.resized[1]} for bucket "
                                   f"{image.bucket[0]}x{image.bucket[1]}")
+        subset = subsets[image.subset][1]
+        if image.mask is not None:
+            try:
+                check_mask(image.mask, subset.mask_source)
+            except UserError as e:
+                image.problems.append(f"mask: {str(e).split(': ', 1)[-1]}")
+                continue
         if image.caption is not None and image.repeats > 0:
             image.record = ImageRecord(info, image.caption, subsets[image.subset][1], None, image.repeats,
                                        image.bucket, image.resized)
@@ -185,7 +208,7 @@ def summary(check: DatasetCheck, epoch: int) -> dict[str, Any]:
                "is_reg": check.subsets[i.subset][1].is_reg,
                "raw_caption": i.caption, "caption": captions.get(n), "repeats": i.repeats,
                "size": list(i.size) if i.size else None, "bucket": list(i.bucket) if i.bucket else None,
-               "problems": i.problems, "used": i.record is not None}
+               "problems": i.problems, "used": i.record is not None, "mask": i.mask is not None}
               for n, i in enumerate(check.images)]
     return {"source": check.source, "epoch": epoch, "seed": check.seed, "datasets": datasets, "subsets": subsets,
             "images": images, "problems": check.problems}

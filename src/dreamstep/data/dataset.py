@@ -24,6 +24,7 @@ from dreamstep.data.cache import TensorCache, image_content_key, stack_entries, 
 from dreamstep.data.captions import process_caption
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.images import load_rgb
+from dreamstep.data.masks import mask_path, read_mask
 from dreamstep.data.records import ImageRecord, collect_records, skipped_in
 from dreamstep.errors import UserError
 
@@ -91,8 +92,9 @@ class BucketDataset(Dataset):
         # A crop drawn at random differs every epoch: its latents are encoded each time, never cached.
         if not placement.is_fixed():
             return None, None
+        encoded = record.conditioning is not None and record.subset.mask_source is None  # a mask is not encoded
         conditioning = (image_content_key(record.conditioning.sha256, placement, record.image.size)
-                        if record.conditioning is not None else None)
+                        if encoded else None)
         return image_content_key(record.image.sha256, placement), conditioning
 
     def encodes_in_the_loop(self) -> bool:
@@ -118,7 +120,13 @@ class BucketDataset(Dataset):
         if self.text_cache is not None:
             item["text"] = self.text_cache.get(text_content_key(caption))
         self._add_pixels(item, "", record.image.path, record.image.size, placement)
-        if record.conditioning is not None:
+        source = record.subset.mask_source
+        if source is not None:
+            conditioning = record.conditioning.path if record.conditioning is not None else None
+            mask = read_mask(mask_path(record.image.path, conditioning, source), source)
+            item["mask"] = torch.from_numpy(np.asarray(place_image(mask, record.image.size, placement),
+                                                       dtype=np.float32) / 255.0)[None]  # (1, H, W) in [0, 1]
+        elif record.conditioning is not None:
             item["conditioning_key"] = conditioning_key
             self._add_pixels(item, "conditioning_", record.conditioning.path, record.image.size, placement)
         return item
@@ -136,6 +144,12 @@ class BucketDataset(Dataset):
 def transform_image(image: Image.Image, size: tuple[int, int], placement: Placement) -> torch.Tensor:
     """Resize to ``size`` (a conditioning image to its target's size) and then as ``placement`` says;
     return (3, H, W) floats in [-1, 1]."""
+    array = np.asarray(place_image(image, size, placement), dtype=np.uint8)  # (H, W, 3)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
+
+
+def place_image(image: Image.Image, size: tuple[int, int], placement: Placement) -> Image.Image:
+    """Resize to ``size``, then resize, crop and flip as ``placement`` says (an image, its condition, its mask)."""
     if image.size != size:
         image = image.resize(size, Image.Resampling.LANCZOS)
     if image.size != placement.resized:
@@ -144,8 +158,7 @@ def transform_image(image: Image.Image, size: tuple[int, int], placement: Placem
     image = image.crop((left, top, left + placement.bucket[0], top + placement.bucket[1]))
     if placement.flip:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    array = np.asarray(image, dtype=np.uint8)  # (H, W, 3)
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
+    return image
 
 
 def build_dataset(configs: Sequence[DatasetConfig], seed: int, latent_cache: TensorCache | None = None,
@@ -247,6 +260,8 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if "text" in items[0]:
         batch["text"] = stack_entries([it["text"] for it in items])
+    if "mask" in items[0]:
+        batch["masks"] = torch.stack([it["mask"] for it in items])  # (B, 1, H, W)
     _stack_images(batch, items, "")
     if "conditioning_key" in items[0]:
         batch["conditioning_keys"] = [it["conditioning_key"] for it in items]

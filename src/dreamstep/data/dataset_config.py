@@ -56,6 +56,7 @@ KEYS: dict[str, _Key] = {
     "caption_dropout_rate": _Key(float, 0.0, "subset"),
     "caption_dropout_every_n_epochs": _Key(int, 0, "subset"),
     "caption_tag_dropout_rate": _Key(float, 0.0, "subset"),
+    "alpha_mask": _Key(bool, False, "subset"),
     "resolution": _Key("resolution", None, "dataset"),
     "batch_size": _Key(int, 1, "dataset"),
     "enable_bucket": _Key(bool, False, "dataset"),
@@ -67,7 +68,7 @@ KEYS: dict[str, _Key] = {
 # sd-scripts keys that dreamstep reads but does not implement: named as such rather than as typos.
 UNSUPPORTED_KEYS = frozenset({
     "color_aug", "face_crop_aug_range", "enable_wildcard", "token_warmup_min", "token_warmup_step",
-    "alpha_mask", "cache_info", "custom_attributes", "network_multiplier", "debug_dataset",
+    "cache_info", "custom_attributes", "network_multiplier", "debug_dataset",
     "validation_seed", "validation_split", "resize_interpolation",
 })
 CLI_ALIASES = {"train_batch_size": "batch_size"}
@@ -96,6 +97,9 @@ class SubsetConfig:
     random_crop: bool = False
     captions: CaptionOptions = field(default_factory=CaptionOptions)
     caption_fallback: str = "class_tokens"
+    alpha_mask: bool = False  # the image's alpha channel is its loss mask (with --masked_loss)
+    # Where --masked_loss reads each image's mask: "alpha", "conditioning" (conditioning_data_dir), or None.
+    mask_source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -290,7 +294,8 @@ def _parse_subset(resolve: _Resolver, place: str, method: Method) -> SubsetConfi
         caption_extension=normalize_extension(resolve("caption_extension")),
         metadata_file=Path(metadata) if metadata is not None else None,
         conditioning_data_dir=Path(conditioning) if conditioning is not None else None,
-        flip_aug=resolve("flip_aug"), random_crop=resolve("random_crop"), captions=captions)
+        flip_aug=resolve("flip_aug"), random_crop=resolve("random_crop"), captions=captions,
+        alpha_mask=resolve("alpha_mask"))
 
 
 def normalize_extension(extension: str | None) -> str | None:

@@ -18,6 +18,7 @@ from typing import Any
 from dreamstep.data.buckets import BucketPlanner, Size
 from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig
 from dreamstep.data.images import IMAGE_EXTENSIONS, ImageInfo, list_images, skipped_files, validate_images
+from dreamstep.data.masks import check_mask, mask_path
 from dreamstep.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ def collect_records(config: DatasetConfig) -> list[ImageRecord]:
             conditioning = infos[entry.conditioning] if entry.conditioning is not None else None
             if conditioning is not None:
                 _check_partner(image, conditioning)
+            if subset.mask_source is not None:
+                check_mask(mask_path(image.path, entry.conditioning, subset.mask_source), subset.mask_source)
             bucket, resized = planner.select(*image.size)
             if min(bucket) <= 0:
                 raise UserError(f"{image.path}: image {image.size[0]}x{image.size[1]} is smaller than "

@@ -31,6 +31,7 @@ from dreamstep.data.dataset_config import (
     require_methods,
 )
 from dreamstep.data.images import list_images
+from dreamstep.data.masks import refuse_alpha_masks_without_masked_loss, with_masks
 from dreamstep.errors import UserError
 
 
@@ -162,28 +163,39 @@ def flux_lora_datasets(config: Any, class_dir: str | None) -> list[DatasetConfig
     its dataset TOML, or its instance (and class) folders, with its defaults. The dashboard's dataset check
     reads a folder through this too, so it shows what the trainer will do."""
     if config.dataset_config is not None:
-        datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
-                                                                   "train_batch_size": config.train_batch_size})
-        require_methods(datasets, ("dreambooth", "finetune"), "train flux-lora")
-        return datasets
-    dataset = dreambooth_from_flags(
+        datasets = load_dataset_config(config.dataset_config, cli={
+            "resolution": config.resolution, "train_batch_size": config.train_batch_size, **config.caption_flags()})
+        return masked_datasets(datasets, config.masked_loss, "train flux-lora")
+    dataset = with_caption_flags(dreambooth_from_flags(
         config.instance_data_dir, config.instance_prompt, caption_extension=config.caption_extension,
         class_data_dir=class_dir, class_prompt=config.class_prompt if class_dir else None,
         buckets=bucket_spec(config.resolution), center_crop=config.center_crop,
-        random_flip=config.random_flip, repeats=config.repeats, batch_size=config.train_batch_size)
+        random_flip=config.random_flip, repeats=config.repeats, batch_size=config.train_batch_size),
+        config.caption_flags())
     if config.validation_data_dir is not None:
         dataset = with_validation_folder(dataset, config.validation_data_dir)
     return [dataset]
+
+
+def masked_datasets(datasets: list[DatasetConfig], masked_loss: bool, command: str) -> list[DatasetConfig]:
+    """A LoRA trainer's TOML datasets: DreamBooth or fine-tuning ones; with ``--masked_loss`` each subset's masks
+    set (:func:`~dreamstep.data.masks.with_masks`; a dataset with ``conditioning_data_dir`` holds masks then)."""
+    if not masked_loss:
+        require_methods(datasets, ("dreambooth", "finetune"), command)
+        refuse_alpha_masks_without_masked_loss(datasets)
+        return datasets
+    require_methods(datasets, ("dreambooth", "finetune", "controlnet"), command)
+    return [with_masks(d) for d in datasets]
 
 
 def paired_datasets(config: Any, methods: tuple[str, ...], command: str) -> list[DatasetConfig]:
     """What a trainer of image pairs trains on, from its config (a
     :class:`~dreamstep.config.options.PairedDataOptions`): its dataset TOML (subsets with
     ``conditioning_data_dir``; ``methods`` are the TOML methods ``command`` takes), or its folder / JSONL
-    flags; with ``--proportion_empty_prompts`` as every subset's caption dropout."""
+    flags; with the caption flags (:class:`~dreamstep.config.options.CaptionAugmentationOptions`)."""
     if config.dataset_config is not None:
-        datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
-                                                                   "train_batch_size": config.train_batch_size})
+        datasets = load_dataset_config(config.dataset_config, cli={
+            "resolution": config.resolution, "train_batch_size": config.train_batch_size, **config.caption_flags()})
         require_methods(datasets, methods, command)
     else:
         datasets = [controlnet_from_flags(
@@ -192,14 +204,12 @@ def paired_datasets(config: Any, methods: tuple[str, ...], command: str) -> list
             default_caption=config.default_caption, buckets=bucket_spec(config.resolution),
             center_crop=not config.random_crop, random_flip=config.random_flip, repeats=config.repeats,
             batch_size=config.train_batch_size)]
-    return [with_caption_dropout(d, config.proportion_empty_prompts) for d in datasets]
+        datasets = [with_caption_flags(d, config.caption_flags()) for d in datasets]
+    return datasets
 
 
-def with_caption_dropout(dataset: DatasetConfig, proportion: float) -> DatasetConfig:
-    """``dataset`` with every subset's caption dropout at ``proportion`` (diffusers' --proportion_empty_prompts):
-    drawn per (seed, epoch, sample), so a resumed run drops the same captions."""
-    if proportion == 0.0:
-        return dataset
-    subsets = tuple(dataclasses.replace(s, captions=dataclasses.replace(s.captions, caption_dropout_rate=proportion))
-                    for s in dataset.subsets)
+def with_caption_flags(dataset: DatasetConfig, flags: dict[str, Any]) -> DatasetConfig:
+    """``dataset`` with every subset's caption options set by the caption flags (sd-scripts' names, e.g.
+    ``caption_dropout_rate``): the draws are made per (seed, epoch, sample), so a resumed run draws the same."""
+    subsets = tuple(dataclasses.replace(s, captions=dataclasses.replace(s.captions, **flags)) for s in dataset.subsets)
     return dataclasses.replace(dataset, subsets=subsets)

@@ -8,9 +8,11 @@ cannot fit; ``--resume_from_checkpoint latest`` falls back to the newest checkpo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +51,8 @@ class RunHooks:
     with ``sample_final`` instead of ``sample`` when given. ``save(global_step)``: write the trained weights
     (main process), not at the last step, whose weights the recipe writes itself. Checkpoints (every process):
     ``checkpoint-N`` folders, at most ``checkpoints_total_limit`` of them, and with ``checkpoint_at_end`` one at
-    the last step too."""
+    the last step too. ``validation_weights()``: the weights a validation point runs with (e.g. the EMA's,
+    :meth:`~dreamstep.engine.ema.WeightAverage.swapped_in`), the trained ones again after it."""
 
     sample: Callable[[int], list[Image.Image]] | None = None
     score: Callable[[int, list[Image.Image]], Mapping[str, float]] | None = None
@@ -63,6 +66,7 @@ class RunHooks:
     checkpoint_every: Every = field(default_factory=Every)
     checkpoints_total_limit: int | None = None
     checkpoint_at_end: bool = False
+    validation_weights: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
 
 
 @dataclass
@@ -255,12 +259,13 @@ def _validation_point(run: Run, hooks: RunHooks, global_step: int,
     if not (run.is_main_process or hooks.sample_on_every_process):
         return None, {}
     start = time.perf_counter()
-    images = sample(global_step) if samples and sample is not None else []
     found: Mapping[str, float] = {}
-    if scores and hooks.score is not None and global_step not in run.logger.metrics.rows:
-        found = hooks.score(global_step, images)
-        if found:
-            run.logger.log_metrics(global_step, found)
+    with hooks.validation_weights():
+        images = sample(global_step) if samples and sample is not None else []
+        if scores and hooks.score is not None and global_step not in run.logger.metrics.rows:
+            found = hooks.score(global_step, images)
+    if found:
+        run.logger.log_metrics(global_step, found)
     run.validation_seconds += time.perf_counter() - start
     return images, found
 

@@ -165,9 +165,11 @@ class TrainStep(abc.ABC):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
                  loss_scaler: LossScaler | None = None, max_grad_norm: float | None = None,
                  gradient_accumulation_steps: int = 1, length_of_dataloader: int | None = None,
-                 accelerator: Any = None, gradient_accumulation_kwargs: dict[str, Any] | None = None) -> None:
+                 accelerator: Any = None, gradient_accumulation_kwargs: dict[str, Any] | None = None,
+                 ema: Any = None) -> None:
         """``gradient_accumulation_kwargs={"length_of_dataloader": L}`` is mindone's spelling of
-        ``length_of_dataloader`` and is accepted so that ported mindone code runs unchanged."""
+        ``length_of_dataloader`` and is accepted so that ported mindone code runs unchanged. ``ema``
+        (:class:`~dreamstep.engine.ema.WeightAverage`) is told ``update(num_updates)`` after every group."""
         length_of_dataloader = _length_from_kwargs(length_of_dataloader, gradient_accumulation_kwargs)
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
@@ -182,6 +184,7 @@ class TrainStep(abc.ABC):
         self.lr_scheduler = lr_scheduler
         self.accelerator = accelerator
         self.max_grad_norm = max_grad_norm
+        self.ema = ema
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.length_of_dataloader = length_of_dataloader
         self.loss_scaler = loss_scaler if loss_scaler is not None else _default_scaler(accelerator, optimizer)
@@ -278,6 +281,8 @@ class TrainStep(abc.ABC):
         self.nonfinite_tensor = None
         if closes_group:
             self._update()
+            if self.ema is not None:
+                self.ema.update(self.num_updates)
         self._advance()
         return (loss, *outputs[1:])
 

@@ -140,8 +140,11 @@ class FluxConditioner:
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         # is_reg stays on the CPU: the loss splits the batch by it without waiting for the device.
-        return {"latent_dist": self.latents(batch), **self.prompts(batch["captions"], batch.get("text")),
-                "is_reg": batch["is_reg"]}
+        inputs = {"latent_dist": self.latents(batch), **self.prompts(batch["captions"], batch.get("text")),
+                  "is_reg": batch["is_reg"]}
+        if "masks" in batch:  # --masked_loss: (B, 1, H, W) in [0, 1], at the image's size
+            inputs["masks"] = batch["masks"].to(self.device, non_blocking=True)
+        return inputs
 
 
 class ControlConditioner:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dreamstep.diffusion import flow_matching as fm
+from dreamstep.diffusion.losses import masked
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.models import flux
 from dreamstep.models.vae import posterior_mean, sample_latents
@@ -94,6 +95,8 @@ class FluxFlowMatchingStep(TrainStep):
         # Flow-matching target v = ε - x; the loss of each element (--loss_type), weighted by its sample's own σ.
         per_element = self.objective.per_element_loss(pred, noisy, fm.velocity_target(latents, noise), sigmas,
                                                       len(self.sigmas), weighted)
+        if "masks" in batch:  # --masked_loss: a black region of the image contributes nothing
+            per_element = masked(per_element, batch["masks"])
         return per_element.reshape(bsz, -1).mean(dim=1)
 
 

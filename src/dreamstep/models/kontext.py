@@ -27,7 +27,7 @@ from PIL import Image
 
 from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig, load_dataset_config
 from dreamstep.data.images import list_images, load_rgb
-from dreamstep.data.sources import bucket_spec, dreambooth_from_flags
+from dreamstep.data.sources import bucket_spec, dreambooth_from_flags, with_caption_flags
 from dreamstep.errors import UserError
 from dreamstep.models import flux
 
@@ -71,8 +71,8 @@ def kontext_datasets(config: Any) -> list[DatasetConfig]:
     (``--dataset_name``) or the folders. Pairs are matched by name and share crop and flip (see
     :mod:`~dreamstep.data.records`), every image checked before a model loads."""
     if config.dataset_config is not None:
-        datasets = load_dataset_config(config.dataset_config, cli={"resolution": config.resolution,
-                                                                   "train_batch_size": config.train_batch_size})
+        datasets = load_dataset_config(config.dataset_config, cli={
+            "resolution": config.resolution, "train_batch_size": config.train_batch_size, **config.caption_flags()})
         if len({d.method == "controlnet" for d in datasets}) > 1:
             raise UserError(f"{config.dataset_config}: some datasets have conditioning_data_dir and some do not; "
                             "a run trains edits (conditioning_data_dir in every subset) or text-to-image (in none)")
@@ -83,11 +83,13 @@ def kontext_datasets(config: Any) -> list[DatasetConfig]:
         subset = SubsetConfig(where="--dataset_name", metadata_file=_pairs_file(config), caption_extension=None,
                               **common)
         method = "controlnet" if config.cond_image_column else "finetune"
-        return [DatasetConfig("--dataset_name", method, buckets, config.train_batch_size, (subset,))]
+        return [with_caption_flags(DatasetConfig("--dataset_name", method, buckets, config.train_batch_size, (subset,)),
+                                   config.caption_flags())]
     dataset = dreambooth_from_flags(
         config.instance_data_dir, config.instance_prompt, caption_extension=config.caption_extension,
         buckets=buckets, center_crop=config.center_crop, random_flip=config.random_flip, repeats=config.repeats,
         batch_size=config.train_batch_size)
+    dataset = with_caption_flags(dataset, config.caption_flags())
     if config.conditioning_data_dir is None:
         return [dataset]
     list_images(Path(config.conditioning_data_dir), "--conditioning_data_dir")

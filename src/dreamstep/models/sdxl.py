@@ -243,6 +243,8 @@ class SDXLConditioner:
             inputs.update(self.prompts(batch["captions"], batch.get("text")))
         else:
             inputs["captions"] = batch["captions"]
+        if "masks" in batch:  # --masked_loss: (B, 1, H, W) in [0, 1], at the image's size
+            inputs["masks"] = batch["masks"].to(self.device, non_blocking=True)
         return inputs
 
 

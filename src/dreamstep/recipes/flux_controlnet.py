@@ -9,18 +9,20 @@ of pairs (``--train_data_dir`` + ``--conditioning_data_dir``, same-named files, 
 ``--caption_extension`` files), a ``metadata.jsonl`` with ``image``, ``conditioning_image`` and ``text``
 (``--jsonl_for_train``, or found in ``--train_data_dir``), or a Kohya dataset TOML whose subsets have
 ``conditioning_data_dir``; every pair is checked before a model loads. Text embeddings cached; target and control
-latents cached (except random crops of images larger than their bucket); ``--proportion_empty_prompts``; SD3
-timestep sampling / weighting, sd-scripts' ``--timestep_sampling`` and ``--loss_type``; guidance for
-guidance-distilled bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. Precision: frozen weights in
-``--mixed_precision``, ControlNet weights fp32 with half-precision compute, or with ``--controlnet_weights_dtype
-bf16`` bf16 weights and an AdamW whose math is fp32 with stochastic rounding (12 instead of 16 bytes of trainable
-state per parameter). Resumable checkpoints, validation grids through diffusers' ``FluxControlNetPipeline`` (control
-image beside the results), TensorBoard, a loss curve PNG; evaluation at the validation points (validation loss on
-held-out pairs: --validation_split or a TOML subset with is_validation; --eval_metrics edge,clip_t,...: the samples'
-edge agreement with edge-map controls).
+latents cached (except random crops of images larger than their bucket); caption dropout
+(``--caption_dropout_rate``, alias ``--proportion_empty_prompts``) and sd-scripts' caption flags; SD3 timestep
+sampling / weighting, sd-scripts' ``--timestep_sampling`` and ``--loss_type``; guidance for guidance-distilled
+bases; gradient checkpointing; AdamW / AdamW8bit / Prodigy. Precision: frozen weights in ``--mixed_precision``,
+ControlNet weights fp32 with half-precision compute, or with ``--controlnet_weights_dtype bf16`` bf16 weights and an
+AdamW whose math is fp32 with stochastic rounding (12 instead of 16 bytes of trainable state per parameter). An EMA
+of the ControlNet weights (``--ema_decay``). Resumable checkpoints, validation grids through diffusers'
+``FluxControlNetPipeline`` (control image beside the results), TensorBoard, a loss curve PNG; evaluation at the
+validation points (validation loss on held-out pairs: --validation_split or a TOML subset with is_validation;
+--eval_metrics edge,clip_t,...: the samples' edge agreement with edge-map controls).
 
 Outputs in --output_dir: ``config.json`` + ``diffusion_pytorch_model.safetensors`` (what
-``FluxControlNetModel.from_pretrained`` loads), ``samples/``, ``loss_curve.png``, ``metrics.csv`` and
+``FluxControlNetModel.from_pretrained`` loads), with --ema_decay the EMA weights in ``ema/`` (the same layout),
+``samples/``, ``loss_curve.png``, ``metrics.csv`` and
 ``metrics.png`` with evaluation, ``logs``,
 ``checkpoint-N/`` and the run's ``config.toml``.
 """
@@ -40,6 +42,7 @@ from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import load_rgb
 from dreamstep.data.sources import paired_datasets
 from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW
+from dreamstep.engine.ema import validation_weights, weight_average, with_average
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
@@ -159,9 +162,10 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                                       total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
     # A sharded model talks to its peers itself; DDP comes from accelerate.
+    ema = weight_average(controlnet, config.ema_options())
     model, optimizer = (controlnet, optimizer) if sharded else run.accelerator.prepare(controlnet, optimizer)
     step = FluxControlNetStep(
-        model, transformer=base.transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
+        model, transformer=base.transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, ema=ema,
         accelerator=run.accelerator, max_grad_norm=config.max_grad_norm or None,
         gradient_accumulation_steps=config.gradient_accumulation_steps, length_of_dataloader=len(loader),
         sigmas=flux.training_sigmas(base.scheduler),
@@ -196,8 +200,10 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     hooks = RunHooks(sample=sample if validation else None, score=score if evaluator is not None else None,
                      sample_every=Every(config.validation_steps or None), sample_first=evaluator is not None,
                      sample_on_every_process=sharded, checkpoint_every=Every(config.checkpointing_steps or None),
-                     checkpoints_total_limit=config.checkpoints_total_limit)
-    result = fit(run, step, batches, total_steps=plan.total_steps, trained=FullState(controlnet), hooks=hooks,
+                     checkpoints_total_limit=config.checkpoints_total_limit,
+                     validation_weights=validation_weights(ema, config.ema_validation))
+    result = fit(run, step, batches, total_steps=plan.total_steps, trained=with_average(FullState(controlnet), ema),
+                 hooks=hooks,
                  on_nonfinite_loss=config.on_nonfinite_loss,
                  max_skipped_steps_fraction=config.max_skipped_steps_fraction, logging_steps=config.logging_steps)
 
@@ -206,6 +212,9 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     state = full_model_state(controlnet) if sharded else None  # every process helps gather it
     if run.is_main_process:
         written["ControlNet"] = cn.save(controlnet, config.output_dir, state)
+        if ema is not None:
+            with ema.swapped_in():
+                written["ControlNet (EMA)"] = cn.save(controlnet, Path(config.output_dir) / "ema")
     return finish(run, written, result, hooks, best_by=config.best_metric(held_out is not None))
 
 

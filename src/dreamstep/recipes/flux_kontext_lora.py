@@ -32,6 +32,7 @@ from dreamstep.config.flux_kontext_lora import FluxKontextLoraConfig
 from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
+from dreamstep.engine.ema import validation_weights, weight_average, with_average
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
@@ -50,6 +51,7 @@ from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.vae import posterior_mean, sample_latents
 
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
+EMA_WEIGHT_NAME = "pytorch_lora_weights_ema.safetensors"
 
 
 class FluxKontextStep(FluxFlowMatchingStep):
@@ -149,9 +151,10 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
                                       total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
                                       power=config.lr_power)
+    ema = weight_average(transformer, config.ema_options())
     model, optimizer = run.accelerator.prepare(transformer, optimizer, device_placement=[swapper is None, True])
     step = FluxKontextStep(
-        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
+        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
         length_of_dataloader=len(loader), sigmas=flux.training_sigmas(base.scheduler),
         objective=config.flow_matching_objective(), vae_encode_mode=config.vae_encode_mode,
@@ -178,9 +181,10 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
                      score=(lambda at, _: evaluator(edits.pop(at, []), prompts)) if evaluator is not None else None,
                      sample_every=Every(config.validation_steps or None), sample_first=evaluator is not None,
                      checkpoint_every=Every(config.checkpointing_steps or None),
-                     checkpoints_total_limit=config.checkpoints_total_limit)
+                     checkpoints_total_limit=config.checkpoints_total_limit,
+                     validation_weights=validation_weights(ema, config.ema_validation))
     result = fit(run, step, batches, total_steps=plan.total_steps,
-                 trained=TrainableState({"transformer": transformer}), hooks=hooks,
+                 trained=with_average(TrainableState({"transformer": transformer}), ema), hooks=hooks,
                  on_nonfinite_loss=config.on_nonfinite_loss,
                  max_skipped_steps_fraction=config.max_skipped_steps_fraction, logging_steps=config.logging_steps)
 
@@ -188,6 +192,9 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
     written = {}
     if run.is_main_process:
         written["LoRA (diffusers)"] = save_flux_lora(config.output_dir, transformer)
+        if ema is not None:
+            with ema.swapped_in():
+                written["LoRA (EMA)"] = save_flux_lora(config.output_dir, transformer, weight_name=EMA_WEIGHT_NAME)
         if config.save_kohya_format:
             kohya_path = Path(config.output_dir) / KOHYA_WEIGHT_NAME
             convert_lora(written["LoRA (diffusers)"], kohya_path, to="kohya", model="flux", overwrite=True)

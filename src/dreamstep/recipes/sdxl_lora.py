@@ -11,16 +11,18 @@ UNet and both text encoders with sd-scripts' key names (``--network_dim``, ``--n
 DoRA) with the same names; ε- or v-prediction
 (``--v_parameterization``) with ``--min_snr_gamma``, ``--noise_offset`` + ``--adaptive_noise_scale``, multires
 noise, ``--ip_noise_gamma``, ``--prior_loss_weight``, ``--loss_type`` (Huber schedules),
-``--debiased_estimation_loss``; precision ``--mixed_precision``, ``--full_fp16``, ``--full_bf16``,
-``--no_half_vae``; ``--gradient_checkpointing``; ``--sdpa``/``--flash_attn``/``--xformers`` (all PyTorch
-scaled-dot-product attention); the optimizers of :mod:`dreamstep.engine.optim` with ``--optimizer_args``; LR
-schedules with warm-up; latents and text embeddings cached by content (exactly what encoding every step gives: the
-VAE posterior is cached and sampled each step); ``--save_every_n_steps``/``--save_every_n_epochs``; ``--save_state``
-+ ``--resume`` (exact); ``--sample_prompts`` with sd-scripts' per-line options; TensorBoard and a loss curve;
-evaluation every ``--validate_every_n_steps`` (validation loss on held-out images: ``--validation_split`` or a TOML
-subset with ``is_validation = true``; ``--eval_metrics`` scores of the sample prompts' images).
+``--debiased_estimation_loss``; sd-scripts' caption flags; an EMA of the LoRA weights (``--ema_decay``); precision
+``--mixed_precision``, ``--full_fp16``, ``--full_bf16``, ``--no_half_vae``; ``--gradient_checkpointing``;
+``--sdpa``/``--flash_attn``/``--xformers`` (all PyTorch scaled-dot-product attention); the optimizers of
+:mod:`dreamstep.engine.optim` with ``--optimizer_args``; LR schedules with warm-up; latents and text embeddings
+cached by content (exactly what encoding every step gives: the VAE posterior is cached and sampled each step);
+``--save_every_n_steps``/``--save_every_n_epochs``; ``--save_state`` + ``--resume`` (exact); ``--sample_prompts``
+with sd-scripts' per-line options; TensorBoard and a loss curve; evaluation every ``--validate_every_n_steps``
+(validation loss on held-out images: ``--validation_split`` or a TOML subset with ``is_validation = true``;
+``--eval_metrics`` scores of the sample prompts' images).
 
-Outputs in --output_dir: ``<output_name>.safetensors`` (or ``.ckpt``) with sd-scripts' ``ss_*`` metadata,
+Outputs in --output_dir: ``<output_name>.safetensors`` (or ``.ckpt``) with sd-scripts' ``ss_*`` metadata (with
+--ema_decay also ``<output_name>_ema.*``, the EMA weights),
 ``<output_name>-step00000500.*`` and ``<output_name>-000001.*`` along the way, ``checkpoint-N/`` with
 --save_state, ``sample/`` PNGs, ``config.toml``, TensorBoard logs, ``loss_curve.png`` and with evaluation
 ``metrics.csv`` and ``metrics.png``.
@@ -44,14 +46,14 @@ from dreamstep.data import (
     DatasetConfig,
     bucket_spec,
     load_dataset_config,
-    require_methods,
 )
 from dreamstep.data.cache import remove_caches
 from dreamstep.data.dataset_config import parse_resolution
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
-from dreamstep.data.sources import kohya_folders_from_flags
+from dreamstep.data.sources import kohya_folders_from_flags, masked_datasets, with_caption_flags
 from dreamstep.diffusion import noise_prediction as noise_math
-from dreamstep.diffusion.losses import LossFunction
+from dreamstep.diffusion.losses import LossFunction, masked
+from dreamstep.engine.ema import validation_weights, weight_average, with_average
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import AnyOf, Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer, parse_optimizer_args
@@ -82,17 +84,17 @@ def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
     cli = {k: getattr(config, k) for k in ("resolution", "train_batch_size", "enable_bucket", "min_bucket_reso",
                                            "max_bucket_reso", "bucket_reso_steps", "bucket_no_upscale")}
     if config.dataset_config is not None:
-        datasets = load_dataset_config(config.dataset_config, cli=cli)
-        require_methods(datasets, ("dreambooth", "finetune"), "train sdxl-lora")
-        return datasets
+        datasets = load_dataset_config(config.dataset_config, cli={**cli, **config.caption_flags()})
+        return masked_datasets(datasets, config.masked_loss, "train sdxl-lora")
     if config.resolution is None:
         raise UserError("--resolution is required with --train_data_dir (e.g. --resolution 1024,1024)")
     buckets = bucket_spec(parse_resolution(config.resolution, "--resolution"), bool(config.enable_bucket),
                           **{k: v for k, v in cli.items()
                              if k.endswith(("reso", "steps", "upscale")) and v is not None})
-    return [kohya_folders_from_flags(config.train_data_dir, reg_data_dir=config.reg_data_dir, in_json=config.in_json,
-                                     caption_extension=config.caption_extension, buckets=buckets,
-                                     batch_size=config.train_batch_size)]
+    dataset = kohya_folders_from_flags(config.train_data_dir, reg_data_dir=config.reg_data_dir, in_json=config.in_json,
+                                       caption_extension=config.caption_extension, buckets=buckets,
+                                       batch_size=config.train_batch_size)
+    return [with_caption_flags(dataset, config.caption_flags())]
 
 
 def build_network(config: SDXLLoraConfig, base: Any,
@@ -170,6 +172,8 @@ class SDXLLoraStep(TrainStep):
         per_element = self.loss.per_element(prediction, target, timesteps,
                                             self.noise_scheduler.config.num_train_timesteps,
                                             self.noise_scheduler.alphas_cumprod)
+        if "masks" in batch:  # --masked_loss: a black region of the image contributes nothing
+            per_element = masked(per_element, batch["masks"])
         return per_element.mean(dim=tuple(range(1, per_element.ndim)))
 
     def validation_loss_at(self, batch: dict[str, Any], latents: torch.Tensor, noise: torch.Tensor,
@@ -272,9 +276,10 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
                                       total_steps=plan.total_steps, num_cycles=config.lr_scheduler_num_cycles,
                                       power=config.lr_scheduler_power)
+    ema = weight_average(network, config.ema_options())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
     step = SDXLLoraStep(
-        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator,
+        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
         length_of_dataloader=len(loader),
         noise_scheduler=noise_math.training_scheduler(base.scheduler.config, config.zero_terminal_snr),
@@ -332,15 +337,20 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
                      sample_every=AnyOf(sample_every, validate_every), score_every=validate_every,
                      sample_first=evaluator is not None, sample_final=sample_final if sampler is not None else None,
                      save=writer.save, save_every=save_every, checkpoint_at_end=config.save_state,
-                     checkpoint_every=save_every if config.save_state else Every())
-    result = fit(run, step, ConditionedBatches(loader, conditioner), total_steps=plan.total_steps, trained=network,
-                 hooks=hooks, logging_steps=config.logging_steps)
+                     checkpoint_every=save_every if config.save_state else Every(),
+                     validation_weights=validation_weights(ema, config.ema_validation))
+    result = fit(run, step, ConditionedBatches(loader, conditioner), total_steps=plan.total_steps,
+                 trained=with_average(network, ema), hooks=hooks, logging_steps=config.logging_steps)
 
     # 7. Save: the final LoRA, final samples and scores; temporary caches removed; the summary.
     last = result.position.global_step
     written: dict[str, Path | None] = {}
     if run.is_main_process:
         written["LoRA"] = writer.save(last, final=True)
+        if ema is not None:
+            with ema.swapped_in():
+                written["LoRA (EMA)"] = dataclasses.replace(writer, name=f"{config.output_name}_ema").save(
+                    last, final=True)
         written["step/epoch LoRAs"] = folder if writer.saved else None
         written["samples"] = sampler.folder if sampler is not None and sampler.written else None
         written["config"] = folder / "config.toml"

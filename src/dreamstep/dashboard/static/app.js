@@ -293,6 +293,7 @@ function datasetView() {
             el("div", { class: "grid" }, b.images.map((n) => {
               const im = images[n];
               return el("figure", {}, el("img", { src: `/api/dataset/image/${n}`, loading: "lazy", alt: im.name }),
+                im.mask ? el("img", { class: "mask", src: `/api/dataset/mask/${n}`, loading: "lazy", alt: `mask of ${im.name}` }) : null,
                 el("figcaption", {}, el("div", {}, el("b", { text: im.name }), im.is_reg ? el("span", { class: "tag reg", text: "reg" }) : null,
                   el("span", { class: "muted", text: `  ${im.size.join("x")} ×${im.repeats}` })),
                   el("div", { class: "caption", text: im.caption ?? "" }),
