@@ -64,3 +64,14 @@ def test_bad_lora_type_options_are_one_line(flags: tuple[str, ...], expected: st
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and err.startswith("error: ") and expected in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_an_ema_of_a_lycoris_network_is_saved_beside_it(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir, "--instance_data_dir",
+                   ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--resolution", "32", "--report_to", "none",
+                   "--lora_type", "lokr", "--lokr_factor", "4", "--rank", "4", "--learning_rate", "1e-2",
+                   "--ema_decay", "0.5", "--output_dir", tmp_path, "--max_train_steps", "3") == 0
+    raw = load_file(tmp_path / "pytorch_lora_weights.safetensors")
+    average = load_file(tmp_path / "pytorch_lora_weights_ema.safetensors")
+    assert raw.keys() == average.keys()
+    assert any(not torch.equal(raw[k], average[k]) for k in raw)  # the average lags the trained weights
