@@ -20,7 +20,7 @@ from dreamstep.notices import hide_known_notices
 
 hide_known_notices()
 
-from dreamstep.models.tiny import SINGLE_FILE_NAME, write_tiny_model
+from dreamstep.models.tiny import SINGLE_FILE_NAME, build_tiny_flux, write_flux_component_files, write_tiny_model
 
 # Two cores on the CI machine, shared by two pytest-xdist workers: one thread each avoids oversubscription
 # (tiny models gain nothing from intra-op threads). A fixed count also keeps float results reproducible.
@@ -49,6 +49,20 @@ def tiny_flux_dev_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny guidance-distilled FLUX.1 pipeline folder (like FLUX.1-dev)."""
     return write_tiny_model("flux", tmp_path_factory.mktemp("tiny") / "flux-dev", seed=0,
                             guidance_embeds=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``tiny_flux_dev_dir``'s weights as the component files ComfyUI / sd-scripts users have, by sd-scripts' flag
+    names ("transformer", "clip_l", "t5xxl", "ae"): BFL-layout transformer in bf16, T5 in fp16, in a folder of
+    their own (no configs beside them); ``fp8_transformer`` and ``fp8_t5xxl``: fp8 copies."""
+    folder = tmp_path_factory.mktemp("flux-files")
+    pipe = build_tiny_flux(seed=0, guidance_embeds=True)
+    files = write_flux_component_files(pipe, folder)
+    (folder / "fp8").mkdir()
+    fp8 = write_flux_component_files(pipe, folder / "fp8", transformer_dtype=torch.float8_e4m3fn,
+                                     t5_dtype=torch.float8_e4m3fn)
+    return {**files, "fp8_transformer": fp8["transformer"], "fp8_t5xxl": fp8["t5xxl"]}
 
 
 @pytest.fixture(scope="session")

@@ -121,6 +121,25 @@ def quantize_built_model(model: torch.nn.Module, mode: str, double_quant: bool =
         raise ValueError(f"unknown quantization mode {mode!r}")
 
 
+def quantize_single_file_model(model: nn.Module, mode: str, compute_dtype: torch.dtype) -> None:
+    """Quantize a model that diffusers' ``from_single_file`` loaded: it leaves a torchao ``quantization_config``
+    unapplied and keeps weights stored in fp8 in fp8. Every fp8 weight becomes ``compute_dtype`` and each linear
+    is quantized as ``mode`` says, one linear at a time, so that beside the quantized layers at most one layer is
+    ever held in ``compute_dtype`` (a file's fp8 weights never exist as a whole bf16 model)."""
+    if mode in ("int8", "fp8"):
+        from torchao.quantization import quantize_
+
+        config = torchao_weight_config(mode)
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.dtype.itemsize == 1 and param.is_floating_point():
+                setattr(module, name, nn.Parameter(param.data.to(compute_dtype), requires_grad=False))
+        if mode in ("int8", "fp8") and type(module) is nn.Linear:
+            quantize_(module, config)
+    if mode == "nf4":
+        quantize_built_model(model, mode)
+
+
 class FrozenWeightLinear(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` for a weight and bias that get no gradient; backward keeps ``weight``
     as it is stored (quantized) and computes ``grad_x`` from its dequantized values."""
