@@ -1,4 +1,5 @@
 # Quick start:  make demo  (train a FLUX DreamBooth LoRA on a tiny offline model)   make test  (run the tests)
+# make lint: ruff over the code and tests (as .ci/run does).
 # Both create .venv with the CPU build of torch; set TORCH to pick another build, e.g. TORCH=torch.
 PYTHON ?= python3
 VENV ?= .venv
@@ -6,7 +7,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 DEMO := demo_out
 
-.PHONY: install demo test clean
+.PHONY: install demo test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,9 @@ demo: install
 
 test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
 
 clean:
 	rm -rf $(DEMO)

@@ -64,7 +64,7 @@ def worker(args: argparse.Namespace) -> None:
     latent = args.resolution // 8
     tokens, t5_dim, clip_dim = (T5_TOKENS, T5_DIM, CLIP_DIM) if args.size == "full" else (32, 256, 768)
     batch = {"latent_dist": torch.randn(1, 32, latent, latent, device=device),
-             "control_dist": torch.randn(1, 32, latent, latent, device=device),
+             "condition_dist": torch.randn(1, 32, latent, latent, device=device),
              "prompt_embeds": torch.randn(1, tokens, t5_dim, device=device),
              "pooled": torch.randn(1, clip_dim, device=device),
              "text_ids": flux.text_ids(tokens, device, torch.float32)}

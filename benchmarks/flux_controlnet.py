@@ -116,7 +116,7 @@ def main() -> None:
     rows.append(("reference (seed 003: VAE x2 every step)", time_ref, peak_ref, trainable_state_bytes(optimizer)))
     # The posteriors come from the latent cache in training.
     batch = {"latent_dist": flux.encode_posterior(vae, pixels),
-             "control_dist": flux.encode_posterior(vae, control_pixels), **embeds}
+             "condition_dist": flux.encode_posterior(vae, control_pixels), **embeds}
     variants = [("dreamstep (cached latents)", torch.float32, lambda params: build_optimizer("AdamW", params, 1e-4))]
     if half:
         variants.append(("dreamstep, bf16 weights + SR AdamW", torch.bfloat16,

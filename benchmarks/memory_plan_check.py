@@ -29,8 +29,8 @@ from peft import LoraConfig, inject_adapter_in_model
 
 from dreamstep.models import memory_plan as mp
 from dreamstep.models.plans import Estimator, _flux_step
-from dreamstep.models.quantization import diffusers_config, keep_only_quantized_weights
 from dreamstep.models.published_configs import FLUX_DEV_TRANSFORMER
+from dreamstep.models.quantization import diffusers_config, keep_only_quantized_weights
 
 
 def measured_peaks(folder: Path, mode: str, resolution: int, batch: int, text_tokens: int,

@@ -27,12 +27,12 @@ from dreamstep.data import TensorCache
 from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
-from dreamstep.lora.formats import SDXL_UNET_CONFIG
 from dreamstep.lora.kohya_network import NetworkOptions, create_network
 from dreamstep.models import sdxl
 from dreamstep.models.precision import freeze
-from dreamstep.models.tiny import build_clip_tokenizer, build_tiny_sdxl
+from dreamstep.models.published_configs import SDXL_UNET
 from dreamstep.models.sdxl import SDXLLoraModel
+from dreamstep.models.tiny import build_clip_tokenizer, build_tiny_sdxl
 from dreamstep.recipes.sdxl_lora import SDXLLoraStep
 
 # stabilityai/stable-diffusion-xl-base-1.0: vae/, text_encoder/ (CLIP-L), text_encoder_2/ (OpenCLIP bigG).
@@ -57,7 +57,7 @@ def build_pipeline(size: str, device: torch.device) -> StableDiffusionXLPipeline
             encoders = [cls(CLIPTextConfig(vocab_size=len(tok), max_position_embeddings=77, **cfg))
                         for cls, tok, cfg in ((CLIPTextModel, tokenizer, CLIP_L),
                                               (CLIPTextModelWithProjection, tokenizer_2, CLIP_G))]
-            unet = UNet2DConditionModel(**{k: v for k, v in SDXL_UNET_CONFIG.items() if not k.startswith("_")})
+            unet = UNet2DConditionModel(**{k: v for k, v in SDXL_UNET.items() if not k.startswith("_")})
             vae = AutoencoderKL(**FULL_VAE)
         pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=encoders[0], text_encoder_2=encoders[1],
                                          tokenizer=tokenizer, tokenizer_2=tokenizer_2, unet=unet,

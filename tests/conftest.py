@@ -20,7 +20,12 @@ from dreamstep.notices import hide_known_notices
 
 hide_known_notices()
 
-from dreamstep.models.tiny import SINGLE_FILE_NAME, build_tiny_flux, write_flux_component_files, write_tiny_model
+from dreamstep.models.tiny import (  # noqa: E402  (after the notices are hidden)
+    SINGLE_FILE_NAME,
+    build_tiny_flux,
+    write_flux_component_files,
+    write_tiny_model,
+)
 
 # Two cores on the CI machine, shared by two pytest-xdist workers: one thread each avoids oversubscription
 # (tiny models gain nothing from intra-op threads). A fixed count also keeps float results reproducible.

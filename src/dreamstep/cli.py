@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from dreamstep.command_end import command_failed
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.notices import hide_known_notices, hide_transformers_progress_bars
 
@@ -183,9 +184,7 @@ def _run_to_end(key: tuple[str, ...], command: Command, args: list[str]) -> None
     try:
         _run(key, command, args)
     except BaseException as error:
-        run_module = sys.modules.get("dreamstep.engine.run")
-        if run_module is not None:
-            run_module.end_unfinished_run(str(error).split("\n")[0] or type(error).__name__)
+        command_failed(str(error).split("\n")[0] or type(error).__name__)
         raise
     _leave_process_group()
 

@@ -9,8 +9,8 @@ import typing
 import pytest
 
 from dreamstep.cli import COMMANDS
-from dreamstep.config.schema import Bounds, _fields, _unwrap_optional, build_config
 from dreamstep.commands.dataset_from_hf import FromHfConfig
+from dreamstep.config.schema import Bounds, _fields, _unwrap_optional, build_config
 from dreamstep.errors import UserError
 
 

@@ -41,7 +41,8 @@ def test_saved_config_reads_back(tmp_path):
 
 
 @pytest.mark.parametrize("argv, toml, message", [
-    (["--output_dir", "o", "--precision", "bf61"], None, "--precision: 'bf61' is not a valid choice (did you mean 'bf16'?)"),
+    (["--output_dir", "o", "--precision", "bf61"], None,
+     "--precision: 'bf61' is not a valid choice (did you mean 'bf16'?)"),
     (["--output_dir", "o", "--rank", "4.5"], None, "--rank: '4.5' is not an integer"),
     (["--output_dir", "o", "--flip", "maybe"], None, "--flip: 'maybe' is not a boolean"),
     ([], None, "--output_dir is required"),

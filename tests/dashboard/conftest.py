@@ -10,6 +10,7 @@ from dashboard_testkit import FINISHED_STEPS, ROBOT_DIR, GrowingRun
 
 from dreamstep.cli import main
 
+
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory: pytest.TempPathFactory, tiny_flux_dev_dir: Path) -> Path:
     """``<tmp>/runs/robot``: 4 steps of flux-lora with validation grids at steps 2 and 4 and the final grid.

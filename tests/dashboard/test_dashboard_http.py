@@ -18,7 +18,6 @@ from dreamstep.dashboard.app import create_app  # noqa: E402
 from dreamstep.dashboard.paths import UnsafePath, resolve_inside  # noqa: E402
 
 
-
 def client(*folders: Path, **kwargs) -> TestClient:
     return TestClient(create_app(list(folders), **kwargs))
 

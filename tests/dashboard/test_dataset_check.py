@@ -123,10 +123,12 @@ def test_dataset_page_data_over_http(dataset_toml):
     c = TestClient(create_app([], dataset=str(dataset_toml), resolution=512))
     assert c.get("/api/info").json()["dataset"] == str(dataset_toml)
     epoch0, epoch1 = c.get("/api/dataset").json(), c.get("/api/dataset?epoch=1").json()
-    assert epoch1["epoch"] == 1 and [i["raw_caption"] for i in epoch0["images"]] == [i["raw_caption"] for i in epoch1["images"]]
+    assert epoch1["epoch"] == 1
+    assert [i["raw_caption"] for i in epoch0["images"]] == [i["raw_caption"] for i in epoch1["images"]]
     assert [i["caption"] for i in epoch0["images"]] != [i["caption"] for i in epoch1["images"]]
     thumb = c.get("/api/dataset/image/0?size=64")
-    assert thumb.headers["content-type"] == "image/jpeg" and max(Image.open(__import__("io").BytesIO(thumb.content)).size) == 64
+    assert thumb.headers["content-type"] == "image/jpeg"
+    assert max(Image.open(__import__("io").BytesIO(thumb.content)).size) == 64
     assert c.get("/api/dataset/image/99").status_code == 404
     assert c.get("/api/dataset/image/-1").status_code == 404
     (Path(epoch0["images"][0]["path"]).parent / "new.png").write_bytes(b"not an image")

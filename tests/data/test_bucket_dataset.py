@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from data_testkit import write_gradient, write_image
 from PIL import Image
 
 from dreamstep.data.buckets import BucketSpec
@@ -15,8 +16,6 @@ from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig, load_data
 from dreamstep.data.records import collect_records
 from dreamstep.data.sources import controlnet_from_flags
 from dreamstep.errors import UserError
-
-from data_testkit import write_gradient, write_image
 
 BUCKETS = BucketSpec((256, 256), enable_bucket=True, min_bucket_reso=128, max_bucket_reso=512, bucket_reso_steps=64)
 

@@ -4,14 +4,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_testkit import write_gradient
 
 from dreamstep.data.buckets import BucketSpec
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
 from dreamstep.data.dataset import build_dataset, collate
 from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig
 from dreamstep.errors import UserError
-
-from data_testkit import write_gradient
 
 
 def fake_vae(pixels: torch.Tensor) -> torch.Tensor:

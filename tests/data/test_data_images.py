@@ -5,12 +5,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from data_testkit import write_image
 from PIL import Image
 
 from dreamstep.data.images import list_images, load_rgb, skipped_files, validate_images
 from dreamstep.errors import UserError
-
-from data_testkit import write_image
 
 
 def pixel(image, xy):

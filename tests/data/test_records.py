@@ -5,13 +5,12 @@ import json
 from pathlib import Path
 
 import pytest
+from data_testkit import write_image
 
 from dreamstep.data.dataset_config import parse_dataset_config
 from dreamstep.data.records import balance_regularization, collect_records
 from dreamstep.data.sources import controlnet_from_flags, dreambooth_from_flags
 from dreamstep.errors import UserError
-
-from data_testkit import write_image
 
 
 def records_of(data):

@@ -54,8 +54,10 @@ def main(out_file: str, checkpoint_dir: str) -> None:
     step = RecordingStep(model, optimizer, scheduler, gradient_accumulation_steps=2, length_of_dataloader=5,
                          accelerator=accelerator)
     assert isinstance(step.loss_scaler, DynamicLossScaler)
-    save = lambda position: save_checkpoint(checkpoint_dir, step, position,
-                                            accelerator.unwrap_model(model).state_dict(), total_limit=1)
+    def save(position):
+        return save_checkpoint(checkpoint_dir, step, position, accelerator.unwrap_model(model).state_dict(),
+                               total_limit=1)
+
     result = run_training(step, shard, num_epochs=2, hooks=[Hook(Every(steps=3), save)])
     RECORD.append((False, ALLREDUCE_CALLS[0]))
 

@@ -58,7 +58,8 @@ def main(out_file: str, checkpoint_dir: str, zero_stage: int, phase: str) -> Non
     if phase == "resume":
         resume = load_checkpoint(checkpoint_dir + "/checkpoint-3", step)
         load_model_state(model, resume.weights)
-    save = lambda position: save_checkpoint(checkpoint_dir, step, position, full_model_state(model))
+    def save(position):
+        return save_checkpoint(checkpoint_dir, step, position, full_model_state(model))
     result = run_training(step, shard, max_train_steps=3 if phase == "first" else None,
                           num_epochs=None if phase == "first" else 2, resume=resume,
                           hooks=[Hook(Every(steps=3), save)])

@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 from engine_testkit import RegressionStep, regression_batches, tiny_mlp
+from safetensors.torch import save_file
 
 import dreamstep.engine.disk as disk
 from dreamstep import DynamicLossScaler

@@ -2,7 +2,6 @@ import importlib.util
 
 import pytest
 import torch
-
 from transformers.optimization import AdafactorSchedule
 
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer, optimizer_kwargs, parse_optimizer_args

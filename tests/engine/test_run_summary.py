@@ -172,6 +172,6 @@ def test_the_dataset_check_and_the_trainer_read_a_folder_alike_and_images_withou
     assert _train(tiny_flux_dir, tmp_path / "out", "--instance_data_dir", str(captioned), "--instance_prompt",
                   "sks robot") == 0
     out = capsys.readouterr().out
-    assert (f"captions    1 image of --instance_data_dir without a .txt file train with --instance_prompt "
-            f"'sks robot': bare.png\n") in out
+    assert ("captions    1 image of --instance_data_dir without a .txt file train with --instance_prompt "
+            "'sks robot': bare.png\n") in out
     assert "buckets     32x32: 4\n" in out

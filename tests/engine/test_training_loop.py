@@ -71,7 +71,8 @@ def test_resume_is_exact(tmp_path, kind, stop_at):
 
     _seed_everything(0)
     first = _build(init_seed=0)
-    save = lambda position: save_checkpoint(tmp_path, first, position, first.model.state_dict())
+    def save(position):
+        return save_checkpoint(tmp_path, first, position, first.model.state_dict())
     head = run_training(first, _data(kind), max_train_steps=stop_at, hooks=[Hook(Every(steps=stop_at), save)],
                         progress=False)
 
@@ -227,7 +228,8 @@ def test_resume_leaves_trained_batches_unread_and_unencoded(tmp_path):
 
     _seed_everything(0)
     first = _pixel_step()
-    save = lambda position: save_checkpoint(tmp_path / "ckpt", first, position, first.model.state_dict())
+    def save(position):
+        return save_checkpoint(tmp_path / "ckpt", first, position, first.model.state_dict())
     head = run_training(first, _bucketed_batches(tmp_path, []), max_train_steps=2, hooks=[Hook(Every(steps=2), save)],
                         progress=False)
     _seed_everything(1)

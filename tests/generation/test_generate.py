@@ -14,7 +14,7 @@ from diffusers import FluxControlNetModel, FluxTransformer2DModel
 from generation_testkit import FLUX_ARGS, PROMPT, generate, randomize_up, run_cli
 from PIL import Image
 
-from dreamstep.generation.outputs import read_parameters
+from dreamstep.png_text import read_parameters
 
 
 def test_flux_writes_numbered_pngs_with_parameters(tiny_flux_dev_dir: Path, tmp_path: Path, capsys) -> None:

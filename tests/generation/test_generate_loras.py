@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 from generation_testkit import generate
 
-from dreamstep.generation.outputs import read_parameters
 from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.formats import folder_configs
+from dreamstep.png_text import read_parameters
 
 # Images are uint8; the same LoRA reached by another route may round a few values the other way.
 SAME = 3

@@ -71,7 +71,8 @@ def test_info_on_each_format(capsys, tmp_path, kind, tiny_flux_dir, tiny_sdxl_di
         path = tmp_path / ("lora.ckpt" if kind.endswith("torch") else "lora.safetensors")
         assert main(["convert", "lora", str(MS_FP32), str(path), "--to", layout]) == 0
     capsys.readouterr()
-    code, out, _ = _run(capsys, "lora", "info", path, "--base", tiny_flux_dir if kind.endswith("flux") else tiny_sdxl_dir)
+    base = tiny_flux_dir if kind.endswith("flux") else tiny_sdxl_dir
+    code, out, _ = _run(capsys, "lora", "info", path, "--base", base)
     assert code == 0
     assert f"format:    {kind.removesuffix('-torch')}:" in out
     if kind.endswith("flux"):
@@ -113,13 +114,15 @@ def test_truncated_safetensors_is_one_line_naming_the_file(capsys, tmp_path):
     (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 100])
     line = _error(capsys, "lora", "info", tmp_path / "cut.safetensors")
     assert "cut.safetensors: not a readable safetensors file (truncated or corrupt" in line
-    line = _error(capsys, "convert", "lora", tmp_path / "cut.safetensors", tmp_path / "o.safetensors", "--to", "diffusers")
+    line = _error(capsys, "convert", "lora", tmp_path / "cut.safetensors", tmp_path / "o.safetensors",
+                  "--to", "diffusers")
     assert "cut.safetensors" in line
 
 
 def test_unknown_key_layout_names_the_key(capsys, tmp_path):
     save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(2, 2)}, tmp_path / "model.safetensors")
-    line = _error(capsys, "convert", "lora", tmp_path / "model.safetensors", tmp_path / "o.safetensors", "--to", "kohya")
+    line = _error(capsys, "convert", "lora", tmp_path / "model.safetensors", tmp_path / "o.safetensors",
+                  "--to", "kohya")
     assert "key 'model.diffusion_model.input_blocks.0.0.weight' is not a LoRA key" in line
 
 
@@ -131,7 +134,8 @@ def test_lora_for_another_model_names_the_module(capsys, tmp_path):
 
 def test_lora_for_a_larger_model_names_the_missing_module(capsys, tmp_path, tiny_flux_dir):
     src = _kohya_flux(tmp_path / "big.safetensors", block=5)
-    line = _error(capsys, "convert", "lora", src, tmp_path / "o.safetensors", "--to", "diffusers", "--base", tiny_flux_dir)
+    line = _error(capsys, "convert", "lora", src, tmp_path / "o.safetensors", "--to", "diffusers",
+                  "--base", tiny_flux_dir)
     assert "module 'lora_unet_double_blocks_5_img_attn_proj' does not exist in the target FLUX.1 transformer with " \
            "1 double and 1 single blocks" in line
     code, out, _ = _run(capsys, "lora", "info", src, "--base", tiny_flux_dir)

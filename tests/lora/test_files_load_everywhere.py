@@ -33,11 +33,12 @@ from dreamstep.lora.convert import (
     diffusers_state_dict,
     kohya_state_dict,
 )
-from dreamstep.lora.formats import SDXL_UNET_CONFIG, model_keys
+from dreamstep.lora.formats import model_keys
 from dreamstep.lora.inject import CLIP_LORA_TARGETS
 from dreamstep.lora.io import write_lora_file
 from dreamstep.lora.layouts import diffusers_adapter_metadata
 from dreamstep.models.full_size import weight_shapes
+from dreamstep.models.published_configs import SDXL_UNET
 
 ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")  # flux-lora's default preset
 RANK_ALPHA = [(8, 4.0), (3, 7.0)]
@@ -90,7 +91,7 @@ def _diffusers_read(pipeline_class, path: Path) -> list[Patch]:
     component its key conversion and the ``LoraConfig`` it builds from the header or the alphas; each
     module's scale is the alpha / rank peft gives it from that config. CLIP names come as transformers 5
     has them (no 'text_model.')."""
-    kwargs = ({"unet_config": FrozenDict(SDXL_UNET_CONFIG)} if pipeline_class is StableDiffusionXLPipeline
+    kwargs = ({"unet_config": FrozenDict(SDXL_UNET)} if pipeline_class is StableDiffusionXLPipeline
               else {"return_alphas": True})
     state, alphas, metadata = pipeline_class.lora_state_dict(str(path), return_lora_metadata=True, **kwargs)
     patches = []
@@ -209,7 +210,7 @@ def test_sdxl_files_give_the_trained_delta_in_sd_scripts_comfyui_and_diffusers(t
     write_lora_file(kohya_file, kohya_state_dict({keys.by_diffusers[n].kohya: m for n, m in trained.items()}), {},
                     "safetensors")
     convert_lora(kohya_file, diffusers_file, to="diffusers", model="sdxl")
-    key_map = comfy_sdxl_key_map(SDXL_UNET_CONFIG)
+    key_map = comfy_sdxl_key_map(SDXL_UNET)
     expected = _sdxl_expected(trained, key_map)
 
     kohya = load_file(kohya_file)

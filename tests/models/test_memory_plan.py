@@ -11,7 +11,6 @@ import torch
 
 from dreamstep.cli import main
 from dreamstep.config.memory import parse_bytes
-from dreamstep.models import memory_plan as mp
 from dreamstep.models.plans import flux_components, sdxl_components
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))

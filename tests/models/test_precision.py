@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dreamstep.errors import UserError
 from dreamstep.cli import main
+from dreamstep.errors import UserError
 from dreamstep.models.precision import (
     autocast,
     cast_trainable_params_to_fp32,

@@ -90,7 +90,8 @@ def fixed_noise_loss(pixels: torch.Tensor, captions: list[str], lora_file: Path 
     for t in timesteps:
         noise = torch.randn(latents.shape, generator=generator)
         steps = torch.full((n,), t)
-        pred = pipe.unet(scheduler.add_noise(latents, noise, steps), steps, encoder_hidden_states=embeds["prompt_embeds"],
+        pred = pipe.unet(scheduler.add_noise(latents, noise, steps), steps,
+                         encoder_hidden_states=embeds["prompt_embeds"],
                          added_cond_kwargs={"text_embeds": embeds["pooled"], "time_ids": time_ids},
                          return_dict=False)[0]
         losses.append(noise_math.per_sample_mse(pred, noise).mean().item())

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dreamstep.files import default_file_mode
-from dreamstep.generation.outputs import read_parameters
 from dreamstep.lora.convert import load_lora_as_diffusers
+from dreamstep.png_text import read_parameters
 
 BASE_ARGS = ("--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--resolution", "64",
              "--report_to", "none", "--checkpointing_steps", "0")

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, run_cli
 from PIL import Image
 from safetensors.torch import load_file, save_file
-from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, run_cli
 
 STEPS = ("--validation_steps", "3", "--checkpointing_steps", "3")
 

@@ -97,7 +97,7 @@ def _final_grid(out) -> tuple[int, list[tuple[int, int]]]:
 
     from PIL import Image
 
-    from dreamstep.generation.outputs import JSON_KEY
+    from dreamstep.png_text import JSON_KEY
 
     (path,) = (out / "samples").glob("final-*.png")
     grid = Image.open(path)

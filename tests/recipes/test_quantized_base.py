@@ -28,7 +28,8 @@ def test_lora_on_a_quantized_base_learns_and_loads_on_the_unquantized_base(
         mode: str, tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir, "--output_dir", out,
-                   *ARGS, "--base_quantization", mode, "--lora_layers", "all-linear", "--rank", "8", "--learning_rate", "1e-2",
+                   *ARGS, "--base_quantization", mode, "--lora_layers", "all-linear", "--rank", "8",
+                   "--learning_rate", "1e-2",
                    "--max_train_steps", "40", "--validation_prompt", ROBOT_PROMPT, "--num_validation_images", "1",
                    "--validation_inference_steps", "2") == 0
     assert (out / "samples").is_dir()  # validation ran on the quantized base, encoders brought back

@@ -80,7 +80,8 @@ def test_a_signal_saves_the_step_and_the_printed_command_continues_exactly(sig: 
     trainer.send(sig)
     assert trainer.finish() == 128 + sig
     step = read_status(out)["step"]
-    assert f"stopped by {sig.name} at step {step}; the last checkpoint is {out / f'checkpoint-{step}'}" in trainer.stderr
+    last = out / f"checkpoint-{step}"
+    assert f"stopped by {sig.name} at step {step}; the last checkpoint is {last}" in trainer.stderr
     command = shlex.split(trainer.stderr.split("continue with:\n")[1].splitlines()[0])
     assert command[:3] == ["dreamstep", "train", "flux-lora"]
     status = read_status(out)
@@ -169,7 +170,7 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(full_disk
         full_disk(patches, out)
         assert run_cli(*_flux(tiny_flux_dev_dir, out, "--max_train_steps", "4", "--checkpointing_steps", "2")) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[-1].startswith(f"error: the disk is full: checkpoint-4 needs about ")
+    assert lines[-1].startswith("error: the disk is full: checkpoint-4 needs about ")
     assert (f"B in {out}, which has " in lines[-1]
             and f"the last good checkpoint, {out / 'checkpoint-2'}, is kept" in lines[-1])
     assert [p.name for p in out.glob("*checkpoint-*")] == ["checkpoint-2"]  # no half-written folder left
@@ -182,8 +183,8 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(full_disk
 @pytest.mark.parametrize("trainer, flag", [("flux-lora", "--resume_from_checkpoint"), ("sdxl-lora", "--resume")])
 @pytest.mark.parametrize("files", [{"config.toml": "rank = 4\n", "my_lora.safetensors": "x", "notes.txt": "mine"},
                                    {"notes.txt": "mine"}, {"old/picture.png": "x"}])
-def test_a_resume_with_no_checkpoint_never_touches_the_users_files(trainer: str, flag: str, files: dict[str, str],
-                                                                   tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_resume_with_no_checkpoint_never_touches_the_users_files(
+        trainer: str, flag: str, files: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"
     for name, text in files.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
@@ -198,8 +199,8 @@ def test_a_resume_with_no_checkpoint_never_touches_the_users_files(trainer: str,
     assert {p: (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns) for p in out.rglob("*")} == before
 
 
-def test_a_second_run_in_a_busy_folder_gets_one_line_naming_the_first_and_a_dead_ones_lock_is_taken_over(tiny_flux_dev_dir: Path, tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture) -> None:
+def test_a_second_run_in_a_busy_folder_gets_one_line_naming_the_first_and_a_dead_ones_lock_is_taken_over(
+        tiny_flux_dev_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"
     first = Trainer(_flux(tiny_flux_dev_dir, out, "--max_train_steps", "1000", "--checkpointing_steps", "0"))
     try:
@@ -208,9 +209,9 @@ def test_a_second_run_in_a_busy_folder_gets_one_line_naming_the_first_and_a_dead
         for resume in ((), ("--resume_from_checkpoint", "latest")):
             assert run_cli(*_flux(tiny_flux_dev_dir, out, "--max_train_steps", "2", *resume)) == 2
             err = capsys.readouterr().err.strip()
+            started = time.strftime('%H:%M:%S', time.localtime(holder['started_at']))
             assert err == (f"error: --output_dir {out} is in use by another run (process {first.process.pid} on "
-                           f"{holder['host']}, started {time.strftime('%H:%M:%S', time.localtime(holder['started_at']))}"
-                           "); wait for it to end, or pick another folder")
+                           f"{holder['host']}, started {started}); wait for it to end, or pick another folder")
         first.process.kill()  # a killed run leaves its lock file (and here a save it had begun): the next run
         first.finish()        # takes the lock over and removes the unfinished save
         unfinished = out / f".checkpoint-6.tmp-{first.process.pid}"

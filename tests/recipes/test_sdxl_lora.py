@@ -14,9 +14,9 @@ from diffusers import StableDiffusionXLPipeline
 from safetensors import safe_open
 from sdxl_testkit import run_cli, write_method
 
-from dreamstep.generation.outputs import read_parameters
 from dreamstep.lora.kohya_network import NetworkOptions, create_network
 from dreamstep.models.tiny import build_tiny_sdxl
+from dreamstep.png_text import read_parameters
 
 # The seed's command with `python sdxl_train_network.py` replaced, as the seed writes it; only the paths
 # and the two step counts (15000, 3000) are changed to fit a test.

@@ -114,7 +114,8 @@ def test_dataset_toml_errors_name_the_place_and_key(line: str, expected: str, ti
     toml = write_method(tmp_path, "class_tokens")
     text = toml.read_text().replace("num_repeats = 2\n", f"num_repeats = 2\n{line}\n")
     if line.startswith("metadata_file"):
-        text += f"\n  [[datasets.subsets]]\n  image_dir = '{(tmp_path / 'butterfly').as_posix()}'\n  class_tokens = 'x'\n"
+        butterfly = (tmp_path / "butterfly").as_posix()
+        text += f"\n  [[datasets.subsets]]\n  image_dir = '{butterfly}'\n  class_tokens = 'x'\n"
     toml.write_text(text)
     err = _fails(capsys, "--pretrained_model_name_or_path", tiny_sdxl_dir, "--output_dir", tmp_path / "o",
                  "--dataset_config", toml)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dreamstep.config.flux_lora import FluxLoraConfig
 from dreamstep.data.buckets import BucketPlanner
 from dreamstep.data.dataset import BucketDataset
-from dreamstep.config.flux_lora import FluxLoraConfig
 from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig
 from dreamstep.data.images import ImageInfo, inspect_image, list_images
 from dreamstep.data.records import ImageRecord, dataset_repeats, folder_caption, subset_entries

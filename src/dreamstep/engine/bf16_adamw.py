@@ -1,6 +1,7 @@
-"""AdamW for bf16 weights whose update math is fp32: the memory-saving mode of seed 003's precision table.
+"""AdamW for bf16 weights whose update math is fp32: the memory-saving alternative to the fp32 trainable weights
+of :mod:`dreamstep.models.precision`.
 
-Seed 003 keeps trainable weights in fp32 because an optimizer that updates a bf16 weight in bf16 loses the
+That policy keeps trainable weights in fp32 because an optimizer that updates a bf16 weight in bf16 loses the
 update: bf16 has 8 significant bits, so ``w - lr * step`` with ``lr * step < |w| / 256`` rounds back to
 ``w``. :class:`StochasticRoundingAdamW` keeps the weights (and so their gradients) in bf16 but runs torch's
 own AdamW on an fp32 copy of one tensor at a time, with fp32 moments, and writes the result back with

@@ -20,7 +20,7 @@ from PIL import Image, ImageDraw, ImageFont
 from tqdm.auto import tqdm
 
 from dreamstep.engine.metrics import MetricsTable, draw_metrics
-from dreamstep.generation.outputs import JSON_KEY, grid_png_info
+from dreamstep.png_text import JSON_KEY, grid_png_info
 
 __all__ = ["TrainingLogger", "draw_loss_curve", "log_time", "save_image_grid", "say", "say_before_the_run", "smooth",
            "take_said_before_the_run"]

@@ -7,12 +7,15 @@ Used by the trainers at their validation points and by ``dreamstep eval`` over c
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
+
+from dreamstep.files import atomic_path, write_text_atomic
 
 __all__ = ["LOWER_IS_BETTER", "MetricsTable", "draw_metrics", "higher_is_better"]
 
@@ -67,13 +70,12 @@ class MetricsTable:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         names = self.names
-        partial = path.with_name(path.name + ".partial")
-        with partial.open("w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["step", *names])
-            for step, row in sorted(self.rows.items()):
-                writer.writerow([step, *(f"{row[n]:.6g}" if n in row else "" for n in names)])
-        partial.replace(path)
+        text = io.StringIO(newline="")
+        writer = csv.writer(text)
+        writer.writerow(["step", *names])
+        for step, row in sorted(self.rows.items()):
+            writer.writerow([step, *(f"{row[n]:.6g}" if n in row else "" for n in names)])
+        write_text_atomic(path, text.getvalue())
         return path
 
 
@@ -98,7 +100,8 @@ def draw_metrics(table: MetricsTable, path: str | Path, columns: int = 2,
         _panel(draw, font, origin, f"{name} ({arrow})", table.series(name), (marks or {}).get(name))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+    with atomic_path(path) as partial:
+        image.save(partial, format="PNG")
     return path
 
 

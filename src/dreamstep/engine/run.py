@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dreamstep.command_end import when_a_command_fails
 from dreamstep.engine.checkpoint import (
     DamagedCheckpointError,
     broadcast_from_main,
@@ -115,6 +116,9 @@ def end_unfinished_run(message: str) -> None:
     """Close the run that an error or a later run's start ended, so its folder is released at once."""
     if _open_run is not None:
         _open_run.close("interrupted" if _open_run.signals.received else "failed", message)
+
+
+when_a_command_fails(end_unfinished_run)
 
 
 def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_checkpoint: str | None,
@@ -271,7 +275,7 @@ def _take_folder(run: Run, overwrite: bool, resume_flag: str) -> None:
     removed = remove_leftovers(run.output_dir)
     if previous is not None or removed:
         killed = f"process {previous.get('pid')}" if previous is not None else "a run"
-        what = ([f"took over its lock"] if previous is not None else []) + (
+        what = (["took over its lock"] if previous is not None else []) + (
             [f"removed its unfinished save{'s' if len(removed) > 1 else ''} {', '.join(removed)}"] if removed else [])
         say_and_log(run, f"note: {killed} ended here without finishing; {' and '.join(what)}")
     with contextlib.suppress(OSError):

@@ -2,7 +2,7 @@
 
 Under DDP every process holds all trainable weights, their gradients and the optimizer state (16 bytes a
 parameter with fp32 AdamW). ``zero_stage`` spreads them over the processes, with the names DeepSpeed made
-familiar (seed 003 trains the FLUX ControlNet with ``--zero_stage 3``), carried out by FSDP2:
+familiar (its ZeRO stages), carried out by FSDP2:
 
 - ``0``: DDP, nothing sharded;
 - ``2``: weights, gradients and optimizer state sharded between steps; a unit's weights, once gathered,

@@ -5,7 +5,7 @@ Features: a diffusers folder, hub id or single-file ``--model`` (``--model_confi
 single file's pipeline); ``--prompt`` or ``--from_file`` (one prompt per line); ``--negative_prompt``
 (FLUX: with ``--true_cfg_scale`` > 1); ``--lora FILE[:WEIGHT]``, repeatable, in every format ``dreamstep
 convert`` reads, applied as adapters or folded into the weights (``--merge``); ``--controlnet`` with
-``--control_image``; SDXL samples with Euler, 50 steps, CFG 7 by default (the seed's minimal inference).
+``--control_image``; SDXL samples with Euler, 50 steps, CFG 7 by default (as sd-scripts' ``sdxl_minimal_inference.py``).
 
 Each image is ``OUTPUT_DIR/<index>-<seed>.png`` (indices continue after the folder's earlier images), with
 its parameters in PNG text chunks: ``parameters`` (A1111's layout) and ``dreamstep`` (JSON). Image ``i``

@@ -1,6 +1,6 @@
 """LoRAs for generation: ``--lora FILE[:WEIGHT]`` specs, read in any format dreamstep converts (Kohya,
 diffusers/PEFT, the MindSpore port's ``.ckpt``), loaded into a diffusers pipeline as named adapters with
-their weights, and optionally fused into the base weights (what the seed's minimal inference does).
+their weights, and optionally fused into the base weights (what sd-scripts' ``sdxl_minimal_inference.py`` does).
 """
 
 from __future__ import annotations

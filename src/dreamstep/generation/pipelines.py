@@ -1,5 +1,6 @@
 """Building the diffusers pipeline that generates: FLUX.1 (``FluxPipeline``, or ``FluxControlNetPipeline``
-with a ControlNet), FLUX.1 Kontext (``FluxKontextPipeline``) or SDXL (``StableDiffusionXLPipeline`` with the seed's Euler sampler), from a diffusers
+with a ControlNet), FLUX.1 Kontext (``FluxKontextPipeline``) or SDXL (``StableDiffusionXLPipeline`` with sd-scripts'
+Euler sampler), from a diffusers
 folder, a hub id or a single file, on the chosen device and precision.
 """
 
@@ -91,7 +92,7 @@ def _sdxl_pipeline(model: str, model_config: str | None, dtype: torch.dtype) -> 
     config = (model_config or DEFAULT_BASES["sdxl"]) if is_single_file(model) else None
     components = load_sdxl(model, config=config, weight_dtype=dtype)
     pipe = StableDiffusionXLPipeline(**vars(components), add_watermarker=False)
-    # The seed's minimal inference samples with Euler (sd-scripts' sdxl_minimal_inference.py).
+    # sd-scripts' sdxl_minimal_inference.py samples with Euler.
     pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
     return pipe
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from dreamstep.errors import UserError
+from dreamstep.models.published_configs import SDXL_UNET
 from dreamstep.models.sgm_keys import unet_module_map
 
 if TYPE_CHECKING:
@@ -142,43 +143,6 @@ FLUX_DEFAULTS: Final = {"num_layers": 19, "num_single_layers": 38, "guidance_emb
                         "clip_layers": 12, "t5_layers": 24}
 SDXL_CLIP_LAYERS: Final = {"text_encoder": 12, "text_encoder_2": 32}
 
-# stabilityai/stable-diffusion-xl-base-1.0 unet/config.json: the structure the SGM names are computed from.
-SDXL_UNET_CONFIG: Final[dict] = {
-    "act_fn": "silu",
-    "addition_embed_type": "text_time",
-    "addition_embed_type_num_heads": 64,
-    "addition_time_embed_dim": 256,
-    "attention_head_dim": [5, 10, 20],
-    "block_out_channels": [320, 640, 1280],
-    "center_input_sample": False,
-    "class_embed_type": None,
-    "conv_in_kernel": 3,
-    "conv_out_kernel": 3,
-    "cross_attention_dim": 2048,
-    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-    "downsample_padding": 1,
-    "dual_cross_attention": False,
-    "flip_sin_to_cos": True,
-    "freq_shift": 0,
-    "in_channels": 4,
-    "layers_per_block": 2,
-    "mid_block_scale_factor": 1,
-    "mid_block_type": "UNetMidBlock2DCrossAttn",
-    "norm_eps": 1e-05,
-    "norm_num_groups": 32,
-    "num_attention_heads": None,
-    "only_cross_attention": False,
-    "out_channels": 4,
-    "projection_class_embeddings_input_dim": 2816,
-    "resnet_time_scale_shift": "default",
-    "sample_size": 128,
-    "time_embedding_type": "positional",
-    "transformer_layers_per_block": [1, 2, 10],
-    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-    "upcast_attention": None,
-    "use_linear_projection": True,
-}
-
 # Names that give away which model a file was made for, per layout (checked in this order).
 MODEL_HINTS: Final[tuple[tuple[str, str], ...]] = (
     ("double_blocks", "flux"), ("single_blocks", "flux"), ("lora_te3", "flux"),
@@ -254,7 +218,7 @@ def flux_keys(transformer: Mapping | None = None, clip_layers: int = FLUX_DEFAUL
 def sdxl_keys(unet: Mapping | None = None, clip_layers: int = SDXL_CLIP_LAYERS["text_encoder"],
               clip_g_layers: int = SDXL_CLIP_LAYERS["text_encoder_2"]) -> ModelKeys:
     """The SDXL tables for a UNet config (default: stable-diffusion-xl-base-1.0)."""
-    cfg = dict(unet or SDXL_UNET_CONFIG)
+    cfg = dict(unet or SDXL_UNET)
     maps = [ModuleMap(_underscored("lora_unet", sgm), (f"unet.{ours}",))
             for ours, sgm in unet_module_map(cfg).items()]
     maps += _text_encoder_maps("lora_te1", "text_encoder", CLIP_LAYER, clip_layers)

@@ -13,12 +13,13 @@ from peft.utils.other import get_pattern_key
 from torch import nn
 
 from dreamstep.errors import UserError
-from dreamstep.lora.layouts import LoraWeights, canonical_name, diffusers_file_contents
 from dreamstep.lora.formats import DIFFUSERS_SUFFIXES
 from dreamstep.lora.io import write_lora_file
+from dreamstep.lora.layouts import LoraWeights, canonical_name, diffusers_file_contents
 
 # Module-name suffixes per preset, matched against the transformer blocks' nn.Linear layers.
-# "attention" is the seed's default set; "attention+ff" follows diffusers' wider FLUX example set.
+# "attention" is the set diffusers' first FLUX DreamBooth LoRA script adapted (to_q/k/v, to_out.0); "attention+ff"
+# the wider set its later versions adapt by default.
 _ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
 _ATTENTION_FF = _ATTENTION + (
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",

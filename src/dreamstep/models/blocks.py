@@ -41,11 +41,11 @@ into chunks whose sizes are powers of two: 64 MiB chunks, then the remainder's b
 device is one large copy per chunk it touches. Each weight is copied in and its original dropped at once,
 so during setup the host holds at most the not-yet-copied originals, the chunks filled so far, and one
 64 MiB pageable chunk being pinned. When the device is the CPU itself nothing is copied: the originals
-are the host copies (swapping there only exercises the hooks, and keeps results bit-identical). Pinning the originals in place with ``cudaHostRegister`` was the other
-choice, rejected: the originals belong to the loader (they may be pages of a memory-mapped file, small
-ones share pages with unrelated memory, torchao's inner tensors are many small allocations), every
-registration must be undone before its memory is freed, and the device would still receive dozens of
-small copies per block instead of a few large ones.
+are the host copies (swapping there only exercises the hooks, and keeps results bit-identical). Pinning the
+originals in place with ``cudaHostRegister`` was the other choice, rejected: the originals belong to the
+loader (they may be pages of a memory-mapped file, small ones share pages with unrelated memory, torchao's
+inner tensors are many small allocations), every registration must be undone before its memory is freed,
+and the device would still receive dozens of small copies per block instead of a few large ones.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_ke
 from dreamstep.data.dataset_config import load_dataset_config
 from dreamstep.errors import UserError
 from dreamstep.files import atomic_path
-from dreamstep.generation.outputs import JSON_KEY, sample_parameters
 from dreamstep.models import parking
 from dreamstep.models.loading import component_identity, load_flux, load_flux_transformer
 from dreamstep.models.memory_plan import PlanOptions
@@ -26,6 +25,7 @@ from dreamstep.models.phases import ENCODERS
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
 from dreamstep.notices import CAPTION_CUT, hidden
+from dreamstep.png_text import JSON_KEY, sample_parameters
 
 # FLUX.1-dev's recommended sampling: 28 steps at distilled guidance 3.5.
 FLUX_DEV_SAMPLING = {"steps": 28, "guidance_scale": 3.5}

@@ -3,7 +3,7 @@ shape without a byte of weights or a download, for checking that a LoRA fits the
 
 The text-encoder configs are those of the released checkpoints (CLIP ViT-L/14, T5-XXL v1.1, OpenCLIP
 ViT-bigG/14); the FLUX transformer's are diffusers' defaults, which are FLUX.1's, with guidance
-embedding as in FLUX.1-dev; the SDXL UNet's come from :data:`dreamstep.lora.formats.SDXL_UNET_CONFIG`.
+embedding as in FLUX.1-dev; the SDXL UNet's come from :data:`dreamstep.models.published_configs.SDXL_UNET`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from dreamstep.models.published_configs import SDXL_UNET
 
 CLIP_L: dict = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
                 "projection_dim": 768, "hidden_act": "quick_gelu", "max_position_embeddings": 77, "vocab_size": 49408}
@@ -59,11 +61,9 @@ def _build(model: str, configs: Mapping[str, Mapping]) -> dict[str, nn.Module]:
 
 def released_configs(model: str) -> dict[str, dict]:
     """Component configs of FLUX.1-dev ('flux') or SDXL base 1.0 ('sdxl')."""
-    from dreamstep.lora.formats import SDXL_UNET_CONFIG
-
     if model == "flux":
         return {"transformer": FLUX_DEV_TRANSFORMER, "text_encoder": CLIP_L, "text_encoder_2": T5_XXL}
-    return {"unet": SDXL_UNET_CONFIG, "text_encoder": CLIP_L, "text_encoder_2": CLIP_BIG_G}
+    return {"unet": SDXL_UNET, "text_encoder": CLIP_L, "text_encoder_2": CLIP_BIG_G}
 
 
 def weight_shapes(model: str, configs: Mapping[str, Mapping] | None = None) -> dict[str, tuple[int, ...]]:

@@ -1,4 +1,4 @@
-"""The precision policy of FLUX/SDXL LoRA and ControlNet training (seed 001).
+"""The precision policy of FLUX/SDXL LoRA and ControlNet training, that of diffusers' training scripts.
 
 =============  ===================  =====================================
                frozen weights       trainable weights (LoRA, ControlNet)

@@ -25,7 +25,6 @@ from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
 from dreamstep.errors import UserError, did_you_mean
-from dreamstep.generation.outputs import JSON_KEY, png_info, sample_parameters
 from dreamstep.models import parking
 from dreamstep.models.loading import component_identity, load_sdxl, load_sdxl_unet
 from dreamstep.models.parking import ParkedModules
@@ -33,6 +32,7 @@ from dreamstep.models.phases import ENCODERS
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
 from dreamstep.notices import CAPTION_CUT, hidden
+from dreamstep.png_text import JSON_KEY, png_info, sample_parameters
 
 # sd-scripts' --sample_sampler names -> diffusers schedulers.
 SAMPLERS = {
