@@ -59,15 +59,17 @@ def tiny_flux_dev_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_flux_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``tiny_flux_dev_dir``'s weights as the component files ComfyUI / sd-scripts users have, by sd-scripts' flag
-    names ("transformer", "clip_l", "t5xxl", "ae"): BFL-layout transformer in bf16, T5 in fp16, in a folder of
-    their own (no configs beside them); ``fp8_transformer`` and ``fp8_t5xxl``: fp8 copies."""
+    names ("transformer", "clip_l", "t5xxl", "ae"), stored as the downloads are (BFL-layout transformer and ae in
+    bf16, clip_l and T5 in fp16), in a folder of their own (no configs beside them); ``fp8_transformer`` and
+    ``fp8_t5xxl``: fp8 copies; ``fp32_<part>``: the folder's exact weights."""
     folder = tmp_path_factory.mktemp("flux-files")
     pipe = build_tiny_flux(seed=0, guidance_embeds=True)
     files = write_flux_component_files(pipe, folder)
-    (folder / "fp8").mkdir()
-    fp8 = write_flux_component_files(pipe, folder / "fp8", transformer_dtype=torch.float8_e4m3fn,
-                                     t5_dtype=torch.float8_e4m3fn)
-    return {**files, "fp8_transformer": fp8["transformer"], "fp8_t5xxl": fp8["t5xxl"]}
+    for kind, dtype in (("fp8", torch.float8_e4m3fn), ("fp32", torch.float32)):
+        (folder / kind).mkdir()
+        written = write_flux_component_files(pipe, folder / kind, dict.fromkeys(files, dtype))
+        files |= {f"{kind}_{part}": path for part, path in written.items()}
+    return files
 
 
 @pytest.fixture(scope="session")

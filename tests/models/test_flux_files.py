@@ -10,7 +10,7 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torchao.quantization import Float8Tensor
 
 from dreamstep.errors import UserError
@@ -24,7 +24,7 @@ from dreamstep.models.flux_files import (
     transformer_from_bfl,
     transformer_to_bfl,
 )
-from dreamstep.models.loading import load_flux
+from dreamstep.models.loading import load_flux, load_flux_transformer
 
 
 def _files(paths: dict[str, Path], **replace: Path) -> FluxFiles:
@@ -68,7 +68,8 @@ def test_our_bfl_layout_is_the_one_diffusers_reads_at_full_size() -> None:
     # (which splits fused rows at FLUX.1's width) and ours are compared value by value without 12B weights.
     with torch.device("meta"):
         full = FluxTransformer2DModel(**published_configs.FLUX_DEV_TRANSFORMER)
-    rows = {k: torch.arange(v.shape[0]).reshape(-1, 1) + 10**6 * i for i, (k, v) in enumerate(full.state_dict().items())}
+    rows = {k: torch.arange(v.shape[0]).reshape(-1, 1) + 10**6 * i
+            for i, (k, v) in enumerate(full.state_dict().items())}
     bfl = transformer_to_bfl(rows, full.config)
     theirs = convert_flux_transformer_checkpoint_to_diffusers(dict(bfl))
     ours = transformer_from_bfl(dict(bfl), full.config)
@@ -119,3 +120,44 @@ def test_every_wrong_file_gets_one_line_naming_its_flag(tiny_flux_files: dict[st
                                       "re-download it")):
         with pytest.raises(UserError, match=message):
             resolve_base(str(base), model_config=str(tiny_flux_dev_dir))
+
+
+def _write_gguf(source: Path, path: Path) -> Path:
+    """``source``'s tensors as a GGUF file, as the published flux1-dev-Q8_0.gguf: matrices in Q8_0 (blocks of 32
+    along a row), the rest in fp32; written by the gguf package, offline."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import quantize
+
+    writer = gguf.GGUFWriter(str(path), arch="flux")
+    for key, tensor in load_file(source).items():
+        values = tensor.float().numpy()
+        if values.ndim == 2 and values.shape[1] % 32 == 0:
+            packed = quantize(values, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(key, packed, raw_shape=packed.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(key, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_transformer_loads_quantized_through_diffusers(tiny_flux_dev_dir: Path,
+                                                              tiny_flux_files: dict[str, Path], tmp_path: Path) -> None:
+    from diffusers.quantizers.gguf.utils import GGUFLinear
+
+    gguf_file = _write_gguf(tiny_flux_files["fp32_transformer"], tmp_path / "flux1-Q8_0.gguf")
+    base = resolve_base(str(gguf_file), model_config=str(tiny_flux_dev_dir))
+    quantized = load_flux_transformer(base.source, transformer_single_file=base.files.transformer,
+                                      weight_dtype=torch.bfloat16)
+    assert isinstance(quantized.transformer_blocks[0].attn.to_q, GGUFLinear)
+    reference = load_flux_transformer(tiny_flux_dev_dir, weight_dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 16, 64, generator=generator).bfloat16(), timestep=torch.tensor([0.5]),
+                  guidance=torch.tensor([3.5]), pooled_projections=torch.randn(1, 32, generator=generator).bfloat16(),
+                  encoder_hidden_states=torch.randn(1, 8, 32, generator=generator).bfloat16(),
+                  txt_ids=torch.zeros(8, 3), img_ids=torch.zeros(16, 3), return_dict=False)
+    expected, found = reference(**inputs)[0].float(), quantized(**inputs)[0].float()
+    # Q8_0 keeps about 2 decimal digits per weight: close to the bf16 model, far closer than the output's scale.
+    assert (found - expected).abs().mean() < 0.05 * expected.abs().mean()

@@ -334,10 +334,6 @@ class FluxBase:
     source: str | None
     files: FluxFiles
 
-    def component_identity(self, part: str, folder_identity: str) -> str:
-        """Cache-key text of a part (``clip_l``, ``t5xxl``, ``ae``): its file's, or the folder's (given)."""
-        return self.files.identity(part) if getattr(self.files, part) is not None else folder_identity
-
 
 def is_component_file(path: str | Path) -> bool:
     return str(path).endswith(FILE_SUFFIXES) or Path(path).expanduser().is_file()

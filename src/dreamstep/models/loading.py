@@ -23,10 +23,10 @@ from diffusers import (
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
+from diffusers.loaders.single_file_utils import load_single_file_checkpoint
 from diffusers.utils import deprecation_utils
 from huggingface_hub import constants as hf_constants
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from dreamstep.errors import UserError, refusing_pickled_code
@@ -274,8 +274,9 @@ def load_flux_transformer(pretrained_model_name_or_path: str | Path | None, *, r
 
 def _transformer_from_file(file: Path, header: Any, configs: str, weight_dtype: torch.dtype,
                            base_quantization: str) -> torch.nn.Module:
-    """diffusers' ``from_single_file`` of a transformer file: a GGUF quantization through its GGUF loader; a BFL
-    file of another width than FLUX.1's (which diffusers' converter assumes) converted by our key tables first."""
+    """diffusers' ``from_single_file`` of a transformer file (a ``.gguf`` through its GGUF loader, the weights kept
+    quantized); a BFL-layout file of another width than FLUX.1's, which diffusers' converter assumes, is read by
+    diffusers and its keys converted by our tables first."""
     flag = flux_files.FLAGS["transformer"]
     kwargs: dict[str, Any] = {"config": configs, "subfolder": "transformer", _DTYPE_KWARG: weight_dtype}
     if file.suffix == ".gguf":
@@ -283,19 +284,18 @@ def _transformer_from_file(file: Path, header: Any, configs: str, weight_dtype: 
             raise UserError(f"{file} is already quantized (GGUF); remove --base_quantization")
         from diffusers import GGUFQuantizationConfig
 
-        return _single_file(FluxTransformer2DModel, file, flag, **kwargs,
-                            quantization_config=GGUFQuantizationConfig(compute_dtype=weight_dtype))
+        kwargs["quantization_config"] = GGUFQuantizationConfig(compute_dtype=weight_dtype)
+    source: Any = file
     config = FluxTransformer2DModel.load_config(configs, subfolder="transformer")
     if flux_files.needs_own_conversion(header, config):
         try:
-            checkpoint = flux_files.transformer_from_bfl(load_file(str(file)), config)
+            source = flux_files.transformer_from_bfl(load_single_file_checkpoint(str(file)), config)
         except KeyError as e:
             raise UserError(f"{flag} {file} does not fit the transformer config of {configs} ({e}); give "
                             "--model_config a diffusers folder of the same model") from e
-        transformer = _single_file(FluxTransformer2DModel, checkpoint, flag, **kwargs)
-    else:
-        transformer = _single_file(FluxTransformer2DModel, file, flag, **kwargs)
-    quantization.quantize_single_file_model(transformer, base_quantization, weight_dtype)
+    transformer = _single_file(FluxTransformer2DModel, source, flag, **kwargs)
+    if file.suffix != ".gguf":
+        quantization.quantize_single_file_model(transformer, base_quantization, weight_dtype)
     return transformer
 
 

@@ -313,30 +313,40 @@ def _stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.detach().to(dtype).contiguous()
 
 
-def write_flux_component_files(pipe: FluxPipeline, out_dir: str | Path, transformer_dtype: torch.dtype = torch.bfloat16,
-                               t5_dtype: torch.dtype = torch.float16) -> dict[str, Path]:
+# The storage dtypes of the files people download: flux1-dev and ae in bf16, clip_l and t5xxl_fp16 in fp16.
+FLUX_FILE_DTYPES = {"transformer": torch.bfloat16, "ae": torch.bfloat16, "clip_l": torch.float16,
+                    "t5xxl": torch.float16}
+
+
+def write_flux_component_files(pipe: FluxPipeline, out_dir: str | Path,
+                               dtypes: dict[str, torch.dtype] | None = None) -> dict[str, Path]:
     """Write a FLUX pipeline as the single files ComfyUI and sd-scripts users have, named like them:
     ``flux1.safetensors`` (the transformer in Black Forest Labs' layout), ``ae.safetensors`` (LDM layout),
     ``clip_l.safetensors`` and ``t5xxl.safetensors`` (transformers' keys, ``text_model.`` kept as ComfyUI's files
-    have it), the transformer in ``transformer_dtype`` (``torch.float8_e4m3fn`` for an fp8 copy) and T5 in
-    ``t5_dtype``. Returns the paths by sd-scripts' flag names (the transformer as "transformer")."""
+    have it), each stored in its :data:`FLUX_FILE_DTYPES` dtype unless ``dtypes`` says otherwise
+    (``torch.float8_e4m3fn``: an fp8 copy). Returns the paths by sd-scripts' flag names (the transformer as
+    "transformer")."""
     from dreamstep.models.flux_files import transformer_to_bfl
     from dreamstep.models.sgm_keys import vae_to_ldm
 
     out_dir = Path(out_dir)
     clip = {k if k.startswith("text_model.") else f"text_model.{k}": v
             for k, v in pipe.text_encoder.state_dict().items()}
+    dtypes = {**FLUX_FILE_DTYPES, **(dtypes or {})}
     parts = {
-        "transformer": ("flux1.safetensors", transformer_to_bfl(pipe.transformer.state_dict(), pipe.transformer.config),
-                        transformer_dtype),
-        "ae": ("ae.safetensors", vae_to_ldm(pipe.vae.state_dict(), pipe.vae.config), torch.bfloat16),
-        "clip_l": ("clip_l.safetensors", clip, torch.float16),
-        "t5xxl": ("t5xxl.safetensors", pipe.text_encoder_2.state_dict(), t5_dtype),
+        "transformer": ("flux1.safetensors",
+                        transformer_to_bfl(pipe.transformer.state_dict(), pipe.transformer.config)),
+        "ae": ("ae.safetensors", vae_to_ldm(pipe.vae.state_dict(), pipe.vae.config)),
+        "clip_l": ("clip_l.safetensors", clip),
+        # The token embedding once ("shared"): transformers ties the encoder's to it on loading.
+        "t5xxl": ("t5xxl.safetensors", {k: v for k, v in pipe.text_encoder_2.state_dict().items()
+                                        if k != "encoder.embed_tokens.weight"}),
     }
     paths = {}
-    for part, (name, state_dict, dtype) in parts.items():
+    for part, (name, state_dict) in parts.items():
         paths[part] = out_dir / name
-        save_file({k: _stored(v, dtype) for k, v in state_dict.items()}, str(paths[part]), metadata={"format": "pt"})
+        save_file({k: _stored(v, dtypes[part]) for k, v in state_dict.items()}, str(paths[part]),
+                  metadata={"format": "pt"})
         honour_umask(paths[part])
     return paths
 
