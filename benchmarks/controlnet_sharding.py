@@ -27,6 +27,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FluxControlNetModel, Flux
 from flux_lora import CLIP_DIM, FULL_TRANSFORMER, T5_DIM, T5_TOKENS
 from measure import time_steps
 
+from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.sharding import local_state_bytes, shard_model
 from dreamstep.engine.train_step import make_accelerator
@@ -59,8 +60,8 @@ def worker(args: argparse.Namespace) -> None:
         controlnet, optimizer = accelerator.prepare(controlnet, optimizer)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     step = FluxControlNetStep(controlnet, transformer=transformer, optimizer=optimizer, accelerator=accelerator,
-                              max_grad_norm=1.0, sigmas=scheduler.sigmas[:1000], weighting_scheme="none",
-                              logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance_scale=3.5)
+                              max_grad_norm=1.0, sigmas=scheduler.sigmas[:1000], objective=FlowMatchingObjective(),
+                              guidance_scale=3.5)
     latent = args.resolution // 8
     tokens, t5_dim, clip_dim = (T5_TOKENS, T5_DIM, CLIP_DIM) if args.size == "full" else (32, 256, 768)
     batch = {"latent_dist": torch.randn(1, 32, latent, latent, device=device),

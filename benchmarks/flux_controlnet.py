@@ -25,6 +25,7 @@ from flux_lora import build_models
 from measure import time_steps
 
 from dreamstep.diffusion import flow_matching as fm
+from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW, trainable_state_bytes
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
@@ -63,8 +64,7 @@ def reference_step(transformer, controlnet, vae, sigmas, optimizer, pixels, cont
 def dreamstep_step(transformer, controlnet, optimizer, sigmas, mixed_precision: str) -> FluxControlNetStep:
     return FluxControlNetStep(controlnet, transformer=transformer, optimizer=optimizer,
                               accelerator=make_accelerator(mixed_precision=mixed_precision), max_grad_norm=1.0,
-                              sigmas=sigmas, weighting_scheme="none", logit_mean=0.0, logit_std=1.0,
-                              mode_scale=1.29, guidance_scale=3.5)
+                              sigmas=sigmas, objective=FlowMatchingObjective(), guidance_scale=3.5)
 
 
 def mib(n: int) -> float:

@@ -36,6 +36,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransf
 from flux_lora import CLIP_DIM, FULL_TRANSFORMER, FULL_VAE, T5_DIM, T5_TOKENS, add_benchmark_lora, reference_step
 from measure import time_steps
 
+from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.models import flux, quantization
@@ -181,7 +182,7 @@ def measure_row(row: Row, run: Run) -> tuple[float, float, weakref.ref]:
     else:
         step = FluxLoraStep(FluxLoraModel(model), optimizer=build_optimizer("AdamW", params, 1e-4),
                             accelerator=make_accelerator(mixed_precision="bf16"), max_grad_norm=1.0, sigmas=sigmas,
-                            weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29,
+                            objective=FlowMatchingObjective(),
                             guidance_scale=3.5, prior_loss_weight=1.0)
         with torch.no_grad():
             batch = {"latent_dist": flux.encode_posterior(run.vae, pixels).to(torch.bfloat16),

@@ -291,3 +291,22 @@ def test_a_run_with_a_thousand_samples_sends_the_latest_and_the_rest_on_request(
     assert [s["step"] for s in detail["samples"]] == list(range(953, 1001))
     every = c.get("/api/runs/0.live/samples").json()["samples"]
     assert [s["step"] for s in every] == list(range(1, 1001))
+
+
+def test_adapter_panel_reports_a_lokr_run(finished_run, tiny_flux_dev_dir: Path, tmp_path: Path):
+    """A flux-lora --lora_type lokr run's file, as the adapter panel reports it: algorithm, factor, parameters."""
+    from diffusers import FluxPipeline
+
+    from dreamstep.config.lycoris import LycorisOptions
+    from dreamstep.lora.inject import flux_lora_targets
+    from dreamstep.lora.lycoris_network import create_flux_network
+
+    run = copy_run(finished_run, tmp_path)
+    transformer = FluxPipeline.from_pretrained(tiny_flux_dev_dir).transformer
+    network = create_flux_network(transformer, flux_lora_targets(transformer, ["attention"]), None, (),
+                                  LycorisOptions("lokr", dim=2, alpha=1.0, factor=4))
+    network.save_weights(run / "pytorch_lora_weights.safetensors", None, {"lycoris_algo": "lokr"})
+    loras = client(run.parent).get(f"/api/runs/0.{run.name}/loras").json()["loras"]
+    info = loras[0]["info"]
+    assert "LyCORIS layout (LoKr" in info and "LoKr (factor 4, rank 2)" in info
+    assert f"params:    {sum(p.numel() for p in network.parameters()):,}" in info

@@ -11,10 +11,11 @@ import torch
 from engine_testkit import RegressionStep, flat_params, regression_batches, tiny_mlp
 from PIL import Image
 
+from dreamstep.engine import checkpoint
 from dreamstep.engine.checkpoint import DamagedCheckpointError, TrainingPosition, load_checkpoint, save_checkpoint
 from dreamstep.engine.fit import RunHooks, finish, fit
 from dreamstep.engine.loop import Every, NonFiniteLossError
-from dreamstep.engine.run import start_run
+from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.run_folder import LOCK_FILE, read_status
 from dreamstep.errors import UserError
 
@@ -110,6 +111,23 @@ def test_latest_falls_back_to_the_newest_checkpoint_that_loads(tmp_path: Path, c
     # The resumed run saved step 4 again, over the damaged checkpoint.
     model = tiny_mlp()
     load_checkpoint(out / "checkpoint-4", RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.05)))
+
+
+@pytest.mark.parametrize("request_", ["checkpoint-4", "latest"])
+def test_a_resume_reads_its_checkpoint_once_before_it_loads_it(request_: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """claim_output_dir checks the checkpoint it will resume; start_run takes its answer instead of reading the
+    files again, and the resume is still exact."""
+    straight = _train(tmp_path / "straight", steps=6)
+    out = tmp_path / "out"
+    _train(out, steps=4, checkpointing_steps=4)
+    checked = []
+    check_readable = checkpoint.check_readable
+    monkeypatch.setattr(checkpoint, "check_readable", lambda path: checked.append(path.name) or check_readable(path))
+    claim_output_dir(out, overwrite=False, resume_from_checkpoint=request_)
+    resumed = _train(out, steps=6, resume=request_)
+    assert checked == ["checkpoint-4"]
+    torch.testing.assert_close(resumed, straight, atol=0, rtol=0)
 
 
 class _RunsCode:

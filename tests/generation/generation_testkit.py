@@ -12,8 +12,12 @@ from diffusers import FluxPipeline, StableDiffusionXLPipeline
 from PIL import Image
 
 from dreamstep.cli import main
+from dreamstep.config.lycoris import LycorisOptions
+from dreamstep.lora.formats import model_keys, pipeline_configs
 from dreamstep.lora.inject import add_lora, flux_lora_targets, save_flux_lora
 from dreamstep.lora.kohya_network import NetworkOptions, create_network
+from dreamstep.lora.lycoris_network import create_network as create_lycoris_network
+from dreamstep.lora.lycoris_network import file_names, sdxl_targets
 
 PROMPT = "a photo of sks dog"
 FLUX_ARGS = ("--steps", "2", "--width", "32", "--height", "32", "--seed", "7")
@@ -60,3 +64,27 @@ def sdxl_kohya_lora_file(model_dir: Path, path: Path, seed: int) -> Path:
     network = create_network(pipe.unet, encoders, NetworkOptions(dim=4, alpha=2.0))
     randomize_up(network, ("lora_up",), seed, std=1.0)
     return network.save_weights(path, None, {"ss_network_dim": "4", "ss_network_alpha": "2.0"})
+
+
+def lycoris_file(model_type: str, model_dir: Path, path: Path, options: LycorisOptions, seed: int,
+                 std: float = 0.2) -> Path:
+    """A LyCORIS file as the trainers write it (their module choice and names: flux-lora's attention preset;
+    sdxl-lora's sd-scripts network with LyCORIS' default preset), every adapter tensor moved off its initial
+    value so that it changes the image."""
+    if model_type == "flux":
+        pipe = FluxPipeline.from_pretrained(model_dir)
+        components = {"transformer": pipe.transformer}
+        targets = {f"transformer.{p}": pipe.transformer.get_submodule(p)
+                   for p in flux_lora_targets(pipe.transformer, ["attention"])}
+    else:
+        pipe = StableDiffusionXLPipeline.from_pretrained(model_dir)
+        components = {"unet": pipe.unet, "text_encoder": pipe.text_encoder, "text_encoder_2": pipe.text_encoder_2}
+        targets = sdxl_targets(pipe.unet, {k: v for k, v in components.items() if k != "unet"}, "full", conv=True)
+    keys = model_keys(model_type, pipeline_configs(pipe))
+    torch.manual_seed(seed)
+    network = create_lycoris_network(file_names(keys, components), targets, options)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in network.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * std)
+    return network.save_weights(path, None, {})

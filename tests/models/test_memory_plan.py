@@ -4,6 +4,7 @@ and bad sizes (the estimate against measured steps: test_plan_phases.py)."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 
 from dreamstep.cli import main
 from dreamstep.config.memory import parse_bytes
+from dreamstep.models import memory_plan as mp
+from dreamstep.models.phases import PHASES
 from dreamstep.models.plans import flux_components, sdxl_components
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
@@ -43,7 +46,7 @@ def test_plan_command_says_what_fits(capsys: pytest.CaptureFixture) -> None:
     assert "11.90B" in out and "int8" in out and "does NOT fit" in out
     assert "would fit: --text_encoder_quantization int8 + --blocks_to_swap" in out  # nothing alone is enough
     # Every phase, with T5 priced while it encodes and waiting in host memory while the transformer trains.
-    assert all(f"  {phase}: on the device" in out for phase in ("encode", "load", "train", "validate"))
+    assert all(f"  {phase}: on the device" in out for phase in PHASES)
     assert "peak device memory" in out and "peak host memory" in out
     # SDXL encodes before its UNet loads, so it fits 8 GB; 6 GB needs a smaller UNet.
     assert main(["plan", "sdxl", "--device_memory", "8GB"]) == 0
@@ -51,6 +54,26 @@ def test_plan_command_says_what_fits(capsys: pytest.CaptureFixture) -> None:
     assert main(["plan", "sdxl", "--device_memory", "6GB"]) == 0
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "would fit: --base_quantization fp8 (or int8)" in out
+
+
+def test_a_card_no_option_fits_is_told_the_resolution_that_fits(capsys: pytest.CaptureFixture) -> None:
+    """SPEC C8's smallest card: FLUX.1-dev at 1024 px with nf4, T5 in int8 and every block but one swapped needs
+    more than 6 GB to train; the plan names the highest resolution (a multiple of 64) that fits, with those options."""
+    from dreamstep.models.plans import Estimator
+
+    flags = ["--base_quantization", "nf4", "--text_encoder_quantization", "int8", "--blocks_to_swap", "56"]
+    assert main(["plan", "flux", *flags, "--device_memory", "6GB"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out
+    suggestion = next(line for line in out.splitlines() if line.startswith("  would fit:"))
+    assert suggestion.startswith("  would fit: --blocks_to_swap 56 + --resolution ")
+    resolution = int(suggestion.split("--resolution ")[1].split()[0])
+    assert resolution % mp.RESOLUTION_STEP == 0
+    estimator = Estimator("flux", None, rank=16)
+    options = mp.PlanOptions(base_quantization="nf4", text_encoder_quantization="int8", blocks_to_swap=56)
+    card = parse_bytes("6GB", "--device_memory")
+    assert mp.fits(estimator(replace(options, resolution=resolution)), card)
+    assert not mp.fits(estimator(replace(options, resolution=resolution + mp.RESOLUTION_STEP)), card)
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tiny_flux_dev_dir: Path, tmp_path: Path,

@@ -111,9 +111,9 @@ def test_the_validate_phase_holds_what_validation_has_and_by_at_most_a_quarter(s
         assert measured <= planned <= 1.25 * measured, (mode, images, planned / measured)
 
 
-def test_the_encode_phase_holds_the_encoders_and_their_largest_pass(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
-    """The text encoders and the VAE as the trainer loads them, encoding a batch of captions (padded to T5's 512
-    tokens, as FluxPipeline pads them) and one image."""
+def test_each_encode_phase_holds_its_encoders_and_their_largest_pass(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    """The text encoders as the trainer loads them encoding a batch of captions (padded to T5's 512 tokens, as
+    FluxPipeline pads them), and the VAE encoding one image; each while the other waits in host memory."""
     from dreamstep.data.cache import TensorCache
     from dreamstep.models import flux
 
@@ -122,20 +122,20 @@ def test_the_encode_phase_holds_the_encoders_and_their_largest_pass(tiny_flux_de
     conditioner = flux.FluxConditioner(flux.assemble_pipeline(base), latent_cache=None,
                                        text_cache=TensorCache(tmp_path / "text", "tiny", []),
                                        max_sequence_length=512, device=torch.device("cpu"))
-    encoders = [base.text_encoder, base.text_encoder_2, base.vae]
-    resident = sum(mp.stored_bytes(t) for t in mp.tensors_of(*encoders))
-    with mp.LiveTensorBytes(mp.tensors_of(*encoders)) as captions:
+    texts = [base.text_encoder, base.text_encoder_2]
+    with mp.LiveTensorBytes(mp.tensors_of(*texts)) as captions:
         conditioner.prompts([f"caption number {i}" for i in range(8)])
-    pixels = torch.zeros(1, 3, 64, 64)
-    with mp.LiveTensorBytes(mp.tensors_of(*encoders)) as image:
-        conditioner.latents({"pixel_values": pixels, "pixel_items": [0], "captions": ["a"],
+    with mp.LiveTensorBytes(mp.tensors_of(base.vae)) as image:
+        conditioner.latents({"pixel_values": torch.zeros(1, 3, 64, 64), "pixel_items": [0], "captions": ["a"],
                              "image_paths": [tmp_path / "a.png"]})
-    measured = resident + max(captions.peak, image.peak)
     plan = Estimator("flux", str(tiny_flux_dev_dir), rank=4, device_type="cpu")(
         mp.PlanOptions(resolution=64, rank=4, max_sequence_length=512))
-    assert plan.phase("encode").resident == ("text_encoder", "text_encoder_2", "vae")
-    planned = plan.phase("encode").device_total
-    assert measured <= planned <= 1.25 * measured, planned / measured
+    for phase, encoders, peak in (("encode text", texts, captions.peak), ("encode images", [base.vae], image.peak)):
+        measured = sum(mp.stored_bytes(t) for t in mp.tensors_of(*encoders)) + peak
+        planned = plan.phase(phase).device_total
+        assert measured <= planned <= 1.25 * measured, (phase, planned / measured)
+    assert plan.phase("encode text").resident == ("text_encoder", "text_encoder_2")
+    assert plan.phase("encode images").resident == ("vae",)
 
 
 def test_the_plan_counts_the_condition_images_tokens_of_a_model_that_reads_them(tiny_flux_dev_dir: Path) -> None:

@@ -13,6 +13,7 @@ from PIL import Image
 
 from dreamstep.cli import main
 from dreamstep.diffusion import noise_prediction as noise_math
+from dreamstep.generation.loras import LoraSpec, apply_loras
 from dreamstep.lora.kohya_network import NetworkOptions, create_network
 from dreamstep.models import sdxl
 from dreamstep.models.tiny import build_tiny_sdxl
@@ -70,11 +71,15 @@ def load_pixels(folder: Path) -> torch.Tensor:
 
 @torch.no_grad()
 def fixed_noise_loss(pixels: torch.Tensor, captions: list[str], lora_file: Path | None = None,
-                     timesteps: tuple[int, ...] = (100, 300, 500, 700, 900), seed: int = 0) -> float:
-    """Mean ε-prediction MSE of the tiny SDXL (seed 0), with the UNet LoRA in ``lora_file`` applied, on
+                     timesteps: tuple[int, ...] = (100, 300, 500, 700, 900), seed: int = 0,
+                     as_generate: bool = False) -> float:
+    """Mean ε-prediction MSE of the tiny SDXL (seed 0), with the UNet LoRA in ``lora_file`` applied (with
+    ``as_generate``: any file, as ``dreamstep generate`` applies it), on
     ``pixels`` over ``timesteps`` with seeded noise."""
     pipe = build_tiny_sdxl(seed=0)
-    if lora_file is not None:
+    if lora_file is not None and as_generate:
+        apply_loras(pipe, [LoraSpec(lora_file)], "sdxl", merge=False)  # any layout, UNet and text encoders
+    elif lora_file is not None:
         encoders = {"text_encoder": pipe.text_encoder, "text_encoder_2": pipe.text_encoder_2}
         network = create_network(pipe.unet, encoders, NetworkOptions(dim=8, alpha=8.0), train_text_encoder=False)
         network.load_weights(lora_file)

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from dreamstep.diffusion import flow_matching as fm
 from dreamstep.engine.run_folder import read_status
-from dreamstep.generation.outputs import JSON_KEY
 from dreamstep.models import flux
+from dreamstep.png_text import JSON_KEY
 
 INSTRUCTION = "an orange ball"
 TRAIN = ("--resolution", "32", "--max_sequence_length", "16", "--report_to", "none", "--checkpointing_steps", "0")

@@ -4,6 +4,8 @@ exact, the loop never touches the encoders, and bad combinations stop before any
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,10 @@ from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, fixed_noise_loss, generate, lo
 from safetensors.torch import load_file
 from sdxl_testkit import write_method
 
+from dreamstep.config import memory, sdxl_lora, training
+from dreamstep.errors import UserError
 from dreamstep.models import flux, parking, sdxl
+from dreamstep.models.loading import load_flux_transformer, load_sdxl_unet
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.plans import Estimator
 
@@ -88,20 +93,27 @@ def _watch_phases(monkeypatch: pytest.MonkeyPatch, family: str = "flux") -> dict
     # brings them back): any use of a parked module fails, and where each module's weights are shows, at each
     # moment recorded, what was on the device.
     monkeypatch.setattr(parking, "PARKING_DEVICE", torch.device("meta"))
-    host: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
+    host: dict[torch.nn.Module, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
 
     def move(module: torch.nn.Module, device: torch.device) -> None:
         if device.type == "meta":
-            host[module] = {k: v.clone() for k, v in module.state_dict().items()}
+            # The state dict, and the buffers it leaves out (CLIP's position ids).
+            state = {k: v.clone() for k, v in module.state_dict().items()}
+            host[module] = (state, {k: v.clone() for k, v in module.named_buffers() if k not in state})
             module.to(device)
         elif module in host:
-            module.to_empty(device=device).load_state_dict(host.pop(module))
+            state, buffers = host.pop(module)
+            module.to_empty(device=device).load_state_dict(state)
+            for name, value in buffers.items():
+                owner, _, leaf = name.rpartition(".")
+                setattr(module.get_submodule(owner), leaf, value)
 
-    seen: dict[str, set[tuple[str, ...]]] = {"encode": set(), "train": set(), "validate": set(), "loss": set()}
+    seen: dict[str, set[tuple[str, ...]]] = {"encode images": set(), "encode text": set(), "train": set(),
+                                             "validate": set(), "loss": set()}
     parts: dict[str, torch.nn.Module | None] = {}
     models, base_name, *names = WATCHED[family]
     load_encoders, load_base, generate = (getattr(models, name) for name in names)
-    fill = parking.fill_caches
+    fills = {"encode images": parking.fill_latents, "encode text": parking.fill_texts}
     generating = False
 
     def encoders_and_watch(*args, **kwargs):
@@ -110,9 +122,11 @@ def _watch_phases(monkeypatch: pytest.MonkeyPatch, family: str = "flux") -> dict
                       "text_encoder_2": components.text_encoder_2, "vae": components.vae})
         return components
 
-    def fill_and_watch(*args, **kwargs):
-        seen["encode"].add(_on_device(parts))
-        return fill(*args, **kwargs)
+    def fill_and_watch(phase: str):
+        def fill(*args, **kwargs):
+            seen[phase].add(_on_device(parts))
+            return fills[phase](*args, **kwargs)
+        return fill
 
     def base_and_watch(*args, **kwargs):
         base = load_base(*args, **kwargs)
@@ -133,7 +147,8 @@ def _watch_phases(monkeypatch: pytest.MonkeyPatch, family: str = "flux") -> dict
             generating = False
 
     monkeypatch.setattr(parking, "move", move)
-    monkeypatch.setattr(parking, "fill_caches", fill_and_watch)
+    monkeypatch.setattr(parking, "fill_latents", fill_and_watch("encode images"))
+    monkeypatch.setattr(parking, "fill_texts", fill_and_watch("encode text"))
     for name, watched in zip(names, (encoders_and_watch, base_and_watch, generate_and_watch)):
         monkeypatch.setattr(models, name, watched)
     return seen
@@ -144,11 +159,12 @@ def _recorded_once(seen: dict[str, set[tuple[str, ...]]]) -> dict[str, tuple[str
     return {phase: next(iter(sets)) for phase, sets in seen.items()}
 
 
-# sd-scripts' order: every caption, held-out image and validation prompt is encoded before the transformer
-# loads; training steps see only the transformer; validation images bring back only the VAE, the validation loss
-# nothing.
-PHASES_IN_SD_SCRIPTS_ORDER = {"encode": ("text_encoder", "text_encoder_2", "vae"), "train": ("transformer",),
-                              "validate": ("transformer", "vae"), "loss": ("transformer",)}
+# sd-scripts' order: every held-out image, then every caption and validation prompt, is encoded before the
+# transformer loads, the VAE while the text encoders wait in host memory and the other way round; training steps
+# see only the transformer; validation images bring back only the VAE, the validation loss nothing.
+PHASES_IN_SD_SCRIPTS_ORDER = {"encode images": ("vae",), "encode text": ("text_encoder", "text_encoder_2"),
+                              "train": ("transformer",), "validate": ("transformer", "vae"), "loss": ("transformer",)}
+PLANNED = ("encode images", "encode text", "train", "validate")
 
 
 @pytest.mark.parametrize("mode", ["none", "int8"])
@@ -170,8 +186,8 @@ def _assert_the_plan_prices(recorded: dict, estimator: Estimator, **options) -> 
     validation images and with the validation loss alone."""
     with_images, loss_only = (estimator(PlanOptions(rank=4, validation_images=images, **options))
                               for images in (True, False))
-    assert {phase: with_images.phase(phase).resident for phase in ("encode", "train", "validate")} == {
-        phase: recorded[phase] for phase in ("encode", "train", "validate")}
+    assert {phase: with_images.phase(phase).resident for phase in PLANNED} == {
+        phase: recorded[phase] for phase in PLANNED}
     assert loss_only.phase("validate").resident == recorded["loss"]
 
 
@@ -191,8 +207,7 @@ def test_controlnet_phases_have_only_their_components_on_the_device(tiny_flux_de
     assert recorded == PHASES_IN_SD_SCRIPTS_ORDER
     plan = Estimator("flux-controlnet", str(tiny_flux_dev_dir), device_type="cpu",
                      controlnet_layers=(1, 1))(PlanOptions(resolution=32))
-    assert {phase: plan.phase(phase).resident for phase in ("encode", "train", "validate")} == {
-        phase: recorded[phase] for phase in ("encode", "train", "validate")}
+    assert {phase: plan.phase(phase).resident for phase in PLANNED} == {phase: recorded[phase] for phase in PLANNED}
 
 
 # sdxl-lora in the same order, with its UNet.
@@ -225,7 +240,7 @@ def test_sdxl_phases_have_only_their_components_on_the_device(mode: str, single_
 def test_sdxl_text_encoders_that_train_stay_on_the_device(tiny_sdxl_dir: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """With the text-encoder LoRA (sd-scripts' default) the loop encodes every caption: both CLIP encoders stay
-    on the device from the encode phase on; the VAE (latents cached) still comes back only for samples."""
+    on the device from the "encode text" phase on; the VAE (latents cached) still comes back only for samples."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red dog --w 64 --h 64 --s 1\n")
     seen = _watch_phases(monkeypatch, "sdxl")
@@ -234,8 +249,88 @@ def test_sdxl_text_encoders_that_train_stay_on_the_device(tiny_sdxl_dir: Path, t
                    f"--output_dir={tmp_path / 'out'}", "--validation_split=0.25", "--validate_every_n_steps=1",
                    f"--sample_prompts={prompts}", "--sample_every_n_steps=1") == 0
     texts = ("text_encoder", "text_encoder_2")
-    assert _recorded_once(seen) == {"encode": (*texts, "vae"), "train": ("unet", *texts),
+    assert _recorded_once(seen) == {"encode images": ("vae",), "encode text": texts, "train": ("unet", *texts),
                                     "validate": ("unet", *texts, "vae"), "loss": ("unet", *texts)}
+
+
+@pytest.fixture
+def nf4_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """diffusers' bitsandbytes loader and dreamstep's flags refuse nf4 without a GPU: both are told there is one
+    (bitsandbytes itself quantizes and computes on the CPU). A CPU build of torch fails any placement on a GPU, so
+    a loader or trainer that puts a weight there fails the test."""
+    pytest.importorskip("bitsandbytes", reason="nf4 needs the 'quant' extra")
+    from diffusers.quantizers.bitsandbytes.bnb_quantizer import BnB4BitDiffusersQuantizer
+
+    monkeypatch.setattr(BnB4BitDiffusersQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
+    for config in (training, sdxl_lora):
+        monkeypatch.setattr(config, "check_quantization", functools.partial(memory.check_quantization,
+                                                                            cuda_available=True))
+
+
+def _quantized_in_host_memory(model: torch.nn.Module) -> bool:
+    import bitsandbytes as bnb
+
+    weights = [m.weight for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    return bool(weights) and all(w.bnb_quantized and w.device.type == "cpu" and w.quant_state.absmax.device.type
+                                 == "cpu" for w in weights)
+
+
+def test_a_4bit_base_that_waits_in_host_memory_is_quantized_there(tiny_flux_dev_dir: Path, tiny_sdxl_dir: Path,
+                                                                  nf4_as_on_a_gpu) -> None:
+    """A swapped FLUX transformer or SDXL UNet (the swapper then moves only its resident part): its 4-bit weights
+    never go to the GPU while it loads."""
+    transformer = load_flux_transformer(str(tiny_flux_dev_dir), weight_dtype=torch.bfloat16,
+                                        base_quantization="nf4", on_host=True)
+    assert _quantized_in_host_memory(transformer)
+    unet = load_sdxl_unet(str(tiny_sdxl_dir), weight_dtype=torch.bfloat16, unet_quantization="nf4", on_host=True)
+    assert _quantized_in_host_memory(unet)
+    if not torch.cuda.is_available():  # the stand-in finds a loader that places the weights on the GPU
+        with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+            load_flux_transformer(str(tiny_flux_dev_dir), weight_dtype=torch.bfloat16, base_quantization="nf4")
+
+
+def test_nf4_from_a_single_file_is_one_line_before_anything_loads(tiny_flux_dev_dir: Path, tiny_sdxl_single_file: Path,
+                                                                   tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                   nf4_as_on_a_gpu) -> None:
+    """diffusers' single-file loader takes a bitsandbytes config only for weights saved quantized (it fails on a plain
+    checkpoint, here after the encoders ran); the trainers say so first."""
+    flux_file = tmp_path / "flux-transformer.safetensors"
+    flux_file.write_bytes((tiny_flux_dev_dir / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes())
+    runs = {"--transformer_single_file": ("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir,
+                                          "--transformer_single_file", flux_file, *ARGS),
+            "--pretrained_model_name_or_path": ("train", "sdxl-lora", "--pretrained_model_name_or_path",
+                                                tiny_sdxl_single_file, "--dataset_config",
+                                                write_method(tmp_path, "captions"), "--log_with", "none")}
+    for flag, command in runs.items():
+        out = tmp_path / flag.strip("-")
+        assert run_cli(*command, "--base_quantization", "nf4", "--output_dir", out) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"--base_quantization nf4 cannot load {flag}" in err and "int8" in err
+        assert not out.exists()
+    with pytest.raises(UserError, match="bitsandbytes"):  # what diffusers does with one
+        sdxl.load_encoders_for_training(str(tiny_sdxl_single_file), model_config=None, mixed_precision="bf16",
+                                        device=torch.device("cpu"), unet_quantization="nf4")
+
+
+def test_a_swapped_4bit_base_trains_in_the_phases_the_plan_prices(tiny_flux_dev_dir: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  nf4_as_on_a_gpu) -> None:
+    """Without validation: bitsandbytes' CPU kernel for forwards without gradients needs widths of 64 at least, more
+    than the tiny model has."""
+    seen = _watch_phases(monkeypatch)
+    assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir,
+                   "--output_dir", tmp_path / "out", *ARGS, "--max_train_steps", "2", "--base_quantization", "nf4",
+                   "--blocks_to_swap", "2", "--gradient_checkpointing", "--mixed_precision", "bf16") == 0
+    trained = ("encode images", "encode text", "train")
+    recorded = _recorded_once({phase: seen[phase] for phase in trained})
+    assert recorded == {phase: PHASES_IN_SD_SCRIPTS_ORDER[phase] for phase in trained}
+    estimator = Estimator("flux", str(tiny_flux_dev_dir), rank=4, device_type="cpu")
+    options = PlanOptions(resolution=32, rank=4, base_quantization="nf4", blocks_to_swap=2)
+    plan = estimator(options)
+    assert {phase: plan.phase(phase).resident for phase in trained} == recorded
+    # Swapped, it loads into host memory; not swapped, diffusers' bitsandbytes loader quantizes it on the device.
+    assert plan.phase("load").resident == ()
+    assert estimator(replace(options, blocks_to_swap=0)).phase("load").resident == ("transformer",)
 
 
 def test_nf4_without_a_gpu_is_one_line_before_anything_loads(tiny_flux_dev_dir: Path, tmp_path: Path,

@@ -40,9 +40,8 @@ from dreamstep.errors import UserError, did_you_mean
 from dreamstep.evaluation.candidates import Candidate, find_candidates
 from dreamstep.evaluation.control import mean_edge_agreement
 from dreamstep.evaluation.fidelity import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, FidelityScorer
-from dreamstep.generation.loras import LoraSpec, apply_loras
+from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, remove_loras
 from dreamstep.generation.pipelines import build_pipeline, choose_device, choose_dtype, load_flux_controlnet
-from dreamstep.lora.convert import read_lora
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
 from dreamstep.models.flux_files import resolve_base
@@ -159,7 +158,7 @@ class Generator:
                     for image in self._generate(pipe, prompt, control if with_control else None)]
         finally:
             if candidate is not None and candidate.kind == "lora":
-                self.pipe.unload_lora_weights()
+                remove_loras(self.pipe)
 
     def _generate(self, pipe: Any, prompt: str, control: Image.Image | None) -> list[Image.Image]:
         extra = {"control_image": control} if control is not None else {}
@@ -205,7 +204,7 @@ def evaluate(config: EvalConfig, model_type: str) -> dict[str, Any]:
         candidates = find_candidates(config.weights, Path(work_dir))
         for candidate in candidates:
             if candidate.kind == "lora":
-                read_lora(candidate.path, _lora_model(model_type))
+                check_lora(candidate.path, _lora_model(model_type))
         return _score(config, model_type, candidates)
 
 

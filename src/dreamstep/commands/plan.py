@@ -17,7 +17,7 @@ MAX_T5_TOKENS = 512  # FLUX.1-dev's T5 reads at most 512 tokens
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
     parser.description = ("Estimate the peak device and host memory of each phase of a FLUX.1 or SDXL LoRA run "
-                          "(encode, load, train, validate) before loading anything "
+                          "(encode images, encode text, load, train, validate) before loading anything "
                           "(full-size published configs, or a local model folder's), and say which options fit "
                           "the card.")
     parser.add_argument("model", choices=tuple(PIPELINES), help="FLUX.1 LoRA, FLUX.1 Kontext LoRA or SDXL LoRA")

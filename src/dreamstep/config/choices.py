@@ -5,3 +5,9 @@ TINY_ARCHS = ("flux", "flux-kontext", "sdxl")
 TINY_SDXL_SINGLE_FILE = "tiny_sdxl.safetensors"
 LORA_LAYOUTS = ("kohya", "diffusers", "mindspore")
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
+
+# sd-scripts' loss and flow-matching options (dreamstep.diffusion holds their math).
+LOSS_TYPES = ("l2", "l1", "huber", "smooth_l1")
+HUBER_SCHEDULES = ("constant", "exponential", "snr")
+TIMESTEP_SAMPLINGS = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
+MODEL_PREDICTION_TYPES = ("raw", "additive", "sigma_scaled")

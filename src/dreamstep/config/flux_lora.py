@@ -20,7 +20,7 @@ class FluxLoraConfig(LoraOptions, TextEncoderLoraOptions, ImageDataOptions, Prom
     # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
     resume_must_match: ClassVar[tuple[str, ...]] = (
         "pretrained_model_name_or_path", "transformer_single_file", "rank", "lora_alpha", "lora_layers",
-        "train_text_encoder")
+        "train_text_encoder", "lora_type", "lokr_factor", "lokr_full_matrix", "lokr_decompose_both")
 
     instance_data_dir: Optional[str] = option(None, "folder of the subject's images")
     instance_prompt: Optional[str] = option(None, "prompt with the identifier, e.g. 'a photo of sks dog'; images "
@@ -57,6 +57,11 @@ class FluxLoraConfig(LoraOptions, TextEncoderLoraOptions, ImageDataOptions, Prom
             if self.dataset_config is None:  # a dataset TOML's is_reg subsets are weighted by it
                 refuse_unused(self, ("prior_loss_weight",), "without --with_prior_preservation or --dataset_config")
         self.check_text_encoder_lora()
+        self.check_lora_type()
+        if self.lora_type != "lora" and self.base_quantization != "none":
+            raise UserError(f"--base_quantization {self.base_quantization} with --lora_type {self.lora_type}: LyCORIS "
+                            "rebuilds each adapted weight every step, which dreamstep has not tested on quantized "
+                            "weights; use --base_quantization none, or --lora_type lora")
         self.check_prompt_validation()
 
     def may_hold_out_images(self) -> bool:

@@ -35,6 +35,15 @@ def check_quantization(mode: str, flag: str, *, cuda_available: bool | None = No
         raise UserError(f"{flag} {mode} needs the '{package}' package: pip install '{QUANTIZATION_EXTRA}'")
 
 
+def check_single_file_quantization(mode: str, flag: str, single_file: str | None, file_flag: str) -> None:
+    """Refuse nf4 with a single-file checkpoint before anything loads: diffusers' single-file loader (0.42) reads a
+    bitsandbytes config as weights saved quantized, and fails on a plain checkpoint after the encoders ran."""
+    if mode == "nf4" and single_file is not None:
+        raise UserError(f"{flag} nf4 cannot load {file_flag} {single_file}: diffusers' single-file loader quantizes to "
+                        f"4 bits only weights saved quantized; give the model's diffusers folder, or use {flag} int8 "
+                        "or fp8")
+
+
 # Optimizer state bytes per trainable parameter, by --optimizer (the plan's table; torch-free for --help).
 OPTIMIZER_STATE_BYTES = {"AdamW": 8, "AdamW8bit": 2, "Prodigy": 16}
 

@@ -8,12 +8,16 @@ required fields in any order. A group's ``check_*`` method refuses its bad combi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
+from dreamstep.config.choices import HUBER_SCHEDULES, LOSS_TYPES
 from dreamstep.config.evaluation import EvaluationOptions
+from dreamstep.config.lycoris import LycorisOptions
 from dreamstep.config.schema import option, refuse_unused
-from dreamstep.diffusion.losses import HUBER_SCHEDULES, LOSS_TYPES, LossFunction
 from dreamstep.errors import UserError
+
+if TYPE_CHECKING:
+    from dreamstep.diffusion.losses import LossFunction
 
 
 @dataclass
@@ -44,11 +48,52 @@ class LoraOptions:
     lora_layers: list[str] = option(["attention"], "preset (attention, attention+ff, all-linear) or "
                                                    "comma-separated module names", kw_only=True)
     save_kohya_format: bool = option(False, "also write the LoRA with sd-scripts' key names", kw_only=True)
+    lora_type: Literal["lora", "lokr", "loha", "dora"] = option(
+        "lora", "the adapter: lora (peft; diffusers layout), or through LyCORIS in its layout, which ComfyUI and "
+                "Forge load: lokr (Kronecker product), loha (Hadamard product), dora (LoRA with a trained magnitude)",
+        kw_only=True)
+    lokr_factor: int = option(16, "LoKr: each width splits into factor x width/factor, or the nearest divisor "
+                                  "(-1: the most balanced split); 16 as SimpleTuner", bounds="[-1, inf)",
+                               kw_only=True)
+    lokr_full_matrix: bool = option(True, "LoKr: the larger Kronecker factor as a full matrix, so --rank is unused "
+                                          "(SimpleTuner's default); false: a product of rank --rank", kw_only=True)
+    lokr_decompose_both: bool = option(False, "LoKr: the smaller Kronecker factor as a product of rank --rank too",
+                                       kw_only=True)
+    rank_dropout: float = option(0.0, "lokr/loha/dora: drop whole output rows of the update at this rate",
+                                 bounds="[0, 1)", kw_only=True)
+    module_dropout: float = option(0.0, "lokr/loha/dora: leave out a module's whole update at this rate per step",
+                                   bounds="[0, 1)", kw_only=True)
 
     @property
     def alpha(self) -> float:
         """The alpha the LoRA is built with: --lora_alpha, or the rank."""
         return self.lora_alpha if self.lora_alpha is not None else self.rank
+
+    def check_lora_type(self) -> None:
+        if self.lora_type == "lora":
+            refuse_unused(self, ("rank_dropout", "module_dropout"), "with --lora_type lora (peft's LoRA has "
+                                                                    "--lora_dropout)")
+        if self.lora_type != "lokr":
+            refuse_unused(self, ("lokr_factor", "lokr_full_matrix", "lokr_decompose_both"),
+                          f"with --lora_type {self.lora_type}")
+        if self.lora_type in ("lokr", "loha") and self.lora_dropout:
+            raise UserError(f"--lora_dropout: LyCORIS' {self.lora_type} has no plain dropout; use --rank_dropout "
+                            "or --module_dropout")
+        if self.lora_type != "lora" and self.save_kohya_format:
+            raise UserError(f"--save_kohya_format: sd-scripts' FLUX LoRA layout fuses q, k and v into one module, "
+                            f"which a {self.lora_type} of separate modules cannot be written as; the "
+                            "LyCORIS file (pytorch_lora_weights.safetensors) loads in ComfyUI and Forge as it is")
+        if self.lora_type != "lora":
+            self.lycoris_options()
+
+    def lycoris_options(self) -> LycorisOptions:
+        """The LyCORIS algorithm and settings of --lora_type lokr, loha or dora."""
+        lokr = self.lora_type == "lokr"
+        return LycorisOptions(
+            algo="lora" if self.lora_type == "dora" else self.lora_type, dim=self.rank, alpha=self.alpha,
+            factor=self.lokr_factor if lokr else -1, full_matrix=lokr and self.lokr_full_matrix,
+            decompose_both=lokr and self.lokr_decompose_both, dora_wd=self.lora_type == "dora",
+            dropout=self.lora_dropout, rank_dropout=self.rank_dropout, module_dropout=self.module_dropout)
 
 
 @dataclass
@@ -79,6 +124,8 @@ class LossOptions:
                             "constant or exponential")
 
     def loss_function(self) -> LossFunction:
+        from dreamstep.diffusion.losses import LossFunction  # torch: not at import, so --help answers first
+
         return LossFunction(self.loss_type, self.huber_schedule, self.huber_c, self.huber_scale)
 
 

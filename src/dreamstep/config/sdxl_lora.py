@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from dreamstep.config.evaluation import EvaluationOptions
-from dreamstep.config.memory import check_compile, check_quantization, parse_bytes
+from dreamstep.config.lycoris import LYCORIS_MODULE, lycoris_from_network_args
+from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
 from dreamstep.config.options import LossOptions
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.config.training import LR_SCHEDULERS
@@ -23,8 +24,8 @@ SAMPLERS = ("ddim", "pndm", "euler", "k_euler", "euler_a", "k_euler_a", "dpmsolv
 class SDXLLoraConfig(LossOptions, EvaluationOptions):
     # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
     resume_must_match: ClassVar[tuple[str, ...]] = (
-        "pretrained_model_name_or_path", "network_dim", "network_alpha", "network_args", "network_train_unet_only",
-        "network_train_text_encoder_only")
+        "pretrained_model_name_or_path", "network_module", "network_dim", "network_alpha", "network_args",
+        "network_train_unet_only", "network_train_text_encoder_only")
 
     pretrained_model_name_or_path: str = option(
         help="base SDXL: a diffusers folder, a hub id, or a single file such as sd_xl_base_1.0.safetensors")
@@ -48,7 +49,12 @@ class SDXLLoraConfig(LossOptions, EvaluationOptions):
     train_batch_size: int = option(1, "batch size (the dataset TOML's batch_size wins)", bounds="[1, inf)")
     seed: int | None = option(None, "seed for init, data order, noise and timesteps (default: random, saved "
                                     "in config.toml)", bounds=SEED_BOUNDS)
-    network_module: str = option(NETWORK_MODULE, "network type; networks.lora (Kohya LoRA / LoCon)")
+    network_module: str = option(NETWORK_MODULE, "network type: networks.lora (Kohya LoRA / LoCon), or "
+                                                 "lycoris.kohya (LyCORIS: --network_args algo=lora|locon|loha|lokr "
+                                                 "preset= conv_dim= conv_alpha= factor= decompose_both= "
+                                                 "full_matrix= use_tucker= use_scalar= dora_wd= wd_on_output= "
+                                                 "rs_lora= dropout= rank_dropout= module_dropout=, LyCORIS' "
+                                                 "defaults: algo=lora preset=full conv_dim=network_dim factor=-1)")
     network_dim: int = option(4, "LoRA rank", bounds="[1, inf)")
     network_alpha: float = option(1.0, "LoRA alpha; the update is scaled by alpha / dim", bounds="(0, inf)")
     network_dropout: float | None = option(None, "dropout on the LoRA down projection's output", bounds="[0, 1)")
@@ -143,9 +149,12 @@ class SDXLLoraConfig(LossOptions, EvaluationOptions):
     overwrite_output_dir: bool = option(False, "allow writing into a non-empty --output_dir")
 
     def __post_init__(self) -> None:
-        if self.network_module not in (NETWORK_MODULE, "lora"):
+        if self.network_module not in (NETWORK_MODULE, "lora", LYCORIS_MODULE):
             raise UserError(f"--network_module '{self.network_module}' is not supported; dreamstep trains "
-                            f"'{NETWORK_MODULE}' (LoRA, and LoCon with --network_args conv_dim=...)")
+                            f"'{NETWORK_MODULE}' (LoRA, and LoCon with --network_args conv_dim=...) and "
+                            f"'{LYCORIS_MODULE}' (LoKr, LoHa, LoCon, DoRA with --network_args algo=...)")
+        if self.network_module == LYCORIS_MODULE:
+            lycoris_from_network_args(self.network_dim, self.network_alpha, self.network_dropout, self.network_args)
         if self.network_train_unet_only and self.network_train_text_encoder_only:
             raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
         if self.unet_lr == 0 and self.text_encoder_lr == 0:
@@ -165,6 +174,9 @@ class SDXLLoraConfig(LossOptions, EvaluationOptions):
             raise UserError(f"--fp8_base asks for an fp8 UNet but --base_quantization is "
                             f"{self.base_quantization}; give one of the two")
         check_quantization(self.unet_quantization, "--fp8_base" if self.fp8_base else "--base_quantization")
+        single_file = self.pretrained_model_name_or_path if Path(self.pretrained_model_name_or_path).is_file() else None
+        check_single_file_quantization(self.unet_quantization, "--base_quantization", single_file,
+                                       "--pretrained_model_name_or_path")
         check_compile(self.compile, self.unet_quantization, "--fp8_base" if self.fp8_base else "--base_quantization")
         if self.device_memory is not None:
             parse_bytes(self.device_memory, "--device_memory")

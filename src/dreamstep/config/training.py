@@ -11,14 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
+from dreamstep.config.choices import TIMESTEP_SAMPLINGS
 from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
-from dreamstep.config.memory import check_compile, check_quantization, parse_bytes
+from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
 from dreamstep.config.options import FluxComponentFileOptions, LossOptions
 from dreamstep.config.schema import SEED_BOUNDS, config_to_toml, option, refuse_unused
-from dreamstep.diffusion.flow_matching import TIMESTEP_SAMPLINGS, FlowMatchingObjective
 from dreamstep.errors import UserError
 
 if TYPE_CHECKING:
+    from dreamstep.diffusion.flow_matching import FlowMatchingObjective
     from dreamstep.models.flux_files import FluxBase
 
 # diffusers' get_scheduler names (all but piecewise_constant, which needs a rule string).
@@ -128,6 +129,8 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EvaluationOption
 
     def flow_matching_objective(self) -> FlowMatchingObjective:
         """How the step draws σ and scores the prediction (diffusers' reading of the prediction)."""
+        from dreamstep.diffusion.flow_matching import FlowMatchingObjective  # torch: not at import
+
         return FlowMatchingObjective(
             weighting_scheme=self.weighting_scheme, logit_mean=self.logit_mean, logit_std=self.logit_std,
             mode_scale=self.mode_scale, timestep_sampling=self.timestep_sampling, sigmoid_scale=self.sigmoid_scale,
@@ -170,6 +173,9 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EvaluationOption
             header = read_header(base.files.transformer, "--pretrained_model_name_or_path")
             self.base_quantization = storage_quantization(header, self.base_quantization)
         check_quantization(self.base_quantization, "--base_quantization")
+        file_flag = "--transformer_single_file" if self.transformer_single_file else "--pretrained_model_name_or_path"
+        check_single_file_quantization(self.base_quantization, "--base_quantization",
+                                       str(base.files.transformer) if base.files.transformer else None, file_flag)
         check_compile(self.compile, self.base_quantization, "--base_quantization")
         check_quantization(self.text_encoder_quantization, "--text_encoder_quantization")
         if self.device_memory is not None:

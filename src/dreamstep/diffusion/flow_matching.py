@@ -27,8 +27,6 @@ from dreamstep.diffusion.losses import LossFunction
 WeightingScheme = Literal["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"]
 TimestepSampling = Literal["sigma", "uniform", "sigmoid", "shift", "flux_shift"]
 ModelPredictionType = Literal["raw", "additive", "sigma_scaled"]
-TIMESTEP_SAMPLINGS = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
-MODEL_PREDICTION_TYPES = ("raw", "additive", "sigma_scaled")
 
 
 def sample_timestep_indices(

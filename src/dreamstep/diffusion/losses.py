@@ -18,8 +18,6 @@ import torch.nn.functional as F
 
 LossType = Literal["l2", "l1", "huber", "smooth_l1"]
 HuberSchedule = Literal["constant", "exponential", "snr"]
-LOSS_TYPES = ("l2", "l1", "huber", "smooth_l1")
-HUBER_SCHEDULES = ("constant", "exponential", "snr")
 
 
 def huber_threshold(schedule: HuberSchedule, huber_c: float, huber_scale: float, timesteps: torch.Tensor,

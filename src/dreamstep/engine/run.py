@@ -121,6 +121,21 @@ def end_unfinished_run(message: str) -> None:
 when_a_command_fails(end_unfinished_run)
 
 
+# The checkpoint that claim_output_dir chose (read and found readable) and its warnings, for the start_run that
+# follows it in this process, which then need not read it again.
+_claimed: tuple[tuple[Path, str | None, str], tuple[Path | None, list[str]]] | None = None
+
+
+def _claimed_resume(folder: Path, resume_from_checkpoint: str | None,
+                    resume_flag: str) -> tuple[Path | None, list[str]]:
+    """:func:`resume_candidates` as :func:`claim_output_dir` found them for the same request, or read now."""
+    global _claimed
+    claimed, _claimed = _claimed, None
+    if claimed is not None and claimed[0] == (folder, resume_from_checkpoint, resume_flag):
+        return claimed[1]
+    return resume_candidates(folder, resume_from_checkpoint, resume_flag)
+
+
 def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_checkpoint: str | None,
                      resume_flag: str = "--resume_from_checkpoint", config_toml: str = "",
                      resume_must_match: tuple[str, ...] = ()) -> Path:
@@ -130,7 +145,10 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_che
     ``config_toml``'s. Writes nothing."""
     end_unfinished_run("a later run in the same process started")
     take_said_before_the_run()  # what an earlier command of this process said (a --dry_run's plan) is not ours
-    resume, _ = resume_candidates(output_dir, resume_from_checkpoint, resume_flag)
+    global _claimed
+    found = resume_candidates(output_dir, resume_from_checkpoint, resume_flag)
+    _claimed = ((Path(output_dir), resume_from_checkpoint, resume_flag), found)
+    resume = found[0]
     if resume is not None:
         check_resume_settings(resume, config_toml, resume_must_match)
     return check_output_dir(output_dir, overwrite=overwrite, resume=resume, resume_request=resume_from_checkpoint,
@@ -165,7 +183,7 @@ def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report
 
     set_seed(seed)
     folder = Path(output_dir)
-    resume_from, passed_over = resume_candidates(folder, resume_from_checkpoint, resume_flag)
+    resume_from, passed_over = _claimed_resume(folder, resume_from_checkpoint, resume_flag)
     run = Run(folder, accelerator, resume_from, config_toml, report_to,
               Path(tensorboard_dir) if tensorboard_dir is not None else None,
               Path(samples_dir) if samples_dir is not None else None, resume_request=resume_from_checkpoint,

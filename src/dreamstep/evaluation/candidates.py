@@ -69,6 +69,8 @@ def _checkpoint(folder: Path, work_dir: Path) -> Candidate:
     label = f"{folder.parent.name}/{folder.name}"
     if "num_double_layers" in config or "controlnet_weights_dtype" in config:
         return Candidate(label, weights, "controlnet-checkpoint", step, folder.parent)
+    if config.get("lora_type", "lora") != "lora":  # flux-lora's LyCORIS network: its state dict is the file
+        return Candidate(label, weights, "lora", step)
     if "rank" in config:  # flux-lora: peft-named LoRA weights, alpha in the run's config
         converted = flux_checkpoint_as_lora(weights, config, work_dir / f"{label.replace('/', '_')}.safetensors")
         return Candidate(label, converted, "lora", step, source=folder)

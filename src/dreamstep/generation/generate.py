@@ -31,7 +31,7 @@ from dreamstep.config.options import FluxComponentFileOptions
 from dreamstep.data.images import load_rgb
 from dreamstep.errors import UserError
 from dreamstep.evaluation.candidates import lora_file_for
-from dreamstep.generation.loras import LoraSpec, apply_loras, parse_lora_spec
+from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, parse_lora_spec
 from dreamstep.generation.outputs import next_index, save_png
 from dreamstep.generation.pipelines import (
     build_pipeline,
@@ -39,7 +39,6 @@ from dreamstep.generation.pipelines import (
     choose_dtype,
     default_size,
 )
-from dreamstep.lora.convert import read_lora
 from dreamstep.models.flux import FLUX_DEV_SAMPLING
 from dreamstep.models.kontext import edit_size
 
@@ -159,7 +158,7 @@ def generate_images(config: GenerateConfig) -> list[Path]:
     with tempfile.TemporaryDirectory(prefix="dreamstep-lora-") as work_dir:  # LoRAs of flux-lora checkpoints
         files = [dataclasses.replace(spec, path=lora_file_for(spec.path, Path(work_dir), "--lora")) for spec in loras]
         for spec in files:
-            read_lora(spec.path, config.lora_model)
+            check_lora(spec.path, config.lora_model)
         control = _control_image(config)
         output_dir = _output_dir(config)
         device = choose_device(config.device)

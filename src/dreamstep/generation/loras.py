@@ -1,6 +1,7 @@
 """LoRAs for generation: ``--lora FILE[:WEIGHT]`` specs, read in any format dreamstep converts (Kohya,
 diffusers/PEFT, the MindSpore port's ``.ckpt``), loaded into a diffusers pipeline as named adapters with
 their weights, and optionally fused into the base weights (what sd-scripts' ``sdxl_minimal_inference.py`` does).
+LyCORIS files (LoKr, LoHa, DoRA, LoCon) are applied by LyCORIS' own modules, merged or on the forward.
 """
 
 from __future__ import annotations
@@ -11,8 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from dreamstep.errors import UserError
-from dreamstep.lora.convert import load_lora_as_diffusers
-from dreamstep.lora.formats import pipeline_configs
+from dreamstep.lora.convert import load_lora_as_diffusers, read_lora
+from dreamstep.lora.formats import model_keys, pipeline_configs
+from dreamstep.lora.io import read_lora_file
+from dreamstep.lora.lycoris_files import read_lycoris
+from dreamstep.lora.lycoris_network import apply_lycoris, file_names, is_lycoris
+
+_COMPONENTS = ("transformer", "unet", "text_encoder", "text_encoder_2")
+_APPLIED = "_dreamstep_lycoris_modules"  # the pipeline attribute holding LyCORIS modules on the forward
 
 
 @dataclass(frozen=True)
@@ -50,9 +57,39 @@ def adapter_names(specs: list[LoraSpec]) -> list[str]:
     return [f"lora{i}" for i in range(len(specs))]
 
 
+def check_lora(path: Path, model: str) -> None:
+    """Read a LoRA or LyCORIS file as generate and eval will, so a bad one is one line before the model loads."""
+    if is_lycoris(read_lora_file(path).tensors):
+        read_lycoris(path, model)
+    else:
+        read_lora(path, model)
+
+
+def _apply_lycoris(pipe: Any, spec: LoraSpec, model: str, merge: bool) -> None:
+    lora_file = read_lora_file(spec.path)
+    components = {name: getattr(pipe, name) for name in _COMPONENTS if getattr(pipe, name, None) is not None}
+    names = file_names(model_keys(model, pipeline_configs(pipe)), components)
+    modules = apply_lycoris(lora_file.tensors, names, spec.weight, merge, f"--lora {spec.path}")
+    on_forward = [m for m in modules if m.org_module[0].forward == m.forward]  # not merged
+    setattr(pipe, _APPLIED, [*getattr(pipe, _APPLIED, []), *on_forward])
+
+
+def remove_loras(pipe: Any) -> None:
+    """Undo :func:`apply_loras` without merge: diffusers' adapters unloaded, LyCORIS modules off the forward."""
+    for module in reversed(getattr(pipe, _APPLIED, [])):
+        module.restore()
+    setattr(pipe, _APPLIED, [])
+    pipe.unload_lora_weights()
+
+
 def apply_loras(pipe: Any, specs: list[LoraSpec], model: str, merge: bool) -> None:
     """Load every LoRA into ``pipe`` as a named adapter and activate them all with their weights; with
-    ``merge``, fold them into the base weights and drop the adapters (no per-step LoRA cost)."""
+    ``merge``, fold them into the base weights and drop the adapters (no per-step LoRA cost). LyCORIS files
+    go through LyCORIS (:func:`~dreamstep.lora.lycoris_network.apply_lycoris`)."""
+    lycoris = [spec for spec in specs if is_lycoris(read_lora_file(spec.path).tensors)]
+    for spec in lycoris:
+        _apply_lycoris(pipe, spec, model, merge)
+    specs = [spec for spec in specs if spec not in lycoris]
     if not specs:
         return
     configs = pipeline_configs(pipe)

@@ -1,7 +1,6 @@
 """Building the diffusers pipeline that generates: FLUX.1 (``FluxPipeline``, or ``FluxControlNetPipeline``
 with a ControlNet), FLUX.1 Kontext (``FluxKontextPipeline``) or SDXL (``StableDiffusionXLPipeline`` with sd-scripts'
-Euler sampler), from a diffusers
-folder, a hub id or a single file, on the chosen device and precision.
+Euler sampler), from a diffusers folder, a hub id or a single file, on the chosen device and precision.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ from dreamstep.lora.layouts import (
     kohya_state_dict,
     modules_from_file,
 )
+from dreamstep.lora.lycoris_files import READERS, LycorisFile, dora_as_diffusers, read_lycoris
+from dreamstep.lora.lycoris_network import is_lycoris
+from dreamstep.models.full_size import weight_shapes
 from dreamstep.models.precision import dtype_named
 
 # --------------------------------------------------------------------------- one function per direction
@@ -253,11 +256,37 @@ def load_lora_as_diffusers(path: str | Path, model: str, configs: Mapping[str, M
     return diffusers_state_dict(modules), lora.metadata
 
 
+def convert_lycoris(src: Path, dst: Path, to: str, model: str | None, configs: Mapping[str, Mapping] | None,
+                    cast_to: torch.dtype | None) -> Converted | None:
+    """A LyCORIS file: a DoRA (or plain LoRA) into the diffusers/PEFT layout, which peft's DoRA holds; anything
+    else one line, as no layout ``convert`` writes holds LoKr, LoHa or Tucker. None for a file of no LyCORIS."""
+    lora_file = read_lora_file(src)
+    if not is_lycoris(lora_file.tensors):
+        return None
+    lycoris = read_lycoris(src, model, lora_file)
+    converted = None
+    if to == "diffusers" and lycoris.model is not None:
+        keys = model_keys(lycoris.model, configs)
+        converted = dora_as_diffusers(lycoris, keys, weight_shapes(lycoris.model, configs))
+    if converted is None:
+        what = "/".join(lycoris.algorithms) + (" (DoRA)" if any("DoRA" in m.settings for m in lycoris.modules.values())
+                                               else "")
+        raise UserError(f"{src}: a {what} file in LyCORIS' layout, which --to {to} cannot hold (only a DoRA or "
+                        f"plain LoRA goes --to diffusers); {READERS.get(lycoris.model or '', 'ComfyUI and Forge')} "
+                        "read this file as it is")
+    tensors, metadata = converted
+    if cast_to is not None:
+        tensors = {k: v.to(cast_to) for k, v in tensors.items()}
+    write_lora_file(dst, tensors, {**metadata, "dreamstep_converted_from": f"lycoris-{lycoris.model}"},
+                    container_for(dst))
+    return Converted(lycoris, f"diffusers-{lycoris.model}", container_for(dst), len(lycoris.modules), [])
+
+
 @dataclass
 class Converted:
     """What :func:`convert_lora` did."""
 
-    source: Lora
+    source: Lora | LycorisFile
     target_format: str
     container: str
     modules: int
@@ -281,6 +310,9 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
     container = "mindspore" if to == "mindspore" else container_for(dst)
     if to == "mindspore" and dst.suffix.lower() != ".ckpt":
         raise UserError(f"{dst}: a MindSpore checkpoint must end in .ckpt")
+    lycoris = convert_lycoris(src, dst, to, model, configs, cast_to)
+    if lycoris is not None:
+        return lycoris
     lora = read_lora(src, model)
     keys = _keys_for(lora, configs)
     if to == "mindspore" and keys.model != "sdxl":

@@ -13,6 +13,9 @@ from dreamstep.errors import UserError
 from dreamstep.lora import formats
 from dreamstep.lora.convert import Lora, read_lora, to_diffusers
 from dreamstep.lora.formats import folder_configs, model_keys
+from dreamstep.lora.io import LoraFile, read_lora_file
+from dreamstep.lora.lycoris_files import fit_problem, read_lycoris, report_lines
+from dreamstep.lora.lycoris_network import is_lycoris
 from dreamstep.models.full_size import RELEASED_NAMES, lora_shape_problem, weight_shapes
 
 LAYOUT_NAMES = {
@@ -74,8 +77,27 @@ def _fit(lora: Lora, base: str | None) -> str:
     return f"yes, every module exists with its shape in {target}"
 
 
+def _describe_lycoris(lora_file: LoraFile, model: str | None, base: str | None) -> str:
+    lycoris = read_lycoris(lora_file.path, model, lora_file)
+    fits = None
+    if lycoris.model is not None:
+        configs = folder_configs(base) if base else None
+        keys = model_keys(lycoris.model, configs)
+        target = f"the {keys.description}" + (f" of {base}" if base else f" ({RELEASED_NAMES[lycoris.model]})")
+        problem = fit_problem(lycoris, keys, weight_shapes(lycoris.model, configs))
+        fits = f"yes, every module exists with its shape in {target}" if problem is None else (
+            f"NO: {problem} in {target}{'' if base else '; give the model folder with --base'}")
+    lines = [f"file:      {lycoris.path} ({lycoris.path.stat().st_size:,} bytes, {lycoris.container})",
+             *report_lines(lycoris, fits),
+             f"metadata:  {len(lycoris.metadata)} keys" + (":" if lycoris.metadata else "")]
+    return "\n".join(lines + _metadata_lines(lycoris.metadata))
+
+
 def describe(path: str, model: str | None = None, base: str | None = None) -> str:
     """The ``lora info`` report for one file."""
+    lora_file = read_lora_file(path)
+    if is_lycoris(lora_file.tensors):
+        return _describe_lycoris(lora_file, model, base)
     lora = read_lora(path, model)
     size = lora.path.stat().st_size
     tensors = [t for m in lora.modules.values() for t in (m.down, m.up)]

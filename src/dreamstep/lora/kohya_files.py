@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dreamstep.config.lycoris import LycorisOptions
 from dreamstep.config.sdxl_lora import NETWORK_MODULE
 from dreamstep.lora.kohya_network import NetworkOptions
 
@@ -44,10 +45,11 @@ def training_metadata(flags: Mapping[str, Any], *, base_model: str, steps_per_ep
             **{key: str(flags[flag]) for key, flag in SS_FLAG_KEYS.items()}}
 
 
-def network_metadata(options: NetworkOptions, network_args: Mapping[str, Any]) -> dict[str, str]:
-    """The ``ss_network_*`` header entries."""
+def network_metadata(options: NetworkOptions | LycorisOptions, network_args: Mapping[str, Any],
+                     module: str = NETWORK_MODULE) -> dict[str, str]:
+    """The ``ss_network_*`` header entries (``module``: --network_module)."""
     return {
-        "ss_network_module": NETWORK_MODULE,
+        "ss_network_module": module,
         "ss_network_dim": str(options.dim),
         "ss_network_alpha": str(options.alpha),
         "ss_network_dropout": str(options.dropout),

@@ -215,6 +215,8 @@ def load_frozen_for_training(source: str | None, *, revision: str | None, varian
     components = load_encoders_for_training(source, revision=revision, variant=variant,
                                             mixed_precision=mixed_precision, device=device,
                                             text_encoder_quantization=text_encoder_quantization, files=files)
+    for name in ENCODERS:
+        parking.place(getattr(components, name), device)
     load_transformer_for_training(components, source, revision=revision, variant=variant,
                                   transformer_single_file=transformer_single_file, mixed_precision=mixed_precision,
                                   device=device, base_quantization=base_quantization, on_host=transformer_on_host)
@@ -224,16 +226,18 @@ def load_frozen_for_training(source: str | None, *, revision: str | None, varian
 def load_encoders_for_training(source: str | None, *, revision: str | None, variant: str | None,
                                mixed_precision: str, device: torch.device, text_encoder_quantization: str = "none",
                                files: FluxFiles | None = None) -> Any:
-    """The "encode" phase's components (:mod:`~dreamstep.models.phases`): the text encoders and the VAE frozen in
-    the half-precision dtype of ``mixed_precision`` (fp32 for "no"), T5 quantized as asked, on ``device``; the
-    transformer is not loaded (``components.transformer`` is ``None``). ``files``: component files replacing the
-    folder's parts (its transformer file is read only to tell dev from schnell)."""
+    """The "encode" phases' components (:mod:`~dreamstep.models.phases`): the text encoders and the VAE frozen in
+    the half-precision dtype of ``mixed_precision`` (fp32 for "no"), T5 quantized as asked, waiting in host memory
+    (:func:`~dreamstep.models.parking.encode_run` brings each to ``device`` in its turn); the transformer is not
+    loaded (``components.transformer`` is ``None``). ``files``: component files replacing the folder's parts (its
+    transformer file is read only to tell dev from schnell)."""
     components = load_flux(source, revision=revision, variant=variant, weight_dtype=weight_dtype_for(mixed_precision),
                            quantize={"text_encoder_2": text_encoder_quantization}, transformer=False, files=files)
     for name in ENCODERS:
         module = getattr(components, name)
         freeze(module)
-        module.to(device).eval()
+        parking.place(module, parking.PARKING_DEVICE)
+        module.eval()
     return components
 
 
@@ -243,13 +247,13 @@ def load_transformer_for_training(components: Any, source: str | None, *, revisi
                                   base_quantization: str = "none", on_host: bool = False) -> torch.nn.Module:
     """The "load" phase: the transformer frozen in the dtype of ``mixed_precision``, its linear weights quantized as
     asked (:mod:`~dreamstep.models.quantization`), on ``device`` (``on_host``: left in host memory for a
-    :class:`~dreamstep.models.blocks.BlockSwapper` to place part by part; diffusers' bitsandbytes loader puts a
-    4-bit transformer on the GPU anyway), set as ``components.transformer``. Trainable adapters are added (in
+    :class:`~dreamstep.models.blocks.BlockSwapper` to place part by part, a 4-bit one quantized there too), set as
+    ``components.transformer``. Trainable adapters are added (in
     fp32) by the caller."""
     transformer = load_flux_transformer(source, revision=revision, variant=variant,
                                         transformer_single_file=transformer_single_file,
                                         weight_dtype=weight_dtype_for(mixed_precision),
-                                        base_quantization=base_quantization)
+                                        base_quantization=base_quantization, on_host=on_host)
     freeze(transformer)
     if not on_host:
         transformer.to(device)
@@ -276,7 +280,7 @@ def transformer_config(config: Any) -> dict[str, Any]:
 
 
 def attach_transformer(pipeline: FluxPipeline, components: Any) -> None:
-    """Put the transformer loaded after the encode phase into the pipeline assembled before it."""
+    """Put the transformer loaded after the "encode" phases into the pipeline assembled before it."""
     pipeline.register_modules(transformer=components.transformer)
 
 
@@ -328,7 +332,7 @@ def park_encoders(components: Any, device: torch.device, *, text_encoder_trains:
 
 
 def prompt_embeddings(conditioner: FluxConditioner, prompts: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """The embeddings of each distinct prompt (validation prompts, encoded in the "encode" phase)."""
+    """The embeddings of each distinct prompt (validation prompts, encoded in the "encode text" phase)."""
     return {prompt: conditioner.prompts([prompt]) for prompt in dict.fromkeys(prompts)}
 
 

@@ -246,12 +246,14 @@ def _from_pretrained(pipeline_class: type, source: str, **kwargs: Any) -> Any:
 
 def load_flux_transformer(pretrained_model_name_or_path: str | Path | None, *, revision: str | None = None,
                           variant: str | None = None, transformer_single_file: str | Path | None = None,
-                          weight_dtype: torch.dtype = torch.float32,
-                          base_quantization: str = "none") -> torch.nn.Module:
+                          weight_dtype: torch.dtype = torch.float32, base_quantization: str = "none",
+                          on_host: bool = False) -> torch.nn.Module:
     """The FLUX.1 transformer alone, in ``weight_dtype`` with its linear weights quantized as ``base_quantization``
     says, from the pipeline folder (or hub id) or ``transformer_single_file`` configured by it (``None``: by the
-    published configs). A file stored in fp8 loads as the fp8 base (``base_quantization`` "fp8") unless another
-    mode is asked for: its weights are never held in a wider dtype on the device."""
+    published configs). It loads into host memory, except a 4-bit base from a folder without ``on_host``, which
+    diffusers' bitsandbytes loader quantizes on the GPU (see :func:`host_placement`). A file stored in fp8 loads as
+    the fp8 base (``base_quantization`` "fp8") unless another mode is asked for: its weights are never held in a
+    wider dtype on the device."""
     source = (_folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
               if pretrained_model_name_or_path is not None else None)
     if transformer_single_file is not None:
@@ -265,7 +267,7 @@ def load_flux_transformer(pretrained_model_name_or_path: str | Path | None, *, r
             transformer = FluxTransformer2DModel.from_pretrained(
                 source, subfolder="transformer", revision=revision, variant=variant,
                 quantization_config=quantization.diffusers_config(base_quantization, weight_dtype),
-                **{_DTYPE_KWARG: weight_dtype})
+                **{_DTYPE_KWARG: weight_dtype}, **host_placement(base_quantization, on_host))
         except _LOAD_ERRORS as e:
             raise _load_error(source, e) from e
     quantization.keep_only_quantized_weights(transformer)
@@ -297,6 +299,14 @@ def _transformer_from_file(file: Path, header: Any, configs: str, weight_dtype: 
     if file.suffix != ".gguf":
         quantization.quantize_single_file_model(transformer, base_quantization, weight_dtype)
     return transformer
+
+
+def host_placement(mode: str, on_host: bool) -> dict[str, Any]:
+    """``from_pretrained``'s placement of a base quantized as ``mode``: diffusers' bitsandbytes loader quantizes each
+    weight where it places it, the GPU by default, so a base that must wait in host memory (``on_host``: for a block
+    swapper, which then moves only its resident part) is placed there; bitsandbytes quantizes on the CPU (0.48 on).
+    Other bases load into host memory anyway."""
+    return {"device_map": "cpu"} if mode == "nf4" and on_host else {}
 
 
 def _check_checkpoint_file(path: str | Path, what: str) -> Path:
@@ -376,13 +386,15 @@ def load_sdxl(path_or_id_or_single_file: str | Path, *, revision: str | None = N
 
 
 def load_sdxl_unet(path_or_id: str | Path, *, revision: str | None = None, variant: str | None = None,
-                   weight_dtype: torch.dtype = torch.float32, unet_quantization: str = "none") -> torch.nn.Module:
+                   weight_dtype: torch.dtype = torch.float32, unet_quantization: str = "none",
+                   on_host: bool = False) -> torch.nn.Module:
     """The UNet alone of an SDXL diffusers folder or hub id, in ``weight_dtype``, its linear weights quantized
-    as ``unet_quantization`` says."""
+    as ``unet_quantization`` says; in host memory, or with an unswapped 4-bit base on the GPU
+    (:func:`host_placement`)."""
     name = _folder_or_hub_id(path_or_id, SDXLComponents, "StableDiffusionXLPipeline")
     return _from_pretrained(UNet2DConditionModel, name, subfolder="unet", revision=revision, variant=variant,
                             quantization_config=quantization.diffusers_config(unet_quantization, weight_dtype),
-                            **{_DTYPE_KWARG: weight_dtype})
+                            **{_DTYPE_KWARG: weight_dtype}, **host_placement(unet_quantization, on_host))
 
 
 def component_identity(source: str | Path, subfolder: str, *, revision: str | None = None,

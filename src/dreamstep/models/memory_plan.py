@@ -1,5 +1,5 @@
-"""The memory plan: the peak device and host memory of each phase of a training run (encode, load, train,
-validate: :mod:`dreamstep.models.phases`), estimated before any weight loads.
+"""The memory plan: the peak device and host memory of each phase of a training run (encode images, encode text,
+load, train, validate: :mod:`dreamstep.models.phases`), estimated before any weight loads.
 
 Weights: each component is built on the meta device from its config (the model folder's, or the published
 FLUX.1-dev / SDXL configs), so parameters are counted exactly without memory; linear weights are priced
@@ -136,7 +136,7 @@ class _MetaAutocast:
         compute = self.dtype or weight.dtype
         # The dequantized weight and the steps to it: fresh tensors, alive while the matmul runs.
         dequantized = torch.empty(weight.shape, dtype=compute, device=weight.device)
-        steps = torch.empty(weight.numel() * (dequantizing_bytes - dequantized.itemsize), dtype=torch.uint8,
+        steps = torch.empty(weight.numel() * max(0, dequantizing_bytes - dequantized.itemsize), dtype=torch.uint8,
                             device=weight.device)
         y = linear(x.to(compute), dequantized)
         del dequantized, steps
@@ -396,11 +396,17 @@ def fits(plan: MemoryPlan, device_memory: int) -> bool:
     return plan.total <= device_memory * (1 - HEADROOM_FRACTION)
 
 
+# The resolutions tried, downwards, when no memory option alone brings a run under the card (a multiple of 64, which
+# every trainer's bucketing takes).
+RESOLUTION_STEP = 64
+
+
 def options_that_fit(estimate: Callable[[PlanOptions], MemoryPlan], options: PlanOptions, device_memory: int,
                      *, max_blocks: int, cuda: bool, has_t5: bool = False) -> list[tuple[str, MemoryPlan]]:
     """Changes of the memory options that bring the estimate under the card's usable memory, in the order
     that costs least speed and quality: each single change that fits; if none does, the changes together,
-    then with the fewest swapped blocks that fit. ``[]`` when nothing fits."""
+    then with the fewest swapped blocks that fit, then with every block but one swapped at the highest resolution
+    that fits. ``[]`` when nothing fits."""
     steps: list[tuple[str, dict[str, Any]]] = []
     if options.encoders_on_device:
         steps.append(("encoders off the device (cached latents and text)", {"encoders_on_device": False}))
@@ -422,6 +428,11 @@ def options_that_fit(estimate: Callable[[PlanOptions], MemoryPlan], options: Pla
         plan = estimate(replace(together, blocks_to_swap=blocks))
         if fits(plan, device_memory):
             return [(" + ".join(names + ([f"--blocks_to_swap {blocks}"] if blocks else [])), plan)]
+    swapped = replace(together, blocks_to_swap=max_blocks)
+    for resolution in range(options.resolution - RESOLUTION_STEP, 0, -RESOLUTION_STEP):
+        plan = estimate(replace(swapped, resolution=resolution))
+        if fits(plan, device_memory):
+            return [(" + ".join(names + [f"--blocks_to_swap {max_blocks}", f"--resolution {resolution}"]), plan)]
     return []
 
 

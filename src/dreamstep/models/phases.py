@@ -1,14 +1,17 @@
 """The phases of a training run and which components are on the device in each, in sd-scripts' order:
 
-1. ``encode``: the text encoders and the VAE encode every caption, class prompt, validation (sample) prompt and
-   cached latent while the transformer / UNet is not on the device: not loaded yet, or, for an SDXL single-file
-   checkpoint (read whole), waiting in host memory.
-2. ``load``: the encoders wait in host memory (or are dropped) and the transformer / UNet loads. diffusers'
-   bitsandbytes loader puts a 4-bit base on the device whole (an SDXL single file's already while it encodes);
-   other bases load into host memory first.
-3. ``train``: the base, and only the encoders the loop itself needs (a text encoder that trains, the VAE for
+1. ``encode images``: the VAE encodes every cached latent (training and held-out images) while the text
+   encoders wait in host memory;
+2. ``encode text``: the text encoders encode every caption, class prompt and validation (sample) prompt while the
+   VAE waits in host memory. T5-XXL and the VAE's pass at full resolution are never on the device together. In
+   both, the transformer / UNet is not on the device: not loaded yet, or, for an SDXL single-file checkpoint
+   (read whole), waiting in host memory.
+3. ``load``: the encoders wait in host memory (or are dropped) and the transformer / UNet loads into host memory
+   and moves, or, for a 4-bit base that is not swapped, straight onto the device (diffusers' bitsandbytes loader
+   quantizes where it loads; a swapped 4-bit base is quantized in host memory, and the swapper places its parts).
+4. ``train``: the base, and only the encoders the loop itself needs (a text encoder that trains, the VAE for
    latents that are not cached).
-4. ``validate``: what trains, plus the VAE when validation makes images (their prompts' embeddings were
+5. ``validate``: what trains, plus the VAE when validation makes images (their prompts' embeddings were
    encoded in phase 1); the validation loss brings nothing back.
 
 The trainers place their modules by :func:`resident_components`, and the memory plan prices each phase by it.
@@ -16,8 +19,9 @@ The trainers place their modules by :func:`resident_components`, and the memory 
 
 from __future__ import annotations
 
-PHASES = ("encode", "load", "train", "validate")
-ENCODERS = ("text_encoder", "text_encoder_2", "vae")
+PHASES = ("encode images", "encode text", "load", "train", "validate")
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+ENCODERS = (*TEXT_ENCODERS, "vae")
 
 
 def base_name(family: str) -> str:
@@ -36,8 +40,10 @@ def resident_components(family: str, phase: str, *, in_the_loop: tuple[str, ...]
     """The components on the device in ``phase`` (pipeline names: transformer / unet, text_encoder,
     text_encoder_2, vae); ``in_the_loop`` from :func:`loop_encoders`."""
     base = base_name(family)
-    if phase == "encode":
-        return ENCODERS
+    if phase == "encode images":
+        return ("vae",)
+    if phase == "encode text":
+        return TEXT_ENCODERS
     if phase == "load":
         return (base,) if base_loads_on_device else ()
     resident = [base, *in_the_loop]

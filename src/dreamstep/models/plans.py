@@ -19,6 +19,7 @@ from dreamstep.models import memory_plan as mp
 from dreamstep.models import published_configs as published
 from dreamstep.models.memory_plan import Line, MemoryPlan, Phase, PlanOptions
 from dreamstep.models.phases import PHASES, loop_encoders, resident_components
+from dreamstep.models.vae import encode_posterior
 
 
 def _with_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
@@ -128,8 +129,10 @@ def _vae_pass(vae: nn.Module, resolution: int, decode: bool) -> Callable[[], Non
         if decode:
             vae.decode(torch.empty(1, vae.config.latent_channels, resolution // factor, resolution // factor,
                                    dtype=vae.dtype))
-        else:
-            vae.encode(torch.empty(1, vae.config.in_channels, resolution, resolution, dtype=vae.dtype))
+        else:  # as the trainer encodes a batch's image: a copy of its row of the batch's fp32 pixels, cast to the
+            # VAE's dtype; the posterior's fp32 mean and std
+            pixels = torch.empty(1, vae.config.in_channels, resolution, resolution)
+            encode_posterior(vae, pixels[[0]])
 
     return run
 
@@ -264,20 +267,21 @@ class Estimator:
                                     vae_in_the_loop=options.encoders_on_device)
         resident = resident_components(self.family, phase, in_the_loop=in_the_loop,
                                        validation_images=options.validation_images,
-                                       base_loads_on_device=options.base_quantization == "nf4")
+                                       base_loads_on_device=options.base_quantization == "nf4"
+                                       and not options.blocks_to_swap)
         half = None if options.weight_dtype == torch.float32 else options.weight_dtype
         encoders = [name for name in self.components if name != self.base_name]
         device = [self._weights(name, options) for name in encoders if name in resident]
         host = [self._weights(name, options) for name in encoders if name not in resident]
         resolution, tokens = options.resolution, options.max_sequence_length
-        if phase == "encode":
+        if phase.startswith("encode"):
             passes = {f"encoding with {LABELS[self.family][n]}": self.encoder_pass(n, resolution, tokens)
-                      for n in encoders}
+                      for n in encoders if n in resident}
             name, peak = max(passes.items(), key=lambda item: item[1])
-            return Phase(phase, resident, device + [Line(f"the largest pass: {name}", 0, "", peak)], [])
+            return Phase(phase, resident, device + [Line(f"the largest pass: {name}", 0, "", peak)], host)
         if phase == "load":
-            # Without quantization, or with torchao's, the base loads into host memory and then moves; diffusers'
-            # bitsandbytes loader puts a 4-bit base on the device whole.
+            # The base loads into host memory and then moves, except a 4-bit base that is not swapped: diffusers'
+            # bitsandbytes loader quantizes it on the device.
             whole = self._weights(self.base_name, options)
             return (Phase(phase, resident, [whole], host) if self.base_name in resident else
                     Phase(phase, resident, [], host + [whole]))

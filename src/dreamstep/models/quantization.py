@@ -126,18 +126,16 @@ def quantize_single_file_model(model: nn.Module, mode: str, compute_dtype: torch
     unapplied and keeps weights stored in fp8 in fp8. Every fp8 weight becomes ``compute_dtype`` and each linear
     is quantized as ``mode`` says, one linear at a time, so that beside the quantized layers at most one layer is
     ever held in ``compute_dtype`` (a file's fp8 weights never exist as a whole bf16 model)."""
-    if mode in ("int8", "fp8"):
-        from torchao.quantization import quantize_
+    from torchao.quantization import quantize_
 
-        config = torchao_weight_config(mode)
+    if mode not in ("none", "int8", "fp8"):
+        raise ValueError(f"a single-file model cannot be quantized as {mode!r}")
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if param.dtype.itemsize == 1 and param.is_floating_point():
                 setattr(module, name, nn.Parameter(param.data.to(compute_dtype), requires_grad=False))
-        if mode in ("int8", "fp8") and type(module) is nn.Linear:
-            quantize_(module, config)
-    if mode == "nf4":
-        quantize_built_model(model, mode)
+        if mode != "none" and type(module) is nn.Linear:
+            quantize_(module, torchao_weight_config(mode))
 
 
 class FrozenWeightLinear(torch.autograd.Function):

@@ -73,9 +73,10 @@ def config_source(source: str, model_config: str | None) -> str:
 
 def load_encoders_for_training(source: str, *, model_config: str | None, mixed_precision: str,
                                device: torch.device, vae_fp32: bool = False, unet_quantization: str = "none") -> Any:
-    """The "encode" phase's components (:mod:`~dreamstep.models.phases`): both CLIP text encoders and the VAE
+    """The "encode" phases' components (:mod:`~dreamstep.models.phases`): both CLIP text encoders and the VAE
     frozen in the half-precision dtype of ``mixed_precision`` (the VAE in fp32 with ``vae_fp32``: SDXL's VAE
-    overflows in fp16), on ``device``. A diffusers folder or hub id leaves the UNet unloaded (``base.unet`` is
+    overflows in fp16), waiting in host memory (:func:`~dreamstep.models.parking.encode_run` brings each to
+    ``device`` in its turn). A diffusers folder or hub id leaves the UNet unloaded (``base.unet`` is
     ``None``); a single file holds it too, and it waits in host memory, frozen and quantized as
     ``unet_quantization`` says (:mod:`~dreamstep.models.quantization`), for :func:`load_unet_for_training`. A single
     file finds its configs in ``model_config``, or in its own folder when that holds ``model_index.json``, else
@@ -86,7 +87,8 @@ def load_encoders_for_training(source: str, *, model_config: str | None, mixed_p
     for name in ENCODERS:
         module = getattr(base, name)
         freeze(module)
-        module.to(device).eval()
+        parking.place(module, parking.PARKING_DEVICE)
+        module.eval()
     if vae_fp32:
         base.vae.to(torch.float32)
     if base.unet is not None:
@@ -100,11 +102,11 @@ def load_unet_for_training(base: Any, source: str, *, mixed_precision: str, devi
                            on_host: bool = False) -> torch.nn.Module:
     """The "load" phase: the UNet frozen in the dtype of ``mixed_precision``, its linear weights quantized as
     ``unet_quantization`` says, on ``device`` (``on_host``: left in host memory for a block swapper to place),
-    set as ``base.unet``. A single file's UNet, read in the "encode" phase, comes from host memory."""
+    set as ``base.unet``. A single file's UNet, read in the "encode" phases, comes from host memory."""
     unet = base.unet
     if unet is None:
         unet = load_sdxl_unet(source, weight_dtype=weight_dtype_for(mixed_precision),
-                              unet_quantization=unet_quantization)
+                              unet_quantization=unet_quantization, on_host=on_host)
         freeze(unet)
     parking.move(unet, torch.device("cpu") if on_host else device)
     if sdpa:
@@ -118,7 +120,7 @@ def load_unet_for_training(base: Any, source: str, *, mixed_precision: str, devi
 
 
 def attach_unet(pipeline: StableDiffusionXLPipeline, base: Any) -> None:
-    """Put the UNet loaded after the "encode" phase into the pipeline assembled before it."""
+    """Put the UNet loaded after the "encode" phases into the pipeline assembled before it."""
     pipeline.register_modules(unet=base.unet)
     pipeline.default_sample_size = base.unet.config.sample_size  # the pipeline reads it from its UNet when built
 
@@ -313,7 +315,7 @@ def prompt_key(sample: SamplePrompt) -> tuple[str, str]:
 def sample_prompt_embeddings(pipeline: StableDiffusionXLPipeline, prompts: list[SamplePrompt]
                              ) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
     """What the pipeline encodes for each distinct sample prompt and negative prompt (for classifier-free
-    guidance; no negative prompt gives SDXL's zeros), in host memory: the "encode" phase makes them, so that
+    guidance; no negative prompt gives SDXL's zeros), in host memory: the "encode text" phase makes them, so that
     samples need no text encoder. Keys: :func:`prompt_key`; values: the pipeline's embedding arguments."""
     found = {}
     for sample in prompts:

@@ -6,7 +6,9 @@ captions, fine-tuning metadata, regularization subsets, buckets) or from Kohya's
 with ``<repeats>_<class tokens>`` folders, ``--reg_data_dir``, ``--in_json``); the ``networks.lora`` network on the
 UNet and both text encoders with sd-scripts' key names (``--network_dim``, ``--network_alpha``,
 ``--network_dropout``, ``--network_args conv_dim= conv_alpha= rank_dropout= module_dropout=``,
-``--network_train_unet_only``, ``--network_train_text_encoder_only``, ``--network_weights``); ε- or v-prediction
+``--network_train_unet_only``, ``--network_train_text_encoder_only``, ``--network_weights``), or LyCORIS'
+``lycoris.kohya`` (``--network_args algo=lokr|loha|locon|lora factor= preset= dora_wd= ...``: LoKr, LoHa, LoCon,
+DoRA) with the same names; ε- or v-prediction
 (``--v_parameterization``) with ``--min_snr_gamma``, ``--noise_offset`` + ``--adaptive_noise_scale``, multires
 noise, ``--ip_noise_gamma``, ``--prior_loss_weight``, ``--loss_type`` (Huber schedules),
 ``--debiased_estimation_loss``; precision ``--mixed_precision``, ``--full_fp16``, ``--full_bf16``,
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dreamstep.config.lycoris import LYCORIS_MODULE, LycorisOptions, lycoris_from_network_args
 from dreamstep.config.schema import config_to_toml
 from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data import (
@@ -64,6 +67,7 @@ from dreamstep.lora.kohya_network import (
     NetworkOptions,
     create_network,
 )
+from dreamstep.lora.lycoris_network import LycorisNetwork, create_sdxl_network
 from dreamstep.models import parking, sdxl
 from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.memory_plan import PlanOptions
@@ -91,11 +95,13 @@ def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
                                      batch_size=config.train_batch_size)]
 
 
-def build_network(config: SDXLLoraConfig, base: Any, options: NetworkOptions) -> LoRANetwork:
-    """The Kohya network, its trainable dtype set (fp32, or half with --full_fp16/--full_bf16)."""
-    network = create_network(base.unet, {"text_encoder": base.text_encoder, "text_encoder_2": base.text_encoder_2},
-                             options, train_unet=not config.network_train_text_encoder_only,
-                             train_text_encoder=not config.network_train_unet_only)
+def build_network(config: SDXLLoraConfig, base: Any,
+                  options: NetworkOptions | LycorisOptions) -> LoRANetwork | LycorisNetwork:
+    """The Kohya or LyCORIS network, its trainable dtype set (fp32, or half with --full_fp16/--full_bf16)."""
+    create = create_sdxl_network if isinstance(options, LycorisOptions) else create_network
+    network = create(base.unet, {"text_encoder": base.text_encoder, "text_encoder_2": base.text_encoder_2},
+                     options, train_unet=not config.network_train_text_encoder_only,
+                     train_text_encoder=not config.network_train_unet_only)
     if config.network_weights is not None:
         network.load_weights(config.network_weights)
     half = config.full_fp16 or config.full_bf16
@@ -188,8 +194,9 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
     check_optimization(config.optimizer_type, config.learning_rate, lr_scheduler=config.lr_scheduler,
                        num_cycles=config.lr_scheduler_num_cycles, power=config.lr_scheduler_power,
                        optimizer_flag="--optimizer_type", extra=optimizer_args, family="sd-scripts")
-    options, network_args = NetworkOptions.from_flags(config.network_dim, config.network_alpha,
-                                                      config.network_dropout, config.network_args)
+    from_flags = lycoris_from_network_args if config.network_module == LYCORIS_MODULE else NetworkOptions.from_flags
+    options, network_args = from_flags(config.network_dim, config.network_alpha, config.network_dropout,
+                                       config.network_args)
     prompts = (sdxl.read_sample_prompts(config.sample_prompts, datasets[0].buckets.resolution)
                if config.sample_prompts else None)
     train_text = not config.network_train_unet_only
@@ -287,7 +294,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
     folder = Path(config.output_dir)
     metadata = {**training_metadata(dataclasses.asdict(config), base_model=config.pretrained_model_name_or_path,
                                     steps_per_epoch=plan.steps_per_epoch),
-                **network_metadata(options, network_args),
+                **network_metadata(options, network_args, config.network_module),
                 **dataset_metadata(dataset.records, datasets[0].batch_size, datasets[0].buckets.resolution)}
     save_dtype = dtype_named(config.save_precision, "--save_precision") if config.save_precision else None
     writer = KohyaLoraWriter(network, folder, config.output_name, config.save_model_as, config.save_every_n_epochs,
