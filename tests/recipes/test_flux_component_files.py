@@ -4,12 +4,13 @@ flags that cannot apply refused in one line."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, run_cli
+from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, run_cli, write_control_pairs
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
@@ -82,3 +83,17 @@ def test_wrong_files_are_named_before_anything_loads(command: str, tiny_flux_dev
     assert capsys.readouterr().err == (f"error: --ae {tiny_flux_files['clip_l']} is a CLIP text encoder of width 32, "
                                        "not the FLUX.1 autoencoder (ae.safetensors); give that file\n")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("recipe", ["flux-controlnet", "flux-kontext-lora"])
+def test_every_flux_trainer_plans_from_the_files(recipe: str, tiny_flux_kontext_dir: Path,
+                                                 tiny_flux_files: dict[str, Path], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    images, controls = write_control_pairs(tmp_path / "pairs")
+    data = {"flux-controlnet": ("--train_data_dir", images, "--conditioning_data_dir", controls,
+                                "--num_double_layers", "1", "--num_single_layers", "1"),
+            "flux-kontext-lora": ("--instance_data_dir", images, "--conditioning_data_dir", controls)}[recipe]
+    assert run_cli("train", recipe, *_file_flags(tiny_flux_files, "fp8_"), "--model_config", tiny_flux_kontext_dir,
+                   *data, "--resolution", "32", "--output_dir", tmp_path / "out", "--dry_run") == 0
+    # The plan is of the fp8 base the transformer file is.
+    assert re.search(r"transformer \(frozen\) +\S+ +fp8 ", capsys.readouterr().out)
