@@ -20,7 +20,12 @@ from dreamstep.notices import hide_known_notices
 
 hide_known_notices()
 
-from dreamstep.models.tiny import SINGLE_FILE_NAME, write_tiny_model  # noqa: E402  (after the notices are hidden)
+from dreamstep.models.tiny import (  # noqa: E402  (after the notices are hidden)
+    SINGLE_FILE_NAME,
+    build_tiny_flux,
+    write_flux_component_files,
+    write_tiny_model,
+)
 
 # Two cores on the CI machine, shared by two pytest-xdist workers: one thread each avoids oversubscription
 # (tiny models gain nothing from intra-op threads). A fixed count also keeps float results reproducible.
@@ -49,6 +54,22 @@ def tiny_flux_dev_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny guidance-distilled FLUX.1 pipeline folder (like FLUX.1-dev)."""
     return write_tiny_model("flux", tmp_path_factory.mktemp("tiny") / "flux-dev", seed=0,
                             guidance_embeds=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``tiny_flux_dev_dir``'s weights as the component files ComfyUI / sd-scripts users have, by sd-scripts' flag
+    names ("transformer", "clip_l", "t5xxl", "ae"), stored as the downloads are (BFL-layout transformer and ae in
+    bf16, clip_l and T5 in fp16), in a folder of their own (no configs beside them); ``fp8_transformer`` and
+    ``fp8_t5xxl``: fp8 copies; ``fp32_<part>``: the folder's exact weights."""
+    folder = tmp_path_factory.mktemp("flux-files")
+    pipe = build_tiny_flux(seed=0, guidance_embeds=True)
+    files = write_flux_component_files(pipe, folder)
+    for kind, dtype in (("fp8", torch.float8_e4m3fn), ("fp32", torch.float32)):
+        (folder / kind).mkdir()
+        written = write_flux_component_files(pipe, folder / kind, dict.fromkeys(files, dtype))
+        files |= {f"{kind}_{part}": path for part, path in written.items()}
+    return files
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,8 @@ KNOWN_NOTICES: dict[str, tuple[str, ...]] = {
     "diffusers.loaders.lora_base": ("No LoRA keys associated to",),
     # Offline (HF_HUB_OFFLINE), a hub id is read from the local cache; when it is not there, our error says so.
     "diffusers.pipelines.pipeline_utils": ("offline mode is enabled",),
+    # from_single_file casts a loaded model to its dtype and warns even when no module is to stay fp32 ("[]").
+    "diffusers.models.modeling_utils": ("that should be kept in float32: []",),
     "diffusers.loaders.single_file": ("`local_files_only` is True but no local configs were found",),
 }
 # The same, for notices given as Python warnings (diffusers' own modules use a deprecated import path).

@@ -123,8 +123,8 @@ def test_cli_writes_a_loadable_folder_and_refuses_to_overwrite(
 
 
 def test_options_that_do_not_apply_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="--single-file applies to sdxl only"):
-        write_tiny_model("flux", tmp_path / "a", single_file=True)
+    with pytest.raises(UserError, match="--single-file applies to flux and sdxl"):
+        write_tiny_model("flux-kontext", tmp_path / "a", single_file=True)
     with pytest.raises(UserError, match="--guidance-embeds applies to flux only"):
         write_tiny_model("sdxl", tmp_path / "b", guidance_embeds=True)
     with pytest.raises(UserError, match="unknown architecture 'sd3'"):

@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from dreamstep.config.evaluation import CONTROL_METRICS, FIDELITY_METRICS
+from dreamstep.config.options import FluxComponentFileOptions
 from dreamstep.config.schema import add_arguments, build_config, load_toml, option
 from dreamstep.data.images import list_images, load_rgb
 from dreamstep.engine.logging import save_image_grid
@@ -43,12 +44,13 @@ from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, remove
 from dreamstep.generation.pipelines import build_pipeline, choose_device, choose_dtype, load_flux_controlnet
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
+from dreamstep.models.flux_files import resolve_base
 
 BASELINE = "base model"
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(FluxComponentFileOptions):
     model: str = option(help="the base model the LoRAs or ControlNets were trained on (folder, hub id or file)")
     weights: list[str] = option(help="LoRA files, checkpoint-N folders, ControlNet folders or run folders")
     output_dir: str = option(help="where scores.csv, scores.json, the plots and the samples are written")
@@ -67,7 +69,8 @@ class EvalConfig:
     steps: int | None = option(None, "sampling steps (default: FLUX 28, SDXL 30)")
     guidance_scale: float | None = option(None, "guidance (default: FLUX 3.5, SDXL 7)")
     resolution: int | None = option(None, "image side in pixels (default: the model's native size)")
-    model_config: str | None = option(None, "for a single-file --model: the folder or hub id with its configs")
+    model_config: str | None = option(None, "for a single-file --model: the folder or hub id with its configs (and "
+                                            "the FLUX parts not given by --clip_l, --t5xxl, --ae)")
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = option("auto", "precision; auto: fp32 on CPU, bf16/fp16 on GPU")
     device: str | None = option(None, "cpu, cuda, cuda:N or mps (default: the best available)")
     dino_model: str = option(DEFAULT_DINO_MODEL, "DINO model id or folder (ViT-S/16, as in the DreamBooth paper)")
@@ -134,7 +137,7 @@ class Generator:
         self.device = choose_device(config.device)
         self.dtype = choose_dtype(config.dtype, self.device)
         self.pipe = build_pipeline(model_type, config.model, model_config=config.model_config, dtype=self.dtype,
-                                   device=self.device)
+                                   component_files=config.component_files(), device=self.device)
         distilled = model_type != "sdxl" and self.pipe.transformer.config.guidance_embeds
         defaults = (28, 3.5 if distilled else 0.0) if model_type != "sdxl" else (30, 7.0)
         self.steps = config.steps or defaults[0]
@@ -195,6 +198,8 @@ def evaluate(config: EvalConfig, model_type: str) -> dict[str, Any]:
         raise UserError("eval flux-kontext scores edits: give --image (the images the prompts edit)")
     if model_type != "flux-kontext" and config.image:
         raise UserError("--image is the image FLUX.1 Kontext edits; use eval flux-kontext, or remove it")
+    if model_type != "sdxl" and config.component_files():
+        resolve_base(config.model, model_config=config.model_config, **config.component_files())  # files checked
     with tempfile.TemporaryDirectory(prefix="dreamstep-eval-") as work_dir:  # checkpoints written as LoRA files
         candidates = find_candidates(config.weights, Path(work_dir))
         for candidate in candidates:

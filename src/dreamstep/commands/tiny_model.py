@@ -23,8 +23,9 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("--guidance_embeds", "--guidance-embeds", action="store_true",
                         help="flux only: guidance-distilled variant, like FLUX.1-dev")
     parser.add_argument("--single_file", "--single-file", action="store_true",
-                        help=f"sdxl only: also write OUT/{TINY_SDXL_SINGLE_FILE} in the original "
-                             "(SGM) key layout, like sd_xl_base_1.0.safetensors")
+                        help=f"sdxl: also write OUT/{TINY_SDXL_SINGLE_FILE} in the original "
+                             "(SGM) key layout, like sd_xl_base_1.0.safetensors; flux: also write the "
+                             "component files flux1, ae, clip_l and t5xxl .safetensors, like ComfyUI's")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into OUT even if it is not empty (files of the same name "
                              "are replaced)")

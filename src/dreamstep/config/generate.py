@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from dreamstep.config.options import FluxComponentFileOptions
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.errors import UserError
 
@@ -19,7 +20,8 @@ class GenerateConfig:
     size_multiple: ClassVar[int]  # the VAE downsamples 8x; FLUX packs 2x2 latent patches on top
 
     model: str = option(help="diffusers pipeline folder, hub id, or single file (SDXL checkpoint such as "
-                             "sd_xl_base_1.0.safetensors; FLUX transformer such as flux1-dev.safetensors)")
+                             "sd_xl_base_1.0.safetensors; FLUX transformer such as flux1-dev.safetensors, with "
+                             "--clip_l, --t5xxl, --ae or --model_config)")
     model_config: str | None = option(None, "for a single-file --model: the diffusers folder or hub id "
                                             "that supplies the other components and configs (default: "
                                             "FLUX.1-dev / SDXL base 1.0 from the hub)")
@@ -70,7 +72,7 @@ class SdxlGenerateConfig(GenerateConfig):
 
 
 @dataclass
-class FluxGenerateConfig(GenerateConfig):
+class FluxGenerateConfig(FluxComponentFileOptions, GenerateConfig):
     """FLUX adds true classifier-free guidance and a ControlNet."""
 
     model_type: ClassVar[str] = "flux"
@@ -95,7 +97,7 @@ class FluxGenerateConfig(GenerateConfig):
 
 
 @dataclass
-class FluxKontextGenerateConfig(GenerateConfig):
+class FluxKontextGenerateConfig(FluxComponentFileOptions, GenerateConfig):
     """FLUX.1 Kontext edits --image as --prompt says."""
 
     model_type: ClassVar[str] = "flux-kontext"

@@ -21,6 +21,23 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class FluxComponentFileOptions:
+    """The FLUX.1 component files users of ComfyUI, Forge and sd-scripts have, by sd-scripts' flag names; each
+    replaces that part of the base (the transformer file itself is given as the model)."""
+
+    clip_l: Optional[str] = option(None, "FLUX: the CLIP-L text encoder file (clip_l.safetensors) instead of the "
+                                         "base's", kw_only=True)
+    t5xxl: Optional[str] = option(None, "FLUX: the T5-XXL encoder file (t5xxl_fp16.safetensors, an fp8 copy) "
+                                        "instead of the base's", kw_only=True)
+    ae: Optional[str] = option(None, "FLUX: the autoencoder file (ae.safetensors) instead of the base's VAE",
+                               kw_only=True)
+
+    def component_files(self) -> dict[str, str]:
+        """The files given, by flag name without dashes."""
+        return {name: getattr(self, name) for name in ("clip_l", "t5xxl", "ae") if getattr(self, name) is not None}
+
+
+@dataclass
 class LoraOptions:
     """The shape and targets of a FLUX transformer LoRA (diffusers' DreamBooth LoRA flag names)."""
 

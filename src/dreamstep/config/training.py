@@ -14,25 +14,32 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 from dreamstep.config.choices import TIMESTEP_SAMPLINGS
 from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
 from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
-from dreamstep.config.options import EmaOptions, LossOptions
+from dreamstep.config.options import EmaOptions, FluxComponentFileOptions, LossOptions
 from dreamstep.config.schema import SEED_BOUNDS, config_to_toml, option, refuse_unused
 from dreamstep.errors import UserError
 
 if TYPE_CHECKING:
     from dreamstep.diffusion.flow_matching import FlowMatchingObjective
+    from dreamstep.models.flux_files import FluxBase
 
 # diffusers' get_scheduler names (all but piecewise_constant, which needs a rule string).
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
 @dataclass
-class FluxTrainingConfig(LossOptions, EmaOptions, EvaluationOptions):
-    pretrained_model_name_or_path: str = option(help="base FLUX.1 model: a diffusers folder or a hub id")
+class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, EvaluationOptions):
+    pretrained_model_name_or_path: str = option(
+        help="base FLUX.1 model: a diffusers folder, a hub id, or the transformer file (flux1-dev.safetensors, an "
+             "fp8 copy, a .gguf) with --clip_l, --t5xxl and --ae or --model_config")
     output_dir: str = option(help="where weights, checkpoints, samples and logs are written")
     revision: Optional[str] = option(None, "hub revision of the base model")
     variant: Optional[str] = option(None, "weight file variant of the base model, e.g. fp16")
     transformer_single_file: Optional[str] = option(
-        None, "a single-file FLUX transformer (.safetensors) to use instead of the folder's transformer")
+        None, "a single-file FLUX transformer (.safetensors, .gguf) to use instead of the folder's transformer")
+    model_config: Optional[str] = option(
+        None, "with a transformer file as the model: a diffusers FLUX folder or hub id with the configs, tokenizers "
+              "and the parts not given as files (default: the file's folder when it holds model_index.json, else "
+              "FLUX.1-dev's or -schnell's published configs, by the file's guidance embedding)")
     seed: int = option(0, "seed for initialisation, data order, noise and timesteps", bounds=SEED_BOUNDS)
     resolution: int = option(512, "training resolution in pixels (images are resized and cropped to it)",
                              bounds="[16, inf)")
@@ -138,6 +145,13 @@ class FluxTrainingConfig(LossOptions, EmaOptions, EvaluationOptions):
             raise UserError(f"--weighting_scheme {self.weighting_scheme} draws σ from the σ table, which "
                             f"--timestep_sampling {self.timestep_sampling} does not use; give one of the two")
 
+    def flux_base(self) -> FluxBase:
+        """Where the base's parts come from (a folder or hub id, the component files), every file checked."""
+        from dreamstep.models.flux_files import resolve_base  # torch: not imported for --help
+
+        return resolve_base(self.pretrained_model_name_or_path, transformer_single_file=self.transformer_single_file,
+                            model_config=self.model_config, **self.component_files())
+
     def cache_root(self) -> Path:
         """Where the run's latent and text caches live: --cache_dir, or OUTPUT_DIR/cache."""
         return Path(self.cache_dir or Path(self.output_dir) / "cache")
@@ -151,9 +165,17 @@ class FluxTrainingConfig(LossOptions, EmaOptions, EvaluationOptions):
         if self.resolution % 16:
             raise UserError(f"--resolution must be a multiple of 16 for FLUX's 2x2 latent packing "
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
+        from dreamstep.models.flux_files import read_header, storage_quantization
+
+        base = self.flux_base()
+        if base.files.transformer is not None:
+            # A transformer stored in fp8 trains as the fp8 base it is (sd-scripts' --fp8_base), unless asked otherwise.
+            header = read_header(base.files.transformer, "--pretrained_model_name_or_path")
+            self.base_quantization = storage_quantization(header, self.base_quantization)
         check_quantization(self.base_quantization, "--base_quantization")
-        check_single_file_quantization(self.base_quantization, "--base_quantization", self.transformer_single_file,
-                                       "--transformer_single_file")
+        file_flag = "--transformer_single_file" if self.transformer_single_file else "--pretrained_model_name_or_path"
+        check_single_file_quantization(self.base_quantization, "--base_quantization",
+                                       str(base.files.transformer) if base.files.transformer else None, file_flag)
         check_compile(self.compile, self.base_quantization, "--base_quantization")
         check_quantization(self.text_encoder_quantization, "--text_encoder_quantization")
         if self.device_memory is not None:

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from dreamstep import __version__
 from dreamstep.config.generate import FluxGenerateConfig, FluxKontextGenerateConfig, GenerateConfig
+from dreamstep.config.options import FluxComponentFileOptions
 from dreamstep.data.images import load_rgb
 from dreamstep.errors import UserError
 from dreamstep.evaluation.candidates import lora_file_for
@@ -162,8 +163,9 @@ def generate_images(config: GenerateConfig) -> list[Path]:
         output_dir = _output_dir(config)
         device = choose_device(config.device)
         dtype = choose_dtype(config.dtype, device)
+        parts = config.component_files() if isinstance(config, FluxComponentFileOptions) else None
         pipe = build_pipeline(model_type, config.model, model_config=config.model_config, dtype=dtype,
-                              device=device, no_half_vae=config.no_half_vae,
+                              component_files=parts, device=device, no_half_vae=config.no_half_vae,
                               controlnet=getattr(config, "controlnet", None), cpu_offload=config.cpu_offload)
         apply_loras(pipe, files, config.lora_model, config.merge)
     settings = resolve_settings(config, model_type, pipe, control)

@@ -19,6 +19,7 @@ from diffusers import (
 )
 
 from dreamstep.errors import UserError, refusing_pickled_code
+from dreamstep.models.flux_files import FILE_SUFFIXES, resolve_base
 from dreamstep.models.loading import CHECKPOINT_SUFFIXES, load_flux, load_sdxl
 from dreamstep.models.precision import dtype_named
 
@@ -56,16 +57,16 @@ def choose_dtype(precision: str, device: torch.device) -> torch.dtype:
 
 
 def is_single_file(model: str) -> bool:
-    return Path(model).expanduser().is_file() or model.endswith(CHECKPOINT_SUFFIXES)
+    return Path(model).expanduser().is_file() or model.endswith((*CHECKPOINT_SUFFIXES, *FILE_SUFFIXES))
 
 
 def _flux_pipeline(model_type: str, model: str, model_config: str | None, dtype: torch.dtype,
-                   controlnet: str | None) -> FluxPipeline | FluxKontextPipeline:
-    if is_single_file(model):
-        components = load_flux(model_config or DEFAULT_BASES[model_type], transformer_single_file=model,
-                               weight_dtype=dtype)
-    else:
-        components = load_flux(model, weight_dtype=dtype)
+                   controlnet: str | None, component_files: dict[str, str]) -> FluxPipeline | FluxKontextPipeline:
+    beside = (Path(model).expanduser().parent / "model_index.json").is_file()
+    if is_single_file(model) and model_config is None and not beside and len(component_files) < 3:
+        model_config = DEFAULT_BASES[model_type]  # the parts no file gives, from the hub (or its cache)
+    base = resolve_base(model, model_config=model_config, **component_files)
+    components = load_flux(base.source, files=base.files, weight_dtype=dtype)
     parts = vars(components)
     if model_type == "flux-kontext":
         return FluxKontextPipeline(**parts)
@@ -122,15 +123,17 @@ def keep_vae_fp32(pipe: Any) -> None:
 
 def build_pipeline(model_type: str, model: str, *, model_config: str | None, dtype: torch.dtype,
                    device: torch.device, no_half_vae: bool = False, controlnet: str | None = None,
-                   cpu_offload: bool = False) -> Any:
+                   cpu_offload: bool = False, component_files: dict[str, str] | None = None) -> Any:
     """The pipeline for ``model_type`` ('flux', 'flux-kontext' or 'sdxl') on ``device`` in ``dtype``;
     ``no_half_vae`` keeps the VAE in fp32 (SDXL's VAE overflows in fp16); ``cpu_offload`` moves each model to the
-    GPU only while it runs."""
+    GPU only while it runs; ``component_files``: FLUX's ``clip_l``, ``t5xxl``, ``ae`` files by flag name."""
     if model_config is not None and not is_single_file(model):
         raise UserError("--model_config only applies to a single-file --model; remove it (a folder or hub id "
                         "has its own configs)")
     if model_type.startswith("flux"):
-        pipe = _flux_pipeline(model_type, model, model_config, dtype, controlnet)
+        pipe = _flux_pipeline(model_type, model, model_config, dtype, controlnet, component_files or {})
+    elif component_files:
+        raise UserError(f"--{next(iter(component_files))} is a FLUX component file; SDXL takes none")
     else:
         pipe = _sdxl_pipeline(model, model_config, dtype)
     if no_half_vae and dtype != torch.float32:

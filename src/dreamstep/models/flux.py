@@ -18,6 +18,7 @@ from dreamstep.data.dataset_config import load_dataset_config
 from dreamstep.errors import UserError
 from dreamstep.files import atomic_path
 from dreamstep.models import parking
+from dreamstep.models.flux_files import FLAGS, FluxFiles, config_folder, read_header
 from dreamstep.models.loading import component_identity, load_flux, load_flux_transformer
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.parking import ParkedModules
@@ -159,15 +160,22 @@ class ControlConditioner:
         return {**self.conditioner(batch), "condition_dist": self.conditioner.latents(batch, prefix="conditioning_")}
 
 
-def training_caches(root: Path, source: str, *, revision: str | None, variant: str | None, mixed_precision: str,
-                    max_sequence_length: int, cache_latents: bool, image_dirs: list[Path]
-                    ) -> tuple[TensorCache | None, TensorCache]:
+def training_caches(root: Path, source: str | None, *, revision: str | None, variant: str | None,
+                    mixed_precision: str, max_sequence_length: int, cache_latents: bool, image_dirs: list[Path],
+                    files: FluxFiles | None = None) -> tuple[TensorCache | None, TensorCache]:
     """The latent cache (``None`` when ``cache_latents`` is off) and the text-embedding cache of a run,
-    each keyed to the weights that fill it; nothing is written until the first entry is stored."""
+    each keyed to the weights that fill it (a component file's own, or the folder's); nothing is written until
+    the first entry is stored."""
+    files = files or FluxFiles()
     ident = dict(revision=revision, variant=variant, extra=mixed_precision)
-    latents = (TensorCache(root / "latents", component_identity(source, "vae", **ident), image_dirs)
-               if cache_latents else None)
-    text_id = "+".join(component_identity(source, name, **ident) for name in ("text_encoder", "text_encoder_2"))
+
+    def identity(part: str, subfolder: str) -> str:
+        if getattr(files, part) is not None:
+            return f"{files.identity(part)}|{mixed_precision}"
+        return component_identity(str(source), subfolder, **ident)
+
+    latents = TensorCache(root / "latents", identity("ae", "vae"), image_dirs) if cache_latents else None
+    text_id = "+".join((identity("clip_l", "text_encoder"), identity("t5xxl", "text_encoder_2")))
     text = TensorCache(root / "text", f"{text_id}|{max_sequence_length}", image_dirs)
     return latents, text
 
@@ -200,15 +208,16 @@ def generate(pipeline: FluxPipeline, prompts: list[str], *, seed: int, steps: in
     return images
 
 
-def load_frozen_for_training(source: str, *, revision: str | None, variant: str | None,
-                             transformer_single_file: str | None, mixed_precision: str,
+def load_frozen_for_training(source: str | None, *, revision: str | None, variant: str | None,
+                             transformer_single_file: str | Path | None, mixed_precision: str,
                              device: torch.device, base_quantization: str = "none",
-                             text_encoder_quantization: str = "none", transformer_on_host: bool = False) -> Any:
+                             text_encoder_quantization: str = "none", transformer_on_host: bool = False,
+                             files: FluxFiles | None = None) -> Any:
     """The whole base model frozen, the encoders on ``device`` (for class images, which need the whole pipeline):
     :func:`load_encoders_for_training` then :func:`load_transformer_for_training`."""
     components = load_encoders_for_training(source, revision=revision, variant=variant,
                                             mixed_precision=mixed_precision, device=device,
-                                            text_encoder_quantization=text_encoder_quantization)
+                                            text_encoder_quantization=text_encoder_quantization, files=files)
     for name in ENCODERS:
         parking.place(getattr(components, name), device)
     load_transformer_for_training(components, source, revision=revision, variant=variant,
@@ -217,14 +226,16 @@ def load_frozen_for_training(source: str, *, revision: str | None, variant: str 
     return components
 
 
-def load_encoders_for_training(source: str, *, revision: str | None, variant: str | None, mixed_precision: str,
-                               device: torch.device, text_encoder_quantization: str = "none") -> Any:
+def load_encoders_for_training(source: str | None, *, revision: str | None, variant: str | None,
+                               mixed_precision: str, device: torch.device, text_encoder_quantization: str = "none",
+                               files: FluxFiles | None = None) -> Any:
     """The "encode" phases' components (:mod:`~dreamstep.models.phases`): the text encoders and the VAE frozen in
     the half-precision dtype of ``mixed_precision`` (fp32 for "no"), T5 quantized as asked, waiting in host memory
     (:func:`~dreamstep.models.parking.encode_run` brings each to ``device`` in its turn); the transformer is not
-    loaded (``components.transformer`` is ``None``)."""
+    loaded (``components.transformer`` is ``None``). ``files``: component files replacing the folder's parts (its
+    transformer file is read only to tell dev from schnell)."""
     components = load_flux(source, revision=revision, variant=variant, weight_dtype=weight_dtype_for(mixed_precision),
-                           quantize={"text_encoder_2": text_encoder_quantization}, transformer=False)
+                           quantize={"text_encoder_2": text_encoder_quantization}, transformer=False, files=files)
     for name in ENCODERS:
         module = getattr(components, name)
         freeze(module)
@@ -233,8 +244,9 @@ def load_encoders_for_training(source: str, *, revision: str | None, variant: st
     return components
 
 
-def load_transformer_for_training(components: Any, source: str, *, revision: str | None, variant: str | None,
-                                  transformer_single_file: str | None, mixed_precision: str, device: torch.device,
+def load_transformer_for_training(components: Any, source: str | None, *, revision: str | None,
+                                  variant: str | None, transformer_single_file: str | Path | None,
+                                  mixed_precision: str, device: torch.device,
                                   base_quantization: str = "none", on_host: bool = False) -> torch.nn.Module:
     """The "load" phase: the transformer frozen in the dtype of ``mixed_precision``, its linear weights quantized as
     asked (:mod:`~dreamstep.models.quantization`), on ``device`` (``on_host``: left in host memory for a
@@ -257,8 +269,11 @@ def transformer_config(config: Any) -> dict[str, Any]:
     checked against its blocks (which the transformer loads only after every caption is encoded)."""
     from diffusers import FluxTransformer2DModel
 
-    found = FluxTransformer2DModel.load_config(config.pretrained_model_name_or_path, subfolder="transformer",
-                                               revision=config.revision)
+    base = config.flux_base()
+    header = read_header(base.files.transformer, FLAGS["transformer"]) if base.files.transformer else None
+    with config_folder(base.source, header) as configs:
+        found = FluxTransformer2DModel.load_config(configs, subfolder="transformer",
+                                                   revision=config.revision if base.source else None)
     blocks = found["num_layers"] + found["num_single_layers"]
     swap = getattr(config, "blocks_to_swap", 0)
     if swap and not 1 <= swap <= blocks:
@@ -283,10 +298,11 @@ def caches_of(config: Any, datasets: list[Any]) -> tuple[TensorCache | None, Ten
     ``datasets`` (their image and condition folders)."""
     image_dirs = [folder for dataset in datasets for subset in dataset.subsets
                   for folder in (subset.image_dir, subset.conditioning_data_dir) if folder is not None]
-    return training_caches(config.cache_root(), config.pretrained_model_name_or_path, revision=config.revision,
+    base = config.flux_base()
+    return training_caches(config.cache_root(), base.source, revision=config.revision,
                            variant=config.variant, mixed_precision=config.mixed_precision,
                            max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents,
-                           image_dirs=image_dirs)
+                           image_dirs=image_dirs, files=base.files)
 
 
 def plan_options(config: Any, *, rank: int, encoders_on_device: bool, validation_images: bool,

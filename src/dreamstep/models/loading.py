@@ -7,6 +7,7 @@ fix, and turns loader failures (missing files, no network) into such lines too.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -14,13 +15,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import FluxPipeline, FluxTransformer2DModel, StableDiffusionXLPipeline, UNet2DConditionModel
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
+from diffusers.loaders.single_file_utils import load_single_file_checkpoint
 from diffusers.utils import deprecation_utils
 from huggingface_hub import constants as hf_constants
 from safetensors import SafetensorError, safe_open
+from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from dreamstep.errors import UserError, refusing_pickled_code
-from dreamstep.models import quantization
+from dreamstep.models import flux_files, published_configs, quantization
+from dreamstep.models.flux_files import FluxFiles
 from dreamstep.models.sgm_keys import UNET_PREFIX
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
@@ -123,34 +134,104 @@ def _load_error(source: str, error: Exception) -> UserError:
                      "id and your network (HF_HUB_OFFLINE must be unset to download), or give a local folder")
 
 
-def load_flux(pretrained_model_name_or_path: str | Path, *, revision: str | None = None,
+def load_flux(pretrained_model_name_or_path: str | Path | None, *, revision: str | None = None,
               variant: str | None = None, transformer_single_file: str | Path | None = None,
-              weight_dtype: torch.dtype = torch.float32, quantize: dict[str, str] | None = None,
-              transformer: bool = True) -> FluxComponents:
+              files: FluxFiles | None = None, weight_dtype: torch.dtype = torch.float32,
+              quantize: dict[str, str] | None = None, transformer: bool = True) -> FluxComponents:
     """Load a FLUX.1 pipeline's components, all in ``weight_dtype``.
 
-    ``transformer_single_file`` replaces the folder's transformer with one file (original BFL layout,
-    like ``flux1-dev.safetensors``, or diffusers layout), configured from the folder's
-    ``transformer/config.json``. ``quantize`` maps component names to a
-    :mod:`~dreamstep.models.quantization` mode, e.g. ``{"transformer": "int8", "text_encoder_2": "fp8"}``.
-    Without ``transformer`` the pipeline's transformer is left out (``None``): see :func:`load_flux_transformer`.
+    ``files`` replace the folder's parts with component files (:mod:`~dreamstep.models.flux_files`: the
+    transformer as ``flux1-dev.safetensors`` or a ``.gguf``, ``ae``, ``clip_l``, ``t5xxl``), configured by the
+    folder (or hub id) ``pretrained_model_name_or_path``, or with ``None`` there by the published configs
+    (all four files given). ``transformer_single_file`` is ``files.transformer``. ``quantize`` maps component
+    names to a :mod:`~dreamstep.models.quantization` mode, e.g. ``{"transformer": "int8", "text_encoder_2":
+    "fp8"}``. Without ``transformer`` the pipeline's transformer is left out (``None``): see
+    :func:`load_flux_transformer`.
     """
-    source = _folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
+    files = _with_transformer_file(files, transformer_single_file)
+    source = (_folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
+              if pretrained_model_name_or_path is not None else None)
+    headers = flux_files.check_files(files)
     quantize = {name: mode for name, mode in (quantize or {}).items() if mode != "none"}
     overrides: dict[str, Any] = {}
     if not transformer:
         overrides["transformer"] = None
         quantize.pop("transformer", None)
-    elif transformer_single_file is not None:
+    elif files.transformer is not None:
         overrides["transformer"] = load_flux_transformer(
-            source, revision=revision, variant=variant, transformer_single_file=transformer_single_file,
+            source, revision=revision, variant=variant, transformer_single_file=files.transformer,
             weight_dtype=weight_dtype, base_quantization=quantize.pop("transformer", "none"))
+    with flux_files.config_folder(source, headers.get("transformer")) as configs:
+        if files.ae is not None:
+            overrides["vae"] = _single_file(AutoencoderKL, files.ae, "--ae", config=configs, subfolder="vae",
+                                            **{_DTYPE_KWARG: weight_dtype})
+        if files.clip_l is not None:
+            overrides["text_encoder"] = _encoder_from_file(CLIPTextModel, files.clip_l, "--clip_l", configs,
+                                                           "text_encoder", weight_dtype, "none")
+        if files.t5xxl is not None:
+            overrides["text_encoder_2"] = _encoder_from_file(T5EncoderModel, files.t5xxl, "--t5xxl", configs,
+                                                             "text_encoder_2", weight_dtype,
+                                                             quantize.pop("text_encoder_2", "none"))
+    if source is None:
+        return _components(_published_pipeline(overrides, headers.get("transformer")), FluxComponents)
     pipeline_quantization = quantization.pipeline_config(quantize, weight_dtype)
     if pipeline_quantization is not None:
         overrides["quantization_config"] = pipeline_quantization
     pipe = _from_pretrained(FluxPipeline, source, revision=revision, variant=variant,
                             **{_DTYPE_KWARG: weight_dtype}, **overrides)
     return _components(pipe, FluxComponents)
+
+
+def _with_transformer_file(files: FluxFiles | None, transformer_single_file: str | Path | None) -> FluxFiles:
+    files = files or FluxFiles()
+    if transformer_single_file is None:
+        return files
+    return dataclasses.replace(files, transformer=Path(transformer_single_file).expanduser())
+
+
+def _single_file(model_class: type, file: Path, flag: str, **kwargs: Any) -> Any:
+    """diffusers' ``model_class.from_single_file``, its failures as one line naming ``flag`` and the file."""
+    try:
+        return model_class.from_single_file(str(file) if isinstance(file, Path) else file, **kwargs)
+    except (*_LOAD_ERRORS, KeyError, RuntimeError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{flag}: could not load {file} with these configs ({reason}); if the file is a "
+                        "different size of model, give --model_config a diffusers folder of that model") from e
+
+
+def _encoder_from_file(model_class: type, file: Path, flag: str, configs: str, subfolder: str,
+                       weight_dtype: torch.dtype, mode: str) -> torch.nn.Module:
+    """A text encoder from a file whose keys are transformers' own (ComfyUI's clip_l / t5xxl files), loaded by
+    transformers' ``from_pretrained`` with the config of ``configs/subfolder``."""
+    try:
+        config = model_class.config_class.from_pretrained(configs, subfolder=subfolder)
+        with flux_files.transformers_folder(file, config.to_json_string()) as folder:
+            model, info = model_class.from_pretrained(
+                folder, output_loading_info=True, **{_DTYPE_KWARG: weight_dtype},
+                quantization_config=quantization.transformers_config(mode, weight_dtype))
+    except (*_LOAD_ERRORS, RuntimeError) as e:
+        raise UserError(f"{flag}: could not load {file} ({str(e).strip().splitlines()[0]}); give "
+                        "--model_config a diffusers folder of the same model") from e
+    problems = info["missing_keys"] or info["mismatched_keys"]
+    if problems:
+        raise UserError(f"{flag} {file} does not fit the {model_class.__name__} of these configs (e.g. "
+                        f"{min(problems)}); give --model_config a diffusers folder of the same model")
+    return model.eval()
+
+
+def _published_pipeline(parts: dict[str, Any], transformer_header: Any) -> FluxPipeline:
+    """A pipeline of component files alone: the published scheduler of the file's model (dev or schnell) and
+    sd-scripts' tokenizers from the Hugging Face cache (or hub)."""
+    dev = transformer_header is None or flux_files.guidance_embeds(transformer_header)
+    scheduler = FlowMatchEulerDiscreteScheduler(**(published_configs.FLUX_DEV_SCHEDULER if dev else
+                                                   published_configs.FLUX_SCHNELL_SCHEDULER))
+    try:
+        tokenizers = {"tokenizer": CLIPTokenizer.from_pretrained(flux_files.TOKENIZER_IDS["tokenizer"]),
+                      "tokenizer_2": T5TokenizerFast.from_pretrained(flux_files.TOKENIZER_IDS["tokenizer_2"])}
+    except (OSError, ValueError) as e:
+        raise UserError(f"the tokenizers of {', '.join(flux_files.TOKENIZER_IDS.values())} are not in the Hugging "
+                        "Face cache (offline?); give --model_config a diffusers FLUX folder (it has them)") from e
+    return FluxPipeline(scheduler=scheduler, **tokenizers, **parts)
 
 
 def _from_pretrained(pipeline_class: type, source: str, **kwargs: Any) -> Any:
@@ -163,32 +244,60 @@ def _from_pretrained(pipeline_class: type, source: str, **kwargs: Any) -> Any:
         raise _load_error(source, e) from e
 
 
-def load_flux_transformer(pretrained_model_name_or_path: str | Path, *, revision: str | None = None,
+def load_flux_transformer(pretrained_model_name_or_path: str | Path | None, *, revision: str | None = None,
                           variant: str | None = None, transformer_single_file: str | Path | None = None,
                           weight_dtype: torch.dtype = torch.float32, base_quantization: str = "none",
                           on_host: bool = False) -> torch.nn.Module:
     """The FLUX.1 transformer alone, in ``weight_dtype`` with its linear weights quantized as ``base_quantization``
-    says, from the pipeline folder (or hub id) or ``transformer_single_file`` configured by it. It loads into host
-    memory, except a 4-bit base from a folder without ``on_host``, which diffusers' bitsandbytes loader quantizes on
-    the GPU (see :func:`host_placement`)."""
-    source = _folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
-    config = quantization.diffusers_config(base_quantization, weight_dtype)
+    says, from the pipeline folder (or hub id) or ``transformer_single_file`` configured by it (``None``: by the
+    published configs). It loads into host memory, except a 4-bit base from a folder without ``on_host``, which
+    diffusers' bitsandbytes loader quantizes on the GPU (see :func:`host_placement`). A file stored in fp8 loads as
+    the fp8 base (``base_quantization`` "fp8") unless another mode is asked for: its weights are never held in a
+    wider dtype on the device."""
+    source = (_folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
+              if pretrained_model_name_or_path is not None else None)
     if transformer_single_file is not None:
-        file = _check_checkpoint_file(transformer_single_file, "transformer single file")
-        try:
-            transformer = FluxTransformer2DModel.from_single_file(
-                str(file), config=source, subfolder="transformer", quantization_config=config,
-                **{_DTYPE_KWARG: weight_dtype})
-        except _LOAD_ERRORS as e:
-            raise UserError(f"could not load the FLUX transformer from {file}: {e}") from e
+        file = Path(transformer_single_file).expanduser()
+        header = flux_files.check_files(FluxFiles(transformer=file))["transformer"]
+        with flux_files.config_folder(source, header) as configs:
+            transformer = _transformer_from_file(file, header, configs, weight_dtype,
+                                                 flux_files.storage_quantization(header, base_quantization))
     else:
         try:
             transformer = FluxTransformer2DModel.from_pretrained(
-                source, subfolder="transformer", revision=revision, variant=variant, quantization_config=config,
+                source, subfolder="transformer", revision=revision, variant=variant,
+                quantization_config=quantization.diffusers_config(base_quantization, weight_dtype),
                 **{_DTYPE_KWARG: weight_dtype}, **host_placement(base_quantization, on_host))
         except _LOAD_ERRORS as e:
             raise _load_error(source, e) from e
     quantization.keep_only_quantized_weights(transformer)
+    return transformer
+
+
+def _transformer_from_file(file: Path, header: Any, configs: str, weight_dtype: torch.dtype,
+                           base_quantization: str) -> torch.nn.Module:
+    """diffusers' ``from_single_file`` of a transformer file (a ``.gguf`` through its GGUF loader, the weights kept
+    quantized); a BFL-layout file of another width than FLUX.1's, which diffusers' converter assumes, is read by
+    diffusers and its keys converted by our tables first."""
+    flag = flux_files.FLAGS["transformer"]
+    kwargs: dict[str, Any] = {"config": configs, "subfolder": "transformer", _DTYPE_KWARG: weight_dtype}
+    if file.suffix == ".gguf":
+        if base_quantization != "none":
+            raise UserError(f"{file} is already quantized (GGUF); remove --base_quantization")
+        from diffusers import GGUFQuantizationConfig
+
+        kwargs["quantization_config"] = GGUFQuantizationConfig(compute_dtype=weight_dtype)
+    source: Any = file
+    config = FluxTransformer2DModel.load_config(configs, subfolder="transformer")
+    if flux_files.needs_own_conversion(header, config):
+        try:
+            source = flux_files.transformer_from_bfl(load_single_file_checkpoint(str(file)), config)
+        except KeyError as e:
+            raise UserError(f"{flag} {file} does not fit the transformer config of {configs} ({e}); give "
+                            "--model_config a diffusers folder of the same model") from e
+    transformer = _single_file(FluxTransformer2DModel, source, flag, **kwargs)
+    if file.suffix != ".gguf":
+        quantization.quantize_single_file_model(transformer, base_quantization, weight_dtype)
     return transformer
 
 

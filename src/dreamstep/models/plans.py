@@ -325,14 +325,15 @@ def plan_report(estimator: Estimator, options: PlanOptions, device_memory: int |
     return text
 
 
-def print_run_plan(arch: str, source: str, options: PlanOptions, device_memory: str | None,
+def print_run_plan(arch: str, source: str | None, options: PlanOptions, device_memory: str | None,
                    **estimator_options: Any) -> None:
     """Print a training run's plan before its models load (``device_memory`` as the user wrote it, or
     ``None`` to detect the card); ``estimator_options`` go to :class:`Estimator`. The run's ``train.log``
     gets it too."""
     from dreamstep.models.loading import check_pipeline_source
 
-    check_pipeline_source(source, "sdxl" if arch == "sdxl" else "flux")
+    if source is not None:  # None: a FLUX base of component files alone, planned from the published configs
+        check_pipeline_source(source, "sdxl" if arch == "sdxl" else "flux")
     memory = parse_bytes(device_memory, "--device_memory") if device_memory else mp.detected_device_memory()
     estimator = Estimator(arch, source, options.rank, **estimator_options)
     say_before_the_run(plan_report(estimator, options, memory))

@@ -9,6 +9,10 @@ FLUX_DEV_TRANSFORMER = dict(
     num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
     axes_dims_rope=(16, 56, 56),
 )
+# The schedulers of FLUX.1-dev (resolution-dependent shift) and FLUX.1-schnell (no shift).
+FLUX_DEV_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                          max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+FLUX_SCHNELL_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
 T5_XXL_ENCODER = dict(
     vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
     relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",

@@ -121,6 +121,23 @@ def quantize_built_model(model: torch.nn.Module, mode: str, double_quant: bool =
         raise ValueError(f"unknown quantization mode {mode!r}")
 
 
+def quantize_single_file_model(model: nn.Module, mode: str, compute_dtype: torch.dtype) -> None:
+    """Quantize a model that diffusers' ``from_single_file`` loaded: it leaves a torchao ``quantization_config``
+    unapplied and keeps weights stored in fp8 in fp8. Every fp8 weight becomes ``compute_dtype`` and each linear
+    is quantized as ``mode`` says, one linear at a time, so that beside the quantized layers at most one layer is
+    ever held in ``compute_dtype`` (a file's fp8 weights never exist as a whole bf16 model)."""
+    from torchao.quantization import quantize_
+
+    if mode not in ("none", "int8", "fp8"):
+        raise ValueError(f"a single-file model cannot be quantized as {mode!r}")
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.dtype.itemsize == 1 and param.is_floating_point():
+                setattr(module, name, nn.Parameter(param.data.to(compute_dtype), requires_grad=False))
+        if mode != "none" and type(module) is nn.Linear:
+            quantize_(module, torchao_weight_config(mode))
+
+
 class FrozenWeightLinear(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` for a weight and bias that get no gradient; backward keeps ``weight``
     as it is stored (quantized) and computes ``grad_x`` from its dequantized values."""

@@ -268,17 +268,21 @@ def sdxl_to_sgm(unet: Mapping[str, torch.Tensor], vae: Mapping[str, torch.Tensor
                 text_encoder: Mapping[str, torch.Tensor], text_encoder_2: Mapping[str, torch.Tensor],
                 unet_config: Mapping[str, Any], vae_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The four diffusers state dicts of an SDXL pipeline -> one single-file (SGM) state dict."""
-    unet_blocks, vae_blocks = unet_block_map(unet_config), vae_block_map(vae_config)
-    out = _with_prefix(UNET_PREFIX, {_rename(k, unet_blocks): v for k, v in unet.items()})
-    for key, value in vae.items():
-        if _is_vae_attention_weight(key):
-            value = value[:, :, None, None]  # (C, C) linear -> (C, C, 1, 1) conv
-        out[VAE_PREFIX + _rename(key, vae_blocks)] = value
+    out = _with_prefix(UNET_PREFIX, {_rename(k, unet_block_map(unet_config)): v for k, v in unet.items()})
+    out.update(_with_prefix(VAE_PREFIX, vae_to_ldm(vae, vae_config)))
     # transformers >= 5.6 saves CLIPTextModel without the "text_model." level; SGM keeps it.
     out.update(_with_prefix(CLIP_L_PREFIX + "text_model.",
                             {k.removeprefix("text_model."): v for k, v in text_encoder.items()}))
     out.update(_with_prefix(CLIP_G_PREFIX, _clip_g_to_openclip(text_encoder_2)))
     return out
+
+
+def vae_to_ldm(vae: Mapping[str, torch.Tensor], vae_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """A diffusers VAE's state dict in the LDM layout (SDXL's first stage; FLUX.1's ae.safetensors)."""
+    blocks = vae_block_map(vae_config)
+    # An attention projection is a (C, C) linear in diffusers and a (C, C, 1, 1) conv in LDM.
+    return {_rename(key, blocks): value[:, :, None, None] if _is_vae_attention_weight(key) else value
+            for key, value in vae.items()}
 
 
 def sgm_to_sdxl(checkpoint: Mapping[str, torch.Tensor], unet_config: Mapping[str, Any],

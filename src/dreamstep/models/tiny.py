@@ -39,6 +39,7 @@ from diffusers import (
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
+from safetensors.torch import save_file
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import (
     CLIPTextConfig,
@@ -53,6 +54,7 @@ from transformers import (
 from dreamstep.config.choices import TINY_ARCHS, TINY_SDXL_SINGLE_FILE
 from dreamstep.errors import UserError
 from dreamstep.files import honour_umask
+from dreamstep.models import published_configs
 from dreamstep.models.sgm_keys import save_sdxl_single_file
 
 ARCHS = TINY_ARCHS
@@ -163,13 +165,8 @@ def _vae(latent_channels: int, scaling_factor: float, shift_factor: float | None
 
 def _flux_scheduler(guidance_embeds: bool) -> FlowMatchEulerDiscreteScheduler:
     """FLUX.1-dev's scheduler (resolution-dependent shift) or FLUX.1-schnell's (no shift)."""
-    if guidance_embeds:
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0,
-                                               use_dynamic_shifting=True, base_shift=0.5,
-                                               max_shift=1.15, base_image_seq_len=256,
-                                               max_image_seq_len=4096)
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0,
-                                           use_dynamic_shifting=False)
+    return FlowMatchEulerDiscreteScheduler(**(published_configs.FLUX_DEV_SCHEDULER if guidance_embeds
+                                              else published_configs.FLUX_SCHNELL_SCHEDULER))
 
 
 def _to_eval(pipe: DiffusionPipeline) -> None:
@@ -279,16 +276,16 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, guidance_emb
                      single_file: bool = False, overwrite: bool = False) -> Path:
     """Write a tiny pipeline folder for ``arch`` ("flux", "flux-kontext" or "sdxl") and return its path.
 
-    With ``single_file`` (SDXL only) it also writes ``<out_dir>/tiny_sdxl.safetensors`` in the
-    original SGM key layout, loadable by ``StableDiffusionXLPipeline.from_single_file(path,
-    config=out_dir)``.
+    With ``single_file`` it also writes, for SDXL, ``<out_dir>/tiny_sdxl.safetensors`` in the original SGM key
+    layout, loadable by ``StableDiffusionXLPipeline.from_single_file(path, config=out_dir)``; for FLUX, the
+    component files of :func:`write_flux_component_files`.
     """
     if arch not in ARCHS:
         raise UserError(f"unknown architecture '{arch}'; choose one of {', '.join(ARCHS)}")
     if guidance_embeds and arch != "flux":
         raise UserError("--guidance-embeds applies to flux only")
-    if single_file and arch != "sdxl":
-        raise UserError("--single-file applies to sdxl only")
+    if single_file and arch == "flux-kontext":
+        raise UserError("--single-file applies to flux and sdxl")
     out_dir = Path(out_dir)
     check_out_dir(out_dir, overwrite)
     if arch == "flux":
@@ -302,9 +299,56 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, guidance_emb
     for name in ("tokenizer", "tokenizer_2"):
         if isinstance(getattr(pipe, name), CLIPTokenizer):
             _write_clip_vocab_files(out_dir / name)
-    if single_file:
+    if single_file and arch == "sdxl":
         save_sdxl_single_file(pipe, out_dir / SINGLE_FILE_NAME)
+    elif single_file:
+        write_flux_component_files(pipe, out_dir)
     return out_dir
+
+
+def _stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor as a file of ``dtype`` stores it: fp8 copies (sd-scripts', ComfyUI's) keep only matrices in fp8."""
+    if dtype.itemsize == 1 and tensor.ndim != 2:
+        dtype = torch.bfloat16
+    return tensor.detach().to(dtype).contiguous()
+
+
+# The storage dtypes of the files people download: flux1-dev and ae in bf16, clip_l and t5xxl_fp16 in fp16.
+FLUX_FILE_DTYPES = {"transformer": torch.bfloat16, "ae": torch.bfloat16, "clip_l": torch.float16,
+                    "t5xxl": torch.float16}
+
+
+def write_flux_component_files(pipe: FluxPipeline, out_dir: str | Path,
+                               dtypes: dict[str, torch.dtype] | None = None) -> dict[str, Path]:
+    """Write a FLUX pipeline as the single files ComfyUI and sd-scripts users have, named like them:
+    ``flux1.safetensors`` (the transformer in Black Forest Labs' layout), ``ae.safetensors`` (LDM layout),
+    ``clip_l.safetensors`` and ``t5xxl.safetensors`` (transformers' keys, ``text_model.`` kept as ComfyUI's files
+    have it), each stored in its :data:`FLUX_FILE_DTYPES` dtype unless ``dtypes`` says otherwise
+    (``torch.float8_e4m3fn``: an fp8 copy). Returns the paths by sd-scripts' flag names (the transformer as
+    "transformer")."""
+    from dreamstep.models.flux_files import transformer_to_bfl
+    from dreamstep.models.sgm_keys import vae_to_ldm
+
+    out_dir = Path(out_dir)
+    clip = {k if k.startswith("text_model.") else f"text_model.{k}": v
+            for k, v in pipe.text_encoder.state_dict().items()}
+    dtypes = {**FLUX_FILE_DTYPES, **(dtypes or {})}
+    parts = {
+        "transformer": ("flux1.safetensors",
+                        transformer_to_bfl(pipe.transformer.state_dict(), pipe.transformer.config)),
+        "ae": ("ae.safetensors", vae_to_ldm(pipe.vae.state_dict(), pipe.vae.config)),
+        "clip_l": ("clip_l.safetensors", clip),
+        # The token embedding once ("shared"): transformers ties the encoder's to it on loading.
+        "t5xxl": ("t5xxl.safetensors", {k: v for k, v in pipe.text_encoder_2.state_dict().items()
+                                        if k != "encoder.embed_tokens.weight"}),
+    }
+    paths = {}
+    for part, (name, state_dict) in parts.items():
+        paths[part] = out_dir / name
+        save_file({k: _stored(v, dtypes[part]) for k, v in state_dict.items()}, str(paths[part]),
+                  metadata={"format": "pt"})
+        honour_umask(paths[part])
+    return paths
 
 
 def param_count(pipe: DiffusionPipeline) -> dict[str, int]:

@@ -96,7 +96,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     transformer_config = flux.transformer_config(config)  # checked before the plan, or anything is encoded
     if config.controlnet_model_name_or_path is None:
         cn.check_layers(config.num_double_layers, config.num_single_layers, transformer_config)
-    print_run_plan("flux-controlnet", config.pretrained_model_name_or_path, flux.plan_options(
+    print_run_plan("flux-controlnet", config.flux_base().source, flux.plan_options(
         config, rank=0, encoders_on_device=not config.cache_latents or dataset.encodes_in_the_loop(),
         validation_images=bool(validation)),
         config.device_memory,
@@ -117,9 +117,9 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     # 3. Encode (models/phases.py): the text encoders and the VAE encode every caption, pair and validation
     # prompt before the transformer loads; then those the loop does not use wait in host memory.
     base = flux.load_encoders_for_training(
-        config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
+        config.flux_base().source, revision=config.revision, variant=config.variant,
         mixed_precision=config.mixed_precision, device=run.device,
-        text_encoder_quantization=config.text_encoder_quantization)
+        text_encoder_quantization=config.text_encoder_quantization, files=config.flux_base().files)
     conditioner = flux.ControlConditioner(flux.FluxConditioner(
         flux.assemble_pipeline(base), latent_cache=latent_cache, text_cache=text_cache,
         max_sequence_length=config.max_sequence_length, device=run.device))
@@ -131,8 +131,8 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
 
     # 4. Load: the base frozen in --mixed_precision; the ControlNet built or loaded, in its weight dtype.
     flux.load_transformer_for_training(
-        base, config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
-        transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
+        base, config.flux_base().source, revision=config.revision, variant=config.variant,
+        transformer_single_file=config.flux_base().files.transformer, mixed_precision=config.mixed_precision,
         device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
     if config.controlnet_model_name_or_path is not None:
         controlnet = cn.load(config.controlnet_model_name_or_path, base.transformer)

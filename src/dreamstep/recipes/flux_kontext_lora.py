@@ -94,7 +94,7 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
     scorer = load_scorer(config)
     flux.transformer_config(config)  # --blocks_to_swap checked before the plan, or anything is encoded
     # The transformer reads the condition's tokens beside the target's: twice the image tokens of a pair.
-    print_run_plan("flux", config.pretrained_model_name_or_path, flux.plan_options(
+    print_run_plan("flux", config.flux_base().source, flux.plan_options(
         config, rank=config.rank, encoders_on_device=not config.cache_latents or dataset.encodes_in_the_loop(),
         validation_images=bool(config.validation_prompt), image_token_multiplier=2 if paired else 1),
         config.device_memory, lora_layers=config.lora_layers)
@@ -113,9 +113,9 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
     # 3. Encode (models/phases.py): the text encoders and the VAE encode every instruction, pair and validation
     # prompt before the transformer loads; then those the loop does not use wait in host memory.
     base = flux.load_encoders_for_training(
-        config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
+        config.flux_base().source, revision=config.revision, variant=config.variant,
         mixed_precision=config.mixed_precision, device=run.device,
-        text_encoder_quantization=config.text_encoder_quantization)
+        text_encoder_quantization=config.text_encoder_quantization, files=config.flux_base().files)
     pipeline = flux.assemble_pipeline(base, pipeline_class=FluxKontextPipeline)
     encoder = flux.FluxConditioner(pipeline, latent_cache=latent_cache, text_cache=text_cache,
                                    max_sequence_length=config.max_sequence_length, device=run.device)
@@ -129,8 +129,8 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
 
     # 4. Load: the transformer frozen in the --mixed_precision dtype (quantized as asked); LoRA weights in fp32.
     flux.load_transformer_for_training(
-        base, config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
-        transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
+        base, config.flux_base().source, revision=config.revision, variant=config.variant,
+        transformer_single_file=config.flux_base().files.transformer, mixed_precision=config.mixed_precision,
         device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
     flux.attach_transformer(pipeline, base)
     transformer = base.transformer

@@ -136,7 +136,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                                              latent_cache=latent_cache, text_cache=text_cache)
     scorer = load_scorer(config)
     flux.transformer_config(config)  # --blocks_to_swap checked before the plan, or anything is encoded
-    print_run_plan("flux", config.pretrained_model_name_or_path, flux.plan_options(
+    print_run_plan("flux", config.flux_base().source, flux.plan_options(
         config, rank=config.rank,
         encoders_on_device=config.train_text_encoder or not config.cache_latents or dataset.encodes_in_the_loop(),
         validation_images=bool(config.validation_prompt)), config.device_memory, lora_layers=config.lora_layers)
@@ -168,9 +168,9 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
     # 4. Encode (models/phases.py): the text encoders and the VAE encode every caption, held-out image and
     # validation prompt before the transformer loads; then those the loop does not use wait in host memory.
     base = flux.load_encoders_for_training(
-        config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
+        config.flux_base().source, revision=config.revision, variant=config.variant,
         mixed_precision=config.mixed_precision, device=run.device,
-        text_encoder_quantization=config.text_encoder_quantization)
+        text_encoder_quantization=config.text_encoder_quantization, files=config.flux_base().files)
     pipeline = flux.assemble_pipeline(base)
     text_encoder = base.text_encoder if config.train_text_encoder else None
     conditioner = flux.FluxConditioner(
@@ -184,8 +184,8 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
 
     # 5. Load: the transformer frozen in the --mixed_precision dtype (quantized as asked); LoRA weights in fp32.
     flux.load_transformer_for_training(
-        base, config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
-        transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
+        base, config.flux_base().source, revision=config.revision, variant=config.variant,
+        transformer_single_file=config.flux_base().files.transformer, mixed_precision=config.mixed_precision,
         device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
     flux.attach_transformer(pipeline, base)
     adapters, trained = add_adapters(config, base.transformer, text_encoder)
@@ -285,10 +285,10 @@ EMA_WEIGHT_NAME = "pytorch_lora_weights_ema.safetensors"
 def _generate_class_images(config: FluxLoraConfig, class_dir: str, device: torch.device) -> None:
     """The missing class images, from the whole base pipeline (loaded for this alone, then dropped)."""
     base = flux.load_frozen_for_training(
-        config.pretrained_model_name_or_path, revision=config.revision, variant=config.variant,
-        transformer_single_file=config.transformer_single_file, mixed_precision=config.mixed_precision,
+        config.flux_base().source, revision=config.revision, variant=config.variant,
+        transformer_single_file=config.flux_base().files.transformer, mixed_precision=config.mixed_precision,
         device=device, base_quantization=config.base_quantization,
-        text_encoder_quantization=config.text_encoder_quantization)
+        text_encoder_quantization=config.text_encoder_quantization, files=config.flux_base().files)
     flux.generate_class_images(flux.assemble_pipeline(base), class_dir, config.class_prompt, config.num_class_images,
                                batch_size=config.sample_batch_size, resolution=config.resolution,
                                seed=config.seed, guidance_scale=config.guidance_scale)
