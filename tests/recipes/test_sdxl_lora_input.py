@@ -132,7 +132,7 @@ def test_unknown_key_in_the_training_config(tmp_path: Path, capsys) -> None:
 def test_other_bad_flags(tiny_sdxl_dir: Path, tmp_path: Path, capsys) -> None:
     toml = write_method(tmp_path, "class_tokens")
     base = ("--pretrained_model_name_or_path", tiny_sdxl_dir, "--dataset_config", toml)
-    assert "networks.lora" in _fails(capsys, *base, "--output_dir", tmp_path / "a", "--network_module", "lycoris.kohya")
+    assert "networks.lora" in _fails(capsys, *base, "--output_dir", tmp_path / "a", "--network_module", "networks.oft")
     assert "--full_bf16 needs --mixed_precision bf16" in _fails(capsys, *base, "--output_dir", tmp_path / "b",
                                                                 "--full_bf16")
     assert "did you mean 'conv_dim'" in _fails(capsys, *base, "--output_dir", tmp_path / "c", "--network_args",
