@@ -152,7 +152,8 @@ def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_chec
         return FileResponse(STATIC / "index.html")
 
     def info(request: Request) -> Response:
-        return _JSON({"roots": [str(r) for r in index.roots], "dataset": state.source})
+        return _JSON({"roots": [str(r) for r in index.roots], "dataset": state.source,
+                      "training": training is not None})
 
     def runs(request: Request) -> Response:
         return _JSON({"runs": [read_section(run.summary) for run in index.runs().values()]})

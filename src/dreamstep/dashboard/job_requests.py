@@ -13,14 +13,21 @@ import dataclasses
 import importlib
 import os
 import re
+import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from dreamstep.config.schema import build_config, toml_value
 from dreamstep.errors import UserError
 
-__all__ = ["FieldError", "JobRequest", "check_job_request", "trainer_options"]
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["FieldError", "JobRequest", "check_job_request", "form_fields", "options_from_toml", "trainer_options"]
 
 # Set by the dashboard itself: the output folder from the request's root and name, the resume by Resume.
 SET_BY_DASHBOARD = ("output_dir", "resume_from_checkpoint", "resume", "config")
@@ -147,3 +154,77 @@ def _inside(roots: list[Path], relative: str, key: str, *, must_exist: bool) -> 
             return candidate
     shown = ", ".join(str(r) for r in roots)
     raise FieldError(key, f"--{key} {relative}: not found in {shown}")
+
+
+# The new-run page's sections, in order; a flag goes to the first whose pattern matches its name.
+GROUPS = (
+    ("model", r"pretrained|revision|variant|single_file|model_config|controlnet_model|quantization|fp8_base|"
+              r"no_half_vae|v_parameterization|num_(double|single)_layers|max_sequence_length"),
+    ("data", r"data_dir|dataset|caption|^instance_|^class_|prior|num_class_images|^sample_batch_size|_crop|"
+             r"random_flip|repeats|^resolution|bucket|in_json|jsonl|_column|proportion_empty|data_?loader"),
+    ("LoRA / adapter", r"^rank$|^lora_|^network_|kohya|text_encoder_lr|train_text_encoder|text_encoder$|"
+                       r"controlnet_weights"),
+    ("validation / evaluation", r"validat|^eval_|^sample_|dino|clip_model"),
+    ("memory", r"checkpointing$|blocks_to_swap|mixed_precision|^full_|^cache_|compile|device_memory|tf32|sdpa|"
+               r"flash_attn|xformers|shard_base|zero_stage|dry_run"),
+    ("output", r"^output_|^save_|checkpoint|^logging|report_to|log_with|overwrite|^resume"),
+    ("optimization", r""),
+)
+
+
+def form_fields(trainer: str) -> list[dict[str, Any]]:
+    """Every option of ``trainer`` as the new-run page shows it: its section, kind, choices, default and help
+    (the texts of ``--help``); those the dashboard sets itself are left out."""
+    from dreamstep.config.schema import _fields, _unwrap_optional
+
+    shown = []
+    for name, (f, tp) in _fields(trainer_options(trainer)).items():
+        if name in SET_BY_DASHBOARD:
+            continue
+        base, optional = _unwrap_optional(tp)
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default = None if required else f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        shown.append({"name": name, "group": next(g for g, pattern in GROUPS if re.search(pattern, name)),
+                      "kind": _kind(base), "choices": [str(c) for c in typing.get_args(base)]
+                      if typing.get_origin(base) is Literal else None,
+                      "default": default, "required": required, "help": f.metadata.get("help", ""),
+                      "path": name in WRITTEN_PATHS + READ_PATHS + MODEL_PATHS})
+    return shown
+
+
+def _kind(base: Any) -> str:
+    if typing.get_origin(base) is Literal:
+        return "choice"
+    if typing.get_origin(base) in (list, tuple):
+        return "list"
+    return {bool: "bool", int: "int", float: "float"}.get(base, "text")
+
+
+def options_from_toml(trainer: str, text: str, roots: list[Path]) -> dict[str, Any]:
+    """The options of a TOML (a run's ``config.toml`` or a user's file) for the form: the dashboard's own
+    keys left out, paths inside a root made relative to it (others stay, for the check to refuse)."""
+    try:
+        values = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise FieldError("toml", f"not valid TOML: {e}") from None
+    names = {f.name for f in dataclasses.fields(trainer_options(trainer))}
+    options = {}
+    for key, value in values.items():
+        if key in SET_BY_DASHBOARD:
+            continue
+        if key not in names:
+            raise FieldError("toml", f"key '{key}' is not an option of {trainer}")
+        paths = WRITTEN_PATHS + READ_PATHS + MODEL_PATHS
+        options[key] = _relative(value, roots) if key in paths and isinstance(value, str) else value
+    return options
+
+
+def _relative(value: str, roots: list[Path]) -> str:
+    if not os.path.isabs(value):
+        return value
+    real = Path(os.path.realpath(value))
+    for root in roots:
+        real_root = Path(os.path.realpath(root))
+        if real == real_root or real_root in real.parents:
+            return real.relative_to(real_root).as_posix() or "."
+    return value

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from dreamstep.dashboard.job_requests import check_job_request
+from dreamstep.dashboard.job_requests import GROUPS, FieldError, check_job_request, form_fields, options_from_toml
 from dreamstep.dashboard.jobs import Job, JobError, JobQueue, JobRunner
 from dreamstep.dashboard.runs import RunIndex
+from dreamstep.engine.run_folder import read_status
 
 __all__ = ["Training", "job_routes"]
 
@@ -60,6 +61,7 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
     def shown(job: Job) -> dict[str, Any]:
         data = job.shown()
         folder = Path(job.output_dir)
+        data["status"] = read_status(folder)
         data["run_id"] = next((run.id for run in index.runs().values() if run.folder.resolve() == folder), None)
         return data
 
@@ -72,6 +74,33 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
 
     def list_jobs(request: Request) -> Response:
         return JSONResponse({"jobs": [shown(job) for job in queue.all()]})
+
+    def form(request: Request) -> Response:
+        try:
+            return JSONResponse({"fields": form_fields(request.path_params["trainer"]),
+                                 "groups": [name for name, _ in GROUPS]})
+        except FieldError as e:
+            return JSONResponse({"error": str(e), "field": e.field}, 404)
+
+    async def check(request: Request) -> Response:
+        """What a job would run (its TOML and command), or the field that is wrong; queues nothing."""
+        try:
+            job_request = check_job_request(json.loads(await request.body()), training.output_roots,
+                                            training.data_roots)
+        except ValueError as e:
+            return JSONResponse({"error": str(e), "field": getattr(e, "field", None)}, 400)
+        command = ["dreamstep", "train", job_request.trainer, "--config", "JOB.toml",
+                   "--output_dir", str(job_request.output_dir)]
+        return JSONResponse({"toml": job_request.config_toml, "command": command})
+
+    async def from_toml(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+            options = options_from_toml(str(body.get("trainer", "")), str(body.get("toml", "")),
+                                        training.output_roots + training.data_roots)
+        except ValueError as e:
+            return JSONResponse({"error": str(e), "field": getattr(e, "field", None)}, 400)
+        return JSONResponse({"options": options})
 
     async def create(request: Request) -> Response:
         try:
@@ -112,12 +141,20 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
 
     return [
         Route("/api/trainers", trainers),
+        Route("/api/trainers/{trainer}/form", form),
+        Route("/api/jobs/check", check, methods=["POST"]),
+        Route("/api/jobs/from_toml", from_toml, methods=["POST"]),
         Route("/api/jobs", list_jobs, methods=["GET"]),
         Route("/api/jobs", create, methods=["POST"]),
         Route("/api/jobs/{job_id:int}", one),
         Route("/api/jobs/{job_id:int}/log", log),
         Route("/api/jobs/{job_id:int}/{action}", action, methods=["POST"]),
+        Route("/new", new_run_page),
     ]
+
+
+async def new_run_page(request: Request) -> Response:
+    return FileResponse(Path(__file__).parent / "static" / "new.html")
 
 
 def _job_id(request: Request) -> int:

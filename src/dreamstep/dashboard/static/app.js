@@ -348,6 +348,9 @@ window.addEventListener("DOMContentLoaded", async () => {
   try {
     const info = await getJSON("/api/info");
     document.getElementById("nav-dataset").hidden = !info.dataset;
+    document.getElementById("nav-new").hidden = !info.training;
+    const token = new URLSearchParams(location.search).get("token");
+    if (token) { sessionStorage.setItem("dreamstep_token", token); }  // for the new-run page's changes
     if (info.dataset && !location.hash) { location.hash = "#/dataset"; }
   } catch (e) { /* the runs view shows the error */ }
   await route();
