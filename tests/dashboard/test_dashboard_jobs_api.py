@@ -4,6 +4,7 @@ field named; and the queue's order and cancel kept in SQLite."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import urllib.error
@@ -165,3 +166,34 @@ def test_queued_jobs_are_reordered_and_cancelled_and_kept_in_sqlite(tmp_path):
         queue.requeue_for_resume(first)
     assert [(j.id, j.state) for j in JobQueue(tmp_path / "jobs.sqlite").all()] == [
         (third, "queued"), (first, "queued"), (second, "cancelled")]
+
+
+def test_a_runs_config_toml_fills_the_form_with_paths_inside_the_roots_and_checks_without_queuing(server,
+                                                                                                finished_run):
+    url, training = server
+    status, answer = _post(f"{url}/api/jobs/from_toml",
+                           {"trainer": "flux-lora", "toml": (finished_run / "config.toml").read_text()}, AUTH)
+    assert status == 200, answer
+    options = answer["options"]
+    assert (options["pretrained_model_name_or_path"], options["instance_data_dir"]) == ("flux-dev", "robot")
+    assert "output_dir" not in options and options["rank"] == 4
+    status, checked = _post(f"{url}/api/jobs/check", {"trainer": "flux-lora", "name": "again", "options": options},
+                            AUTH)
+    assert status == 200, checked
+    assert "rank = 4\n" in checked["toml"] and checked["command"][:3] == ["dreamstep", "train", "flux-lora"]
+    assert training.queue.all() == []
+    status, refused = _post(f"{url}/api/jobs/from_toml", {"trainer": "flux-lora", "toml": "rank = [1"}, AUTH)
+    assert status == 400 and refused["field"] == "toml"
+
+
+def test_the_form_has_every_option_of_each_trainer_in_a_section_with_its_help(server):
+    url, _ = server
+    from dreamstep.dashboard.job_requests import SET_BY_DASHBOARD, trainer_options
+
+    for trainer in ("flux-lora", "sdxl-lora", "flux-controlnet", "flux-kontext-lora"):
+        form = json.loads(urllib.request.urlopen(f"{url}/api/trainers/{trainer}/form", timeout=30).read())
+        names = {f["name"] for f in form["fields"]}
+        expected = {f.name for f in dataclasses.fields(trainer_options(trainer))}
+        assert names == expected - set(SET_BY_DASHBOARD)
+        assert {f["group"] for f in form["fields"]} <= set(form["groups"])
+        assert all(f["help"] for f in form["fields"]), [f["name"] for f in form["fields"] if not f["help"]]
