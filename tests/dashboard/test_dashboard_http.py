@@ -291,3 +291,18 @@ def test_a_run_with_a_thousand_samples_sends_the_latest_and_the_rest_on_request(
     assert [s["step"] for s in detail["samples"]] == list(range(953, 1001))
     every = c.get("/api/runs/0.live/samples").json()["samples"]
     assert [s["step"] for s in every] == list(range(1, 1001))
+
+
+def test_a_controlnet_runs_weights_are_named_as_a_controlnet_not_read_as_a_lora(tmp_path, tiny_flux_dev_dir):
+    from diffusers import FluxTransformer2DModel
+
+    from dreamstep.models.controlnet import build_from_transformer, save
+
+    run = tmp_path / "runs" / "control"
+    transformer = FluxTransformer2DModel.from_pretrained(tiny_flux_dev_dir, subfolder="transformer")
+    save(build_from_transformer(transformer, 1, 0), run)
+    (run / "config.toml").write_text("max_train_steps = 2\n")
+    loras = client(run.parent).get("/api/runs/0.control/loras").json()["loras"]
+    assert [f["name"] for f in loras] == ["diffusion_pytorch_model.safetensors"]
+    assert "error" not in loras[0] and "FluxControlNetModel weights" in loras[0]["info"]
+    assert "not a LoRA file" in loras[0]["info"]
