@@ -322,7 +322,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _default_prompt(config: dict[str, Any]) -> str | None:
+    """The run's validation prompt(s) from its config: one text, or a list (a ControlNet's, one per image)."""
     prompt = config.get("validation_prompt")
+    if isinstance(prompt, list) and prompt:
+        return " | ".join(str(p) for p in prompt)
     return prompt if isinstance(prompt, str) else None
 
 
