@@ -252,3 +252,15 @@ def test_a_run_created_from_the_form_is_watched_stopped_resumed_and_the_next_job
         _screenshot(browser, "dashboard-jobs.png")
     finally:
         dashboard.close()
+
+
+def test_a_constant_is_drawn_against_zero_and_metrics_each_on_their_own_scale(browser, growing_run):
+    with serve(create_app([growing_run.folder.parent])) as url:
+        browser.get(f"{url}/#/")
+        _wait(browser, lambda d: d.execute_script("return typeof range === 'function' && typeof normalised === "
+                                                  "'function'"), "the page's scripts")
+        assert browser.execute_script("return range([{y: [1e-3, 1e-3, 1e-3]}])") == [0, pytest.approx(1.5e-3)]
+        low, high = browser.execute_script("return range([{y: [1, 2]}])")
+        assert low < 1 < 2 < high and high - low < 1.2
+        assert browser.execute_script("return normalised([0.2, 0.21, 0.22])") == pytest.approx([0, 0.5, 1])
+        assert browser.execute_script("return normalised([40, 20, 30])") == pytest.approx([1, 0, 0.5])
