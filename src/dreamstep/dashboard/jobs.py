@@ -132,7 +132,7 @@ class JobQueue:
             db.execute(f"UPDATE jobs SET {columns} WHERE id = ?", (*values.values(), job_id))
 
     def requeue_for_resume(self, job_id: int) -> Job:
-        job = self._require(job_id, ("stopped", "failed"), "resume")
+        job = self.require(job_id, ("stopped", "failed"), "resume")
         with self._connect() as db:
             db.execute("UPDATE jobs SET state = 'queued', resume = 1, pid = NULL, exit_code = NULL, message = NULL, "
                        "ended_at = NULL, queue_position = (SELECT COALESCE(MAX(queue_position), 0) + 1 FROM jobs) "
@@ -140,13 +140,13 @@ class JobQueue:
         return self.get(job_id)
 
     def cancel(self, job_id: int) -> Job:
-        self._require(job_id, ("queued",), "cancel")
+        self.require(job_id, ("queued",), "cancel")
         self.update(job_id, state="cancelled", ended_at=time.time())
         return self.get(job_id)
 
     def move(self, job_id: int, offset: int) -> Job:
         """Move a queued job ``offset`` places (negative: towards the front)."""
-        self._require(job_id, ("queued",), "move")
+        self.require(job_id, ("queued",), "move")
         queued = [job.id for job in self.in_state("queued")]
         where = queued.index(job_id)
         queued.insert(max(0, min(len(queued) - 1, where + offset)), queued.pop(where))
@@ -155,7 +155,7 @@ class JobQueue:
                            [(place + 1, job) for place, job in enumerate(queued)])
         return self.get(job_id)
 
-    def _require(self, job_id: int, states: tuple[str, ...], action: str) -> Job:
+    def require(self, job_id: int, states: tuple[str, ...], action: str) -> Job:
         job = self.get(job_id)
         if job is None:
             raise LookupError(f"no job {job_id}")
@@ -202,13 +202,13 @@ class JobRunner:
 
     def stop(self, job_id: int) -> Job:
         """SIGINT, as Ctrl-C: the run finishes its step, writes a checkpoint and ends as interrupted."""
-        job = self.queue._require(job_id, ("running",), "stop")
+        job = self.queue.require(job_id, ("running",), "stop")
         with contextlib.suppress(ProcessLookupError):
             os.kill(job.pid, signal.SIGINT)
         return job
 
     def sample_now(self, job_id: int) -> Job:
-        job = self.queue._require(job_id, ("running",), "sample")
+        job = self.queue.require(job_id, ("running",), "sample")
         (Path(job.output_dir) / SAMPLE_REQUEST).touch()
         return job
 
