@@ -64,17 +64,22 @@ def _check_port(host: str, port: int) -> None:
                             "pick another --port") from None
 
 
-def _training(args: argparse.Namespace, token: str | None) -> Any:
-    """The job queue of --allow_training (None without it); checked before the server starts."""
+def _check_training_flags(args: argparse.Namespace) -> None:
     if not args.allow_training:
         if args.data_root:
             raise UserError("--data_root is for --allow_training; add it, or remove --data_root")
-        return None
+        return
     if not args.run_dirs:
         raise UserError("--allow_training needs a RUN_DIR: the folder new runs are made in")
     for folder in args.data_root:
         if not Path(folder).is_dir():
             raise UserError(f"--data_root {folder}: no such folder")
+
+
+def _training(args: argparse.Namespace, token: str | None) -> Any:
+    """The job queue of --allow_training (None without it)."""
+    if not args.allow_training:
+        return None
     from dreamstep.dashboard.job_routes import Training
 
     return Training([Path(d).resolve() for d in args.run_dirs], [Path(d).resolve() for d in args.data_root],
@@ -91,6 +96,7 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
         raise UserError(f"--port {args.port}: must be between 1 and 65535")
     if args.token is not None and not args.token.strip():
         raise UserError("--token is empty, which would let anyone in; give a token, or --token alone for a random one")
+    _check_training_flags(args)
     try:
         import uvicorn
 
