@@ -220,6 +220,7 @@ def test_a_run_created_from_the_form_is_watched_stopped_resumed_and_the_next_job
                         "instance_prompt": "a photo of sks robot", "resolution": "32", "rank": "4",
                         "validation_prompt": "sks robot", "num_validation_images": "1",
                         "validation_inference_steps": "1", "validation_steps": "1000", "report_to": "none",
+                        "logging_steps": "1",
                         "learning_rate": "fast"})
         error = '.field-error[data-for="learning_rate"]'
         _wait(browser, lambda d: "is not a number" in d.find_element("css selector", error).text,
@@ -231,11 +232,14 @@ def test_a_run_created_from_the_form_is_watched_stopped_resumed_and_the_next_job
         first = _queue_from_form(browser, "first", 30)
         second = _queue_from_form(browser, "second", 2)
         _wait(browser, lambda d: _row(d, second).get("state") == "queued", "the second job to wait")
+        # Paused at its first steps (read from its status file, written every step here) while the page shows
+        # the progress and the Stop click reaches the server, so the run cannot end first however fast it trains.
+        job = dashboard.wait_job(first, lambda j: (read_status(Path(j["output_dir"])) or {}).get("step", 0) >= 1,
+                                 "to train a step")
+        os.kill(job["pid"], signal.SIGSTOP)
+        pid = job["pid"]
         _wait(browser, lambda d: _row(d, first).get("progress", "").split(" / ")[0] not in ("", "0"),
               "the first job's progress")
-        # Paused while the Stop click reaches the server, so the run cannot end first however fast it trains.
-        pid = dashboard.job(first)["pid"]
-        os.kill(pid, signal.SIGSTOP)
         _click(browser, first, "stop")
         os.kill(pid, signal.SIGCONT)
         _wait(browser, lambda d: _row(d, first).get("state") == "stopped", "the first job to stop")

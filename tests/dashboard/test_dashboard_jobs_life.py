@@ -23,7 +23,8 @@ def _job(name: str, steps: int) -> dict:
             "options": {"pretrained_model_name_or_path": "flux-dev", "instance_data_dir": "robot",
                         "instance_prompt": "a photo of sks robot", "resolution": 32, "rank": 4,
                         "max_train_steps": steps, "validation_prompt": "sks robot", "validation_steps": 1000,
-                        "num_validation_images": 1, "validation_inference_steps": 1, "report_to": "none"}}
+                        "num_validation_images": 1, "validation_inference_steps": 1, "report_to": "none",
+                        "logging_steps": 1}}  # the status file has the step at every step
 
 
 def _stepped(job: dict) -> bool:
