@@ -80,3 +80,73 @@ def raw_get(base_url: str, target: str) -> tuple[int, bytes]:
             data += chunk
     status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
     return status, data.partition(b"\r\n\r\n")[2]
+
+
+class DashboardProcess:
+    """``dreamstep dashboard RUNS --allow_training --data_root ...`` as its own process, as a user starts it;
+    ``api`` and ``post`` talk to it with the token it printed."""
+
+    def __init__(self, runs: Path, data_roots: list[Path], port: int | None = None):
+        import os
+        import subprocess
+        import sys
+
+        self.port = port or free_port()
+        src = Path(__file__).resolve().parents[2] / "src"
+        env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        roots = [arg for root in data_roots for arg in ("--data_root", str(root))]
+        self.process = subprocess.Popen([sys.executable, "-m", "dreamstep", "dashboard", str(runs), "--allow_training",
+                                         *roots, "--port", str(self.port)], env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True)
+        line = self.process.stdout.readline()
+        self.url = line.split()[1].partition("?")[0].rstrip("/")
+        self.token = line.split("?token=")[1].split()[0]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.api("/api/jobs")
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def api(self, route: str) -> Any:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}{route}", timeout=30) as response:
+            return json.loads(response.read())
+
+    def post(self, route: str, body: object = None) -> Any:
+        import json
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.url}{route}", data=json.dumps(body or {}).encode(), method="POST",
+                                         headers={"Content-Type": "application/json", "X-Dreamstep-Token": self.token})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+
+    def job(self, job_id: int) -> dict:
+        return self.api(f"/api/jobs/{job_id}")["job"]
+
+    def wait_job(self, job_id: int, condition: Any, what: str, timeout: float = 240) -> dict:
+        deadline = time.monotonic() + timeout
+        while not condition(job := self.job(job_id)):
+            if time.monotonic() > deadline or job["state"] in ("finished", "failed", "stopped", "cancelled"):
+                raise AssertionError(f"job {job_id} is {job['state']} ({job['message']}), waiting {what}")
+            time.sleep(0.1)
+        return job
+
+    def close(self) -> None:
+        """Ctrl-C, as a user stops it (its jobs go on)."""
+        import signal
+
+        self.process.send_signal(signal.SIGINT)
+        self.process.wait(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

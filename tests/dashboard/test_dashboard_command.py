@@ -26,6 +26,9 @@ SRC = Path(__file__).resolve().parents[2] / "src"
     ([".", "--port", "70000"], "--port 70000"),
     ([".", "--host", "0.0.0.0", "--token", ""], "--token is empty, which would let anyone in"),
     ([".", "--token", "  "], "--token is empty"),
+    ([".", "--data_root", "."], "--data_root is for --allow_training"),
+    (["--dataset", ".", "--allow_training"], "--allow_training needs a RUN_DIR"),
+    ([".", "--allow_training", "--data_root", "no/such/folder"], "--data_root no/such/folder: no such folder"),
 ])
 def test_bad_input_is_one_error_line(argv, message, capsys):
     assert main(["dashboard", *argv]) == 2

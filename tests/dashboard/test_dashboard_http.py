@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from dashboard_testkit import FINISHED_STEPS, GrowingRun, copy_run, raw_get, serve
+from PIL import Image
 
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
@@ -310,3 +311,29 @@ def test_adapter_panel_reports_a_lokr_run(finished_run, tiny_flux_dev_dir: Path,
     info = loras[0]["info"]
     assert "LyCORIS layout (LoKr" in info and "LoKr (factor 4, rank 2)" in info
     assert f"params:    {sum(p.numel() for p in network.parameters()):,}" in info
+
+
+def test_a_controlnet_runs_weights_are_named_as_a_controlnet_not_read_as_a_lora(tmp_path, tiny_flux_dev_dir):
+    from diffusers import FluxTransformer2DModel
+
+    from dreamstep.models.controlnet import build_from_transformer, save
+
+    run = tmp_path / "runs" / "control"
+    transformer = FluxTransformer2DModel.from_pretrained(tiny_flux_dev_dir, subfolder="transformer")
+    save(build_from_transformer(transformer, 1, 0), run)
+    (run / "config.toml").write_text("max_train_steps = 2\n")
+    loras = client(run.parent).get("/api/runs/0.control/loras").json()["loras"]
+    assert [f["name"] for f in loras] == ["diffusion_pytorch_model.safetensors"]
+    assert "error" not in loras[0] and "FluxControlNetModel weights" in loras[0]["info"]
+    assert "not a LoRA file" in loras[0]["info"]
+
+
+def test_samples_of_a_run_with_a_list_of_validation_prompts_are_captioned_with_them(tmp_path):
+    from dreamstep.engine.logging import TrainingLogger
+
+    run = tmp_path / "runs" / "control"
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text('validation_prompt = ["a red cube", "a blue cube"]\nseed = 5\n')
+    TrainingLogger(run, report_to="none").log_images(2, [Image.new("RGB", (16, 16)), Image.new("RGB", (16, 16))])
+    samples = client(run.parent).get("/api/runs/0.control").json()["samples"]
+    assert [(s["step"], s["prompt"], s["seed"]) for s in samples] == [(2, "a red cube | a blue cube", 5)]

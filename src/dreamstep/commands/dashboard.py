@@ -1,6 +1,8 @@
 """``dreamstep dashboard [RUN_DIR ...] [--dataset TOML_OR_FOLDER]``: a local web page over run folders
 (live loss and LR, sample grids, metrics, config, LoRA files, log tail, run comparison) and a dataset
-check before training. Read-only; listens on 127.0.0.1 unless --host says otherwise.
+check before training. Read-only unless --allow_training: then it also queues, runs, stops and resumes
+training jobs, each its own ``dreamstep train`` process writing into a run folder under the first RUN_DIR
+given (or another RUN_DIR). Listens on 127.0.0.1 unless --host says otherwise.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from dreamstep.errors import UserError
 
@@ -34,6 +37,12 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     parser.add_argument("--token", nargs="?", const="random",
                         help="require this token on every request; --token alone makes a random one")
+    parser.add_argument("--allow_training", action="store_true",
+                        help="let the page and the API start, stop and resume training jobs (queued in "
+                             "RUN_DIR/.dreamstep-jobs; new runs are made inside the RUN_DIRs)")
+    parser.add_argument("--data_root", action="append", default=[], metavar="FOLDER",
+                        help="with --allow_training: a folder whose datasets and models jobs may read "
+                             "(repeatable); a job's paths must lie inside a RUN_DIR or a --data_root")
 
 
 def is_loopback(host: str) -> bool:
@@ -55,6 +64,28 @@ def _check_port(host: str, port: int) -> None:
                             "pick another --port") from None
 
 
+def _check_training_flags(args: argparse.Namespace) -> None:
+    if not args.allow_training:
+        if args.data_root:
+            raise UserError("--data_root is for --allow_training; add it, or remove --data_root")
+        return
+    if not args.run_dirs:
+        raise UserError("--allow_training needs a RUN_DIR: the folder new runs are made in")
+    for folder in args.data_root:
+        if not Path(folder).is_dir():
+            raise UserError(f"--data_root {folder}: no such folder")
+
+
+def _training(args: argparse.Namespace, token: str | None) -> Any:
+    """The job queue of --allow_training (None without it)."""
+    if not args.allow_training:
+        return None
+    from dreamstep.dashboard.job_routes import Training
+
+    return Training([Path(d).resolve() for d in args.run_dirs], [Path(d).resolve() for d in args.data_root],
+                    Path(args.run_dirs[0]).resolve() / ".dreamstep-jobs", token or secrets.token_urlsafe(16))
+
+
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     if not args.run_dirs and not args.dataset:
         raise UserError("give at least one RUN_DIR or --dataset TOML_OR_FOLDER; see 'dreamstep dashboard --help'")
@@ -65,6 +96,7 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
         raise UserError(f"--port {args.port}: must be between 1 and 65535")
     if args.token is not None and not args.token.strip():
         raise UserError("--token is empty, which would let anyone in; give a token, or --token alone for a random one")
+    _check_training_flags(args)
     try:
         import uvicorn
 
@@ -85,6 +117,9 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
             print(f"note: RUN_DIR {folder} holds no run yet (a run folder has a config.toml, train.log, "
                   "run_status.json or TensorBoard files); runs started in it will appear", file=sys.stderr)
     token = secrets.token_urlsafe(16) if args.token == "random" else args.token
+    training = _training(args, token)
+    if training is not None and not is_loopback(args.host):
+        token = training.token  # bound beyond loopback, every request needs it; on loopback only changes do
     if not is_loopback(args.host):
         print(f"warning: --host {args.host} lets other machines open the dashboard and read every file in "
               f"{', '.join(args.run_dirs) or 'the dataset'}" + ("" if token else "; add --token to require a token"),
@@ -92,11 +127,13 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     _check_port(args.host, args.port)
     app = create_app([Path(d) for d in args.run_dirs], dataset=args.dataset, dataset_check=check,
                      resolution=args.resolution, seed=args.seed, instance_prompt=args.instance_prompt,
-                     token=token)
+                     token=token, training=training, local_hosts=training is not None and is_loopback(args.host))
+    token = training.token if training is not None else token
     shown_host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{shown_host}:{args.port}/" + (f"?token={token}" if token else "")
     # The LoRA reports need torch and diffusers; importing them takes seconds, so start now, not on the
     # first page that shows a LoRA file.
     threading.Thread(target=importlib.import_module, args=("dreamstep.lora.info",), daemon=True).start()
-    print(f"dashboard: {url}  (read-only; Ctrl-C stops it)", flush=True)
+    mode = "training allowed" if training is not None else "read-only"
+    print(f"dashboard: {url}  ({mode}; Ctrl-C stops it, not its jobs)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -1,9 +1,15 @@
 """The dashboard's web application (Starlette): a static page, a JSON API and files from run folders.
 
-Read-only by construction: every request other than GET or HEAD is answered 405 before routing, and no
-route writes, deletes or starts anything. Files are served only through :func:`resolve_inside`, dataset
-images only by their index in the checked list. With a token, every request needs it (header
+Read-only unless started with training (:class:`Training`): then POST to ``/api/jobs...`` queues, stops,
+resumes and samples jobs; every other request than GET or HEAD is answered 405 before routing. Files are
+served only through :func:`resolve_inside`, dataset images only by their index in the checked list.
+
+Tokens: ``token`` (for a server bound beyond loopback) is needed on every request (header
 ``Authorization: Bearer``, ``?token=``, or the cookie set after a page opened with ``?token=``).
+``change_token`` is needed on every POST, in the ``Authorization: Bearer`` or ``X-Dreamstep-Token`` header
+only: a cross-site page can make a browser send cookies and forms, never a custom header (no CORS here), so
+a forged POST fails. POSTs must also be JSON, and any ``Origin`` they carry must be this server's. With
+``local_hosts``, a request whose ``Host`` is not a loopback name is refused (a DNS-rebinding page).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from dreamstep.dashboard.dataset_check import DatasetCheck, check_dataset, summary
+from dreamstep.dashboard.job_routes import Training, job_routes
 from dreamstep.dashboard.paths import UnsafePath, resolve_inside
 from dreamstep.dashboard.runs import RunIndex, read_section
 
@@ -60,26 +67,47 @@ def _finite(value: Any) -> Any:
 
 
 class _Guard(BaseHTTPMiddleware):
-    """Only GET and HEAD; the token when one is set; security headers on every answer."""
+    """The methods, hosts and tokens allowed (see the module's docstring); security headers on every answer."""
 
-    def __init__(self, app: Any, token: str | None):
+    def __init__(self, app: Any, token: str | None, change_token: str | None = None, local_hosts: bool = False):
         super().__init__(app)
-        self.token = token
+        self.token, self.change_token, self.local_hosts = token, change_token, local_hosts
 
     async def dispatch(self, request: Request, call_next: Any) -> Response:
-        if request.method not in ("GET", "HEAD"):
-            return self._headers(PlainTextResponse("the dashboard is read-only", 405, headers={"Allow": "GET, HEAD"}))
+        refused = self._refusal(request)
+        if refused is not None:
+            return self._headers(refused)
         from_query = request.query_params.get("token")
-        if self.token is not None:
-            offered = (request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-                       or from_query or request.cookies.get(TOKEN_COOKIE) or "")
-            if not hmac.compare_digest(offered.encode(), self.token.encode()):
-                return self._headers(PlainTextResponse("a token is needed: open the address printed by "
-                                                       "'dreamstep dashboard', which ends in ?token=...", 401))
         response = await call_next(request)
         if self.token is not None and from_query:
             response.set_cookie(TOKEN_COOKIE, self.token, httponly=True, samesite="strict")
         return self._headers(response)
+
+    def _refusal(self, request: Request) -> Response | None:
+        if self.local_hosts and request.url.hostname not in ("127.0.0.1", "localhost", "::1", "[::1]"):
+            return PlainTextResponse("this dashboard answers only to a loopback address", 403)
+        header = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        header = header or request.headers.get("x-dreamstep-token", "")
+        if self.token is not None:
+            offered = header or request.query_params.get("token") or request.cookies.get(TOKEN_COOKIE) or ""
+            if not _same(offered, self.token):
+                return PlainTextResponse("a token is needed: open the address printed by "
+                                         "'dreamstep dashboard', which ends in ?token=...", 401)
+        if request.method in ("GET", "HEAD"):
+            return None
+        if self.change_token is None or request.method != "POST" or not request.url.path.startswith("/api/jobs"):
+            allowed = "GET, HEAD, POST" if self.change_token else "GET, HEAD"
+            return PlainTextResponse("the dashboard is read-only" if not self.change_token else "method not allowed",
+                                     405, headers={"Allow": allowed})
+        if not _same(header, self.change_token):
+            return PlainTextResponse("a change needs the token in the X-Dreamstep-Token or Authorization header",
+                                     403)
+        origin = request.headers.get("origin")
+        if origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}":
+            return PlainTextResponse(f"cross-site request from {origin} refused", 403)
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            return PlainTextResponse("a change must be sent as application/json", 415)
+        return None
 
     @staticmethod
     def _headers(response: Response) -> Response:
@@ -87,6 +115,10 @@ class _Guard(BaseHTTPMiddleware):
         if "cache-control" not in response.headers:
             response.headers["Cache-Control"] = "no-store"
         return response
+
+
+def _same(offered: str, expected: str) -> bool:
+    return hmac.compare_digest(offered.encode(), expected.encode())
 
 
 class _DatasetState:
@@ -106,9 +138,11 @@ class _DatasetState:
 
 def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_check: DatasetCheck | None = None,
                resolution: int = 1024, seed: int = 0, instance_prompt: str | None = None,
-               token: str | None = None) -> Starlette:
+               token: str | None = None, training: Training | None = None,
+               local_hosts: bool = False) -> Starlette:
     """The application over ``run_dirs`` (and a dataset TOML or folder). ``dataset_check`` passes a check
-    already made (the command makes it before starting, so a bad TOML fails at the door)."""
+    already made (the command makes it before starting, so a bad TOML fails at the door). ``training``: the
+    job queue and what changing it needs (None: read-only)."""
     index = RunIndex([Path(d) for d in run_dirs])
     state = _DatasetState(dataset, resolution, seed, instance_prompt, dataset_check)
     if dataset is not None and dataset_check is None:
@@ -118,7 +152,8 @@ def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_chec
         return FileResponse(STATIC / "index.html")
 
     def info(request: Request) -> Response:
-        return _JSON({"roots": [str(r) for r in index.roots], "dataset": state.source})
+        return _JSON({"roots": [str(r) for r in index.roots], "dataset": state.source,
+                      "training": training is not None})
 
     def runs(request: Request) -> Response:
         return _JSON({"runs": [read_section(run.summary) for run in index.runs().values()]})
@@ -196,7 +231,12 @@ def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_chec
         Route("/api/dataset/mask/{number}", dataset_image),
         Mount("/static", StaticFiles(directory=STATIC)),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(_Guard, token=token)])
+    if training is not None:
+        routes += job_routes(training, index)
+    guard = Middleware(_Guard, token=token, change_token=training.token if training else None,
+                       local_hosts=local_hosts)
+    lifespan = training.lifespan if training is not None else None
+    return Starlette(routes=routes, middleware=[guard], lifespan=lifespan)
 
 
 def _int(text: str | None, default: int) -> int:

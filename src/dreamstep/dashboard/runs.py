@@ -223,7 +223,13 @@ class Run:
         base = read_section(self.config).get("pretrained_model_name_or_path")
         base = base if isinstance(base, str) and (Path(base) / "model_index.json").is_file() else None
         out = []
+        model = _diffusers_model_class(self.folder)
         for path in self.loras_paths():
+            if model is not None and path.name.startswith("diffusion_pytorch_model"):
+                out.append({"name": path.name, "size": path.stat().st_size,
+                            "info": f"{model} weights (diffusers save_pretrained layout, not a LoRA file): load "
+                                    f"the run folder with {model}.from_pretrained"})
+                continue
             info = read_section(lambda: self._cache.get(path, f"lora:{base}", lambda p: _lora_info(p, base)))
             out.append({"name": path.name, "size": path.stat().st_size,
                         **({"info": info} if isinstance(info, str) else info)})
@@ -316,7 +322,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _default_prompt(config: dict[str, Any]) -> str | None:
+    """The run's validation prompt(s) from its config: one text, or a list (a ControlNet's, one per image)."""
     prompt = config.get("validation_prompt")
+    if isinstance(prompt, list) and prompt:
+        return " | ".join(str(p) for p in prompt)
     return prompt if isinstance(prompt, str) else None
 
 
@@ -349,6 +358,15 @@ def _sample_label(path: Path, run_folder: Path) -> dict[str, Any]:
         if isinstance(params.get("seeds"), list):
             item["seed"] = ", ".join(str(s) for s in params["seeds"])
     return item
+
+
+def _diffusers_model_class(folder: Path) -> str | None:
+    """The ``_class_name`` of a diffusers model saved in ``folder`` (a ControlNet run's output), or None."""
+    try:
+        name = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
 
 
 def _lora_info(path: Path, base: str | None) -> str:

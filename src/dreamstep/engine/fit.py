@@ -33,6 +33,7 @@ from dreamstep.engine.logging import TrainingLogger, log_time
 from dreamstep.engine.loop import AnyOf, Every, Hook, TrainingPosition, TrainingResult, run_training
 from dreamstep.engine.metrics import MetricsTable
 from dreamstep.engine.run import Run, say_and_log
+from dreamstep.engine.run_folder import SAMPLE_REQUEST
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError
 from dreamstep.files import write_text_atomic
@@ -112,6 +113,8 @@ def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any,
                     say_and_log(run, f"validation at step {position.global_step}: " + ", ".join(
                         [f"{k} {v:.4g}" for k, v in (scores or {}).items()] + ([f"images {path}"] if path else [])))
             run.accelerator.wait_for_everyone()
+            if run.is_main_process and cadence.request is not None:
+                cadence.request.unlink(missing_ok=True)
 
         def save(position: TrainingPosition) -> None:
             if run.is_main_process and position.global_step < total_steps:
@@ -124,7 +127,8 @@ def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any,
                                   **({"loss": loss} if loss is not None else {}))
             return stop
 
-        cadence = _ValidationCadence(hooks.sample_every, hooks.score_every or hooks.sample_every)
+        cadence = _ValidationCadence(hooks.sample_every, hooks.score_every or hooks.sample_every,
+                                     run.output_dir / SAMPLE_REQUEST if hooks.sample is not None else None)
         scheduled = [Hook(cadence, validate)] if hooks.sample is not None or hooks.score is not None else []
         scheduled += [Hook(hooks.save_every, save)] if hooks.save is not None else []
         scheduled.append(Hook(hooks.checkpoint_every, checkpoint))
@@ -240,11 +244,13 @@ class _ValidationCadence:
 
     sample_every: Every | AnyOf
     score_every: Every | AnyOf
+    request: Path | None = None  # a file whose presence asks for samples at the next step ("sample now")
     samples_due: bool = False
     scores_due: bool = False
 
     def due(self, global_step: int, steps_per_epoch: int) -> bool:
-        self.samples_due = self.sample_every.due(global_step, steps_per_epoch)
+        requested = self.request is not None and self.request.exists()
+        self.samples_due = requested or self.sample_every.due(global_step, steps_per_epoch)
         self.scores_due = self.score_every.due(global_step, steps_per_epoch)
         return self.samples_due or self.scores_due
 

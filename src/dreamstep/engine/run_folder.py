@@ -33,10 +33,13 @@ try:
 except ImportError:  # Windows: folders are not locked there
     fcntl = None
 
-__all__ = ["LOCK_FILE", "STATUS_FILE", "OutputLock", "RunStatus", "check_output_dir", "lock_holder", "read_status"]
+__all__ = ["LOCK_FILE", "SAMPLE_REQUEST", "STATUS_FILE", "OutputLock", "RunStatus", "check_output_dir", "lock_holder",
+           "read_status"]
 
 LOCK_FILE = ".dreamstep.lock"
 STATUS_FILE = "run_status.json"
+# Written by the dashboard's "sample now" into a running run's folder: the run samples at its next step.
+SAMPLE_REQUEST = "sample_now.request"
 _CHECKPOINT_PREFIX = "checkpoint-"
 _WEIGHT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 

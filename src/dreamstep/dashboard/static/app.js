@@ -162,8 +162,10 @@ function runView(runId) {
     if (data === null) { return; }
     if (data.error) { metrics.card.update(data, () => {}); return; }
     const names = Object.keys(data.metrics);
-    const series = names.map((name, i) => ({ x: data.steps, y: data.metrics[name], color: COLORS[i % COLORS.length], label: name }));
-    drawChart(metrics.canvas, { series, yLabel: "score" });
+    // Each metric on its own scale (0 = its lowest, 1 = its highest), so val_loss and edge both show their
+    // shape; the table below has the values.
+    const series = names.map((name, i) => ({ x: data.steps, y: normalised(data.metrics[name]), color: COLORS[i % COLORS.length], label: name }));
+    drawChart(metrics.canvas, { series, yLabel: names.length > 1 ? "each metric, min to max" : "score" });
     metrics.card.update(data, (body) => {
       body.append(chartLegend(series), el("p", { class: "muted", text: `from ${data.source}` }));
       const rows = data.steps.map((step, i) => el("tr", {}, el("td", { class: "num", text: step }), names.map((n) => el("td", { class: "num", text: fmt(data.metrics[n][i]) }))));
@@ -344,11 +346,20 @@ async function poll() {
   polling = false;
 }
 
+function normalised(values) {
+  const finite = values.filter(Number.isFinite);
+  const lo = Math.min(...finite), hi = Math.max(...finite);
+  return values.map((v) => (Number.isFinite(v) ? (hi > lo ? (v - lo) / (hi - lo) : 0.5) : v));
+}
+
 window.addEventListener("hashchange", route);
 window.addEventListener("DOMContentLoaded", async () => {
   try {
     const info = await getJSON("/api/info");
     document.getElementById("nav-dataset").hidden = !info.dataset;
+    document.getElementById("nav-new").hidden = !info.training;
+    const token = new URLSearchParams(location.search).get("token");
+    if (token) { sessionStorage.setItem("dreamstep_token", token); }  // for the new-run page's changes
     if (info.dataset && !location.hash) { location.hash = "#/dataset"; }
   } catch (e) { /* the runs view shows the error */ }
   await route();

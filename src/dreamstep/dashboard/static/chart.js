@@ -26,7 +26,8 @@ function range(series) {
     for (const v of s.y) { if (Number.isFinite(v)) { lo = Math.min(lo, v); hi = Math.max(hi, v); } }
   }
   if (lo === Infinity) { return null; }
-  if (hi === lo) { const pad = Math.abs(lo) * 0.05 || 1; lo -= pad; hi += pad; }
+  // A constant (a fixed learning rate) is drawn against zero, not zoomed into a band around itself.
+  if (hi - lo <= Math.abs(hi) * 1e-9) { return lo > 0 ? [0, hi * 1.5] : lo < 0 ? [lo * 1.5, 0] : [-1, 1]; }
   const pad = (hi - lo) * 0.05;
   return [lo - pad, hi + pad];
 }

@@ -1,0 +1,165 @@
+"""The JSON API of training jobs: list, create, stop, resume, sample now, cancel and reorder.
+
+``GET /api/jobs``, ``GET /api/jobs/{id}``, ``GET /api/jobs/{id}/log``, ``GET /api/trainers``;
+``POST /api/jobs`` (``{"trainer", "output_root", "name", "options"}``) and
+``POST /api/jobs/{id}/{stop|resume|sample|cancel|up|down}``. A refused request is answered
+``{"error": ..., "field": ...}`` with the field that is wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from dreamstep.dashboard.job_requests import GROUPS, FieldError, check_job_request, form_fields, options_from_toml
+from dreamstep.dashboard.jobs import Job, JobError, JobQueue, JobRunner
+from dreamstep.dashboard.runs import RunIndex
+from dreamstep.engine.run_folder import read_status
+
+__all__ = ["Training", "job_routes"]
+
+_LOG_TAIL = 64 * 1024
+
+
+@dataclass
+class Training:
+    """What the dashboard needs to run jobs: the queue and its runner, the folders jobs may use, and the
+    token every change needs."""
+
+    output_roots: list[Path]
+    data_roots: list[Path]
+    state_dir: Path
+    token: str
+    max_running: int = 1
+    queue: JobQueue = field(init=False)
+    runner: JobRunner = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.queue = JobQueue(self.state_dir / "jobs.sqlite")
+        self.runner = JobRunner(self.queue, self.state_dir, self.max_running)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Any) -> AsyncIterator[None]:
+        self.runner.start()
+        try:
+            yield
+        finally:
+            self.runner.close()
+
+
+def job_routes(training: Training, index: RunIndex) -> list[Route]:
+    queue, runner = training.queue, training.runner
+
+    def shown(job: Job) -> dict[str, Any]:
+        data = job.shown()
+        folder = Path(job.output_dir)
+        data["status"] = read_status(folder)
+        data["run_id"] = next((run.id for run in index.runs().values() if run.folder.resolve() == folder), None)
+        return data
+
+    def trainers(request: Request) -> Response:
+        from dreamstep.cli import COMMANDS
+
+        return JSONResponse({"trainers": [key[1] for key in COMMANDS if key[0] == "train"],
+                             "output_roots": [str(r) for r in training.output_roots],
+                             "data_roots": [str(r) for r in training.data_roots]})
+
+    def list_jobs(request: Request) -> Response:
+        return JSONResponse({"jobs": [shown(job) for job in queue.all()]})
+
+    def form(request: Request) -> Response:
+        try:
+            return JSONResponse({"fields": form_fields(request.path_params["trainer"]),
+                                 "groups": [name for name, _ in GROUPS]})
+        except FieldError as e:
+            return JSONResponse({"error": str(e), "field": e.field}, 404)
+
+    async def check(request: Request) -> Response:
+        """What a job would run (its TOML and command), or the field that is wrong; queues nothing."""
+        try:
+            job_request = check_job_request(json.loads(await request.body()), training.output_roots,
+                                            training.data_roots)
+        except ValueError as e:
+            return JSONResponse({"error": str(e), "field": getattr(e, "field", None)}, 400)
+        command = ["dreamstep", "train", job_request.trainer, "--config", "JOB.toml",
+                   "--output_dir", str(job_request.output_dir)]
+        return JSONResponse({"toml": job_request.config_toml, "command": command})
+
+    async def from_toml(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+            options = options_from_toml(str(body.get("trainer", "")), str(body.get("toml", "")),
+                                        training.output_roots + training.data_roots)
+        except ValueError as e:
+            return JSONResponse({"error": str(e), "field": getattr(e, "field", None)}, 400)
+        return JSONResponse({"options": options})
+
+    async def create(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+            job_request = check_job_request(body, training.output_roots, training.data_roots)
+            job = queue.add(job_request.trainer, job_request.config_toml, str(job_request.output_dir))
+        except ValueError as e:  # bad JSON, FieldError, JobError
+            return JSONResponse({"error": str(e), "field": getattr(e, "field", None)}, 400)
+        runner.tick()
+        return JSONResponse({"job": shown(queue.get(job.id))}, 201)
+
+    def one(request: Request) -> Response:
+        job = queue.get(_job_id(request))
+        return JSONResponse({"job": shown(job)}) if job else _no_such_job()
+
+    def log(request: Request) -> Response:
+        path = runner.log_path(_job_id(request))
+        if queue.get(_job_id(request)) is None or not path.is_file():
+            return _no_such_job()
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - _LOG_TAIL))
+            return JSONResponse({"log": f.read().decode("utf-8", errors="replace").splitlines()})
+
+    def action(request: Request) -> Response:
+        job_id, name = _job_id(request), request.path_params["action"]
+        actions = {"stop": runner.stop, "sample": runner.sample_now, "resume": queue.requeue_for_resume,
+                   "cancel": queue.cancel, "up": lambda i: queue.move(i, -1), "down": lambda i: queue.move(i, 1)}
+        if name not in actions:
+            return JSONResponse({"error": f"no action '{name}'; use one of {', '.join(actions)}"}, 404)
+        try:
+            actions[name](job_id)
+        except LookupError:
+            return _no_such_job()
+        except JobError as e:
+            return JSONResponse({"error": str(e)}, 409)
+        runner.tick()
+        return JSONResponse({"job": shown(queue.get(job_id))})
+
+    return [
+        Route("/api/trainers", trainers),
+        Route("/api/trainers/{trainer}/form", form),
+        Route("/api/jobs/check", check, methods=["POST"]),
+        Route("/api/jobs/from_toml", from_toml, methods=["POST"]),
+        Route("/api/jobs", list_jobs, methods=["GET"]),
+        Route("/api/jobs", create, methods=["POST"]),
+        Route("/api/jobs/{job_id:int}", one),
+        Route("/api/jobs/{job_id:int}/log", log),
+        Route("/api/jobs/{job_id:int}/{action}", action, methods=["POST"]),
+        Route("/new", new_run_page),
+    ]
+
+
+async def new_run_page(request: Request) -> Response:
+    return FileResponse(Path(__file__).parent / "static" / "new.html")
+
+
+def _job_id(request: Request) -> int:
+    return request.path_params["job_id"]
+
+
+def _no_such_job() -> Response:
+    return JSONResponse({"error": "no such job"}, 404)

@@ -1,0 +1,199 @@
+"""The job API's rules, tried from outside against the real server (uvicorn on loopback): the token on every
+change, CSRF, the Host check, folders only inside the roots given, the trainer's own validation with the
+field named; and the queue's order and cancel kept in SQLite."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from dashboard_testkit import ROBOT_DIR, serve
+
+pytest.importorskip("starlette")
+
+from dreamstep.dashboard.app import create_app  # noqa: E402
+from dreamstep.dashboard.job_routes import Training  # noqa: E402
+from dreamstep.dashboard.jobs import JobError, JobQueue  # noqa: E402
+
+TOKEN = "change-token"
+
+
+@pytest.fixture
+def roots(tmp_path: Path, tiny_flux_dev_dir: Path) -> tuple[Path, list[Path]]:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    return runs, [tiny_flux_dev_dir.parent, ROBOT_DIR.parent]
+
+
+@pytest.fixture
+def server(roots):
+    runs, data = roots
+    # No job may start in these tests: a slot count of 0 keeps accepted jobs queued.
+    training = Training([runs], data, runs / ".dreamstep-jobs", TOKEN, max_running=0)
+    with serve(create_app([runs], training=training, local_hosts=True)) as url:
+        yield url, training
+
+
+def _post(url: str, body: object, headers: dict[str, str] | None = None) -> tuple[int, dict | str]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        text = e.read().decode()
+        return e.code, json.loads(text) if text.startswith("{") else text
+
+
+def _job(name: str = "first", **options: object) -> dict:
+    return {"trainer": "flux-lora", "output_root": 0, "name": name,
+            "options": {"pretrained_model_name_or_path": "flux-dev", "instance_data_dir": "robot",
+                        "instance_prompt": "a photo of sks robot", "resolution": 32, "max_train_steps": 2,
+                        **options}}
+
+
+AUTH = {"X-Dreamstep-Token": TOKEN}
+
+
+def test_a_valid_job_is_queued_with_its_toml_and_paths_resolved_inside_the_roots(server, roots, tiny_flux_dev_dir):
+    url, training = server
+    status, body = _post(f"{url}/api/jobs", _job(learning_rate="2e-4"), AUTH)
+    assert status == 201, body
+    job = body["job"]
+    assert job["state"] == "queued" and job["output_dir"] == str((roots[0] / "first").resolve())
+    assert f'pretrained_model_name_or_path = "{tiny_flux_dev_dir.resolve()}"' in job["config_toml"]
+    assert "learning_rate = 0.0002\n" in job["config_toml"]  # converted by the config, as the flag would be
+    assert job["command"][:3] == ["dreamstep", "train", "flux-lora"]
+    listed = json.loads(urllib.request.urlopen(f"{url}/api/jobs", timeout=30).read())["jobs"]
+    assert [j["id"] for j in listed] == [job["id"]]
+    assert _post(f"{url}/api/jobs", _job(), AUTH)[0] == 400  # the same output folder is taken
+
+
+@pytest.mark.parametrize("headers, expected", [
+    ({}, 403),
+    ({"X-Dreamstep-Token": "wrong"}, 403),
+    ({"Authorization": "Bearer wrong"}, 403),
+    ({"Cookie": f"dreamstep_token={TOKEN}"}, 403),  # a cookie is what a cross-site form would carry
+    ({**AUTH, "Origin": "http://evil.example"}, 403),
+    ({**AUTH, "Content-Type": "application/x-www-form-urlencoded"}, 415),
+    ({**AUTH, "Host": "evil.example"}, 403),  # a DNS-rebinding page reaches loopback under another name
+])
+def test_a_change_without_the_token_or_from_another_site_is_refused(server, headers, expected):
+    url, training = server
+    assert _post(f"{url}/api/jobs", _job(), headers)[0] == expected
+    assert training.queue.all() == []
+
+
+def test_the_token_in_the_query_does_not_count_for_a_change(server):
+    url, training = server
+    assert _post(f"{url}/api/jobs?token={TOKEN}", _job())[0] == 403
+    assert training.queue.all() == []
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"name": "../outside"}, "name"),
+    ({"name": "/tmp/outside"}, "name"),
+    ({"name": ".hidden"}, "name"),
+    ({"output_root": 3}, "output_root"),
+    ({"options": {"instance_data_dir": "/etc"}}, "instance_data_dir"),
+    ({"options": {"instance_data_dir": "../runs"}}, "instance_data_dir"),
+    ({"options": {"instance_data_dir": "robot/../../.."}}, "instance_data_dir"),
+    ({"options": {"pretrained_model_name_or_path": "/etc"}}, "pretrained_model_name_or_path"),
+    ({"options": {"logging_dir": "/tmp/logs"}}, "logging_dir"),
+    ({"options": {"output_dir": "elsewhere"}}, "output_dir"),
+    ({"options": {"resume_from_checkpoint": "latest"}}, "resume_from_checkpoint"),
+    ({"options": {"learning_rate": "fast"}}, "learning_rate"),
+    ({"options": {"resolution": -5}}, "resolution"),
+    ({"options": {"no_such_option": 1}}, "no_such_option"),
+    ({"trainer": "flux-dreambooth"}, "trainer"),
+])
+def test_bad_fields_are_refused_with_the_field_named(server, change, field):
+    url, training = server
+    body = _job()
+    options = {**body["options"], **change.pop("options", {})}
+    status, answer = _post(f"{url}/api/jobs", {**body, **change, "options": options}, AUTH)
+    assert status == 400 and answer["field"] == field, answer
+    assert training.queue.all() == []
+
+
+def test_a_symlink_out_of_a_root_is_refused(server, roots, tmp_path):
+    url, training = server
+    os.symlink("/etc", roots[0] / "etc-link")
+    (tmp_path / "elsewhere").mkdir()
+    status, answer = _post(f"{url}/api/jobs", _job(name="etc-link"), AUTH)
+    assert status == 400 and answer["field"] == "name" and "outside" in answer["error"]
+    status, answer = _post(f"{url}/api/jobs", _job(logging_dir="etc-link/logs"), AUTH)
+    assert status == 400 and answer["field"] == "logging_dir"
+    assert training.queue.all() == []
+
+
+def test_only_the_job_routes_take_a_post(server):
+    url, _ = server
+    assert _post(f"{url}/api/runs", {}, AUTH)[0] == 405
+    request = urllib.request.Request(f"{url}/api/jobs", method="DELETE", headers=AUTH)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 405
+
+
+def test_bound_beyond_loopback_every_route_needs_the_token(roots):
+    runs, data = roots
+    training = Training([runs], data, runs / ".dreamstep-jobs", TOKEN, max_running=0)
+    with serve(create_app([runs], training=training, token=TOKEN)) as url:
+        for route in ("/", "/api/jobs", "/api/runs", "/api/trainers"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(f"{url}{route}", timeout=30)
+            assert refused.value.code == 401
+        answer = urllib.request.urlopen(urllib.request.Request(f"{url}/api/jobs", headers=AUTH), timeout=30)
+        assert json.loads(answer.read()) == {"jobs": []}
+
+
+def test_queued_jobs_are_reordered_and_cancelled_and_kept_in_sqlite(tmp_path):
+    queue = JobQueue(tmp_path / "jobs.sqlite")
+    first, second, third = (queue.add("flux-lora", "", str(tmp_path / name)).id for name in ("a", "b", "c"))
+    queue.move(third, -1)
+    queue.move(first, 5)
+    assert [j.id for j in JobQueue(tmp_path / "jobs.sqlite").in_state("queued")] == [third, second, first]
+    queue.cancel(second)
+    with pytest.raises(JobError, match="only a queued job can cancel"):
+        queue.cancel(second)
+    with pytest.raises(JobError, match="only a stopped or failed job can resume"):
+        queue.requeue_for_resume(first)
+    assert [(j.id, j.state) for j in JobQueue(tmp_path / "jobs.sqlite").all()] == [
+        (third, "queued"), (first, "queued"), (second, "cancelled")]
+
+
+def test_a_runs_config_toml_fills_the_form_with_paths_inside_the_roots_and_checks_without_queuing(server,
+                                                                                                finished_run):
+    url, training = server
+    status, answer = _post(f"{url}/api/jobs/from_toml",
+                           {"trainer": "flux-lora", "toml": (finished_run / "config.toml").read_text()}, AUTH)
+    assert status == 200, answer
+    options = answer["options"]
+    assert (options["pretrained_model_name_or_path"], options["instance_data_dir"]) == ("flux-dev", "robot")
+    assert "output_dir" not in options and options["rank"] == 4
+    status, checked = _post(f"{url}/api/jobs/check", {"trainer": "flux-lora", "name": "again", "options": options},
+                            AUTH)
+    assert status == 200, checked
+    assert "rank = 4\n" in checked["toml"] and checked["command"][:3] == ["dreamstep", "train", "flux-lora"]
+    assert training.queue.all() == []
+    status, refused = _post(f"{url}/api/jobs/from_toml", {"trainer": "flux-lora", "toml": "rank = [1"}, AUTH)
+    assert status == 400 and refused["field"] == "toml"
+
+
+def test_the_form_has_every_option_of_each_trainer_in_a_section_with_its_help(server):
+    url, _ = server
+    from dreamstep.dashboard.job_requests import SET_BY_DASHBOARD, trainer_options
+
+    for trainer in ("flux-lora", "sdxl-lora", "flux-controlnet", "flux-kontext-lora"):
+        form = json.loads(urllib.request.urlopen(f"{url}/api/trainers/{trainer}/form", timeout=30).read())
+        names = {f["name"] for f in form["fields"]}
+        expected = {f.name for f in dataclasses.fields(trainer_options(trainer))}
+        assert names == expected - set(SET_BY_DASHBOARD)
+        assert {f["group"] for f in form["fields"]} <= set(form["groups"])
+        assert all(f["help"] for f in form["fields"]), [f["name"] for f in form["fields"] if not f["help"]]
