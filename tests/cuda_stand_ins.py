@@ -51,6 +51,7 @@ class CudaRuntime:
     log: list[tuple] = field(default_factory=list)
     pinned: list[torch.Tensor] = field(default_factory=list)
     on_host_copy: Callable[[], None] | None = None  # called at each copy into pinned memory
+    log_copies: bool = True  # off for a memory measurement: the log would keep every copied storage alive
 
     def __post_init__(self) -> None:
         self.compute = Stream("compute")
@@ -121,6 +122,8 @@ class CudaRuntime:
         return pinned
 
     def _log_copy(self, destination: torch.Tensor, source: torch.Tensor, non_blocking: bool) -> None:
+        if not self.log_copies:
+            return
         if destination.device == self.device and source.device.type == "cpu":
             self.log.append(("copy", self.current, storage(destination), storage(source), non_blocking))
         elif self.is_pinned(destination):
