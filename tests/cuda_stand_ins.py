@@ -2,11 +2,11 @@
 fp16 GradScaler that accelerate builds on a GPU), so the code that only runs on a GPU runs in CI on a CPU.
 
 :class:`CudaRuntime` replaces, for one test (through pytest's ``monkeypatch``), ``torch.cuda.Stream``,
-``Event``, ``current_stream``, ``stream`` and the tensor methods ``record_stream`` and ``pin_memory``, and
-watches ``Tensor.copy_``. It computes nothing itself: it writes what the code asked for into ``log``, in
-order, so a test can check the order of copies, event records and waits. Pinned memory is an ordinary CPU
-tensor remembered as pinned, with the size torch's pinned allocator would really reserve for it (the next
-power of two).
+``Event``, ``current_stream``, ``stream``, the tensor methods ``record_stream`` and ``pin_memory`` and
+``torch.empty``'s ``pin_memory=True``, and watches ``Tensor.copy_``. It computes nothing itself: it writes
+what the code asked for into ``log``, in order, so a test can check the order of copies, event records and
+waits. Pinned memory is an ordinary CPU tensor remembered as pinned, with the size torch's pinned allocator
+would really reserve for it (the next power of two).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 
 @dataclass(eq=False)
@@ -50,6 +51,7 @@ class CudaRuntime:
     log: list[tuple] = field(default_factory=list)
     pinned: list[torch.Tensor] = field(default_factory=list)
     on_host_copy: Callable[[], None] | None = None  # called at each copy into pinned memory
+    log_copies: bool = True  # off for a memory measurement: the log would keep every copied storage alive
 
     def __post_init__(self) -> None:
         self.compute = Stream("compute")
@@ -65,6 +67,18 @@ class CudaRuntime:
         # Tensor methods must be plain functions (the tensor comes first), not bound methods of the runtime.
         monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: self._record_stream(tensor, stream))
         monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor, device=None: self._pin_memory(tensor))
+        original_empty = torch.empty
+
+        def empty(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+            if not pin_memory:
+                return original_empty(*args, **kwargs)
+            # Allocated outside any dispatch mode: a measurement of device memory never sees host memory.
+            with torch.utils._python_dispatch._disable_current_modes():
+                pinned = original_empty(*args, **kwargs)
+            self.pinned.append(pinned)
+            return pinned
+
+        monkeypatch.setattr(torch, "empty", empty)
 
         def copy(destination: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
             self._log_copy(destination, source, non_blocking)
@@ -108,6 +122,8 @@ class CudaRuntime:
         return pinned
 
     def _log_copy(self, destination: torch.Tensor, source: torch.Tensor, non_blocking: bool) -> None:
+        if not self.log_copies:
+            return
         if destination.device == self.device and source.device.type == "cpu":
             self.log.append(("copy", self.current, storage(destination), storage(source), non_blocking))
         elif self.is_pinned(destination):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_stand_ins import CudaRuntime
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 
 from dreamstep.diffusion.flow_matching import FlowMatchingObjective
@@ -18,6 +19,7 @@ from dreamstep.engine.train_step import make_accelerator
 from dreamstep.lora.inject import add_lora, flux_lora_targets
 from dreamstep.models import memory_plan as mp
 from dreamstep.models import quantization
+from dreamstep.models.blocks import enable_checkpointing
 from dreamstep.models.plans import Estimator
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.published_configs import FLUX_DEV_TRANSFORMER
@@ -40,10 +42,13 @@ def small_flux(tmp_path_factory: pytest.TempPathFactory, tiny_flux_dev_dir: Path
     return folder
 
 
-def _trained_step(folder: Path, mode: str) -> tuple[FluxLoraStep, dict[str, torch.Tensor], int]:
+def _trained_step(folder: Path, mode: str, runtime: CudaRuntime | None = None,
+                  ) -> tuple[FluxLoraStep, dict[str, torch.Tensor], int]:
     """The trainer's step over the frozen base (quantized as the trainer loads it) with its LoRA, after its
     first call, the batch it took, and the peak bytes on the device during that call: the base, the LoRA, and
-    every tensor the step created (activations, gradients, AdamW's state)."""
+    every tensor the step created (activations, gradients, AdamW's state). With a ``runtime`` (CUDA's pieces stood
+    in for), the blocks' checkpointed inputs wait in its pinned host memory (``--cpu_offload_checkpointing``),
+    which is not device memory."""
     pytest.importorskip("torchao")
     transformer = FluxTransformer2DModel.from_pretrained(
         folder, subfolder="transformer", torch_dtype=torch.bfloat16,
@@ -52,7 +57,7 @@ def _trained_step(folder: Path, mode: str) -> tuple[FluxLoraStep, dict[str, torc
     transformer.requires_grad_(False)
     add_lora(transformer, flux_lora_targets(transformer, ["attention"]), RANK, RANK)
     cast_trainable_params_to_fp32(transformer)
-    transformer.enable_gradient_checkpointing()
+    enable_checkpointing(transformer, offload_to_host=runtime is not None, device=torch.device("cuda"))
     transformer.train()
     model = FluxLoraModel(transformer)
     optimizer = build_optimizer("AdamW", [{"params": [p for p in model.parameters() if p.requires_grad]}], 1e-4)
@@ -65,15 +70,15 @@ def _trained_step(folder: Path, mode: str) -> tuple[FluxLoraStep, dict[str, torc
              "pooled": torch.randn(1, 768), "text_ids": torch.zeros(TEXT_TOKENS, 3),
              "is_reg": torch.zeros(1, dtype=torch.bool)}
     resident = sum(mp.stored_bytes(t) for t in mp.tensors_of(model))
-    with mp.LiveTensorBytes(mp.tensors_of(model)) as tracker:
+    with mp.LiveTensorBytes(mp.tensors_of(model), runtime.is_pinned if runtime else None) as tracker:
         step(batch)
     return step, batch, resident + tracker.peak
 
 
-def _plan(folder: Path, mode: str, validation_images: bool = True) -> mp.MemoryPlan:
+def _plan(folder: Path, mode: str, validation_images: bool = True, offload: bool = False) -> mp.MemoryPlan:
     return Estimator("flux", str(folder), rank=RANK, device_type="cpu")(mp.PlanOptions(
         resolution=RESOLUTION, rank=RANK, base_quantization=mode, max_sequence_length=TEXT_TOKENS,
-        validation_images=validation_images))
+        validation_images=validation_images, cpu_offload_checkpointing=offload))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -81,6 +86,18 @@ def test_the_train_phase_holds_the_trainers_step_and_by_at_most_a_quarter(small_
     _, _, measured = _trained_step(small_flux, mode)
     planned = _plan(small_flux, mode).phase("train").device_total
     assert measured <= planned <= 1.25 * measured, (mode, planned / measured)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_offloaded_checkpointing_in_the_train_phase_is_priced_on_the_device_and_in_host_memory(
+        small_flux: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = _plan(small_flux, mode, offload=True).phase("train")
+    assert plan.device_total < _plan(small_flux, mode).phase("train").device_total
+    runtime = CudaRuntime(torch.device("cpu"), log_copies=False).install(monkeypatch)
+    _, _, measured = _trained_step(small_flux, mode, runtime)
+    assert measured <= plan.device_total <= 1.25 * measured, (mode, plan.device_total / measured)
+    offloaded = next(line.nbytes for line in plan.host if "--cpu_offload_checkpointing" in line.what)
+    assert offloaded == sum(t.nbytes for t in runtime.pinned) > 0
 
 
 @pytest.mark.parametrize("mode", MODES)

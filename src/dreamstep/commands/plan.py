@@ -29,6 +29,8 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("--lora_layers", nargs="+", default=["attention"],
                         help="FLUX LoRA layers, as train flux-lora's --lora_layers (attention, all-linear, ...)")
     parser.add_argument("--no_gradient_checkpointing", action="store_true")
+    parser.add_argument("--cpu_offload_checkpointing", action="store_true",
+                        help="the inputs checkpointing keeps wait in host memory (as train's flag)")
     parser.add_argument("--base_quantization", choices=QUANTIZATION_MODES, default="none")
     parser.add_argument("--text_encoder_quantization", choices=QUANTIZATION_MODES, default="none")
     parser.add_argument("--encoders_on_device", action="store_true",
@@ -56,6 +58,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.blocks_to_swap and args.no_gradient_checkpointing:
         raise UserError("--blocks_to_swap needs gradient checkpointing (the trainers refuse it without): remove "
                         "--no_gradient_checkpointing")
+    if args.cpu_offload_checkpointing and args.no_gradient_checkpointing:
+        raise UserError("--cpu_offload_checkpointing needs gradient checkpointing: remove --no_gradient_checkpointing")
     if args.blocks_to_swap < 0:
         raise UserError(f"--blocks_to_swap {args.blocks_to_swap}: must be 0 or more")
     if args.device_memory:
@@ -98,6 +102,7 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
                      else mp.detected_device_memory())
     options = PlanOptions(resolution=args.resolution, batch_size=args.train_batch_size, rank=args.rank,
                           gradient_checkpointing=not args.no_gradient_checkpointing,
+                          cpu_offload_checkpointing=args.cpu_offload_checkpointing,
                           base_quantization=args.base_quantization,
                           text_encoder_quantization=args.text_encoder_quantization,
                           encoders_on_device=args.encoders_on_device, blocks_to_swap=args.blocks_to_swap,

@@ -81,6 +81,9 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, Eval
                                    bounds="[0, inf)")
     max_sequence_length: int = option(512, "T5 tokens per prompt", bounds="[1, 512]")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    cpu_offload_checkpointing: bool = option(False, "keep the block inputs that gradient checkpointing saves in "
+                                                    "host memory until backward needs them (small cards; needs "
+                                                    "--gradient_checkpointing)")
     base_quantization: Literal["none", "fp8", "int8", "nf4"] = option(
         "none", "store the frozen transformer's linear weights in 8 or 4 bits (pip install 'dreamstep[quant]'; "
                 "nf4 needs a CUDA GPU)")
@@ -183,6 +186,9 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, Eval
         if self.blocks_to_swap and not self.gradient_checkpointing:
             raise UserError("--blocks_to_swap needs --gradient_checkpointing: without it backward holds every "
                             "block's weights on the device and swapping saves no memory")
+        if self.cpu_offload_checkpointing and not self.gradient_checkpointing:
+            raise UserError("--cpu_offload_checkpointing needs --gradient_checkpointing: it offloads the inputs "
+                            "that checkpointing keeps; add --gradient_checkpointing")
         self.check_timestep_sampling()
         self.check_loss(snr_schedule=False)
         self.check_ema()

@@ -1,6 +1,7 @@
-"""The repeated blocks of a FLUX transformer or an SDXL UNet, and the two things done per block:
-swapping frozen weights between host memory and the device (``--blocks_to_swap``), and regional
-``torch.compile`` (``--compile``).
+"""The repeated blocks of a FLUX transformer or an SDXL UNet, and the three things done per block:
+swapping frozen weights between host memory and the device (``--blocks_to_swap``), keeping the inputs that
+gradient checkpointing saves for the recomputation in host memory (``--cpu_offload_checkpointing``), and
+regional ``torch.compile`` (``--compile``).
 
 Why our own swapper and not diffusers' group offloading (``apply_group_offloading``, read in diffusers
 0.42.1): it was written for inference. With streams, offloading a group puts back the pinned host copy
@@ -59,6 +60,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from dreamstep.errors import UserError
@@ -87,6 +89,52 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     for block in blocks:
         block.forward = torch.compile(block.forward, backend=backend)
     return len(blocks)
+
+
+class HostCheckpointing:
+    """diffusers' ``gradient_checkpointing_func`` for ``--cpu_offload_checkpointing`` (sd-scripts' flag): torch's
+    non-reentrant ``checkpoint``, run under saved-tensor hooks that put the block inputs it saves for the
+    recomputation in host memory, and bring each back to its device when backward recomputes the block. Only those
+    inputs go: what the block saves inside is the checkpoint's own (its hooks are innermost). ``pinned`` (a CUDA
+    device): the host copies are pinned and both copies non-blocking, ordered on the compute stream. On the CPU
+    the inputs already are in host memory and stay as they are; on the meta device (the memory plan) a host copy
+    is a zero-byte stand-in of the input's shape. ``host_bytes``: what the inputs saved so far hold in host memory.
+
+    The block swapper's hooks are unaffected: the recomputation calls the block itself."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.host_bytes = 0
+
+    def _to_host(self, tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+        if tensor.device.type == "cpu" and not self.pinned:
+            return tensor.device, tensor
+        self.host_bytes += tensor.numel() * tensor.element_size()
+        if tensor.device.type == "meta":
+            return tensor.device, torch.empty((), dtype=tensor.dtype).expand(tensor.shape)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pinned)
+        host.copy_(tensor, non_blocking=self.pinned)
+        return tensor.device, host
+
+    def _to_device(self, saved: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+        device, host = saved
+        if host.device == device and not self.pinned:  # the CPU's own inputs, kept as they were
+            return host
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        return out.copy_(host, non_blocking=self.pinned)
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with torch.autograd.graph.saved_tensors_hooks(self._to_host, self._to_device):
+            return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def enable_checkpointing(model: nn.Module, *, offload_to_host: bool, device: torch.device) -> None:
+    """``--gradient_checkpointing`` on a diffusers model, with ``--cpu_offload_checkpointing`` when
+    ``offload_to_host``."""
+    if offload_to_host:
+        model.enable_gradient_checkpointing(gradient_checkpointing_func=HostCheckpointing(device.type == "cuda"))
+    else:
+        model.enable_gradient_checkpointing()
 
 
 _Slot = tuple[nn.Module, str, bool]  # (owning module, tensor name, is a parameter)

@@ -318,6 +318,7 @@ def plan_options(config: Any, *, rank: int, encoders_on_device: bool, validation
         batch_size = max(d.batch_size for d in datasets)
     return PlanOptions(resolution=resolution, batch_size=batch_size, rank=rank,
                        gradient_checkpointing=config.gradient_checkpointing,
+                       cpu_offload_checkpointing=config.cpu_offload_checkpointing,
                        base_quantization=config.base_quantization,
                        text_encoder_quantization=config.text_encoder_quantization,
                        encoders_on_device=encoders_on_device, blocks_to_swap=getattr(config, "blocks_to_swap", 0),

@@ -47,10 +47,12 @@ HEADROOM_FRACTION = 0.08
 class LiveTensorBytes(TorchDispatchMode):
     """Follows the bytes of every tensor storage that the ops run under it create, until it is freed;
     ``peak`` is the most that were alive at once. Storages that existed before (weights, inputs) and views
-    of them are not counted."""
+    of them are not counted, nor those ``in_host_memory`` tells apart (a run's pinned host copies, on a CPU)."""
 
-    def __init__(self, existing: Iterator[torch.Tensor] = ()):
+    def __init__(self, existing: Iterator[torch.Tensor] = (),
+                 in_host_memory: Callable[[torch.Tensor], bool] | None = None):
         super().__init__()
+        self.in_host_memory = in_host_memory
         self.live = 0
         self.peak = 0
         self._seen = WeakIdKeyDictionary()
@@ -66,7 +68,9 @@ class LiveTensorBytes(TorchDispatchMode):
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 storage = tensor.untyped_storage()
-                if storage not in self._seen:
+                if storage not in self._seen and self.in_host_memory is not None and self.in_host_memory(tensor):
+                    self._seen[storage] = 0
+                elif storage not in self._seen:
                     nbytes = storage.nbytes()
                     self._seen[storage] = nbytes
                     self.live += nbytes
@@ -235,6 +239,7 @@ class PlanOptions:
     batch_size: int = 1
     rank: int = 16
     gradient_checkpointing: bool = True
+    cpu_offload_checkpointing: bool = False
     base_quantization: str = "none"
     text_encoder_quantization: str = "none"
     encoders_on_device: bool = False
@@ -402,7 +407,8 @@ RESOLUTION_STEP = 64
 
 
 def options_that_fit(estimate: Callable[[PlanOptions], MemoryPlan], options: PlanOptions, device_memory: int,
-                     *, max_blocks: int, cuda: bool, has_t5: bool = False) -> list[tuple[str, MemoryPlan]]:
+                     *, max_blocks: int, cuda: bool, has_t5: bool = False,
+                     can_offload_checkpointing: bool = False) -> list[tuple[str, MemoryPlan]]:
     """Changes of the memory options that bring the estimate under the card's usable memory, in the order
     that costs least speed and quality: each single change that fits; if none does, the changes together,
     then with the fewest swapped blocks that fit, then with every block but one swapped at the highest resolution
@@ -414,6 +420,9 @@ def options_that_fit(estimate: Callable[[PlanOptions], MemoryPlan], options: Pla
         steps.append(("--gradient_checkpointing", {"gradient_checkpointing": True}))
     if has_t5 and options.text_encoder_quantization == "none":
         steps.append(("--text_encoder_quantization int8", {"text_encoder_quantization": "int8"}))
+    if can_offload_checkpointing and not options.cpu_offload_checkpointing:
+        steps.append(("--cpu_offload_checkpointing", {"gradient_checkpointing": True,
+                                                      "cpu_offload_checkpointing": True}))
     current = _BYTES_PER_LINEAR_WEIGHT[options.base_quantization] or 2
     for mode, label in (("fp8", "--base_quantization fp8 (or int8)"), ("nf4", "--base_quantization nf4")):
         if (cuda or mode != "nf4") and _BYTES_PER_LINEAR_WEIGHT[mode] < current:

@@ -17,6 +17,7 @@ from dreamstep.engine.logging import say_before_the_run
 from dreamstep.errors import UserError
 from dreamstep.models import memory_plan as mp
 from dreamstep.models import published_configs as published
+from dreamstep.models.blocks import HostCheckpointing
 from dreamstep.models.memory_plan import Line, MemoryPlan, Phase, PlanOptions
 from dreamstep.models.phases import PHASES, loop_encoders, resident_components
 from dreamstep.models.vae import encode_posterior
@@ -187,19 +188,28 @@ class Estimator:
         return {m.weight: mode for m in self.base.modules()
                 if isinstance(m, nn.Linear) and not m.weight.requires_grad}
 
-    @lru_cache(maxsize=16)
     def activations(self, resolution: int, batch: int, checkpointing: bool, text_tokens: int,
                     quantization: str = "none", half: torch.dtype | None = torch.bfloat16, train: bool = True,
                     image_token_multiplier: int = 1) -> int:
         """Peak bytes of one training step's pass (``train``: inputs, activations, gradients) or one inference
         forward of the transformer / UNet, with the trainer's dtypes."""
+        return self.offloaded_pass(resolution, batch, checkpointing, False, text_tokens, quantization, half, train,
+                                   image_token_multiplier)[0]
+
+    @lru_cache(maxsize=16)
+    def offloaded_pass(self, resolution: int, batch: int, checkpointing: bool, offload: bool, text_tokens: int,
+                       quantization: str = "none", half: torch.dtype | None = torch.bfloat16, train: bool = True,
+                       image_token_multiplier: int = 1) -> tuple[int, int]:
+        """:meth:`activations`, with the checkpointed blocks' inputs in host memory when ``offload``
+        (``--cpu_offload_checkpointing``): (peak device bytes, bytes of those inputs in host memory)."""
         models = [self.base] if self.trainable is self.base else [self.trainable, self.base]
         for param in self.base.parameters():  # frozen weights in the run's dtype (free on the meta device)
             if not param.requires_grad:
                 param.data = param.data.to(half or torch.float32)
+        host = HostCheckpointing(pinned=False)
         for model in models:
             if checkpointing:
-                model.enable_gradient_checkpointing()
+                model.enable_gradient_checkpointing(**({"gradient_checkpointing_func": host} if offload else {}))
             else:
                 model.disable_gradient_checkpointing()
             model.train(train)
@@ -211,8 +221,9 @@ class Estimator:
                               image_token_multiplier=image_token_multiplier)
         grad = torch.enable_grad() if train else torch.no_grad()
         with torch.device("meta"), grad:
-            return mp.pass_peak(nn.ModuleList(models), step, autocast=half, device_type=self.device_type,
+            peak = mp.pass_peak(nn.ModuleList(models), step, autocast=half, device_type=self.device_type,
                                 quantized=self._quantized(quantization))
+        return peak, host.host_bytes
 
     @lru_cache(maxsize=16)
     def encoder_pass(self, name: str, resolution: int, text_tokens: int, decode: bool = False) -> int:
@@ -290,11 +301,14 @@ class Estimator:
         host = host + base_host
         if phase == "train":
             checkpointing = "with" if options.gradient_checkpointing else "without"
-            peak = self.activations(resolution, options.batch_size, options.gradient_checkpointing, tokens,
-                                    options.base_quantization, half,
-                                    image_token_multiplier=options.image_token_multiplier)
+            offload = options.gradient_checkpointing and options.cpu_offload_checkpointing
+            peak, offloaded = self.offloaded_pass(resolution, options.batch_size, options.gradient_checkpointing,
+                                                  offload, tokens, options.base_quantization, half,
+                                                  image_token_multiplier=options.image_token_multiplier)
             device.append(Line(f"training pass: {resolution}px, batch {options.batch_size}, {checkpointing} "
                                "checkpointing (activations, gradients)", 0, "", peak))
+            if offload:
+                host = host + [Line("checkpointed block inputs (--cpu_offload_checkpointing)", 0, "", offloaded)]
             return Phase(phase, resident, device, host)
         passes = {f"{self.base_name} forward at {resolution}px": self.activations(
             resolution, 1, False, tokens, options.base_quantization, half, train=False,
@@ -320,7 +334,8 @@ def plan_report(estimator: Estimator, options: PlanOptions, device_memory: int |
     text = mp.format_plan(plan, device_memory, measured)
     if device_memory is not None and not mp.fits(plan, device_memory):
         found = mp.options_that_fit(estimator, options, device_memory, max_blocks=len(estimator.blocks) - 1,
-                                    cuda=torch.cuda.is_available(), has_t5=estimator.family == "flux")
+                                    cuda=torch.cuda.is_available(), has_t5=estimator.family == "flux",
+                                    can_offload_checkpointing=estimator.family == "flux")
         text += "\n" + mp.suggestion_lines(found)
     return text
 

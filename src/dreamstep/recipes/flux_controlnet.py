@@ -53,7 +53,7 @@ from dreamstep.engine.summary import print_run_summary
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux, parking
-from dreamstep.models.blocks import prepare_blocks
+from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.flux_step import FluxFlowMatchingStep, condition_latents
 from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import autocast
@@ -142,8 +142,8 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     cn.cast(controlnet, weights_dtype).to(run.device)
     controlnet.requires_grad_(True)
     if config.gradient_checkpointing:
-        controlnet.enable_gradient_checkpointing()
-        base.transformer.enable_gradient_checkpointing()
+        for model in (controlnet, base.transformer):
+            enable_checkpointing(model, offload_to_host=config.cpu_offload_checkpointing, device=run.device)
     controlnet.train()
     # --zero_stage: the ControlNet's weights, gradients and optimizer state (and with --shard_base the frozen
     # blocks) are spread over the processes, one FSDP unit per block.

@@ -43,7 +43,7 @@ from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import TrainableState, add_lora, flux_lora_targets, save_flux_lora
 from dreamstep.models import flux, kontext, parking
-from dreamstep.models.blocks import prepare_blocks
+from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.controlnet import side_by_side
 from dreamstep.models.flux_step import FluxFlowMatchingStep, condition_latents
 from dreamstep.models.plans import print_run_plan
@@ -138,7 +138,7 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
              config.lora_dropout)
     cast_trainable_params_to_fp32(transformer)
     if config.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
+        enable_checkpointing(transformer, offload_to_host=config.cpu_offload_checkpointing, device=run.device)
     transformer.train()
     swapper = prepare_blocks(transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
                              device=run.device, num_processes=run.accelerator.num_processes)

@@ -53,7 +53,7 @@ from dreamstep.lora.inject import (
 )
 from dreamstep.lora.lycoris_network import LycorisNetwork, create_flux_network
 from dreamstep.models import flux, parking
-from dreamstep.models.blocks import prepare_blocks
+from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.flux_step import FluxFlowMatchingStep
 from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import cast_trainable_params_to_fp32
@@ -192,7 +192,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
     if text_encoder is not None:
         text_encoder.train()
     if config.gradient_checkpointing:
-        base.transformer.enable_gradient_checkpointing()
+        enable_checkpointing(base.transformer, offload_to_host=config.cpu_offload_checkpointing, device=run.device)
     base.transformer.train()
     swapper = prepare_blocks(base.transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
                              device=run.device, num_processes=run.accelerator.num_processes)
