@@ -149,11 +149,15 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, Eval
                             f"--timestep_sampling {self.timestep_sampling} does not use; give one of the two")
 
     def flux_base(self) -> FluxBase:
-        """Where the base's parts come from (a folder or hub id, the component files), every file checked."""
+        """Where the base's parts come from (a folder or hub id, the component files), every file checked: once
+        per config, as the recipes ask for it at every load."""
         from dreamstep.models.flux_files import resolve_base  # torch: not imported for --help
 
-        return resolve_base(self.pretrained_model_name_or_path, transformer_single_file=self.transformer_single_file,
-                            model_config=self.model_config, **self.component_files())
+        if "_flux_base" not in self.__dict__:
+            self.__dict__["_flux_base"] = resolve_base(
+                self.pretrained_model_name_or_path, transformer_single_file=self.transformer_single_file,
+                model_config=self.model_config, **self.component_files())
+        return self.__dict__["_flux_base"]
 
     def cache_root(self) -> Path:
         """Where the run's latent and text caches live: --cache_dir, or OUTPUT_DIR/cache."""
