@@ -57,6 +57,8 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "convert a LoRA between Kohya, diffusers and MindSpore", "dreamstep.commands.convert_lora"),
     ("lora", "info"): Command(
         "show a LoRA file's format, target, ranks and metadata", "dreamstep.commands.lora_info"),
+    ("caption",): Command(
+        "caption a folder of pictures: Florence-2, Qwen-VL, BLIP or a WD14 tagger", "dreamstep.commands.caption"),
     ("dataset", "from-hf"): Command(
         "turn a Hugging Face dataset into an image folder", "dreamstep.commands.dataset_from_hf"),
     ("plan",): Command(
