@@ -75,7 +75,8 @@ def load_captioner(config: CaptionConfig) -> Captioner:
     dtype = pick_dtype(config.dtype, device)
     builders = {"florence2": _florence2, "blip": _blip, "qwen-vl": _instruction_model}
     caption = builders[config.captioner](config, device, dtype)
-    return Captioner(config.captioner, caption, device=str(device), dtype=str(dtype).removeprefix("torch."))
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    return Captioner(config.captioner, caption, device=str(device), dtype=names[dtype])
 
 
 def _from_pretrained(loader: Any, config: CaptionConfig, **kwargs: Any) -> Any:

@@ -22,13 +22,14 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
                           "each image (what the trainers read), or metadata.jsonl.")
     parser.usage = "dreamstep caption FOLDER_OR_TOML [options]"
     parser.epilog = EXAMPLES
-    parser.add_argument("source", nargs="?", type=Path, metavar="FOLDER_OR_TOML", default=argparse.SUPPRESS,
+    parser.add_argument("source", nargs="?", type=Path, metavar="FOLDER_OR_TOML", default=None,
                         help="an image folder, a folder of <repeats>_<name> folders, or a dataset TOML")
     add_arguments(parser, CaptionConfig)
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
-    config = build_config(CaptionConfig, args)
+    values = {k: v for k, v in vars(args).items() if not (k == "source" and v is None)}
+    config = build_config(CaptionConfig, values)
     from dreamstep.captioning.run import caption
 
     caption(config)

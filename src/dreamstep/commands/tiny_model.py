@@ -1,5 +1,6 @@
 """``dreamstep tiny-model flux|flux-kontext|sdxl OUT``: write a tiny random pipeline with :mod:`dreamstep.models.tiny`;
-``dreamstep tiny-model evaluators OUT``: tiny random DINO and CLIP models with :mod:`dreamstep.evaluation.tiny`."""
+``dreamstep tiny-model evaluators OUT``: tiny random DINO and CLIP models with :mod:`dreamstep.evaluation.tiny`;
+``dreamstep tiny-model captioners OUT``: tiny random captioners with :mod:`dreamstep.captioning.tiny`."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.description = ("Write a tiny random FLUX.1, FLUX.1 Kontext or SDXL pipeline folder (diffusers "
                           "layout) for offline tests and demos; loads with FluxPipeline / FluxKontextPipeline / "
                           "StableDiffusionXLPipeline.from_pretrained(OUT). 'evaluators' writes tiny "
-                          "DINO and CLIP models for --eval_metrics.")
-    parser.add_argument("arch", choices=(*TINY_ARCHS, "evaluators"),
+                          "DINO and CLIP models for --eval_metrics; 'captioners' tiny captioners for "
+                          "'dreamstep caption --model'.")
+    parser.add_argument("arch", choices=(*TINY_ARCHS, "evaluators", "captioners"),
                         help="which architecture to write; 'evaluators' writes OUT/dino and OUT/clip, tiny "
-                             "stand-ins for the --dino_model and --clip_model of --eval_metrics")
+                             "stand-ins for the --dino_model and --clip_model of --eval_metrics; 'captioners' "
+                             "writes OUT/florence2, OUT/blip, OUT/qwen2_5_vl and OUT/wd14")
     parser.add_argument("out", type=Path, metavar="OUT", help="output folder (must be empty or new)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default 0)")
     parser.add_argument("--guidance_embeds", "--guidance-embeds", action="store_true",
@@ -44,6 +47,14 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
         folders = write_tiny_evaluators(args.out, seed=args.seed)
         print(f"wrote tiny evaluation models (seed {args.seed}): DINO {folders['dino']}, CLIP {folders['clip']}; "
               f"use them as --dino_model and --clip_model")
+        return
+    if args.arch == "captioners":
+        from dreamstep.captioning.tiny import write_tiny_captioners
+
+        check_out_dir(args.out, args.overwrite)
+        folders = write_tiny_captioners(args.out, seed=args.seed)
+        print(f"wrote tiny captioners (seed {args.seed}): " + ", ".join(f"{k} {v}" for k, v in folders.items())
+              + "; use one as 'dreamstep caption FOLDER --captioner NAME --model PATH'")
         return
     out = write_tiny_model(args.arch, args.out, seed=args.seed, guidance_embeds=args.guidance_embeds,
                            single_file=args.single_file, overwrite=args.overwrite)
