@@ -25,7 +25,9 @@ def _load(target: Target) -> Image.Image | str:
     try:
         return load_rgb(target.image)
     except UserError as e:
-        return str(e).removeprefix(f"{target.image}: ").split("; replace")[0]
+        # Pillow names the file in its message; the report names it once, before the reason.
+        reason = str(e).removeprefix(f"{target.image}: ").split("; replace")[0]
+        return reason.replace(f" '{target.image}'", "")
 
 
 def _batches(targets: list[Target], size: int, pool: ThreadPoolExecutor) -> Iterator[list[tuple[Target, Future]]]:

@@ -49,8 +49,13 @@ def _byte_vocab(specials: list[str]) -> dict[str, int]:
 
 
 def write_tiny_florence2(out: Path, seed: int = 0) -> Path:
-    from transformers import (BartTokenizer, CLIPImageProcessorPil, Florence2Config,
-                              Florence2ForConditionalGeneration, Florence2Processor)
+    from transformers import (
+        BartTokenizer,
+        CLIPImageProcessorPil,
+        Florence2Config,
+        Florence2ForConditionalGeneration,
+        Florence2Processor,
+    )
 
     tokenizer = BartTokenizer(vocab=_byte_vocab(["<s>", "<pad>", "</s>", "<unk>", "<mask>"]), merges=[],
                               extra_special_tokens={"image_token": "<image>"})
@@ -75,8 +80,13 @@ def write_tiny_florence2(out: Path, seed: int = 0) -> Path:
 
 
 def write_tiny_blip(out: Path, seed: int = 0) -> Path:
-    from transformers import (BertTokenizer, BlipConfig, BlipForConditionalGeneration, BlipImageProcessorPil,
-                              BlipProcessor)
+    from transformers import (
+        BertTokenizer,
+        BlipConfig,
+        BlipForConditionalGeneration,
+        BlipImageProcessorPil,
+        BlipProcessor,
+    )
 
     letters = list("abcdefghijklmnopqrstuvwxyz0123456789.,'-")
     words = ["a", "photo", "of", "dog", "cat", "red", "blue", "the", "in", "on", "with"]
@@ -108,8 +118,12 @@ _QWEN_CHAT_TEMPLATE = (
 
 
 def write_tiny_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer,
-                              Qwen2VLImageProcessorPil)
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2Tokenizer,
+        Qwen2VLImageProcessorPil,
+    )
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                 "<|image_pad|>", "<|video_pad|>"]

@@ -1,0 +1,195 @@
+"""``dreamstep caption`` end to end on tiny random captioners, loaded by the code that loads the real ones."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from dreamstep.captioning.tiny import TINY_TAGS
+from dreamstep.cli import main
+from dreamstep.data.dataset_config import SubsetConfig
+from dreamstep.data.records import folder_caption, subset_entries
+
+TAG_NAMES = {name.replace("_", " ") if len(name) > 3 else name for name, _ in TINY_TAGS}
+
+
+def _pictures(folder: Path, names=("red.png", "blue.jpg", "green.webp")) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    colours = [(220, 30, 30), (30, 40, 210), (40, 200, 60), (240, 240, 240)]
+    paths = []
+    for i, name in enumerate(names):
+        path = folder / name
+        Image.new("RGB", (48 + 8 * i, 40), colours[i % len(colours)]).save(path)
+        paths.append(path)
+    return paths
+
+
+def _caption(*args: str | Path) -> int:
+    return main(["caption", *map(str, args)])
+
+
+def _wd14(tiny_captioners: Path, folder: Path, *extra: str) -> int:
+    return _caption(folder, "--captioner", "wd14", "--model", tiny_captioners / "wd14", "--batch_size", "2", *extra)
+
+
+def test_tags_are_written_beside_each_image_and_a_corrupt_image_is_listed_once(tiny_captioners, tmp_path, capsys):
+    images = _pictures(tmp_path / "data")
+    (tmp_path / "data" / "broken.jpg").write_bytes(b"not a jpeg")
+    assert _wd14(tiny_captioners, tmp_path / "data") == 0
+    out = capsys.readouterr().out
+    for image in images:
+        tags = [t.strip() for t in image.with_suffix(".txt").read_text().split(",")]
+        assert tags and set(tags) <= TAG_NAMES
+    assert not (tmp_path / "data" / "broken.txt").exists()
+    assert out.count("broken.jpg") == 1 and "skipped 1 unreadable image" in out
+    assert f"wrote 3 captions in {tmp_path / 'data'} (.txt files)" in out
+
+
+def test_an_existing_caption_is_never_overwritten_and_a_second_run_resumes(tiny_captioners, tmp_path, capsys):
+    first, second, third = _pictures(tmp_path / "data")
+    first.with_suffix(".txt").write_text("my own words\n")
+    assert _wd14(tiny_captioners, tmp_path / "data") == 0
+    assert first.with_suffix(".txt").read_text() == "my own words\n"
+    assert "2 images to caption, 1 already captioned" in capsys.readouterr().out
+    # An interrupted run: one caption lost. The next run captions that image only and touches nothing else.
+    third.with_suffix(".txt").unlink()
+    before = {p: p.stat().st_mtime_ns for p in (first.with_suffix(".txt"), second.with_suffix(".txt"))}
+    assert _wd14(tiny_captioners, tmp_path / "data") == 0
+    assert "1 images to caption, 2 already captioned" in capsys.readouterr().out
+    assert third.with_suffix(".txt").is_file()
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+    assert _wd14(tiny_captioners, tmp_path / "data") == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_overwrite_append_and_prefix(tiny_captioners, tmp_path):
+    (image,) = _pictures(tmp_path / "data", names=("red.png",))
+    caption_file = image.with_suffix(".txt")
+    caption_file.write_text("old words\n")
+    assert _wd14(tiny_captioners, tmp_path / "data", "--overwrite", "--prefix", "sks dog, ") == 0
+    fresh = caption_file.read_text().strip()
+    assert fresh.startswith("sks dog, ") and "old words" not in fresh
+    caption_file.write_text("painting, 1girl\n")
+    assert _wd14(tiny_captioners, tmp_path / "data", "--append") == 0
+    tags = [t.strip() for t in caption_file.read_text().split(",")]
+    assert tags[:2] == ["painting", "1girl"] and tags.count("1girl") == 1
+    assert set(tags[2:]) <= TAG_NAMES - {"1girl"}
+
+
+def test_dry_run_prints_captions_and_writes_nothing(tiny_captioners, tmp_path, capsys):
+    images = _pictures(tmp_path / "data")
+    assert _wd14(tiny_captioners, tmp_path / "data", "--dry_run") == 0
+    captured = capsys.readouterr()
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == sorted(p.name for p in images)
+    assert all(f"{image}: " in captured.out + captured.err for image in images)
+    assert "dry run: would write 3 captions" in captured.out
+
+
+def test_metadata_jsonl_is_what_the_trainer_reads(tiny_captioners, tmp_path):
+    images = _pictures(tmp_path / "data")
+    metadata = tmp_path / "data" / "metadata.jsonl"
+    metadata.write_text(json.dumps({"file_name": "red.png", "text": "a red square", "source": "me"}) + "\n")
+    assert _wd14(tiny_captioners, tmp_path / "data", "--metadata_jsonl") == 0
+    rows = [json.loads(line) for line in metadata.read_text().splitlines()]
+    assert rows[0] == {"file_name": "red.png", "text": "a red square", "source": "me"}
+    assert [r["file_name"] for r in rows] == ["red.png", "blue.jpg", "green.webp"]
+    subset = SubsetConfig(where="test", image_dir=tmp_path / "data", metadata_file=metadata, caption_extension=None)
+    entries = {e.path.name: e.caption for e in subset_entries(subset, "finetune")}
+    assert set(entries) == {p.name for p in images} and entries["red.png"] == "a red square"
+    assert all(set(entries[p.name].split(", ")) <= TAG_NAMES for p in images[1:])
+
+
+def test_a_dataset_toml_captions_each_subset_with_its_extension(tiny_captioners, tmp_path):
+    _pictures(tmp_path / "people", names=("a.png", "b.png"))
+    _pictures(tmp_path / "styles", names=("c.png",))
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f'[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "people"}"\n'
+                    f'caption_extension = ".caption"\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "styles"}"\n'
+                    'caption_extension = "txt"\n')
+    assert _wd14(tiny_captioners, toml) == 0
+    assert sorted(p.name for p in (tmp_path / "people").glob("*.caption")) == ["a.caption", "b.caption"]
+    assert (tmp_path / "styles" / "c.txt").is_file()
+
+
+def test_sd_scripts_repeat_folders_are_each_captioned(tiny_captioners, tmp_path):
+    _pictures(tmp_path / "train" / "10_sks dog", names=("a.png",))
+    _pictures(tmp_path / "train" / "1_dog", names=("b.png",))
+    assert _wd14(tiny_captioners, tmp_path / "train") == 0
+    assert (tmp_path / "train" / "10_sks dog" / "a.txt").is_file()
+    assert (tmp_path / "train" / "1_dog" / "b.txt").is_file()
+
+
+@pytest.mark.parametrize("captioner", ["florence2", "blip"])
+def test_sentence_captioners_write_one_line_the_trainer_reads(captioner, tiny_captioners, tmp_path, capsys):
+    images = _pictures(tmp_path / "data")
+    assert _caption(tmp_path / "data", "--captioner", captioner, "--model", tiny_captioners / captioner,
+                    "--max_new_tokens", "6", "--batch_size", "2", "--prefix", "sks, ") == 0
+    assert f"{captioner} {tiny_captioners / captioner} on cpu (fp32)" in capsys.readouterr().out
+    subset = SubsetConfig(where="test", image_dir=tmp_path / "data", caption_extension=".txt")
+    for image in images:
+        text = image.with_suffix(".txt").read_text(encoding="utf-8")
+        assert text.endswith("\n") and text.count("\n") == 1
+        assert folder_caption(image, subset) == text.strip() and text.startswith("sks, ") and len(text) > 6
+
+
+def test_a_missing_model_offline_is_one_line_and_writes_nothing(tmp_path, capsys):
+    _pictures(tmp_path / "data")
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    assert _caption(tmp_path / "data", "--model", "nobody/no-such-captioner") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: --model nobody/no-such-captioner: cannot load")
+    assert not list((tmp_path / "data").glob("*.txt"))
+
+
+def test_a_model_of_another_kind_is_refused(tiny_captioners, tmp_path, capsys):
+    _pictures(tmp_path / "data")
+    assert _caption(tmp_path / "data", "--captioner", "florence2", "--model", tiny_captioners / "blip") == 2
+    assert "a 'blip' model, not a florence2 captioner" in capsys.readouterr().err
+
+
+def test_bad_flags_answer_before_anything_loads(tmp_path, capsys):
+    assert _caption(tmp_path, "--overwrite", "--append") == 2
+    assert _caption(tmp_path, "--captioner", "blip", "--prompt", "describe") == 2
+    assert _caption(tmp_path / "missing") == 2
+    err = capsys.readouterr().err
+    assert "contradict" in err and "--prompt is used by --captioner qwen-vl only" in err and "no such folder" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed")
+def test_qwen_vl_without_torchvision_says_what_to_install(tmp_path, capsys):
+    from dreamstep.captioning.tiny import write_tiny_qwen2_5_vl
+
+    folder = write_tiny_qwen2_5_vl(tmp_path / "models")
+    _pictures(tmp_path / "data")
+    assert _caption(tmp_path / "data", "--captioner", "qwen-vl", "--model", folder) == 2
+    assert "needs torchvision" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is None, reason="transformers' Qwen-VL processor "
+                    "needs torchvision")
+def test_qwen_vl_follows_the_prompt_path(tmp_path):
+    from dreamstep.captioning.tiny import write_tiny_qwen2_5_vl
+
+    folder = write_tiny_qwen2_5_vl(tmp_path / "models")
+    images = _pictures(tmp_path / "data")
+    assert _caption(tmp_path / "data", "--captioner", "qwen-vl", "--model", folder, "--max_new_tokens", "6",
+                    "--prompt", "Describe the colours.") == 0
+    assert all(image.with_suffix(".txt").read_text().strip() for image in images)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["data", "--batch_size", "0"], ["data", "--captioner", "git"]],
+                         ids=["help", "bad-value", "bad-choice"])
+def test_flags_are_checked_before_torch_loads(argv):
+    code = ("import sys; from dreamstep.cli import main\n"
+            "try:\n    code = main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print(code, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, "caption", *argv], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout.splitlines()[-1] == f"{0 if argv == ['--help'] else 2} False", proc.stdout + proc.stderr
