@@ -193,3 +193,12 @@ def test_flags_are_checked_before_torch_loads(argv):
     proc = subprocess.run([sys.executable, "-c", code, "caption", *argv], capture_output=True, text=True,
                           timeout=60)
     assert proc.stdout.splitlines()[-1] == f"{0 if argv == ['--help'] else 2} False", proc.stdout + proc.stderr
+
+
+def test_every_flag_can_come_from_a_toml(tiny_captioners, tmp_path):
+    (image,) = _pictures(tmp_path / "data", names=("red.png",))
+    config = tmp_path / "caption.toml"
+    config.write_text(f'source = "{tmp_path / "data"}"\ncaptioner = "wd14"\nmodel = "{tiny_captioners / "wd14"}"\n'
+                      'caption_extension = ".caption"\nprefix = "sks, "\n')
+    assert _caption("--config", config) == 0
+    assert image.with_suffix(".caption").read_text().startswith("sks, ")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dreamstep.config.caption import CaptionConfig
 from dreamstep.config.schema import add_arguments, build_config
+from dreamstep.errors import UserError
 
 EXAMPLES = """examples:
   dreamstep caption photos/                                  Florence-2 captions in photos/*.txt
@@ -22,13 +23,19 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
                           "each image (what the trainers read), or metadata.jsonl.")
     parser.usage = "dreamstep caption FOLDER_OR_TOML [options]"
     parser.epilog = EXAMPLES
-    parser.add_argument("source", nargs="?", type=Path, metavar="FOLDER_OR_TOML", default=None,
+    parser.add_argument("folder_or_toml", nargs="?", type=Path, metavar="FOLDER_OR_TOML", default=None,
                         help="an image folder, a folder of <repeats>_<name> folders, or a dataset TOML")
     add_arguments(parser, CaptionConfig)
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
-    values = {k: v for k, v in vars(args).items() if not (k == "source" and v is None)}
+    values = vars(args)
+    positional = values.pop("folder_or_toml")
+    if positional is not None:
+        values["source"] = positional
+    elif "source" not in values and "config" not in values:
+        raise UserError("what should be captioned? give the image folder or dataset TOML: "
+                        "dreamstep caption FOLDER_OR_TOML [options]")
     config = build_config(CaptionConfig, values)
     from dreamstep.captioning.run import caption
 
