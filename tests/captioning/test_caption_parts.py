@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from dreamstep.captioning.models import TagList, pad_square_resize, read_tag_list, select_tags
+from dreamstep.captioning.tagger import TagList, pad_square_resize, read_tag_list, select_tags
 from dreamstep.captioning.targets import compose, one_line
 from dreamstep.config.caption import CaptionConfig
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from PIL import Image
 from tqdm.auto import tqdm
 
+from dreamstep.captioning.captioner import load_captioner
 from dreamstep.captioning.targets import CaptionWriter, Target, caption_folders, compose, find_targets
 from dreamstep.config.caption import CaptionConfig
 from dreamstep.data.images import load_rgb
@@ -51,8 +52,6 @@ def caption(config: CaptionConfig) -> None:
     if not targets:
         print("nothing to do: every image has a caption")
         return
-    from dreamstep.captioning.models import load_captioner
-
     start = time.perf_counter()
     captioner = load_captioner(config)
     print(f"{config.captioner} {config.model_id} on {captioner.device} ({captioner.dtype}), loaded in "

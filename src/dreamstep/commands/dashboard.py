@@ -43,6 +43,10 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("--data_root", action="append", default=[], metavar="FOLDER",
                         help="with --allow_training: a folder whose datasets and models jobs may read "
                              "(repeatable); a job's paths must lie inside a RUN_DIR or a --data_root")
+    parser.add_argument("--edit_captions", action="store_true",
+                        help="with --dataset: let the page edit caption files and caption the images without "
+                             "one (a 'dreamstep caption' process; its --model folder inside a RUN_DIR or "
+                             "--data_root)")
 
 
 def is_loopback(host: str) -> bool:
@@ -65,8 +69,10 @@ def _check_port(host: str, port: int) -> None:
 
 
 def _check_training_flags(args: argparse.Namespace) -> None:
+    if args.edit_captions and not args.dataset:
+        raise UserError("--edit_captions edits the captions of --dataset; give --dataset TOML_OR_FOLDER")
     if not args.allow_training:
-        if args.data_root:
+        if args.data_root and not args.edit_captions:
             raise UserError("--data_root is for --allow_training; add it, or remove --data_root")
         return
     if not args.run_dirs:
@@ -84,6 +90,16 @@ def _training(args: argparse.Namespace, token: str | None) -> Any:
 
     return Training([Path(d).resolve() for d in args.run_dirs], [Path(d).resolve() for d in args.data_root],
                     Path(args.run_dirs[0]).resolve() / ".dreamstep-jobs", token or secrets.token_urlsafe(16))
+
+
+def _captions(args: argparse.Namespace, token: str | None) -> Any:
+    """Caption editing of --edit_captions (None without it), with the token changes need."""
+    if not args.edit_captions:
+        return None
+    from dreamstep.dashboard.caption_routes import CaptionEditing
+
+    roots = [Path(d).resolve() for d in (*args.run_dirs, *args.data_root)]
+    return CaptionEditing(token or secrets.token_urlsafe(16), roots)
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
@@ -118,8 +134,10 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
                   "run_status.json or TensorBoard files); runs started in it will appear", file=sys.stderr)
     token = secrets.token_urlsafe(16) if args.token == "random" else args.token
     training = _training(args, token)
-    if training is not None and not is_loopback(args.host):
-        token = training.token  # bound beyond loopback, every request needs it; on loopback only changes do
+    captions = _captions(args, training.token if training is not None else token)
+    changes = training or captions
+    if changes is not None and not is_loopback(args.host):
+        token = changes.token  # bound beyond loopback, every request needs it; on loopback only changes do
     if not is_loopback(args.host):
         print(f"warning: --host {args.host} lets other machines open the dashboard and read every file in "
               f"{', '.join(args.run_dirs) or 'the dataset'}" + ("" if token else "; add --token to require a token"),
@@ -127,13 +145,14 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     _check_port(args.host, args.port)
     app = create_app([Path(d) for d in args.run_dirs], dataset=args.dataset, dataset_check=check,
                      resolution=args.resolution, seed=args.seed, instance_prompt=args.instance_prompt,
-                     token=token, training=training, local_hosts=training is not None and is_loopback(args.host))
-    token = training.token if training is not None else token
+                     token=token, training=training, local_hosts=changes is not None and is_loopback(args.host),
+                     captions=captions)
+    token = changes.token if changes is not None else token
     shown_host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{shown_host}:{args.port}/" + (f"?token={token}" if token else "")
     # The LoRA reports need torch and diffusers; importing them takes seconds, so start now, not on the
     # first page that shows a LoRA file.
     threading.Thread(target=importlib.import_module, args=("dreamstep.lora.info",), daemon=True).start()
-    mode = "training allowed" if training is not None else "read-only"
+    mode = "training allowed" if training is not None else "caption editing" if captions else "read-only"
     print(f"dashboard: {url}  ({mode}; Ctrl-C stops it, not its jobs)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

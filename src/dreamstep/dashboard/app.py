@@ -31,6 +31,7 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from dreamstep.dashboard.caption_routes import CaptionEditing, caption_routes
 from dreamstep.dashboard.dataset_check import DatasetCheck, check_dataset, summary
 from dreamstep.dashboard.job_routes import Training, job_routes
 from dreamstep.dashboard.paths import UnsafePath, resolve_inside
@@ -69,9 +70,11 @@ def _finite(value: Any) -> Any:
 class _Guard(BaseHTTPMiddleware):
     """The methods, hosts and tokens allowed (see the module's docstring); security headers on every answer."""
 
-    def __init__(self, app: Any, token: str | None, change_token: str | None = None, local_hosts: bool = False):
+    def __init__(self, app: Any, token: str | None, change_token: str | None = None, local_hosts: bool = False,
+                 change_paths: tuple[str, ...] = ("/api/jobs",)):
         super().__init__(app)
         self.token, self.change_token, self.local_hosts = token, change_token, local_hosts
+        self.change_paths = change_paths
 
     async def dispatch(self, request: Request, call_next: Any) -> Response:
         refused = self._refusal(request)
@@ -95,7 +98,7 @@ class _Guard(BaseHTTPMiddleware):
                                          "'dreamstep dashboard', which ends in ?token=...", 401)
         if request.method in ("GET", "HEAD"):
             return None
-        if self.change_token is None or request.method != "POST" or not request.url.path.startswith("/api/jobs"):
+        if self.change_token is None or request.method != "POST" or not request.url.path.startswith(self.change_paths):
             allowed = "GET, HEAD, POST" if self.change_token else "GET, HEAD"
             return PlainTextResponse("the dashboard is read-only" if not self.change_token else "method not allowed",
                                      405, headers={"Allow": allowed})
@@ -139,10 +142,11 @@ class _DatasetState:
 def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_check: DatasetCheck | None = None,
                resolution: int = 1024, seed: int = 0, instance_prompt: str | None = None,
                token: str | None = None, training: Training | None = None,
-               local_hosts: bool = False) -> Starlette:
+               local_hosts: bool = False, captions: CaptionEditing | None = None) -> Starlette:
     """The application over ``run_dirs`` (and a dataset TOML or folder). ``dataset_check`` passes a check
     already made (the command makes it before starting, so a bad TOML fails at the door). ``training``: the
-    job queue and what changing it needs (None: read-only)."""
+    job queue and what changing it needs (None: read-only). ``captions``: caption editing in the dataset
+    check (:mod:`~dreamstep.dashboard.caption_routes`; its token is the training token when both are on)."""
     index = RunIndex([Path(d) for d in run_dirs])
     state = _DatasetState(dataset, resolution, seed, instance_prompt, dataset_check)
     if dataset is not None and dataset_check is None:
@@ -153,7 +157,7 @@ def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_chec
 
     def info(request: Request) -> Response:
         return _JSON({"roots": [str(r) for r in index.roots], "dataset": state.source,
-                      "training": training is not None})
+                      "training": training is not None, "captions": captions is not None})
 
     def runs(request: Request) -> Response:
         return _JSON({"runs": [read_section(run.summary) for run in index.runs().values()]})
@@ -233,8 +237,12 @@ def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_chec
     ]
     if training is not None:
         routes += job_routes(training, index)
-    guard = Middleware(_Guard, token=token, change_token=training.token if training else None,
-                       local_hosts=local_hosts)
+    if captions is not None:
+        routes += caption_routes(captions, state)
+    change_token = training.token if training else captions.token if captions else None
+    change_paths = ("/api/jobs",) * (training is not None) + ("/api/dataset/captions",) * (captions is not None)
+    guard = Middleware(_Guard, token=token, change_token=change_token, local_hosts=local_hosts,
+                       change_paths=change_paths)
     lifespan = training.lifespan if training is not None else None
     return Starlette(routes=routes, middleware=[guard], lifespan=lifespan)
 
