@@ -176,15 +176,15 @@ def caption_routes(editing: CaptionEditing, state: Any) -> list[Route]:
                 raise Refused(f"captioner must be one of {', '.join(CAPTIONERS)}")
             model = _model(body.get("model"), editing.model_roots)
             prefix = body.get("prefix") or ""
-            if not isinstance(prefix, str) or len(prefix) > MAX_PREFIX:
-                raise Refused(f"prefix must be a text of at most {MAX_PREFIX} characters")
+            if not isinstance(prefix, str) or len(prefix) > MAX_PREFIX or any(ord(c) < 32 for c in prefix):
+                raise Refused(f"prefix must be one line of at most {MAX_PREFIX} characters")
             with editing.lock:
                 if editing.process is not None and editing.process.poll() is None:
                     raise Refused("a captioning job is running; wait for it to finish", 409)
                 # Values as --flag=value, so none can be read as another flag.
                 command = [sys.executable, "-m", "dreamstep", "caption", str(state.source), f"--captioner={captioner}"]
                 command += [f"--model={model}"] if model else []
-                command += [f"--prefix={one_line(prefix)}"] if prefix.strip() else []
+                command += [f"--prefix={prefix}"] if prefix.strip() else []
                 with open(editing.log_path, "wb") as log:
                     editing.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                                        stdin=subprocess.DEVNULL, start_new_session=True)
