@@ -147,3 +147,10 @@ def test_the_button_captions_the_images_without_one_in_its_own_process(server, d
         assert (dataset / name).read_text().startswith("sks, ")
     check = _call(f"{url}/api/dataset")[1]
     assert all(im["used"] for im in check["images"])
+
+
+def test_edit_captions_needs_a_dataset(capsys):
+    from dreamstep.cli import main
+
+    assert main(["dashboard", ".", "--edit_captions"]) == 2
+    assert "--edit_captions edits the captions of --dataset" in capsys.readouterr().err
