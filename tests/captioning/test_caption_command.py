@@ -162,6 +162,20 @@ def test_bad_flags_answer_before_anything_loads(tmp_path, capsys):
     assert "contradict" in err and "--prompt is used by --captioner qwen-vl only" in err and "no such folder" in err
 
 
+def test_an_instruction_model_answers_the_prompt(tiny_captioners, tmp_path):
+    """The qwen-vl path (chat template, left padding, the answer cut from the prompt) on a tiny LLaVA-layout
+    model, whose processor needs no torchvision: another prompt gives other captions."""
+    captions = {}
+    for prompt in ("Describe the colours.", "What is the main subject?"):
+        folder = tmp_path / prompt.split()[0]
+        images = _pictures(folder)
+        assert _caption(folder, "--captioner", "qwen-vl", "--model", tiny_captioners / "llava", "--prompt", prompt,
+                        "--max_new_tokens", "6", "--batch_size", "2") == 0
+        captions[prompt] = [image.with_suffix(".txt").read_text(encoding="utf-8") for image in images]
+        assert all(text.strip() and "<|im_start|>" not in text and prompt not in text for text in captions[prompt])
+    assert captions["Describe the colours."] != captions["What is the main subject?"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed")
 def test_qwen_vl_without_torchvision_says_what_to_install(tmp_path, capsys):
     from dreamstep.captioning.tiny import write_tiny_qwen2_5_vl

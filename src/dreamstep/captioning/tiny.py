@@ -5,6 +5,9 @@
   processors; ``qwen2_5_vl/``: Qwen2.5-VL's model, image processor, tokenizer and chat template (its processor
   is written part by part, because transformers' Qwen-VL processor object cannot be built without torchvision;
   the files are the ones its ``save_pretrained`` writes).
+- ``llava/``: a LLaVA-layout instruction model (CLIP vision tower, Qwen2 language model, a Qwen-style chat
+  template), the same ``--captioner qwen-vl`` path (any image-text-to-text model with a chat template) with a
+  processor that needs no torchvision.
 - ``wd14/``: ``model.onnx`` and ``selected_tags.csv``, SmilingWolf's layout: a small convolutional net over the
   tagger's input (NHWC BGR 0..255) ending in a sigmoid, one output per row of the tag list.
 
@@ -29,7 +32,7 @@ from dreamstep.files import honour_umask
 IMAGE_SIZE = 32
 TAGGER_SIDE = 32
 _INIT = 0.5
-FOLDERS = ("florence2", "blip", "qwen2_5_vl", "wd14")
+FOLDERS = ("florence2", "blip", "qwen2_5_vl", "llava", "wd14")
 # Tags of the tiny tagger, with Danbooru's categories: 9 rating, 0 general, 4 character.
 TINY_TAGS = [("general", "9"), ("sensitive", "9"), ("questionable", "9"), ("explicit", "9"),
              ("1girl", "0"), ("solo", "0"), ("long_hair", "0"), ("smile", "0"), ("red_background", "0"),
@@ -154,6 +157,42 @@ def write_tiny_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
     return folder
 
 
+def write_tiny_llava(out: Path, seed: int = 0) -> Path:
+    from transformers import (
+        CLIPImageProcessorPil,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        Qwen2Tokenizer,
+    )
+
+    tokenizer = Qwen2Tokenizer(vocab=_byte_vocab([]), merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>"]})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<image>")}
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8, initializer_range=_INIT)
+    text = dict(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                initializer_range=_INIT, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"])
+    patches = (IMAGE_SIZE // 8) ** 2
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=ids["<image>"],
+                         image_seq_length=patches, vision_feature_layer=-1)
+    with _seeded(seed):
+        model = LlavaForConditionalGeneration(config).eval()
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
+                                            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    template = _QWEN_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+    # The CLIP tower's class token is dropped ("default" feature selection): one image token per patch.
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                               vision_feature_select_strategy="default", chat_template=template,
+                               num_additional_image_tokens=1)
+    folder = out / "llava"
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
 def write_tiny_wd14(out: Path, seed: int = 0) -> Path:
     """A WD14-layout tagger: NHWC BGR 0..255 in, one sigmoid score per tag out."""
     import onnx
@@ -198,10 +237,11 @@ def write_tiny_wd14(out: Path, seed: int = 0) -> Path:
 
 
 def write_tiny_captioners(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
-    """Write ``OUT/florence2``, ``OUT/blip``, ``OUT/qwen2_5_vl`` and ``OUT/wd14``; return each folder."""
+    """Write ``OUT/florence2``, ``OUT/blip``, ``OUT/qwen2_5_vl``, ``OUT/llava`` and ``OUT/wd14``; return each
+    folder."""
     out = Path(out_dir)
     writers = {"florence2": write_tiny_florence2, "blip": write_tiny_blip, "qwen2_5_vl": write_tiny_qwen2_5_vl,
-               "wd14": write_tiny_wd14}
+               "llava": write_tiny_llava, "wd14": write_tiny_wd14}
     folders = {name: write(out, seed) for name, write in writers.items()}
     for folder in folders.values():
         honour_umask(folder)

@@ -20,7 +20,7 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("arch", choices=(*TINY_ARCHS, "evaluators", "captioners"),
                         help="which architecture to write; 'evaluators' writes OUT/dino and OUT/clip, tiny "
                              "stand-ins for the --dino_model and --clip_model of --eval_metrics; 'captioners' "
-                             "writes OUT/florence2, OUT/blip, OUT/qwen2_5_vl and OUT/wd14")
+                             "writes OUT/florence2, OUT/blip, OUT/qwen2_5_vl, OUT/llava and OUT/wd14")
     parser.add_argument("out", type=Path, metavar="OUT", help="output folder (must be empty or new)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default 0)")
     parser.add_argument("--guidance_embeds", "--guidance-embeds", action="store_true",
