@@ -49,7 +49,7 @@ def test_tags_are_written_beside_each_image_and_a_corrupt_image_is_listed_once(t
         assert tags and set(tags) <= TAG_NAMES
     assert not (tmp_path / "data" / "broken.txt").exists()
     assert out.count("broken.jpg") == 1 and "skipped 1 unreadable image" in out
-    assert f"wrote 3 captions in {tmp_path / 'data'} (.txt files)" in out
+    assert f"wrote 3 captions in {tmp_path / 'data'} (.txt files) (" in out and " images/s)" in out
 
 
 def test_an_existing_caption_is_never_overwritten_and_a_second_run_resumes(tiny_captioners, tmp_path, capsys):

@@ -56,6 +56,7 @@ def caption(config: CaptionConfig) -> None:
     captioner = load_captioner(config)
     print(f"{config.captioner} {config.model_id} on {captioner.device} ({captioner.dtype}), loaded in "
           f"{time.perf_counter() - start:.1f} s")
+    start = time.perf_counter()
     writer = CaptionWriter()
     unreadable: list[tuple[Path, str]] = []
     empty: list[Path] = []
@@ -81,16 +82,17 @@ def caption(config: CaptionConfig) -> None:
             writer.flush()
             bar.update(len(batch))
     seconds = time.perf_counter() - start
-    _report(config, folders, writer, planned, unreadable, empty, seconds)
+    _report(config, folders, writer, planned, unreadable, empty, len(targets) / max(seconds, 1e-9))
 
 
 def _report(config: CaptionConfig, folders: list, writer: CaptionWriter, planned: int,
-            unreadable: list[tuple[Path, str]], empty: list[Path], seconds: float) -> None:
+            unreadable: list[tuple[Path, str]], empty: list[Path], images_per_second: float) -> None:
     where = ", ".join(f.describe() for f in folders)
+    speed = f"{images_per_second:.2f} images/s"
     if config.dry_run:
-        print(f"dry run: would write {planned} captions in {where}; nothing was written")
+        print(f"dry run: would write {planned} captions in {where} ({speed}); nothing was written")
     else:
-        print(f"wrote {len(writer.written)} captions in {where} in {seconds:.1f} s")
+        print(f"wrote {len(writer.written)} captions in {where} ({speed})")
     if unreadable:
         print(f"skipped {len(unreadable)} unreadable image(s); replace or remove them:")
         for path, reason in unreadable:
