@@ -177,23 +177,18 @@ def test_an_instruction_model_answers_the_prompt(tiny_captioners, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed")
-def test_qwen_vl_without_torchvision_says_what_to_install(tmp_path, capsys):
-    from dreamstep.captioning.tiny import write_tiny_qwen2_5_vl
-
-    folder = write_tiny_qwen2_5_vl(tmp_path / "models")
+def test_qwen_vl_without_torchvision_says_what_to_install(tiny_captioners, tmp_path, capsys):
     _pictures(tmp_path / "data")
-    assert _caption(tmp_path / "data", "--captioner", "qwen-vl", "--model", folder) == 2
+    assert _caption(tmp_path / "data", "--captioner", "qwen-vl", "--model", tiny_captioners / "qwen2_5_vl") == 2
     assert "needs torchvision" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is None, reason="transformers' Qwen-VL processor "
                     "needs torchvision")
-def test_qwen_vl_follows_the_prompt_path(tmp_path):
-    from dreamstep.captioning.tiny import write_tiny_qwen2_5_vl
-
-    folder = write_tiny_qwen2_5_vl(tmp_path / "models")
+def test_qwen_vl_follows_the_prompt_path(tiny_captioners, tmp_path):
     images = _pictures(tmp_path / "data")
-    assert _caption(tmp_path / "data", "--captioner", "qwen-vl", "--model", folder, "--max_new_tokens", "6",
+    assert _caption(tmp_path / "data", "--captioner", "qwen-vl", "--model", tiny_captioners / "qwen2_5_vl",
+                    "--max_new_tokens", "6",
                     "--prompt", "Describe the colours.") == 0
     assert all(image.with_suffix(".txt").read_text().strip() for image in images)
 

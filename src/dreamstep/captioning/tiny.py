@@ -152,8 +152,9 @@ def write_tiny_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
     tokenizer.save_pretrained(folder)
     (folder / "chat_template.jinja").write_text(_QWEN_CHAT_TEMPLATE, encoding="utf-8")
     (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}) + "\n")
-    (folder / "video_preprocessor_config.json").write_text(json.dumps(
-        {"video_processor_type": "Qwen2VLVideoProcessor", **pixels}) + "\n")
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 8, "merge_size": 2,
+             "temporal_patch_size": 2, "size": {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}}
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video) + "\n")
     return folder
 
 
