@@ -211,3 +211,15 @@ def test_every_flag_can_come_from_a_toml(tiny_captioners, tmp_path):
                       'caption_extension = ".caption"\nprefix = "sks, "\n')
     assert _caption("--config", config) == 0
     assert image.with_suffix(".caption").read_text().startswith("sks, ")
+
+
+def test_a_model_with_its_own_code_is_refused_without_asking(tiny_captioners, tmp_path, capsys):
+    """microsoft/Florence-2-* ship remote code: refused in one line, no interactive question, nothing run."""
+    _pictures(tmp_path / "data")
+    config = json.loads((tiny_captioners / "florence2" / "config.json").read_text())
+    config.update(model_type="florence2_remote", auto_map={"AutoConfig": "configuration_florence2.Florence2Config"})
+    (tmp_path / "remote").mkdir()
+    (tmp_path / "remote" / "config.json").write_text(json.dumps(config))
+    assert _caption(tmp_path / "data", "--model", tmp_path / "remote") == 2
+    captured = capsys.readouterr()
+    assert "ships its own code, which dreamstep does not run" in captured.err and "[y/N]" not in captured.out

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from dreamstep.captioning.captioner import Captioner, unavailable_reason
-from dreamstep.config.caption import FLORENCE_TASKS, CaptionConfig
+from dreamstep.config.caption import DEFAULT_MODELS, FLORENCE_TASKS, CaptionConfig
 from dreamstep.errors import UserError, refusing_pickled_code
 
 
@@ -58,7 +58,8 @@ def _from_pretrained(loader: Any, config: CaptionConfig, **kwargs: Any) -> Any:
     model_id = config.model_id
     try:
         with refusing_pickled_code(model_id, "--model"):
-            return loader.from_pretrained(model_id, **kwargs)
+            # Never run a repository's own code, and never stop to ask whether to.
+            return loader.from_pretrained(model_id, trust_remote_code=False, **kwargs)
     except ImportError as error:
         if "torchvision" in str(error).lower():
             raise UserError(f"--model {model_id}: its transformers processor needs torchvision, which is not "
@@ -67,8 +68,13 @@ def _from_pretrained(loader: Any, config: CaptionConfig, **kwargs: Any) -> Any:
         raise
     except OSError as error:
         raise UserError(f"--model {model_id}: cannot load the {config.captioner} captioner "
-                        f"({unavailable_reason(error)}); download it once with network access (unset HF_HUB_OFFLINE), "
-                        "or give a local folder") from None
+                        f"({unavailable_reason(error)}); download it once with network access (unset "
+                        "HF_HUB_OFFLINE), or give a local folder") from None
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):
+            raise
+        raise UserError(f"--model {model_id}: the model ships its own code, which dreamstep does not run; use a "
+                        f"checkpoint transformers reads natively, such as {DEFAULT_MODELS[config.captioner]}") from None
 
 
 def _check_model_type(config: CaptionConfig, expected: tuple[str, ...]) -> None:
