@@ -55,7 +55,7 @@ class CaptionConfig:
     general_threshold: float = option(0.35, "wd14: lowest score of a general tag", bounds="[0, 1]")
     character_threshold: float = option(0.85, "wd14: lowest score of a character tag", bounds="[0, 1]")
     rating_tag: bool = option(False, "wd14: put the most likely rating tag (general, sensitive, ...) first")
-    underscores: bool = option(False, "wd14: keep underscores in tags (long_hair); default: spaces (long hair)")
+    underscores: bool = option(False, "wd14: keep the underscores of tags (long_hair instead of long hair)")
     exclude_tags: list[str] = option([], "wd14: tags never written (comma-separated or repeated)")
     device: Optional[str] = option(None, "cuda, cuda:1, cpu, ... (default: the GPU when there is one)")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = option(
