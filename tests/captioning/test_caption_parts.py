@@ -40,3 +40,20 @@ def test_captions_are_one_line_and_prefix_and_append_do_not_repeat():
     assert compose("smile, solo", "solo, red", append=True, prefix="", tags=True) == "solo, red, smile"
     assert compose("a dog", "sks, a dog", append=True, prefix="sks, ", tags=False) == "sks, a dog"
     assert compose("on grass", "a dog", append=True, prefix="", tags=False) == "a dog on grass"
+
+
+def test_a_captioner_sees_the_picture_as_the_trainer_decodes_it(tmp_path):
+    """EXIF rotation applied, transparency on white, large pictures shrunk on the decoding threads."""
+    from dreamstep.captioning.run import MAX_SIDE, _load
+    from dreamstep.captioning.targets import CaptionFolder, Target
+
+    folder = CaptionFolder(tmp_path, ".txt")
+    stored = Image.new("RGB", (60, 20), (10, 20, 30))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored sideways: a viewer turns it 90 degrees
+    stored.save(tmp_path / "sideways.jpg", exif=exif)
+    assert _load(Target(tmp_path / "sideways.jpg", folder, None)).size == (20, 60)
+    Image.new("RGBA", (8, 8), (255, 0, 0, 0)).save(tmp_path / "clear.png")
+    assert _load(Target(tmp_path / "clear.png", folder, None)).getpixel((4, 4)) == (255, 255, 255)
+    Image.new("RGB", (4000, 1000)).save(tmp_path / "wide.png")
+    assert _load(Target(tmp_path / "wide.png", folder, None)).size == (MAX_SIDE, MAX_SIDE // 4)
