@@ -42,8 +42,10 @@ def _wd14(tiny_captioners: Path, folder: Path, *extra: str) -> int:
 def test_tags_are_written_beside_each_image_and_a_corrupt_image_is_listed_once(tiny_captioners, tmp_path, capsys):
     images = _pictures(tmp_path / "data")
     (tmp_path / "data" / "broken.jpg").write_bytes(b"not a jpeg")
+    (tmp_path / "data" / "photo.heic").write_bytes(b"\0")
     assert _wd14(tiny_captioners, tmp_path / "data") == 0
     out = capsys.readouterr().out
+    assert f"{tmp_path / 'data' / 'photo.heic'}: not an image type dreamstep reads (.heic)" in out
     for image in images:
         tags = [t.strip() for t in image.with_suffix(".txt").read_text().split(",")]
         assert tags and set(tags) <= TAG_NAMES

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from dreamstep.captioning.captioner import load_captioner
 from dreamstep.captioning.targets import CaptionWriter, Target, caption_folders, compose, find_targets
 from dreamstep.config.caption import CaptionConfig
-from dreamstep.data.images import load_rgb
+from dreamstep.data.images import load_rgb, skipped_files
 from dreamstep.errors import UserError
 
 _DECODE_THREADS = 4
@@ -107,3 +107,8 @@ def _report(config: CaptionConfig, folders: list, writer: CaptionWriter, planned
         print(f"skipped {len(empty)} image(s) the captioner gave no text for:")
         for path in empty:
             print(f"  {path}")
+    others = [entry for f in folders for entry in skipped_files(f.path, (f.extension or "",))]
+    if others:
+        print(f"left out {len(others)} file(s) that are not images dreamstep reads (the trainers leave them out too):")
+        for path, reason in others:
+            print(f"  {path}: {reason}")
