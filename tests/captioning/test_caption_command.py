@@ -108,16 +108,21 @@ def test_metadata_jsonl_is_what_the_trainer_reads(tiny_captioners, tmp_path):
     assert all(set(entries[p.name].split(", ")) <= TAG_NAMES for p in images[1:])
 
 
-def test_a_dataset_toml_captions_each_subset_with_its_extension(tiny_captioners, tmp_path):
+def test_a_dataset_toml_captions_each_subset_with_its_extension(tiny_captioners, tmp_path, capsys):
     _pictures(tmp_path / "people", names=("a.png", "b.png"))
     _pictures(tmp_path / "styles", names=("c.png",))
+    _pictures(tmp_path / "dogs", names=("d.png",))
     toml = tmp_path / "dataset.toml"
     toml.write_text(f'[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "people"}"\n'
                     f'caption_extension = ".caption"\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "styles"}"\n'
-                    'caption_extension = "txt"\n')
+                    f'caption_extension = "txt"\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "dogs"}"\n'
+                    'is_reg = true\nclass_tokens = "dog"\n')
     assert _wd14(tiny_captioners, toml) == 0
     assert sorted(p.name for p in (tmp_path / "people").glob("*.caption")) == ["a.caption", "b.caption"]
     assert (tmp_path / "styles" / "c.txt").is_file()
+    # Regularization images train with their class prompt; caption files would replace it.
+    assert sorted(p.name for p in (tmp_path / "dogs").iterdir()) == ["d.png"]
+    assert "regularization images, captioned by class_tokens 'dog'" in capsys.readouterr().out
 
 
 def test_sd_scripts_repeat_folders_are_each_captioned(tiny_captioners, tmp_path):

@@ -85,6 +85,11 @@ def _toml_folders(toml: Path, extension: str | None, metadata_jsonl: bool) -> tu
             if subset.metadata_file is not None:
                 notes.append(f"{subset.where}: captions come from {subset.metadata_file}; not captioned")
                 continue
+            if subset.is_reg and subset.class_tokens:
+                # Caption files would replace the class prompt the regularization images train with.
+                notes.append(f"{subset.where}: regularization images, captioned by class_tokens "
+                             f"'{subset.class_tokens}'; not captioned (give their folder to caption them anyway)")
+                continue
             assert subset.image_dir is not None
             list_images(subset.image_dir, f"{subset.where}: image_dir")
             chosen = None if metadata_jsonl else extension or subset.caption_extension or DEFAULT_EXTENSION
