@@ -120,7 +120,7 @@ def test_dataset_page_data_over_http(dataset_toml):
 
     from dreamstep.dashboard.app import create_app
 
-    c = TestClient(create_app([], dataset=str(dataset_toml), resolution=512))
+    c = TestClient(create_app([], dataset=str(dataset_toml)))
     assert c.get("/api/info").json()["dataset"] == str(dataset_toml)
     epoch0, epoch1 = c.get("/api/dataset").json(), c.get("/api/dataset?epoch=1").json()
     assert epoch1["epoch"] == 1
