@@ -141,7 +141,8 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
               file=sys.stderr)
     _check_port(args.host, args.port)
     app = create_app([Path(d) for d in args.run_dirs], dataset=check.source if check else None, dataset_check=check,
-                     recheck=recheck, token=token, training=training, local_hosts=training is not None and is_loopback(args.host))
+                     recheck=recheck, token=token, training=training,
+                     local_hosts=training is not None and is_loopback(args.host))
     token = training.token if training is not None else token
     shown_host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{shown_host}:{args.port}/" + (f"?token={token}" if token else "")
