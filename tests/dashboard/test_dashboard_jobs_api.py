@@ -251,3 +251,24 @@ def test_previews_follow_the_rules_of_every_change(server, headers, expected):
     url, _ = server
     for what in ("plan", "dataset"):
         assert _post(f"{url}/api/jobs/{what}", _job(), headers)[0] == expected
+
+
+def test_an_sdxl_lora_plan_before_queuing_is_the_one_its_dry_run_prints(tmp_path, tiny_sdxl_dir, capsys):
+    from dreamstep.cli import main
+
+    data = tmp_path / "data"
+    (data / "kohya").mkdir(parents=True)
+    os.symlink(ROBOT_DIR, data / "kohya" / "2_sks robot")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    training = Training([runs], [tiny_sdxl_dir.parent, data], runs / ".dreamstep-jobs", TOKEN, max_running=0)
+    options = {"pretrained_model_name_or_path": tiny_sdxl_dir.name, "train_data_dir": "kohya", "resolution": "64",
+               "network_dim": 4, "device_memory": "1GB"}
+    with serve(create_app([runs], training=training)) as url:
+        status, answer = _post(f"{url}/api/jobs/plan", {"trainer": "sdxl-lora", "options": options}, AUTH)
+    assert status == 200, answer
+    assert answer["plan"]["base"] == str(tiny_sdxl_dir.resolve()) and answer["plan"]["fits"] is True
+    assert main(["train", "sdxl-lora", "--pretrained_model_name_or_path", str(tiny_sdxl_dir), "--train_data_dir",
+                 str(data / "kohya"), "--resolution", "64", "--network_dim", "4", "--device_memory", "1GB",
+                 "--output_dir", str(tmp_path / "dry"), "--dry_run"]) == 0
+    assert answer["plan"]["report"] in capsys.readouterr().out

@@ -146,9 +146,10 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     token = training.token if training is not None else token
     shown_host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{shown_host}:{args.port}/" + (f"?token={token}" if token else "")
-    # The LoRA reports need torch and diffusers; importing them takes seconds, so start now, not on the
-    # first page that shows a LoRA file.
-    threading.Thread(target=importlib.import_module, args=("dreamstep.lora.info",), daemon=True).start()
+    # The LoRA reports (and the new-run page's memory plans) need torch, diffusers and peft; importing them takes
+    # seconds, so start now, not on the first page that shows a LoRA file or a plan.
+    modules = ("dreamstep.lora.info",) + (("dreamstep.models.plans",) if training is not None else ())
+    threading.Thread(target=lambda: [importlib.import_module(m) for m in modules], daemon=True).start()
     mode = "training allowed" if training is not None else "read-only"
     print(f"dashboard: {url}  ({mode}; Ctrl-C stops it, not its jobs)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
