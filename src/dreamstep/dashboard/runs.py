@@ -363,7 +363,7 @@ def _sample_label(path: Path, run_folder: Path) -> dict[str, Any]:
         if prompts:
             item["prompt"] = " | ".join(str(p) for p in prompts)
         if seeds:
-            item["seed"] = ", ".join(str(s) for s in seeds)
+            item["seed"] = seeds[0] if len(seeds) == 1 else ", ".join(str(s) for s in seeds)
     return item
 
 
