@@ -134,6 +134,9 @@ def test_dataset_page_data_over_http(dataset_toml):
     (Path(epoch0["images"][0]["path"]).parent / "new.png").write_bytes(b"not an image")
     rescanned = c.get("/api/dataset?rescan=1").json()
     assert any("new.png" in p for p in rescanned["problems"])
+    Path(epoch0["images"][0]["path"]).write_bytes(b"now broken")  # a file decoded before is read again once changed
+    rescanned = c.get("/api/dataset?rescan=1").json()
+    assert any(p.startswith(epoch0["images"][0]["path"]) and "unreadable" in p for p in rescanned["problems"])
 
 
 def test_the_check_shows_each_images_mask_and_names_an_all_black_one(tmp_path: Path) -> None:

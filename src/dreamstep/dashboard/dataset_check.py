@@ -152,7 +152,7 @@ def _inspect_all(images: list[CheckedImage], planner: BucketPlanner,
     """Decode every image (as the trainer does before training), choose its bucket, and make the
     trainer's record for each image without problems (an upscaled image still trains)."""
     with ThreadPoolExecutor(max_workers=4) as pool:
-        infos = list(pool.map(inspect_image, [i.path for i in images]))
+        infos = list(pool.map(_inspected, [i.path for i in images]))
     for image, info in zip(images, infos):
         if not isinstance(info, ImageInfo):
             image.problems.append(f"unreadable: {info}")
@@ -176,6 +176,26 @@ def _inspect_all(images: list[CheckedImage], planner: BucketPlanner,
         if image.caption is not None and image.repeats > 0:
             image.record = ImageRecord(info, image.caption, subsets[image.subset][1], None, image.repeats,
                                        image.bucket, image.resized)
+
+
+_INSPECTED: dict[tuple[Path, int, int], ImageInfo | str] = {}  # (path, size, mtime) -> what decoding it gave
+_INSPECTED_MAX = 200_000
+
+
+def _inspected(path: Path) -> ImageInfo | str:
+    """:func:`~dreamstep.data.images.inspect_image`, remembered while the file is unchanged: the new-run form checks
+    the data again at every change of an option, and a large folder is decoded once."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return inspect_image(path)
+    key = (path, stat.st_size, stat.st_mtime_ns)
+    found = _INSPECTED.get(key)
+    if found is None:
+        found = _INSPECTED[key] = inspect_image(path)
+        if len(_INSPECTED) > _INSPECTED_MAX:
+            _INSPECTED.clear()
+    return found
 
 
 def summary(check: DatasetCheck, epoch: int) -> dict[str, Any]:
