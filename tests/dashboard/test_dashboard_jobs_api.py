@@ -272,3 +272,21 @@ def test_an_sdxl_lora_plan_before_queuing_is_the_one_its_dry_run_prints(tmp_path
                  str(data / "kohya"), "--resolution", "64", "--network_dim", "4", "--device_memory", "1GB",
                  "--output_dir", str(tmp_path / "dry"), "--dry_run"]) == 0
     assert answer["plan"]["report"] in capsys.readouterr().out
+
+
+def test_without_device_memory_the_plan_is_checked_against_the_card_found(server, monkeypatch):
+    import torch
+
+    from dreamstep.models import memory_plan
+
+    url, _ = server
+    if not torch.cuda.is_available():
+        status, answer = _preview(url, "plan")
+        assert status == 200 and answer["plan"]["fits"] is None and "no CUDA card found" in answer["plan"]["card"]
+    # A 12 GB card (the CUDA query stood in for): the tiny run fits it.
+    monkeypatch.setattr(memory_plan, "detected_device_memory", lambda: 12 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA GeForce RTX 4070")
+    status, answer = _preview(url, "plan")
+    plan = answer["plan"]
+    assert plan["card"] == "NVIDIA GeForce RTX 4070 (detected)" and plan["device_memory"] == 12 * 2**30
+    assert plan["fits"] is True and "device memory 12.0 GiB" in plan["report"]
