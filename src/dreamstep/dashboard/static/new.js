@@ -135,6 +135,7 @@ async function preview() {
     const [dataset, plan] = await Promise.all([post("/api/jobs/dataset", body), post("/api/jobs/plan", body)]);
     showDataset(dataset);
     showPlan(plan);
+    summarise(dataset, plan);
   } finally {
     previewBusy = false;
   }
@@ -142,7 +143,18 @@ async function preview() {
   if (JSON.stringify({ ...latest, name: "" }) !== previewAsked) { scheduleCheck(); }  // changed meanwhile
 }
 
+function summarise(dataset, plan) {
+  // One line that stays in view at the bottom of the long form: the plan's verdict and the data's counts.
+  const found = plan.ok ? plan.data.plan : null;
+  const memory = !found ? "plan: see the error" : found.fits === null ? `peak ${size(found.peak)} (no card to check)`
+    : `peak ${size(found.peak)}: ${found.fits ? "fits" : "does NOT fit"} (${found.card})`;
+  const data = !dataset.ok ? "data: see the error" : `${dataset.data.dataset.images.length} images, ` +
+    `${dataset.data.dataset.problems.length} problems`;
+  $("preview-summary").textContent = `${memory} · ${data}`;
+}
+
 function waitForValidOptions() {
+  $("preview-summary").textContent = "";
   previewAsked = "";
   for (const id of ["plan", "dataset-check"]) { $(id).dataset.state = "idle"; }
   $("plan-verdict").textContent = "the plan follows once the options are valid";
