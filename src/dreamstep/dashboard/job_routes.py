@@ -119,7 +119,7 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
             if request.url.path.endswith("/dataset"):
                 return JSONResponse({"dataset": summary(check, 0)})
             plan = await run_in_threadpool(job_plan, job_request.trainer, job_request.config, check)
-        except UserError as e:
+        except (UserError, OSError) as e:  # the trainer's own refusal; a model file or folder that cannot be read
             return JSONResponse({"error": str(e), "field": named_field(str(e), set(body.get("options", {})))}, 400)
         except ValueError as e:
             return JSONResponse({"error": str(e), "field": getattr(e, "field", None)}, 400)
