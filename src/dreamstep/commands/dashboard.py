@@ -21,7 +21,6 @@ from typing import Any
 from dreamstep.errors import UserError
 
 DEFAULT_PORT = 7860
-TRAINERS = ("flux-lora", "sdxl-lora", "flux-controlnet", "flux-kontext-lora")
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
@@ -30,7 +29,9 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("--dataset", metavar="TOML_OR_FOLDER",
                         help="check a Kohya dataset TOML or an image folder as --trainer will read it (with "
                              "--config: that run's settings); --config alone checks the data the TOML names")
-    parser.add_argument("--trainer", default="flux-lora", choices=TRAINERS,
+    from dreamstep.cli import COMMANDS
+
+    parser.add_argument("--trainer", default="flux-lora", choices=[key[1] for key in COMMANDS if key[0] == "train"],
                         help="for --dataset: the trainer whose data code and defaults the check uses (default "
                              "flux-lora: a folder is --instance_data_dir; sdxl-lora and flux-controlnet read a "
                              "folder as --train_data_dir)")

@@ -41,7 +41,8 @@ def trainer_datasets(trainer: str, config: Any) -> list[DatasetConfig]:
         from dreamstep.models.kontext import kontext_datasets
 
         return kontext_datasets(config)
-    raise UserError(f"--trainer {trainer}: choose one of {', '.join(FOLDER_FLAGS)}")
+    raise UserError(f"--trainer {trainer}: the dataset check does not know this trainer's data; choose one of "
+                    f"{', '.join(FOLDER_FLAGS)}")
 
 
 def _class_dir(config: Any) -> str | None:
