@@ -198,8 +198,17 @@ def _queue_from_form(driver, name: str, steps: int) -> int:
     return int(driver.last_queued.split()[1])
 
 
+def _panel(driver, panel: str) -> dict:
+    return driver.execute_script("""
+        const box = document.getElementById(arguments[0]);
+        return {state: box.dataset.state, fits: box.dataset.fits, text: box.innerText};""", panel)
+
+
 def test_a_run_created_from_the_form_is_watched_stopped_resumed_and_the_next_job_runs(browser, tmp_path,
                                                                                      tiny_flux_dev_dir):
+    """The form shows the plan of the run's own base and the dataset check as it changes; a job queued from it
+    is watched, stopped (a checkpoint) and resumed; the dashboard restarted with one job running and one queued
+    shows both and goes on with the queue."""
     import signal
 
     from dashboard_testkit import ROBOT_DIR, DashboardProcess
@@ -208,7 +217,9 @@ def test_a_run_created_from_the_form_is_watched_stopped_resumed_and_the_next_job
 
     runs = tmp_path / "runs"
     runs.mkdir()
-    dashboard = DashboardProcess(runs, [tiny_flux_dev_dir.parent, ROBOT_DIR.parent])
+    roots = [tiny_flux_dev_dir.parent, ROBOT_DIR.parent]
+    dashboard = DashboardProcess(runs, roots)
+    paused: list[int] = []
     try:
         browser.get(f"{dashboard.url}/new?token={dashboard.token}")
         _wait(browser, lambda d: d.find_elements("id", "opt-pretrained_model_name_or_path"), "the generated form")
@@ -220,8 +231,20 @@ def test_a_run_created_from_the_form_is_watched_stopped_resumed_and_the_next_job
                         "instance_prompt": "a photo of sks robot", "resolution": "32", "rank": "4",
                         "validation_prompt": "sks robot", "num_validation_images": "1",
                         "validation_inference_steps": "1", "validation_steps": "1000", "report_to": "none",
-                        "logging_steps": "1",
-                        "learning_rate": "fast"})
+                        "logging_steps": "1", "device_memory": "4MB"})
+        # Live, before anything is queued: the plan of the tiny base itself (not the released FLUX.1-dev) against
+        # the card given, and the robot folder as flux-lora reads it (square 32 px crops, the instance prompt).
+        _wait(browser, lambda d: _panel(d, "plan")["fits"] == "false", "the plan: does not fit in 4MB")
+        plan = _panel(browser, "plan")["text"]
+        assert f"base: {tiny_flux_dev_dir.resolve()}" in plan and "does NOT fit" in plan and "MiB" in plan
+        check = _wait(browser, lambda d: (c := _panel(d, "dataset-check"))["state"] == "ready" and c, "the data")
+        assert "6 images, 6 used" in check["text"] and "crop 32x32: 6 images" in check["text"]
+        assert "robot_0.png: a photo of sks robot" in check["text"]
+        _fill(browser, {"device_memory": "1GB"})
+        _wait(browser, lambda d: _panel(d, "plan")["fits"] == "true", "the plan to follow the form: fits in 1GB")
+        _fill(browser, {"resolution": "48"})
+        _wait(browser, lambda d: "crop 48x48: 6 images" in _panel(d, "dataset-check")["text"], "the check at 48 px")
+        _fill(browser, {"resolution": "32", "learning_rate": "fast"})
         error = '.field-error[data-for="learning_rate"]'
         _wait(browser, lambda d: "is not a number" in d.find_element("css selector", error).text,
               "the error next to --learning_rate")
@@ -246,15 +269,29 @@ def test_a_run_created_from_the_form_is_watched_stopped_resumed_and_the_next_job
         folder = Path(dashboard.job(first)["output_dir"])
         status = read_status(folder)
         assert status["state"] == "interrupted" and (folder / f"checkpoint-{status['step']}").is_dir()
-        _wait(browser, lambda d: _row(d, second).get("state") in ("running", "finished"), "the second job to start")
+        # The second job is held as it starts, so it is still running when the dashboard restarts.
+        running = dashboard.wait_job(second, lambda j: j["state"] == "running", "the second job to start")
+        os.kill(running["pid"], signal.SIGSTOP)
+        paused.append(running["pid"])
         _click(browser, first, "resume")
+        _wait(browser, lambda d: _row(d, first).get("state") == "queued", "the resumed job to wait")
+
+        dashboard.close()  # Ctrl-C: one job running, one queued; the user opens the address the new one prints
+        dashboard = DashboardProcess(runs, roots)
+        browser.get(f"{dashboard.url}/new?token={dashboard.token}")
+        _wait(browser, lambda d: (_row(d, first).get("state"), _row(d, second).get("state")) == ("queued", "running"),
+              "the restarted page to show the queued and the running job")
+        os.kill(paused.pop(), signal.SIGCONT)
         _wait(browser, lambda d: _row(d, second).get("state") == "finished", "the second job to finish")
         _wait(browser, lambda d: _row(d, first).get("state") == "finished", "the resumed job to finish")
         assert _row(browser, first)["progress"] == "30 / 30"
+        browser.find_element("css selector", f'#jobs tr[data-job="{first}"] button:last-child').click()
         _wait(browser, lambda d: "resuming from" in d.find_element("id", "job-log").text
               and "pytorch_lora_weights.safetensors" in d.find_element("id", "job-log").text, "the job's log")
         _screenshot(browser, "dashboard-jobs.png")
     finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
         dashboard.close()
 
 

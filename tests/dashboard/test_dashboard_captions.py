@@ -4,6 +4,7 @@ Host rules of every change; the images without a caption are captioned by a ``dr
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -20,6 +21,7 @@ pytest.importorskip("starlette")
 from dreamstep.captioning.tiny import write_tiny_wd14  # noqa: E402
 from dreamstep.dashboard.app import create_app  # noqa: E402
 from dreamstep.dashboard.caption_routes import CaptionEditing  # noqa: E402
+from dreamstep.dashboard.dataset_check import check_dataset  # noqa: E402
 
 TOKEN = "caption-token"
 AUTH = {"X-Dreamstep-Token": TOKEN}
@@ -43,7 +45,8 @@ def server(dataset: Path, tmp_path: Path):
     models = tmp_path / "models"
     write_tiny_wd14(models)
     editing = CaptionEditing(TOKEN, [models])
-    with serve(create_app([], dataset=str(dataset), resolution=64, captions=editing, local_hosts=True)) as url:
+    with serve(create_app([], dataset=str(dataset), recheck=functools.partial(check_dataset, dataset, 64),
+                           captions=editing, local_hosts=True)) as url:
         yield url, editing
 
 
@@ -117,7 +120,7 @@ def test_an_edit_without_the_token_or_from_another_site_is_refused(server, datas
 
 
 def test_without_edit_captions_the_dataset_check_stays_read_only(dataset):
-    with serve(create_app([], dataset=str(dataset), resolution=64)) as url:
+    with serve(create_app([], dataset=str(dataset), recheck=functools.partial(check_dataset, dataset, 64))) as url:
         status, _ = _call(f"{url}/api/dataset/captions", {"path": str(dataset / "b.png"), "caption": "x"}, AUTH)
     assert status == 405 and not (dataset / "b.txt").exists()
 

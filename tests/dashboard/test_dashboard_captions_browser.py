@@ -4,6 +4,7 @@ caption`` process with the tiny WD14 tagger) while the page follows it."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from PIL import Image
 from dreamstep.captioning.tiny import write_tiny_wd14
 from dreamstep.dashboard.app import create_app
 from dreamstep.dashboard.caption_routes import CaptionEditing
+from dreamstep.dashboard.dataset_check import check_dataset
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -58,7 +60,8 @@ def test_a_caption_typed_on_the_page_is_saved_and_the_button_captions_the_rest(b
     (data / "a.txt").write_text("a red square\n")
     tagger = write_tiny_wd14(tmp_path / "models")
     editing = CaptionEditing(TOKEN, [tmp_path / "models"])
-    with serve(create_app([], dataset=str(data), resolution=64, captions=editing, local_hosts=True)) as url:
+    with serve(create_app([], dataset=str(data), recheck=functools.partial(check_dataset, data, 64),
+                           captions=editing, local_hosts=True)) as url:
         browser.get(f"{url}/captions?token={TOKEN}")
         _wait(browser, lambda d: len(d.find_elements("css selector", "figure textarea")) == 3, "three captions")
         assert _card(browser, data / "a.png").find_element("tag name", "textarea").get_attribute("value") \

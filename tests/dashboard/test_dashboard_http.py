@@ -337,3 +337,24 @@ def test_samples_of_a_run_with_a_list_of_validation_prompts_are_captioned_with_t
     TrainingLogger(run, report_to="none").log_images(2, [Image.new("RGB", (16, 16)), Image.new("RGB", (16, 16))])
     samples = client(run.parent).get("/api/runs/0.control").json()["samples"]
     assert [(s["step"], s["prompt"], s["seed"]) for s in samples] == [(2, "a red cube | a blue cube", 5)]
+
+
+def test_a_lora_of_a_tiny_base_named_by_a_relative_path_fits_that_base(finished_run, tiny_flux_dev_dir, tmp_path,
+                                                                      monkeypatch):
+    """The run was started in another folder, with the base and the output given relative to it (as the demo's
+    TOML does): the adapter panel checks the LoRA against that base, not the released FLUX.1-dev."""
+    project = tmp_path / "project"
+    run = copy_run(finished_run, project / "out")
+    (project / "models").mkdir()
+    (project / "models" / "tiny-flux").symlink_to(tiny_flux_dev_dir, target_is_directory=True)
+    config = (run / "config.toml").read_text().splitlines()
+    (run / "config.toml").write_text("\n".join(
+        'pretrained_model_name_or_path = "models/tiny-flux"' if line.startswith("pretrained_model_name_or_path")
+        else f'output_dir = "out/{run.name}"' if line.startswith("output_dir") else line for line in config) + "\n")
+    monkeypatch.chdir(tmp_path)  # the dashboard is started elsewhere
+    info = client(run.parent).get(f"/api/runs/0.{run.name}/loras").json()["loras"][0]["info"]
+    fits = next(line for line in info.splitlines() if line.startswith("fits:"))
+    assert fits.startswith("fits:      yes") and fits.endswith(f"of {project}/models/tiny-flux"), fits
+    (run / "config.toml").write_text('pretrained_model_name_or_path = "black-forest-labs/FLUX.1-dev"\n')
+    info = client(run.parent).get(f"/api/runs/0.{run.name}/loras").json()["loras"][0]["info"]
+    assert "fits:      NO" in info and "FLUX.1-dev" in info  # a hub id: the released model's shapes

@@ -197,3 +197,96 @@ def test_the_form_has_every_option_of_each_trainer_in_a_section_with_its_help(se
         assert names == expected - set(SET_BY_DASHBOARD)
         assert {f["group"] for f in form["fields"]} <= set(form["groups"])
         assert all(f["help"] for f in form["fields"]), [f["name"] for f in form["fields"] if not f["help"]]
+
+
+def _preview(url: str, what: str, **options: object) -> tuple[int, dict]:
+    body = _job(**options)
+    del body["name"]  # a preview needs no run name yet
+    return _post(f"{url}/api/jobs/{what}", body, AUTH)
+
+
+def test_the_plan_before_queuing_is_the_trainers_own_for_the_runs_base_and_the_card(server, tiny_flux_dev_dir,
+                                                                                   tmp_path, capsys):
+    from dreamstep.cli import main
+
+    url, training = server
+    status, answer = _preview(url, "plan", rank=4, device_memory="1GB")
+    assert status == 200, answer
+    plan = answer["plan"]
+    # The tiny base's own configs (MiB), not the released FLUX.1-dev's (GiB); checked against the card given.
+    assert plan["base"] == str(tiny_flux_dev_dir.resolve()) and 0 < plan["peak"] < 2**30 / 10
+    assert plan["fits"] is True and plan["card"] == "--device_memory 1GB" and plan["would_fit"] == []
+    # The trainer prints the same plan before it loads anything (--dry_run stops there).
+    assert main(["train", "flux-lora", "--pretrained_model_name_or_path", str(tiny_flux_dev_dir), "--instance_data_dir",
+                 str(ROBOT_DIR), "--instance_prompt", "a photo of sks robot", "--resolution", "32", "--rank", "4",
+                 "--max_train_steps", "2", "--device_memory", "1GB", "--output_dir", str(tmp_path / "dry"),
+                 "--dry_run"]) == 0
+    assert plan["report"] in capsys.readouterr().out
+    # A card too small: the options that would fit, each under the card's usable memory.
+    status, answer = _preview(url, "plan", resolution=512, train_batch_size=4, max_sequence_length=77,
+                              device_memory="20MB")
+    small = answer["plan"]
+    assert small["fits"] is False and "does NOT fit" in small["report"] and small["would_fit"]
+    assert all(f["peak"] <= 20 * 2**20 * 0.92 for f in small["would_fit"])
+    assert "--resolution 448" in small["would_fit"][0]["flags"] and "would fit: " in small["report"]
+    assert training.queue.all() == []
+
+
+def test_the_dataset_check_before_queuing_reads_the_data_as_the_trainer_does(server):
+    url, training = server
+    status, answer = _preview(url, "dataset", resolution=48)
+    assert status == 200, answer
+    check = answer["dataset"]
+    assert [b["size"] for b in check["datasets"][0]["buckets"]] == [[48, 48]]  # flux-lora: square crops
+    assert {i["caption"] for i in check["images"]} == {"a photo of sks robot"} and check["problems"] == []
+    status, refused = _preview(url, "dataset", instance_data_dir="no-such-folder")
+    assert status == 400 and refused["field"] == "instance_data_dir"
+    status, refused = _preview(url, "plan", blocks_to_swap=99)
+    assert status == 400 and refused["field"] == "blocks_to_swap", refused
+    assert training.queue.all() == []
+
+
+@pytest.mark.parametrize("headers, expected", [({}, 403), ({**AUTH, "Origin": "http://evil.example"}, 403)])
+def test_previews_follow_the_rules_of_every_change(server, headers, expected):
+    url, _ = server
+    for what in ("plan", "dataset"):
+        assert _post(f"{url}/api/jobs/{what}", _job(), headers)[0] == expected
+
+
+def test_an_sdxl_lora_plan_before_queuing_is_the_one_its_dry_run_prints(tmp_path, tiny_sdxl_dir, capsys):
+    from dreamstep.cli import main
+
+    data = tmp_path / "data"
+    (data / "kohya").mkdir(parents=True)
+    os.symlink(ROBOT_DIR, data / "kohya" / "2_sks robot")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    training = Training([runs], [tiny_sdxl_dir.parent, data], runs / ".dreamstep-jobs", TOKEN, max_running=0)
+    options = {"pretrained_model_name_or_path": tiny_sdxl_dir.name, "train_data_dir": "kohya", "resolution": "64",
+               "network_dim": 4, "device_memory": "1GB"}
+    with serve(create_app([runs], training=training)) as url:
+        status, answer = _post(f"{url}/api/jobs/plan", {"trainer": "sdxl-lora", "options": options}, AUTH)
+    assert status == 200, answer
+    assert answer["plan"]["base"] == str(tiny_sdxl_dir.resolve()) and answer["plan"]["fits"] is True
+    assert main(["train", "sdxl-lora", "--pretrained_model_name_or_path", str(tiny_sdxl_dir), "--train_data_dir",
+                 str(data / "kohya"), "--resolution", "64", "--network_dim", "4", "--device_memory", "1GB",
+                 "--output_dir", str(tmp_path / "dry"), "--dry_run"]) == 0
+    assert answer["plan"]["report"] in capsys.readouterr().out
+
+
+def test_without_device_memory_the_plan_is_checked_against_the_card_found(server, monkeypatch):
+    import torch
+
+    from dreamstep.models import memory_plan
+
+    url, _ = server
+    if not torch.cuda.is_available():
+        status, answer = _preview(url, "plan")
+        assert status == 200 and answer["plan"]["fits"] is None and "no CUDA card found" in answer["plan"]["card"]
+    # A 12 GB card (the CUDA query stood in for): the tiny run fits it.
+    monkeypatch.setattr(memory_plan, "detected_device_memory", lambda: 12 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA GeForce RTX 4070")
+    status, answer = _preview(url, "plan")
+    plan = answer["plan"]
+    assert plan["card"] == "NVIDIA GeForce RTX 4070 (detected)" and plan["device_memory"] == 12 * 2**30
+    assert plan["fits"] is True and "device memory 12.0 GiB" in plan["report"]

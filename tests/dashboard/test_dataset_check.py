@@ -120,7 +120,7 @@ def test_dataset_page_data_over_http(dataset_toml):
 
     from dreamstep.dashboard.app import create_app
 
-    c = TestClient(create_app([], dataset=str(dataset_toml), resolution=512))
+    c = TestClient(create_app([], dataset=str(dataset_toml)))
     assert c.get("/api/info").json()["dataset"] == str(dataset_toml)
     epoch0, epoch1 = c.get("/api/dataset").json(), c.get("/api/dataset?epoch=1").json()
     assert epoch1["epoch"] == 1
@@ -134,6 +134,9 @@ def test_dataset_page_data_over_http(dataset_toml):
     (Path(epoch0["images"][0]["path"]).parent / "new.png").write_bytes(b"not an image")
     rescanned = c.get("/api/dataset?rescan=1").json()
     assert any("new.png" in p for p in rescanned["problems"])
+    Path(epoch0["images"][0]["path"]).write_bytes(b"now broken")  # a file decoded before is read again once changed
+    rescanned = c.get("/api/dataset?rescan=1").json()
+    assert any(p.startswith(epoch0["images"][0]["path"]) and "unreadable" in p for p in rescanned["problems"])
 
 
 def test_the_check_shows_each_images_mask_and_names_an_all_black_one(tmp_path: Path) -> None:
@@ -180,3 +183,54 @@ def test_the_check_shows_each_images_mask_and_names_an_all_black_one(tmp_path: P
             assert shown[:, white_columns + 4:].max() < 50
         if white_rows < 64:
             assert shown[white_rows + 4:].max() < 50
+
+
+def _folder_of_shapes(folder: Path) -> None:
+    """Landscape, portrait and square images; one without a caption file."""
+    for name, size in (("wide", (96, 64)), ("tall", (64, 96)), ("square", (64, 64))):
+        _image(folder / f"{name}.png", size, caption=f"a {name} photo of sks robot")
+    _image(folder / "bare.png", (96, 64), caption=None)
+
+
+def test_the_check_reads_a_folder_as_the_chosen_trainer_with_its_runs_settings(tmp_path):
+    """flux-lora with its run's config.toml: square crops at the run's resolution, the instance prompt for an image
+    without a caption; sdxl-lora on a Kohya folder with buckets enabled: aspect buckets, the folder's class tokens."""
+    _folder_of_shapes(tmp_path / "robot")
+    run_config = tmp_path / "config.toml"
+    run_config.write_text('pretrained_model_name_or_path = "black-forest-labs/FLUX.1-dev"\noutput_dir = "out"\n'
+                          f'instance_data_dir = "{(tmp_path / "robot").as_posix()}"\n'
+                          'instance_prompt = "sks robot"\nresolution = 48\nseed = 4\n')
+    for check in (check_dataset(trainer="flux-lora", config_toml=run_config),  # the run's own data
+                  check_dataset(tmp_path / "robot", trainer="flux-lora", config_toml=run_config)):
+        by_name = {i.path.name: i for i in check.images}
+        assert {i.bucket for i in check.images} == {(48, 48)} and check.problems == [] and check.seed == 4
+        assert by_name["bare.png"].caption == "sks robot" and by_name["wide.png"].caption == "a wide photo of sks robot"
+    assert {i.bucket for i in check_dataset(tmp_path / "robot", 32, instance_prompt="x").images} == {(32, 32)}
+
+    kohya = tmp_path / "kohya" / "2_sks robot"
+    _folder_of_shapes(kohya)
+    (kohya / "bare.png").rename(kohya / "bare.jpg")
+    sdxl_config = tmp_path / "sdxl.toml"
+    sdxl_config.write_text('resolution = "64"\nenable_bucket = true\nmin_bucket_reso = 32\nbucket_reso_steps = 16\n'
+                           'caption_extension = ".txt"\n')
+    check = check_dataset(kohya.parent, trainer="sdxl-lora", config_toml=sdxl_config)
+    by_name = {i.path.name: i for i in check.images}
+    assert by_name["wide.png"].bucket[0] > by_name["wide.png"].bucket[1]
+    assert by_name["tall.png"].bucket[0] < by_name["tall.png"].bucket[1]
+    assert by_name["bare.jpg"].caption == "sks robot" and by_name["wide.png"].repeats == 2
+
+    with pytest.raises(UserError, match="--instance_prompt is not an option of 'dreamstep train sdxl-lora'"):
+        check_dataset(kohya.parent, trainer="sdxl-lora", instance_prompt="x")
+    run_config.write_text("resolutoin = 48\n")
+    with pytest.raises(UserError, match="config.toml: unknown key 'resolutoin'"):
+        check_dataset(tmp_path / "robot", trainer="flux-lora", config_toml=run_config)
+
+
+def test_the_dashboard_command_checks_with_the_trainer_and_config_given(tmp_path, capsys):
+    from dreamstep.cli import main
+
+    _folder_of_shapes(tmp_path / "robot")
+    assert main(["dashboard", "--dataset", str(tmp_path / "robot"), "--trainer", "sdxl-lora"]) == 2
+    assert "--train_data_dir" in capsys.readouterr().err  # sdxl-lora wants <repeats>_<class tokens> folders
+    assert main(["dashboard", "--dataset", str(tmp_path / "robot"), "--config", str(tmp_path / "none.toml")]) == 2
+    assert "none.toml: file not found" in capsys.readouterr().err

@@ -160,3 +160,25 @@ def test_network_weights_continue_from_a_file(features_run: Path, tiny_sdxl_dir:
     with safe_open(features_run / "last.safetensors", "pt") as a, safe_open(out / "last.safetensors", "pt") as b:
         key = "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_up.weight"
         torch.testing.assert_close(b.get_tensor(key), a.get_tensor(key), atol=1e-6, rtol=0)
+
+
+def test_the_dashboard_captions_the_runs_samples_and_checks_its_lora_against_its_own_base(
+        features_run: Path, tiny_sdxl_single_file: Path, tmp_path: Path) -> None:
+    """The labelled grids and the sd-scripts sample files show their prompts (not "(prompt unknown)"); the LoRA
+    fits the tiny base it was trained on, named by its folder or by its single file."""
+    from dreamstep.dashboard.runs import RunIndex
+
+    run = next(iter(RunIndex([features_run]).runs().values()))
+    samples = {s["name"]: s for s in run.samples()}
+    grid = samples["validation-000008.png"]
+    assert (grid["step"], grid["prompt"], grid["seed"]) == (8, "a red dog | a blue cat", "7, 4")
+    assert (samples["last_000004_00.png"]["prompt"], samples["last_000004_00.png"]["seed"]) == ("a red dog", 7)
+    assert all(s.get("prompt") for s in samples.values())
+    copy = tmp_path / "run"
+    shutil.copytree(features_run, copy, ignore=shutil.ignore_patterns("cache"))
+    (copy / "config.toml").write_text(f'pretrained_model_name_or_path = "{tiny_sdxl_single_file.as_posix()}"\n')
+    for folder in (features_run, copy):
+        loras = next(iter(RunIndex([folder]).runs().values())).loras()
+        fits = [line for lora in loras for line in lora["info"].splitlines() if line.startswith("fits:")]
+        assert fits and all(line.startswith("fits:      yes") and str(tiny_sdxl_single_file.parent) in line
+                            for line in fits), fits

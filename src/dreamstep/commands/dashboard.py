@@ -1,8 +1,9 @@
-"""``dreamstep dashboard [RUN_DIR ...] [--dataset TOML_OR_FOLDER]``: a local web page over run folders
-(live loss and LR, sample grids, metrics, config, LoRA files, log tail, run comparison) and a dataset
-check before training. Read-only unless --allow_training: then it also queues, runs, stops and resumes
-training jobs, each its own ``dreamstep train`` process writing into a run folder under the first RUN_DIR
-given (or another RUN_DIR). Listens on 127.0.0.1 unless --host says otherwise.
+"""``dreamstep dashboard [RUN_DIR ...] [--dataset TOML_OR_FOLDER --trainer T --config TOML]``: a local web
+page over run folders (live loss and LR, sample grids, metrics, config, LoRA files, log tail, run comparison)
+and a dataset check before training, made by the chosen trainer's data code with its settings. Read-only
+unless --allow_training: then it also queues, runs, stops and resumes training jobs, each its own
+``dreamstep train`` process writing into a run folder under the first RUN_DIR given (or another RUN_DIR).
+Listens on 127.0.0.1 unless --host says otherwise.
 """
 
 from __future__ import annotations
@@ -26,12 +27,23 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("run_dirs", nargs="*", metavar="RUN_DIR",
                         help="a run's --output_dir, or a folder whose subfolders are runs (e.g. demo_out)")
     parser.add_argument("--dataset", metavar="TOML_OR_FOLDER",
-                        help="check a Kohya dataset TOML or an image folder as the trainer will read it")
-    parser.add_argument("--resolution", type=int, default=1024,
-                        help="for --dataset: the training resolution, where the TOML sets none (default 1024)")
-    parser.add_argument("--seed", type=int, default=0, help="for --dataset: the training seed (caption shuffles)")
+                        help="check a Kohya dataset TOML or an image folder as --trainer will read it (with "
+                             "--config: that run's settings); --config alone checks the data the TOML names")
+    from dreamstep.cli import COMMANDS
+
+    parser.add_argument("--trainer", default="flux-lora", choices=[key[1] for key in COMMANDS if key[0] == "train"],
+                        help="for --dataset: the trainer whose data code and defaults the check uses (default "
+                             "flux-lora: a folder is --instance_data_dir; sdxl-lora and flux-controlnet read a "
+                             "folder as --train_data_dir)")
+    parser.add_argument("--config", metavar="TOML",
+                        help="for --dataset: the trainer's own options, e.g. a run's config.toml or the file "
+                             "you pass to 'dreamstep train TRAINER --config' (resolution, captions, crops, ...)")
+    parser.add_argument("--resolution", help="for --dataset: the trainer's --resolution (default: --config's, "
+                                             "else the trainer's)")
+    parser.add_argument("--seed", type=int, help="for --dataset: the training seed (caption shuffles)")
     parser.add_argument("--instance_prompt",
-                        help="for --dataset FOLDER: the caption of images without a caption file (.txt/.caption)")
+                        help="for --dataset FOLDER: the caption of images without a caption file (flux-lora, "
+                             "flux-kontext-lora)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
@@ -103,7 +115,7 @@ def _captions(args: argparse.Namespace, token: str | None) -> Any:
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
-    if not args.run_dirs and not args.dataset:
+    if not args.run_dirs and not args.dataset and not args.config:
         raise UserError("give at least one RUN_DIR or --dataset TOML_OR_FOLDER; see 'dreamstep dashboard --help'")
     for folder in args.run_dirs:
         if not Path(folder).is_dir():
@@ -121,12 +133,16 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     except ImportError as e:
         raise UserError(f"the dashboard needs the 'ui' extra ({e.name} is missing): "
                         "pip install 'dreamstep[ui]'") from None
-    check = None
-    if args.dataset:
+    check, recheck = None, None
+    if args.dataset or args.config:
+        import functools
+
         from dreamstep.dashboard.dataset_check import check_dataset
 
-        print(f"checking {args.dataset} ...", flush=True)
-        check = check_dataset(args.dataset, args.resolution, args.seed, args.instance_prompt)
+        recheck = functools.partial(check_dataset, args.dataset, args.resolution, args.seed, args.instance_prompt,
+                                    trainer=args.trainer, config_toml=args.config)
+        print(f"checking {args.dataset or args.config} as 'dreamstep train {args.trainer}' reads it ...", flush=True)
+        check = recheck()
         print(f"  {len(check.images)} images, {len(check.problems)} problems")
     for folder in args.run_dirs:
         if not discover_runs([Path(folder)]):
@@ -143,16 +159,16 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
               f"{', '.join(args.run_dirs) or 'the dataset'}" + ("" if token else "; add --token to require a token"),
               file=sys.stderr)
     _check_port(args.host, args.port)
-    app = create_app([Path(d) for d in args.run_dirs], dataset=args.dataset, dataset_check=check,
-                     resolution=args.resolution, seed=args.seed, instance_prompt=args.instance_prompt,
-                     token=token, training=training, local_hosts=changes is not None and is_loopback(args.host),
-                     captions=captions)
+    app = create_app([Path(d) for d in args.run_dirs], dataset=check.source if check else None, dataset_check=check,
+                     recheck=recheck, token=token, training=training,
+                     local_hosts=changes is not None and is_loopback(args.host), captions=captions)
     token = changes.token if changes is not None else token
     shown_host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{shown_host}:{args.port}/" + (f"?token={token}" if token else "")
-    # The LoRA reports need torch and diffusers; importing them takes seconds, so start now, not on the
-    # first page that shows a LoRA file.
-    threading.Thread(target=importlib.import_module, args=("dreamstep.lora.info",), daemon=True).start()
+    # The LoRA reports (and the new-run page's memory plans) need torch, diffusers and peft; importing them takes
+    # seconds, so start now, not on the first page that shows a LoRA file or a plan.
+    modules = ("dreamstep.lora.info",) + (("dreamstep.models.plans",) if training is not None else ())
+    threading.Thread(target=lambda: [importlib.import_module(m) for m in modules], daemon=True).start()
     mode = "training allowed" if training is not None else "caption editing" if captions else "read-only"
     print(f"dashboard: {url}  ({mode}; Ctrl-C stops it, not its jobs)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

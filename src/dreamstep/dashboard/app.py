@@ -14,12 +14,14 @@ a forged POST fails. POSTs must also be JSON, and any ``Origin`` they carry must
 
 from __future__ import annotations
 
+import functools
 import hmac
 import io
 import json
 import math
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,30 +127,33 @@ def _same(offered: str, expected: str) -> bool:
 
 
 class _DatasetState:
-    """The dataset check, computed at start and again on ``?rescan=1``; thumbnails cached (LRU)."""
+    """The dataset check, computed at start and again on ``?rescan=1`` (by ``recheck``); thumbnails cached
+    (LRU)."""
 
-    def __init__(self, source: str | None, resolution: int, seed: int, instance_prompt: str | None,
-                 check: DatasetCheck | None):
-        self.source, self.resolution, self.seed, self.instance_prompt = source, resolution, seed, instance_prompt
-        self.check = check
+    def __init__(self, source: str | None, recheck: Callable[[], DatasetCheck] | None, check: DatasetCheck | None):
+        self.source, self.recheck, self.check = source, recheck, check
         self.thumbs: OrderedDict[tuple[int, int, bool], bytes] = OrderedDict()
         self.lock = threading.Lock()
 
     def rescan(self) -> None:
-        self.check = check_dataset(self.source, self.resolution, self.seed, self.instance_prompt)
+        if self.recheck is not None:
+            self.check = self.recheck()
         self.thumbs.clear()
 
 
 def create_app(run_dirs: list[Path], *, dataset: str | None = None, dataset_check: DatasetCheck | None = None,
-               resolution: int = 1024, seed: int = 0, instance_prompt: str | None = None,
-               token: str | None = None, training: Training | None = None,
-               local_hosts: bool = False, captions: CaptionEditing | None = None) -> Starlette:
-    """The application over ``run_dirs`` (and a dataset TOML or folder). ``dataset_check`` passes a check
-    already made (the command makes it before starting, so a bad TOML fails at the door). ``training``: the
-    job queue and what changing it needs (None: read-only). ``captions``: caption editing in the dataset
-    check (:mod:`~dreamstep.dashboard.caption_routes`; its token is the training token when both are on)."""
+               recheck: Callable[[], DatasetCheck] | None = None, token: str | None = None,
+               training: Training | None = None, local_hosts: bool = False,
+               captions: CaptionEditing | None = None) -> Starlette:
+    """The application over ``run_dirs`` and the check of a dataset (``dataset`` names it). ``dataset_check``: the
+    check made before starting (the command makes it first, so a bad TOML fails at the door); ``recheck`` makes
+    it again (``?rescan=1``; default: :func:`check_dataset` of ``dataset`` as flux-lora reads it).
+    ``training``: the job queue and what changing it needs (None: read-only). ``captions``: caption editing in the
+    dataset check (:mod:`~dreamstep.dashboard.caption_routes`; its token is the training token when both are on)."""
     index = RunIndex([Path(d) for d in run_dirs])
-    state = _DatasetState(dataset, resolution, seed, instance_prompt, dataset_check)
+    if dataset is not None and recheck is None:
+        recheck = functools.partial(check_dataset, dataset)
+    state = _DatasetState(dataset, recheck, dataset_check)
     if dataset is not None and dataset_check is None:
         state.rescan()
 

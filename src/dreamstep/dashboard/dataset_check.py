@@ -1,6 +1,7 @@
-"""The dataset check: what the trainer will make of a dataset TOML or an image folder, before training.
+"""The dataset check: what a trainer will make of a dataset TOML or an image folder, before training.
 
-Everything comes from the trainer's own data code (:mod:`dreamstep.data`): the TOML parser, the folder
+Everything comes from that trainer's own data code (:mod:`dreamstep.data`, chosen by
+:mod:`~dreamstep.dashboard.trainer_data` from the trainer's config): the TOML parser, the folder
 scan and caption rules, image decoding, regularization balancing, bucket selection and the per-epoch
 caption processing of :class:`~dreamstep.data.dataset.BucketDataset`. The one difference is that the
 trainer stops at the first problem, while the check collects every problem and keeps going.
@@ -13,18 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dreamstep.config.flux_lora import FluxLoraConfig
+from dreamstep.dashboard.trainer_data import FOLDER_FLAGS, check_config, trainer_datasets
 from dreamstep.data.buckets import BucketPlanner
 from dreamstep.data.dataset import BucketDataset
-from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig, load_dataset_config
+from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig
 from dreamstep.data.images import ImageInfo, inspect_image, list_images
 from dreamstep.data.masks import check_mask, mask_path
 from dreamstep.data.records import ImageRecord, dataset_repeats, folder_caption, subset_entries
-from dreamstep.data.sources import flux_lora_datasets
 from dreamstep.errors import UserError
 
-__all__ = ["CheckedImage", "DatasetCheck", "check_dataset", "load_configs"]
-
+__all__ = ["CheckedImage", "DatasetCheck", "check_dataset", "check_datasets", "check_trainer_data", "summary"]
 
 
 @dataclass
@@ -74,31 +73,29 @@ class DatasetCheck:
         return out
 
 
-def load_configs(source: str | Path, resolution: int, instance_prompt: str | None = None) -> list[DatasetConfig]:
-    """A Kohya dataset TOML or an image folder, read as ``train flux-lora --dataset_config TOML`` or
-    ``--instance_data_dir FOLDER --instance_prompt ...`` reads it, with that trainer's defaults (its code
-    does the reading), at ``resolution``."""
-    path = Path(source)
-    if not path.exists():
-        raise UserError(f"--dataset {path}: no such file or folder; give a dataset TOML or an image folder")
-    given = {"dataset_config": str(path)} if path.is_file() else {"instance_data_dir": str(path),
-                                                                  "instance_prompt": instance_prompt}
-    config = FluxLoraConfig(pretrained_model_name_or_path=".", output_dir=".", resolution=resolution,
-                            masked_loss=path.is_file() and _declares_masks(path, resolution), **given)
-    return flux_lora_datasets(config, None)
+def check_dataset(source: str | Path | None = None, resolution: int | None = None, seed: int | None = None,
+                  instance_prompt: str | None = None, *, trainer: str = "flux-lora",
+                  config_toml: str | Path | None = None) -> DatasetCheck:
+    """Check ``source`` (a dataset TOML or an image folder; ``None``: the data of ``config_toml``) as
+    ``dreamstep train TRAINER --config CONFIG_TOML`` reads it (:func:`~dreamstep.dashboard.trainer_data.check_config`),
+    with ``resolution``, ``seed`` and ``instance_prompt`` as flags where given. A TOML or flag error raises
+    UserError."""
+    config = check_config(trainer, source, config_toml, resolution=resolution, seed=seed,
+                          instance_prompt=instance_prompt)
+    return check_trainer_data(trainer, config, str(source) if source is not None else None)
 
 
-def _declares_masks(toml: Path, resolution: int) -> bool:
-    """Whether a dataset TOML gives masks (alpha_mask, or masks in conditioning_data_dir): it is then read as
-    ``--masked_loss`` reads it, and the check shows the masks."""
-    datasets = load_dataset_config(toml, cli={"resolution": resolution})
-    return any(s.alpha_mask or s.conditioning_data_dir is not None for d in datasets for s in d.subsets)
+def check_trainer_data(trainer: str, config: Any, source: str | None = None) -> DatasetCheck:
+    """Check the data of ``config`` (the config dataclass of ``train TRAINER``) with that trainer's data code;
+    ``source`` names it on the page (default: its dataset TOML or image folder)."""
+    configs = trainer_datasets(trainer, config)
+    if source is None:
+        source = str(config.dataset_config or getattr(config, FOLDER_FLAGS[trainer], None) or configs[0].where)
+    return check_datasets(configs, source, config.seed)
 
 
-def check_dataset(source: str | Path, resolution: int = 1024, seed: int = 0,
-                  instance_prompt: str | None = None) -> DatasetCheck:
-    """Check every image of ``source`` (see :func:`load_configs`); a TOML error raises UserError."""
-    configs = load_configs(source, resolution, instance_prompt)
+def check_datasets(configs: list[DatasetConfig], source: str, seed: int) -> DatasetCheck:
+    """Check every image of the trainer's ``configs`` (what :func:`trainer_datasets` gives)."""
     subsets: list[tuple[int, SubsetConfig]] = []
     images: list[CheckedImage] = []
     problems: list[str] = []
@@ -121,7 +118,7 @@ def check_dataset(source: str | Path, resolution: int = 1024, seed: int = 0,
         images += checked
     problems += [f"{i.path}: {p}" for i in images for p in i.problems]
     dataset = BucketDataset(groups, seed) if any(records for records, *_ in groups) else None
-    return DatasetCheck(str(source), configs, subsets, images, problems, dataset, seed)
+    return DatasetCheck(source, configs, subsets, images, problems, dataset, seed)
 
 
 def _mask_file(image: Path, conditioning: Path | None, subset: SubsetConfig) -> Path | None:
@@ -155,7 +152,7 @@ def _inspect_all(images: list[CheckedImage], planner: BucketPlanner,
     """Decode every image (as the trainer does before training), choose its bucket, and make the
     trainer's record for each image without problems (an upscaled image still trains)."""
     with ThreadPoolExecutor(max_workers=4) as pool:
-        infos = list(pool.map(inspect_image, [i.path for i in images]))
+        infos = list(pool.map(_inspected, [i.path for i in images]))
     for image, info in zip(images, infos):
         if not isinstance(info, ImageInfo):
             image.problems.append(f"unreadable: {info}")
@@ -179,6 +176,26 @@ def _inspect_all(images: list[CheckedImage], planner: BucketPlanner,
         if image.caption is not None and image.repeats > 0:
             image.record = ImageRecord(info, image.caption, subsets[image.subset][1], None, image.repeats,
                                        image.bucket, image.resized)
+
+
+_INSPECTED: dict[tuple[Path, int, int], ImageInfo | str] = {}  # (path, size, mtime) -> what decoding it gave
+_INSPECTED_MAX = 200_000
+
+
+def _inspected(path: Path) -> ImageInfo | str:
+    """:func:`~dreamstep.data.images.inspect_image`, remembered while the file is unchanged: the new-run form checks
+    the data again at every change of an option, and a large folder is decoded once."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return inspect_image(path)
+    key = (path, stat.st_size, stat.st_mtime_ns)
+    found = _INSPECTED.get(key)
+    if found is None:
+        found = _INSPECTED[key] = inspect_image(path)
+        if len(_INSPECTED) > _INSPECTED_MAX:
+            _INSPECTED.clear()
+    return found
 
 
 def summary(check: DatasetCheck, epoch: int) -> dict[str, Any]:

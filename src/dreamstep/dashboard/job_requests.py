@@ -27,7 +27,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["FieldError", "JobRequest", "check_job_request", "form_fields", "options_from_toml", "trainer_options"]
+__all__ = ["FieldError", "JobRequest", "check_job_request", "form_fields", "named_field", "options_from_toml",
+           "trainer_options"]
 
 # Set by the dashboard itself: the output folder from the request's root and name, the resume by Resume.
 SET_BY_DASHBOARD = ("output_dir", "resume_from_checkpoint", "resume", "config")
@@ -51,9 +52,12 @@ class FieldError(ValueError):
 
 @dataclass
 class JobRequest:
+    """A checked job: its trainer, run folder, the TOML it will run and its config (the trainer's dataclass)."""
+
     trainer: str
     output_dir: Path
     config_toml: str
+    config: Any
 
 
 def trainer_options(trainer: str) -> type:
@@ -92,8 +96,8 @@ def check_job_request(body: Any, output_roots: list[Path], data_roots: list[Path
     try:
         config = build_config(options_class, {**checked, "output_dir": str(output_dir)})
     except UserError as e:
-        raise FieldError(_named_field(str(e), names), str(e)) from None
-    return JobRequest(trainer, output_dir, options_toml(config, checked))
+        raise FieldError(named_field(str(e), names), str(e)) from None
+    return JobRequest(trainer, output_dir, options_toml(config, checked), config)
 
 
 def options_toml(config: Any, given: dict[str, Any]) -> str:
@@ -102,7 +106,8 @@ def options_toml(config: Any, given: dict[str, Any]) -> str:
                    if getattr(config, key) is not None)
 
 
-def _named_field(message: str, names: set[str]) -> str:
+def named_field(message: str, names: set[str]) -> str:
+    """The option a trainer's error message names (its first ``--flag`` among ``names``), else ``options``."""
     found = re.search(r"--(\w+)", message)
     return found.group(1) if found and found.group(1) in names else "options"
 

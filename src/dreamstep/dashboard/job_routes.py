@@ -2,7 +2,9 @@
 
 ``GET /api/jobs``, ``GET /api/jobs/{id}``, ``GET /api/jobs/{id}/log``, ``GET /api/trainers``;
 ``POST /api/jobs`` (``{"trainer", "output_root", "name", "options"}``) and
-``POST /api/jobs/{id}/{stop|resume|sample|cancel|up|down}``. A refused request is answered
+``POST /api/jobs/{id}/{stop|resume|sample|cancel|up|down}``; before queuing, with the body of ``POST /api/jobs``:
+``POST /api/jobs/check`` (the TOML and command), ``/api/jobs/dataset`` (the dataset check) and ``/api/jobs/plan``
+(the memory plan), each by the trainer's own code, loading no model. A refused request is answered
 ``{"error": ..., "field": ...}`` with the field that is wrong.
 """
 
@@ -15,18 +17,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from dreamstep.dashboard.job_requests import GROUPS, FieldError, check_job_request, form_fields, options_from_toml
+from dreamstep.dashboard.dataset_check import check_trainer_data, summary
+from dreamstep.dashboard.job_requests import (
+    GROUPS,
+    FieldError,
+    check_job_request,
+    form_fields,
+    named_field,
+    options_from_toml,
+)
 from dreamstep.dashboard.jobs import Job, JobError, JobQueue, JobRunner
+from dreamstep.dashboard.run_plan import job_plan
 from dreamstep.dashboard.runs import RunIndex
 from dreamstep.engine.run_folder import read_status
+from dreamstep.errors import UserError
 
 __all__ = ["Training", "job_routes"]
 
 _LOG_TAIL = 64 * 1024
+PREVIEW_NAME = "preview"  # the run name a preview is checked with when the form has none yet
 
 
 @dataclass
@@ -93,6 +107,24 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
                    "--output_dir", str(job_request.output_dir)]
         return JSONResponse({"toml": job_request.config_toml, "command": command})
 
+    async def preview(request: Request) -> Response:
+        """The dataset check (``/api/jobs/dataset``) or the memory plan (``/api/jobs/plan``) of what a job would
+        run, by its trainer's own code, without loading a model; queues nothing. The run's name may be left out."""
+        try:
+            body = json.loads(await request.body())
+            if isinstance(body, dict) and not body.get("name"):
+                body = {**body, "name": PREVIEW_NAME}
+            job_request = check_job_request(body, training.output_roots, training.data_roots)
+            check = await run_in_threadpool(check_trainer_data, job_request.trainer, job_request.config)
+            if request.url.path.endswith("/dataset"):
+                return JSONResponse({"dataset": summary(check, 0)})
+            plan = await run_in_threadpool(job_plan, job_request.trainer, job_request.config, check)
+        except (UserError, OSError) as e:  # the trainer's own refusal; a model file or folder that cannot be read
+            return JSONResponse({"error": str(e), "field": named_field(str(e), set(body.get("options", {})))}, 400)
+        except ValueError as e:
+            return JSONResponse({"error": str(e), "field": getattr(e, "field", None)}, 400)
+        return JSONResponse({"plan": plan})
+
     async def from_toml(request: Request) -> Response:
         try:
             body = json.loads(await request.body())
@@ -144,6 +176,8 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
         Route("/api/trainers/{trainer}/form", form),
         Route("/api/jobs/check", check, methods=["POST"]),
         Route("/api/jobs/from_toml", from_toml, methods=["POST"]),
+        Route("/api/jobs/dataset", preview, methods=["POST"]),
+        Route("/api/jobs/plan", preview, methods=["POST"]),
         Route("/api/jobs", list_jobs, methods=["GET"]),
         Route("/api/jobs", create, methods=["POST"]),
         Route("/api/jobs/{job_id:int}", one),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamstep.config.schema import load_toml
+from dreamstep.dashboard.run_base import run_base
 from dreamstep.dashboard.scalars import TEXT_LOG, RunScalars, decimate, find_event_files
 from dreamstep.errors import UserError
 
@@ -219,9 +220,10 @@ class Run:
         return sorted(p for p in self.folder.iterdir() if p.suffix.lower() in LORA_SUFFIXES and p.is_file())
 
     def loras(self) -> list[dict[str, Any]]:
-        """The output weight files with the ``lora info`` report of each."""
-        base = read_section(self.config).get("pretrained_model_name_or_path")
-        base = base if isinstance(base, str) and (Path(base) / "model_index.json").is_file() else None
+        """The output weight files with the ``lora info`` report of each, checked against the run's own base
+        (:func:`~dreamstep.dashboard.run_base.run_base`)."""
+        config = read_section(self.config)
+        base = run_base(config, self.folder) if "error" not in config else None
         out = []
         model = _diffusers_model_class(self.folder)
         for path in self.loras_paths():
@@ -330,7 +332,8 @@ def _default_prompt(config: dict[str, Any]) -> str | None:
 
 
 def _sample_label(path: Path, run_folder: Path) -> dict[str, Any]:
-    """The step from the file name; prompt, seed and step from the PNG's ``dreamstep`` text chunk, if any."""
+    """The step from the file name; prompt, seed and step from the PNG's ``dreamstep`` text chunk, if any (a grid's
+    chunk lists its cells' prompts and seeds: ``images``, as the trainers' sample grids write it)."""
     item: dict[str, Any] = {"path": path.relative_to(run_folder).as_posix(), "name": path.name}
     match = _STEP_IN_NAME.search(path.stem + ".")
     if match:
@@ -353,10 +356,14 @@ def _sample_label(path: Path, run_folder: Path) -> dict[str, Any]:
         for key in ("prompt", "seed", "step"):
             if params.get(key) is not None:
                 item[key] = params[key]
-        if isinstance(params.get("prompts"), list):
-            item["prompt"] = " | ".join(str(p) for p in params["prompts"])
-        if isinstance(params.get("seeds"), list):
-            item["seed"] = ", ".join(str(s) for s in params["seeds"])
+        cells = [c for c in params.get("images", ()) if isinstance(c, dict)] if isinstance(
+            params.get("images"), list) else []  # a grid of samples: each cell's parameters
+        prompts = params.get("prompts") if isinstance(params.get("prompts"), list) else [c.get("prompt") for c in cells]
+        seeds = params.get("seeds") if isinstance(params.get("seeds"), list) else [c.get("seed") for c in cells]
+        if prompts:
+            item["prompt"] = " | ".join(str(p) for p in prompts)
+        if seeds:
+            item["seed"] = seeds[0] if len(seeds) == 1 else ", ".join(str(s) for s in seeds)
     return item
 
 

@@ -333,11 +333,15 @@ def plan_report(estimator: Estimator, options: PlanOptions, device_memory: int |
     plan = estimator(options)
     text = mp.format_plan(plan, device_memory, measured)
     if device_memory is not None and not mp.fits(plan, device_memory):
-        found = mp.options_that_fit(estimator, options, device_memory, max_blocks=len(estimator.blocks) - 1,
-                                    cuda=torch.cuda.is_available(), has_t5=estimator.family == "flux",
-                                    can_offload_checkpointing=estimator.family == "flux")
-        text += "\n" + mp.suggestion_lines(found)
+        text += "\n" + mp.suggestion_lines(options_that_fit(estimator, options, device_memory))
     return text
+
+
+def options_that_fit(estimator: Estimator, options: PlanOptions, device_memory: int) -> list[tuple[str, MemoryPlan]]:
+    """:func:`~dreamstep.models.memory_plan.options_that_fit` for ``estimator``'s model on this machine."""
+    return mp.options_that_fit(estimator, options, device_memory, max_blocks=len(estimator.blocks) - 1,
+                               cuda=torch.cuda.is_available(), has_t5=estimator.family == "flux",
+                               can_offload_checkpointing=estimator.family == "flux")
 
 
 def print_run_plan(arch: str, source: str | None, options: PlanOptions, device_memory: str | None,

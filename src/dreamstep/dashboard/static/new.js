@@ -1,5 +1,6 @@
 // The new-run page: a form generated from the trainer's own options (GET /api/trainers/T/form), checked by
-// the server as it changes (POST /api/jobs/check), and the job queue with its buttons. Every change is a JSON
+// the server as it changes (POST /api/jobs/check), with the memory plan and the dataset check of the chosen
+// options (POST /api/jobs/plan, /api/jobs/dataset), and the job queue with its buttons. Every change is a JSON
 // POST carrying the token of the address the dashboard printed (kept for this tab in sessionStorage).
 "use strict";
 
@@ -11,6 +12,8 @@ const TOKEN = (() => {
 const $ = (id) => document.getElementById(id);
 let fields = [];
 let checkTimer = null;
+let previewAsked = "";  // the options of the last preview (the run's name changes nothing in it)
+let previewBusy = false;  // one preview at a time: a full-size plan takes seconds; the latest options go next
 let shownLog = null;
 
 function el(tag, props = {}, ...children) {
@@ -112,7 +115,85 @@ async function check() {
   $("command").textContent = ok ? data.command.join(" ") : "";
   $("toml").textContent = ok ? data.toml : "";
   $("queue").disabled = !ok;
+  if (ok) { preview(); } else { waitForValidOptions(); }
   return ok;
+}
+
+const GIB = 2 ** 30;
+const size = (bytes) => bytes >= GIB / 10 ? `${(bytes / GIB).toFixed(2)} GiB` : `${(bytes / 2 ** 20).toFixed(1)} MiB`;
+
+async function preview() {
+  const body = request();
+  const asked = JSON.stringify({ ...body, name: "" });
+  if (previewBusy || asked === previewAsked) { return; }
+  previewBusy = true;
+  previewAsked = asked;
+  for (const id of ["plan", "dataset-check"]) { $(id).dataset.state = "computing"; }
+  $("plan-verdict").textContent = "computing the memory plan (on the meta device: no weights are read) ...";
+  $("dataset-verdict").textContent = "checking the data ...";
+  try {
+    const [dataset, plan] = await Promise.all([post("/api/jobs/dataset", body), post("/api/jobs/plan", body)]);
+    showDataset(dataset);
+    showPlan(plan);
+    summarise(dataset, plan);
+  } finally {
+    previewBusy = false;
+  }
+  const latest = request();
+  if (JSON.stringify({ ...latest, name: "" }) !== previewAsked) { scheduleCheck(); }  // changed meanwhile
+}
+
+function summarise(dataset, plan) {
+  // One line that stays in view at the bottom of the long form: the plan's verdict and the data's counts.
+  const found = plan.ok ? plan.data.plan : null;
+  const memory = !found ? "plan: see the error" : found.fits === null ? `peak ${size(found.peak)} (no card to check)`
+    : `peak ${size(found.peak)}: ${found.fits ? "fits" : "does NOT fit"} (${found.card})`;
+  const data = !dataset.ok ? "data: see the error" : `${dataset.data.dataset.images.length} images, ` +
+    `${dataset.data.dataset.problems.length} problems`;
+  $("preview-summary").textContent = `${memory} · ${data}`;
+}
+
+function waitForValidOptions() {
+  $("preview-summary").textContent = "";
+  previewAsked = "";
+  for (const id of ["plan", "dataset-check"]) { $(id).dataset.state = "idle"; }
+  $("plan-verdict").textContent = "the plan follows once the options are valid";
+  $("dataset-verdict").textContent = "the dataset check follows once the options are valid";
+}
+
+function showPlan({ ok, data }) {
+  $("plan").dataset.state = ok ? "ready" : "error";
+  $("plan-report").hidden = !ok;
+  $("plan-fit").replaceChildren();
+  if (!ok) { $("plan-verdict").textContent = data.error; $("plan").dataset.fits = ""; return; }
+  const plan = data.plan;
+  const verdict = plan.fits === null ? "" : plan.fits ? "fits" : "does NOT fit";
+  $("plan").dataset.fits = plan.fits === null ? "unknown" : String(plan.fits);
+  $("plan-verdict").className = plan.fits === false ? "error" : "";
+  $("plan-verdict").textContent = `peak ${size(plan.peak)} on the device (${plan.peak_phase}), ` +
+    `${size(plan.host_peak)} in host memory; base: ${plan.base}; card: ${plan.card}` + (verdict ? `: ${verdict}` : "");
+  $("plan-fit").append(...plan.would_fit.map((f) => el("li", { text: `would fit: ${f.flags} (${size(f.peak)})` })));
+  if (plan.fits === false && !plan.would_fit.length) {
+    $("plan-fit").append(el("li", { text: "nothing among the memory options fits: lower the resolution or batch" }));
+  }
+  $("plan-report").textContent = plan.report;
+}
+
+function showDataset({ ok, data }) {
+  const box = $("dataset-check");
+  box.dataset.state = ok ? "ready" : "error";
+  for (const id of ["dataset-buckets", "dataset-captions", "dataset-problems"]) { $(id).replaceChildren(); }
+  if (!ok) { $("dataset-verdict").textContent = data.error; return; }
+  const check = data.dataset;
+  const used = check.images.filter((i) => i.used);
+  const samples = check.subsets.reduce((n, s) => n + s.samples, 0);
+  $("dataset-verdict").textContent = `${check.source}: ${check.images.length} images, ${used.length} used, ` +
+    `${samples} samples per epoch, ${check.problems.length} problems`;
+  $("dataset-buckets").append(...check.datasets.flatMap((d) => d.buckets.map((b) => el("li", {
+    text: `${d.enable_bucket ? "bucket" : "crop"} ${b.size[0]}x${b.size[1]}: ${b.images.length} images`,
+  }))));
+  $("dataset-captions").append(...used.slice(0, 8).map((i) => el("li", { text: `${i.name}: ${i.caption}` })));
+  $("dataset-problems").append(...check.problems.slice(0, 20).map((p) => el("li", { text: p })));
 }
 
 async function loadTrainer() {

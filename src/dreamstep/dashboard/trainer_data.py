@@ -1,0 +1,93 @@
+"""What a trainer reads as its data, from its own config: the data code its recipe calls, so that the dataset
+check shows what that trainer will train on (square crops or buckets, its caption rules, the instance prompt of
+images without a caption file, its defaults), for ``dashboard --dataset`` and the new-run form alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dreamstep.config.schema import build_config, load_toml
+from dreamstep.data.dataset_config import DatasetConfig, load_dataset_config
+from dreamstep.data.images import IMAGE_EXTENSIONS
+from dreamstep.errors import UserError
+
+__all__ = ["FOLDER_FLAGS", "check_config", "trainer_datasets"]
+
+# The flag each trainer reads an image folder from (a file given instead is its --dataset_config).
+FOLDER_FLAGS = {"flux-lora": "instance_data_dir", "sdxl-lora": "train_data_dir",
+                "flux-controlnet": "train_data_dir", "flux-kontext-lora": "instance_data_dir"}
+# Required options the data does not depend on: set where the config leaves them out.
+_PLACEHOLDERS = {"pretrained_model_name_or_path": ".", "output_dir": "."}
+
+
+def trainer_datasets(trainer: str, config: Any) -> list[DatasetConfig]:
+    """The datasets ``dreamstep train TRAINER`` builds from ``config`` (its config dataclass), by the same
+    functions its recipe calls; a mistake raises the trainer's UserError."""
+    if trainer == "flux-lora":
+        from dreamstep.data.sources import flux_lora_datasets
+
+        return flux_lora_datasets(config, _class_dir(config))
+    if trainer == "sdxl-lora":
+        from dreamstep.recipes.sdxl_lora import load_datasets
+
+        return load_datasets(config)
+    if trainer == "flux-controlnet":
+        from dreamstep.data.sources import paired_datasets
+
+        return paired_datasets(config, ("controlnet",), "train flux-controlnet")
+    if trainer == "flux-kontext-lora":
+        from dreamstep.models.kontext import kontext_datasets
+
+        return kontext_datasets(config)
+    raise UserError(f"--trainer {trainer}: the dataset check does not know this trainer's data; choose one of "
+                    f"{', '.join(FOLDER_FLAGS)}")
+
+
+def _class_dir(config: Any) -> str | None:
+    """flux-lora's class folder as its recipe reads it first: with prior preservation from the flags, and only
+    once it holds --num_class_images images (the base model makes the rest before the data is built again)."""
+    if not config.class_images_to_generate:
+        return None
+    folder = Path(config.class_data_dir)
+    found = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS] if folder.is_dir() else []
+    return config.class_data_dir if len(found) >= config.num_class_images else None
+
+
+def check_config(trainer: str, data: str | Path | None = None, config_toml: str | Path | None = None,
+                 **flags: Any) -> Any:
+    """The config of ``train TRAINER`` for a dataset check: its ``--config`` TOML (e.g. a run's config.toml), then
+    ``data`` (an image folder, read with the trainer's folder flag, or a dataset TOML), then ``flags`` (given
+    values as on its command line; ``None`` leaves one out). Options the data does not need (the model, the
+    output folder) get placeholders where missing. Bad values raise the trainer's own UserError."""
+    from dreamstep.dashboard.job_requests import trainer_options
+
+    options_class = trainer_options(trainer)
+    names = set(options_class.__dataclass_fields__)
+    from_toml = load_toml(config_toml) if config_toml is not None else {}
+    values: dict[str, Any] = {k: v for k, v in _PLACEHOLDERS.items() if k not in from_toml}
+    if data is not None:
+        path = Path(data)
+        if not path.exists():
+            raise UserError(f"--dataset {path}: no such file or folder; give a dataset TOML or an image folder")
+        folder_flag = FOLDER_FLAGS[trainer]
+        values.update({"dataset_config": None, folder_flag: None})
+        values["dataset_config" if path.is_file() else folder_flag] = str(path)
+        if path.is_file() and "masked_loss" not in from_toml and "masked_loss" in names:
+            # A TOML that gives masks is read as --masked_loss reads it, and the check shows the masks.
+            values["masked_loss"] = str(_declares_masks(path))
+    for flag, value in flags.items():
+        if value is None:
+            continue
+        if flag not in names:
+            raise UserError(f"--{flag} is not an option of 'dreamstep train {trainer}'; remove it, or pick the "
+                            "trainer that has it with --trainer")
+        values[flag] = str(value)
+    return build_config(options_class, values, toml_path=config_toml)
+
+
+def _declares_masks(toml: Path) -> bool:
+    """Whether a dataset TOML gives masks (alpha_mask, or masks in conditioning_data_dir)."""
+    datasets = load_dataset_config(toml, cli={"resolution": 1024})
+    return any(s.alpha_mask or s.conditioning_data_dir is not None for d in datasets for s in d.subsets)
