@@ -285,6 +285,10 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
                                                        model_config=self.model_config, **self.component_files())
         return self.__dict__["_flux_base"]
 
+    def cache_root(self) -> Path:
+        """Where the run's latent and text caches live (kept after the run with --cache_*_to_disk)."""
+        return Path(self.output_dir) / "cache"
+
     def max_sequence_length(self, guidance_embeds: bool) -> int:
         """T5 tokens per caption: --t5xxl_max_token_length, or sd-scripts' 512 for dev and 256 for schnell."""
         if self.t5xxl_max_token_length is not None:

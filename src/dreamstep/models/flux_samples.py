@@ -45,14 +45,18 @@ class FluxSampleWriter:
     """Samples with the training network applied (``network``: its train/eval mode is switched around them), saved
     as ``folder/<name>_<step>_<i>.png`` with their parameters; returns the images for the log's grid."""
 
-    def __init__(self, pipeline: FluxPipeline, conditioner: FluxConditioner, network: torch.nn.Module,
-                 prompts: list[SamplePrompt], *, folder: Path, name: str, seed: int, autocast: Callable[[], Any],
-                 encoders: ParkedModules, clip_trains: bool):
-        self.pipeline, self.network, self.prompts = pipeline, network, prompts
-        self.embeddings = {text: conditioner.prompts([text]) for text in _texts(prompts)}
+    def __init__(self, pipeline: FluxPipeline, network: torch.nn.Module, prompts: list[SamplePrompt],
+                 embeddings: dict[str, dict[str, torch.Tensor]], *, folder: Path, name: str, seed: int,
+                 autocast: Callable[[], Any], encoders: ParkedModules, clip_trains: bool):
+        self.pipeline, self.network, self.prompts, self.embeddings = pipeline, network, prompts, embeddings
         self.folder, self.name, self.seed = folder, name, seed
         self.autocast, self.encoders, self.clip_trains = autocast, encoders, clip_trains
         self.written: list[Path] = []
+
+    @staticmethod
+    def encode(conditioner: FluxConditioner, prompts: list[SamplePrompt]) -> dict[str, dict[str, torch.Tensor]]:
+        """The embeddings of every text of ``prompts``, made in the "encode text" phase (encoders on the device)."""
+        return {text: conditioner.prompts([text]) for text in _texts(prompts)}
 
     def __call__(self, global_step: int) -> list[Image.Image]:
         was_training = self.network.training
