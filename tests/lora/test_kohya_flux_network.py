@@ -107,7 +107,7 @@ def test_network_args_choose_modules_and_ranks_as_sd_scripts(tiny) -> None:
     assert all(k.startswith("lora_unet_single") for k in names("train_blocks=single"))
     assert all(k.startswith("lora_unet_double") for k in names("train_blocks=double"))
     ranks = names("img_attn_dim=8", "txt_mod_dim=0", "single_dim=2")
-    assert ranks["lora_unet_double_blocks_0_img_attn_qkv"] == 8 and ranks["lora_unet_double_blocks_0_img_attn_proj"] == 8
+    assert ranks["lora_unet_double_blocks_0_img_attn_qkv"] == ranks["lora_unet_double_blocks_0_img_attn_proj"] == 8
     assert not any("txt_mod" in k for k in ranks)
     assert ranks["lora_unet_single_blocks_0_linear1"] == 2 and ranks["lora_unet_single_blocks_0_modulation_lin"] == 4
     chosen = names("train_double_block_indices=0", "train_single_block_indices=none")
