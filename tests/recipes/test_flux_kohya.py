@@ -120,7 +120,8 @@ def test_resume_is_exact(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Pa
     assert (interrupted / "checkpoint-2").is_dir() and (interrupted / "checkpoint-3").is_dir()
     assert run_cli(*base, "--output_dir", interrupted, "--max_train_steps", "5", "--resume", "checkpoint-2",
                    "--overwrite_output_dir") == 0
-    straight, resumed = load_file(tmp_path / "straight" / "last.safetensors"), load_file(interrupted / "last.safetensors")
+    straight = load_file(tmp_path / "straight" / "last.safetensors")
+    resumed = load_file(interrupted / "last.safetensors")
     assert straight.keys() == resumed.keys()
     for key, value in straight.items():
         assert torch.equal(value, resumed[key]), key
