@@ -183,3 +183,21 @@ def test_dry_run_prints_the_plan_from_the_files(tiny_flux_files: dict[str, Path]
                    _dataset(tmp_path), "--output_dir", out, "--fp8_base", "--dry_run") == 0
     assert "peak device memory" in capsys.readouterr().out
     assert not list(out.glob("*.safetensors"))
+
+
+def test_plan_takes_the_component_files(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    files = ("--clip_l", tiny_flux_files["clip_l"], "--t5xxl", tiny_flux_files["t5xxl"], "--ae", tiny_flux_files["ae"],
+             "--model_config", tiny_flux_dev_dir, "--resolution", "64", "--device_memory", "1GB")
+    assert run_cli("plan", "flux", "--pretrained_model_name_or_path", tiny_flux_files["transformer"], *files) == 0
+    bf16 = capsys.readouterr().out
+    assert run_cli("plan", "flux", "--pretrained_model_name_or_path", tiny_flux_files["fp8_transformer"], *files) == 0
+    fp8 = capsys.readouterr().out
+    # The tiny configs are read (not FLUX.1-dev's), and the fp8-stored file is planned as the fp8 base it trains as.
+    assert "fits" in bf16 and "GiB" not in bf16.split("peak device memory")[1].split("\n")[0]
+    assert "fp8" in fp8 and "fp8" not in bf16
+    assert run_cli("plan", "flux", "--pretrained_model_name_or_path", tiny_flux_files["transformer"],
+                   "--ae", tiny_flux_files["clip_l"], "--model_config", tiny_flux_dev_dir) == 2
+    assert capsys.readouterr().err.startswith("error: --ae ")
+    assert run_cli("plan", "sdxl", "--clip_l", tiny_flux_files["clip_l"]) == 2
+    assert "--clip_l is a FLUX component flag" in capsys.readouterr().err

@@ -125,7 +125,8 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
         encoders_on_device=config.train_clip or not config.cache_latents or dataset.encodes_in_the_loop(),
         blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
         weight_dtype=weight_dtype_for(config.mixed_precision), max_sequence_length=max_sequence_length,
-        validation_images=prompts is not None), config.device_memory)
+        validation_images=prompts is not None), config.device_memory,
+        lora_layers=["all-linear"])  # networks.lora_flux adapts every Linear of the blocks
     if config.dry_run:
         return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
