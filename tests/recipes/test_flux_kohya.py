@@ -112,7 +112,8 @@ def test_the_file_loads_in_diffusers_and_changes_the_image_as_the_trained_networ
 def test_resume_is_exact(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
     base = ("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
             _dataset(tmp_path), "--network_dim", "4", "--learning_rate", "1e-3", "--seed", "5", "--log_with", "none",
-            "--network_args", "split_qkv=True", "rank_dropout=0.1", "--timestep_sampling", "shift")
+            "--network_args", "split_qkv=True", "rank_dropout=0.1", "--timestep_sampling", "shift",
+            "--gradient_checkpointing", "--cpu_offload_checkpointing")
     assert run_cli(*base, "--output_dir", tmp_path / "straight", "--max_train_steps", "5") == 0
     interrupted = tmp_path / "interrupted"
     assert run_cli(*base, "--output_dir", interrupted, "--max_train_steps", "3", "--save_state",
@@ -146,6 +147,8 @@ def test_resume_is_exact(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Pa
     (("--loss_type", "huber"), "error: --loss_type huber with --huber_schedule snr needs a DDPM schedule's SNR"),
     (("--cache_text_encoder_outputs", "false"), "error: --cache_text_encoder_outputs false: dreamstep's FLUX"),
     (("--sample_every_n_steps", "2"), "error: --sample_every_n_steps has no effect without --sample_prompts"),
+    (("--gradient_checkpointing", "--cpu_offload_checkpointing", "--blocks_to_swap", "1"),
+     "error: --cpu_offload_checkpointing with --blocks_to_swap: sd-scripts takes one of the two"),
 ])
 def test_bad_flags_get_one_line(flags: tuple[str, ...], message: str, tiny_flux_files: dict[str, Path],
                                 tiny_flux_dev_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -67,7 +67,6 @@ REFUSED_FLAGS = {
     "no_metadata": "dreamstep always writes sd-scripts' metadata",
     "huggingface_repo_id": "dreamstep does not upload",
     "wandb_api_key": "dreamstep logs to TensorBoard (--log_with tensorboard)",
-    "cpu_offload_checkpointing": "use --blocks_to_swap (dreamstep's train flux-lora has it)",
     "deepspeed": "dreamstep's flux-lora and flux-controlnet shard with FSDP",
     "validation_split": "not implemented here; dreamstep's train flux-lora scores held-out images",
     "validate_every_n_steps": "not implemented here; dreamstep's train flux-lora scores held-out images",
@@ -151,6 +150,9 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
     fp8_base: bool = option(False, "store the frozen transformer's linear weights in fp8 (pip install "
                                    "'dreamstep[quant]'); a transformer file stored in fp8 trains so anyway")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    cpu_offload_checkpointing: bool = option(False, "keep the block inputs that gradient checkpointing saves in host "
+                                                    "memory until backward needs them (needs "
+                                                    "--gradient_checkpointing; not with --blocks_to_swap)")
     blocks_to_swap: int = option(0, "keep the last N transformer blocks in host memory and bring each to the "
                                     "device only while it runs (small cards; needs --gradient_checkpointing)",
                                  bounds="[0, inf)")
@@ -220,6 +222,12 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
         if self.blocks_to_swap and not self.gradient_checkpointing:
             raise UserError("--blocks_to_swap needs --gradient_checkpointing: without it backward holds every "
                             "block's weights on the device and swapping saves no memory")
+        if self.cpu_offload_checkpointing and not self.gradient_checkpointing:
+            raise UserError("--cpu_offload_checkpointing needs --gradient_checkpointing: it offloads the inputs "
+                            "that checkpointing keeps; add --gradient_checkpointing")
+        if self.cpu_offload_checkpointing and self.blocks_to_swap:
+            raise UserError("--cpu_offload_checkpointing with --blocks_to_swap: sd-scripts takes one of the two; "
+                            "drop one")
         if (self.dataset_config is None) == (self.train_data_dir is None):
             raise UserError("give the data with --dataset_config, or with --train_data_dir (not both)")
         if self.output_name != Path(self.output_name).name or self.output_name in ("", ".", ".."):

@@ -10,11 +10,12 @@ and module dropout and LoRA+ ratios; sd-scripts' objective: ``--timestep_samplin
 flux_shift`` with ``--sigmoid_scale`` and ``--discrete_flow_shift`` (which also shifts the σ table of ``sigma``),
 ``--model_prediction_type raw|additive|sigma_scaled`` with ``--weighting_scheme``, ``--guidance_scale``,
 ``--loss_type`` (Huber schedules), ``--prior_loss_weight`` per regularization sample, ``--masked_loss``;
-``--fp8_base``, ``--blocks_to_swap``, ``--gradient_checkpointing``, ``--mixed_precision`` with ``--full_bf16`` /
-``--full_fp16``; ``--t5xxl_max_token_length``; latents and T5 outputs cached by content (``--cache_*_to_disk``
-keeps them); the optimizers of :mod:`dreamstep.engine.optim` with ``--optimizer_args``; LR schedules with warm-up;
-``--save_every_n_steps`` / ``--save_every_n_epochs``; ``--save_state`` + ``--resume`` (exact); ``--sample_prompts``
-with sd-scripts' FLUX line options (``--n --w --h --s --d --l --g``); TensorBoard and a loss curve.
+``--fp8_base``, ``--blocks_to_swap``, ``--gradient_checkpointing`` (``--cpu_offload_checkpointing``),
+``--mixed_precision`` with ``--full_bf16`` / ``--full_fp16``; ``--t5xxl_max_token_length``; latents and T5
+outputs cached by content (``--cache_*_to_disk`` keeps them); the optimizers of :mod:`dreamstep.engine.optim`
+with ``--optimizer_args``; LR schedules with warm-up; ``--save_every_n_steps`` / ``--save_every_n_epochs``;
+``--save_state`` + ``--resume`` (exact); ``--sample_prompts`` with sd-scripts' FLUX line options
+(``--n --w --h --s --d --l --g``); TensorBoard and a loss curve.
 
 Outputs in --output_dir: ``<output_name>.safetensors`` in sd-scripts' FLUX LoRA layout (``lora_unet_double_blocks_0_
 img_attn_qkv.lora_down.weight`` …, ``.alpha``, ``lora_te1_…``) with its ``ss_*`` metadata and ``sshs_*`` hashes,
@@ -121,7 +122,8 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
     print_run_plan("flux", base_files.source, PlanOptions(
         resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5),
         batch_size=max(d.batch_size for d in datasets), rank=config.network_dim,
-        gradient_checkpointing=config.gradient_checkpointing, base_quantization=config.base_quantization,
+        gradient_checkpointing=config.gradient_checkpointing,
+        cpu_offload_checkpointing=config.cpu_offload_checkpointing, base_quantization=config.base_quantization,
         encoders_on_device=config.train_clip or not config.cache_latents or dataset.encodes_in_the_loop(),
         blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
         weight_dtype=weight_dtype_for(config.mixed_precision), max_sequence_length=max_sequence_length,
@@ -171,7 +173,7 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
     if clip is not None:
         clip.train()
     if config.gradient_checkpointing:
-        enable_checkpointing(base.transformer, offload_to_host=False, device=run.device)
+        enable_checkpointing(base.transformer, offload_to_host=config.cpu_offload_checkpointing, device=run.device)
     base.transformer.train()
     model = FluxKohyaModel(base.transformer, network, clip)
     swapper = prepare_blocks(base.transformer, blocks_to_swap=config.blocks_to_swap, compile=False,
