@@ -126,7 +126,8 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
     network_train_unet_only: bool = option(False, "LoRA on the transformer only (default: on CLIP-L too, as "
                                                   "sd-scripts)")
     network_train_text_encoder_only: bool = option(False, "LoRA on CLIP-L only")
-    learning_rate: float = option(1e-4, "learning rate", bounds="(0, inf)")
+    learning_rate: float = option(2e-6, "learning rate (sd-scripts' default 2e-6; its FLUX examples give 1e-4)",
+                                  bounds="(0, inf)")
     unet_lr: Optional[float] = option(None, "learning rate of the transformer LoRA (default: --learning_rate)",
                                       bounds="(0, inf)")
     text_encoder_lr: Optional[float] = option(None, "learning rate of the CLIP-L LoRA (default: --learning_rate)",
