@@ -213,3 +213,32 @@ def _clip_shape(clip, weight: str) -> tuple[int, int]:
     except AttributeError:
         layer = clip.get_submodule(path.removeprefix("text_model."))
     return layer.out_features, layer.in_features
+
+
+@pytest.mark.parametrize("args", [[], ["split_qkv=True"]])
+def test_full_size_files_map_whole_in_diffusers_kohya_reader(args: list[str]) -> None:
+    """diffusers' FluxPipeline.load_lora_weights reads sd-scripts' FLUX files through this converter, which splits a
+    single block's linear1 by FLUX.1's widths: at full size every key lands on a module of its shape."""
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+
+    with init_empty_weights():
+        transformer = FluxTransformer2DModel(guidance_embeds=True)
+        clip = CLIPTextModel(CLIPTextConfig(**CLIP_L))
+    options, _ = FluxNetworkOptions.from_flags(16, 8.0, None, args)
+    network = create_flux_network(transformer, clip, options)
+    network.detach()
+    file = {k: torch.tensor(8.0) if k.endswith(".alpha") else torch.zeros(v.shape)
+            for k, v in network.state_dict().items()}
+    read = _convert_kohya_flux_lora_to_diffusers(dict(file))
+    modules = {f"transformer.{n}": m for n, m in transformer.named_modules()}
+    for key, value in read.items():
+        if key.startswith("text_encoder."):  # CLIP-L, in diffusers' older text-encoder names (to_q_lora.down ...)
+            continue
+        module = modules[key.rsplit(".lora_", 1)[0]]
+        if key.endswith("lora_A.weight"):
+            assert value.shape[1] == module.in_features, key
+        else:
+            assert value.shape[0] == module.out_features, key
+    # Every diffusers part of every module the file holds: q, k, v (and proj_mlp) of each fused one; CLIP-L's 72.
+    assert len(read) == 2 * (len(file) // 3 + 19 * 2 * 2 + 38 * 3)
+    assert sum(k.startswith("text_encoder.") for k in read) == 2 * 12 * 6
