@@ -79,9 +79,9 @@ class FluxNetworkOptions:
         if any(d < 0 for d in type_dims.values()):
             raise UserError("--network_args: a *_dim is a rank, 0 or more (0 leaves those modules out)")
         in_dims = _in_dims(args["in_dims"]) if "in_dims" in args else None
-        for key, count in (("train_double_block_indices", 10**6), ("train_single_block_indices", 10**6)):
+        for key in ("train_double_block_indices", "train_single_block_indices"):
             if key in args:
-                block_selection(args[key], count, key)
+                block_ranges(args[key], key)  # the block counts are checked with the model
         plus = floats.get("loraplus_lr_ratio")
         options = cls(dim=dim, alpha=alpha, dropout=dropout, rank_dropout=floats.get("rank_dropout"),
                       module_dropout=floats.get("module_dropout"), train_blocks=train_blocks,
@@ -100,12 +100,12 @@ class FluxNetworkOptions:
         return self.dim
 
 
-def block_selection(text: str, count: int, key: str) -> list[bool]:
-    """sd-scripts' block selection ("all", "none", "0-3,7") over ``count`` blocks, one flag per block."""
+def block_ranges(text: str, key: str) -> list[tuple[int, int]] | None:
+    """sd-scripts' block selection as (first, last) ranges: "0-3,7" -> [(0, 3), (7, 7)]; ``None`` for "all"."""
     text = text.strip()
     if text in ("all", "none", ""):
-        return [text == "all"] * count
-    chosen = [False] * count
+        return None if text == "all" else []
+    ranges = []
     for part in text.split(","):
         first, _, last = part.strip().partition("-")
         try:
@@ -113,8 +113,22 @@ def block_selection(text: str, count: int, key: str) -> list[bool]:
         except ValueError:
             raise UserError(f"--network_args {key}={text}: '{part}' is not a block index or range such as 0-3") \
                 from None
-        if not 0 <= start <= end < count:
-            raise UserError(f"--network_args {key}={text}: '{part}' is outside blocks 0-{count - 1}")
+        if not 0 <= start <= end:
+            raise UserError(f"--network_args {key}={text}: '{part}' is not a range from low to high")
+        ranges.append((start, end))
+    return ranges
+
+
+def block_selection(text: str, count: int, key: str) -> list[bool]:
+    """sd-scripts' block selection ("all", "none", "0-3,7") over ``count`` blocks, one flag per block."""
+    ranges = block_ranges(text, key)
+    if ranges is None:
+        return [True] * count
+    chosen = [False] * count
+    for start, end in ranges:
+        if end >= count:
+            part = f"{start}-{end}" if end > start else str(start)
+            raise UserError(f"--network_args {key}={text.strip()}: '{part}' is outside blocks 0-{count - 1}")
         for index in range(start, end + 1):
             chosen[index] = True
     return chosen
