@@ -38,6 +38,9 @@ COMMANDS: dict[tuple[str, ...], Command] = {
     ("train", "sdxl-lora"): Command(
         "Kohya-compatible LoRA for SDXL", "dreamstep.recipes.sdxl_lora:train",
         "dreamstep.config.sdxl_lora:SDXLLoraConfig"),
+    ("train", "flux-kohya"): Command(
+        "sd-scripts' FLUX.1 LoRA (flux_train_network.py's command line)", "dreamstep.recipes.flux_kohya:train",
+        "dreamstep.config.flux_kohya:FluxKohyaConfig"),
     ("train", "flux-controlnet"): Command(
         "ControlNet for FLUX.1", "dreamstep.recipes.flux_controlnet:train",
         "dreamstep.config.flux_controlnet:FluxControlNetConfig"),
@@ -99,15 +102,25 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse with its errors as one UserError line: an unknown flag gets a did-you-mean instead of the
     usage block, and the usage is one line (the trainers have dozens of flags, listed once under options)."""
 
+    # Flags of another tool that this command knows and does not implement: flag name -> why (a config's
+    # ``refused_flags``); they are answered as such, all in one line, never taken for typos.
+    refused: dict[str, str] = {}
+
     def error(self, message: str) -> NoReturn:
-        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        unknown = re.match(r"unrecognized arguments: (.+)", message)
         if unknown:
-            flag = unknown[1].split("=")[0]
+            given = [t.split("=")[0] for t in unknown[1].split() if t.startswith("-")]
+            refused = [f"{flag} ({self.refused[flag[2:]]})" for flag in given if flag[2:] in self.refused]
+            if refused:
+                raise UserError(f"{', '.join(refused)}: sd-scripts flag{'s' if len(refused) > 1 else ''} that "
+                                f"{self.prog} does not support; remove {'them' if len(refused) > 1 else 'it'}")
+            flag = given[0] if given else unknown[1].split()[0]
             flags = [s for action in self._actions for s in action.option_strings]
             # Another trainer's spelling of the same flag (--resume vs --resume_from_checkpoint) shares a prefix.
             same_stem = [f for f in flags if flag.startswith(f + "_") or f.startswith(flag + "_")]
             hint = f" (did you mean '{same_stem[0]}'?)" if same_stem else did_you_mean(flag, flags)
-            raise UserError(f"unknown flag {flag}{hint}; run '{self.prog} --help' for the list")
+            others = f" (and {len(given) - 1} more)" if len(given) > 1 else ""
+            raise UserError(f"unknown flag {flag}{hint}{others}; run '{self.prog} --help' for the list")
         raise UserError(f"{message}; run '{self.prog} --help' for the list")
 
 
@@ -172,6 +185,7 @@ def _run(key: tuple[str, ...], command: Command, argv: list[str]) -> None:
 
     options = _load(command.options)
     add_arguments(parser, options)
+    parser.refused = getattr(options, "refused_flags", {})
     config = build_config(options, parser.parse_args(argv))
     hide_known_notices()
     runner = _load(command.runner)

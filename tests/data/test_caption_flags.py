@@ -16,8 +16,7 @@ from dreamstep.config.schema import build_config
 from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data.cache import TensorCache, text_content_key
 from dreamstep.data.dataset import ConditionedBatches, build_dataset, make_dataloader
-from dreamstep.data.sources import flux_lora_datasets, paired_datasets
-from dreamstep.recipes.sdxl_lora import load_datasets
+from dreamstep.data.sources import flux_lora_datasets, kohya_datasets, paired_datasets
 
 CAPTION = "sks robot, red, standing, outdoors, daylight, smiling"
 
@@ -47,8 +46,9 @@ def test_flags_set_every_folder_subset_and_a_toml_subsets_own_keys_win(tmp_path:
         paired_datasets(build_config(FluxControlNetConfig, {**base, "train_data_dir": str(images),
                                                             "conditioning_data_dir": str(tmp_path / "cond"), **FLAGS}),
                         ("controlnet",), "train flux-controlnet"),
-        load_datasets(build_config(SDXLLoraConfig, {**base, "resolution": "32", "caption_extension": ".txt",
-                                                    "train_data_dir": str(tmp_path / "sdxl"), **FLAGS})),
+        kohya_datasets(build_config(SDXLLoraConfig, {**base, "resolution": "32", "caption_extension": ".txt",
+                                                    "train_data_dir": str(tmp_path / "sdxl"), **FLAGS}),
+                       "train sdxl-lora"),
     ]
     for datasets in built:
         for subset in datasets[0].subsets:

@@ -17,7 +17,7 @@ from dreamstep.config.schema import build_config
 from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data import build_dataset, load_dataset_config
 from dreamstep.data.from_hf import METADATA_NAME, TOML_NAME
-from dreamstep.recipes.sdxl_lora import load_datasets
+from dreamstep.data.sources import kohya_datasets
 
 datasets = pytest.importorskip("datasets")
 
@@ -71,7 +71,7 @@ def test_the_written_toml_is_accepted_by_the_trainer_at_any_resolution(tmp_path:
     assert _run(tmp_path / "train.parquet", out, "--resolution", resolution) == 0
     config = build_config(SDXLLoraConfig, {"pretrained_model_name_or_path": "unused", "output_dir": "unused",
                                            "dataset_config": str(out / TOML_NAME)})
-    (dataset,) = load_datasets(config)
+    (dataset,) = kohya_datasets(config, "train sdxl-lora")
     assert dataset.buckets.resolution == (resolution, resolution)
     assert len(build_dataset([dataset], seed=0).records) == 2
 

@@ -14,7 +14,7 @@ from sdxl_testkit import CAPTIONS, write_images
 from dreamstep.config.schema import add_arguments, build_config, config_to_toml
 from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data import build_dataset
-from dreamstep.recipes.sdxl_lora import load_datasets
+from dreamstep.data.sources import kohya_datasets
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SEED_COMMAND = [
@@ -66,7 +66,7 @@ def test_seed_dataset_tomls_give_each_methods_captions(name: str, train_captions
                                                        tmp_path: Path) -> None:
     config = build_config(SDXLLoraConfig, {"pretrained_model_name_or_path": "x", "output_dir": "x",
                                            "dataset_config": str(_localised(name, tmp_path))})
-    dataset = build_dataset(load_datasets(config), seed=0)
+    dataset = build_dataset(kohya_datasets(config, "train sdxl-lora"), seed=0)
     assert {r.caption for r in dataset.records if not r.subset.is_reg} == train_captions
     assert {r.caption for r in dataset.records if r.subset.is_reg} == ({reg_caption} if reg_caption else set())
     assert all(r.bucket == (64, 64) and r.subset.random_crop for r in dataset.records)

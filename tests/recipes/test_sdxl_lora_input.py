@@ -13,9 +13,9 @@ from sdxl_testkit import run_cli, write_images, write_method
 from dreamstep.config.schema import build_config
 from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data import build_dataset
+from dreamstep.data.sources import kohya_datasets
 from dreamstep.errors import UserError
 from dreamstep.models.sdxl import parse_sample_prompt
-from dreamstep.recipes.sdxl_lora import load_datasets
 
 
 def _config(**values) -> SDXLLoraConfig:
@@ -30,7 +30,7 @@ def test_buckets_of_odd_sized_images_are_sd_scripts_buckets(tmp_path: Path) -> N
     toml.write_text("[general]\nenable_bucket = true\nmin_bucket_reso = 128\nmax_bucket_reso = 512\n"
                     "bucket_reso_steps = 64\n[[datasets]]\nresolution = 256\n"
                     f"  [[datasets.subsets]]\n  image_dir = '{tmp_path.as_posix()}'\n  class_tokens = 'x'\n")
-    dataset = build_dataset(load_datasets(_config(dataset_config=str(toml))), seed=0)
+    dataset = build_dataset(kohya_datasets(_config(dataset_config=str(toml)), "train sdxl-lora"), seed=0)
     buckets = {record.image.path.stem: record.bucket for record in dataset.records}
     # max area 256², sides 128..512 in steps of 64; the bucket with the closest aspect ratio
     assert buckets == {"wide": (320, 192), "tall": (192, 320), "strip": (512, 128), "square": (256, 256),
@@ -40,22 +40,22 @@ def test_buckets_of_odd_sized_images_are_sd_scripts_buckets(tmp_path: Path) -> N
 def test_kohya_folder_flags_make_dreambooth_subsets(tmp_path: Path) -> None:
     write_images(tmp_path / "train" / "10_sks dog", count=2)
     write_images(tmp_path / "reg" / "1_dog", count=3)
-    (dataset,) = load_datasets(_config(train_data_dir=str(tmp_path / "train"), reg_data_dir=str(tmp_path / "reg"),
-                                       resolution="64,64", caption_extension=".txt"))
+    (dataset,) = kohya_datasets(_config(train_data_dir=str(tmp_path / "train"), reg_data_dir=str(tmp_path / "reg"),
+                                       resolution="64,64", caption_extension=".txt"), "train sdxl-lora")
     train, reg = dataset.subsets
     assert (train.num_repeats, train.class_tokens, train.is_reg) == (10, "sks dog", False)
     assert (reg.num_repeats, reg.class_tokens, reg.is_reg) == (1, "dog", True)
     assert dataset.buckets.resolution == (64, 64)
     (tmp_path / "train" / "misnamed").mkdir()
     with pytest.raises(UserError, match="not named <repeats>_<class tokens>"):
-        load_datasets(_config(train_data_dir=str(tmp_path / "train"), resolution="64"))
+        kohya_datasets(_config(train_data_dir=str(tmp_path / "train"), resolution="64"), "train sdxl-lora")
 
 
 def test_in_json_makes_a_fine_tuning_dataset(tmp_path: Path) -> None:
     write_images(tmp_path / "train", count=2)
     (tmp_path / "meta.json").write_text('{"img0": {"caption": "a red dog"}, "img1": {"caption": "a blue cat"}}')
-    datasets = load_datasets(_config(train_data_dir=str(tmp_path / "train"), in_json=str(tmp_path / "meta.json"),
-                                     resolution="64"))
+    datasets = kohya_datasets(_config(train_data_dir=str(tmp_path / "train"), in_json=str(tmp_path / "meta.json"),
+                                     resolution="64"), "train sdxl-lora")
     assert datasets[0].method == "finetune"
     assert sorted(r.caption for r in build_dataset(datasets, seed=0).records) == ["a blue cat", "a red dog"]
 

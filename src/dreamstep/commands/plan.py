@@ -1,6 +1,8 @@
 """``dreamstep plan flux|flux-kontext|sdxl``: the memory plan of a LoRA run without training, e.g.
 ``dreamstep plan flux --resolution 1024 --base_quantization int8 --device_memory 16GB``; ``flux-kontext`` plans a
-FLUX.1 Kontext LoRA on before/after pairs (the condition image's tokens beside the target's)."""
+FLUX.1 Kontext LoRA on before/after pairs (the condition image's tokens beside the target's). A FLUX base may be
+given as the files users have, as the trainers take them (``--pretrained_model_name_or_path flux1-dev.safetensors
+--clip_l --t5xxl --ae``, ``--model_config``); a transformer file stored in fp8 is planned as the fp8 base."""
 
 from __future__ import annotations
 
@@ -22,7 +24,12 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
                           "the card.")
     parser.add_argument("model", choices=tuple(PIPELINES), help="FLUX.1 LoRA, FLUX.1 Kontext LoRA or SDXL LoRA")
     parser.add_argument("--pretrained_model_name_or_path", default=None,
-                        help="a local model folder to read the configs from (default: FLUX.1-dev / SDXL base 1.0)")
+                        help="a local model folder to read the configs from (default: FLUX.1-dev / SDXL base 1.0), "
+                             "or a FLUX transformer file (flux1-dev.safetensors, an fp8 copy, a .gguf)")
+    for flag, part in (("--clip_l", "CLIP-L text encoder"), ("--t5xxl", "T5-XXL encoder"), ("--ae", "autoencoder")):
+        parser.add_argument(flag, default=None, help=f"FLUX: the {part} file beside a transformer file")
+    parser.add_argument("--model_config", default=None,
+                        help="FLUX, with a transformer file: a diffusers FLUX folder with the configs")
     parser.add_argument("--resolution", type=int, default=1024)
     parser.add_argument("--train_batch_size", type=int, default=1)
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
@@ -64,8 +71,23 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--blocks_to_swap {args.blocks_to_swap}: must be 0 or more")
     if args.device_memory:
         parse_bytes(args.device_memory, "--device_memory")
-    if args.pretrained_model_name_or_path is not None:
+    given = [flag for flag in _FILE_FLAGS if getattr(args, flag) is not None]
+    if args.model == "sdxl" and given:
+        raise UserError(f"--{given[0]} is a FLUX component flag; remove it for sdxl")
+    if args.pretrained_model_name_or_path is not None and not _flux_files(args):
         check_model_folder(args.pretrained_model_name_or_path, args.model)
+
+
+_FILE_FLAGS = ("clip_l", "t5xxl", "ae", "model_config")
+
+
+def _flux_files(args: argparse.Namespace) -> bool:
+    """Whether the FLUX base is given as component files (checked by resolve_base, as the trainers check them)."""
+    from dreamstep.models.flux_files import is_component_file
+
+    model = args.pretrained_model_name_or_path
+    return args.model != "sdxl" and model is not None and (
+        is_component_file(model) or any(getattr(args, flag) is not None for flag in _FILE_FLAGS))
 
 
 def check_model_folder(source: str, model: str) -> None:
@@ -92,8 +114,25 @@ def check_model_folder(source: str, model: str) -> None:
         raise UserError(f"--pretrained_model_name_or_path {source}: a {found} folder, not {PIPELINES[model]}{hint}")
 
 
+def model_source(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The folder / hub id whose configs the plan reads, and the base quantization: a FLUX base of component files
+    is resolved as the trainers resolve it (each file checked), and a transformer stored in fp8 is the fp8 base."""
+    if not _flux_files(args):
+        return args.pretrained_model_name_or_path, args.base_quantization
+    from dreamstep.models.flux_files import read_header, resolve_base, storage_quantization
+
+    base = resolve_base(args.pretrained_model_name_or_path, clip_l=args.clip_l, t5xxl=args.t5xxl, ae=args.ae,
+                        model_config=args.model_config)
+    quantization = args.base_quantization
+    if base.files.transformer is not None:
+        header = read_header(base.files.transformer, "--pretrained_model_name_or_path")
+        quantization = storage_quantization(header, quantization)
+    return base.source, quantization
+
+
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     check_arguments(args)
+    source, base_quantization = model_source(args)
     from dreamstep.models import memory_plan as mp
     from dreamstep.models.memory_plan import PlanOptions
     from dreamstep.models.plans import Estimator, plan_report
@@ -103,19 +142,19 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     options = PlanOptions(resolution=args.resolution, batch_size=args.train_batch_size, rank=args.rank,
                           gradient_checkpointing=not args.no_gradient_checkpointing,
                           cpu_offload_checkpointing=args.cpu_offload_checkpointing,
-                          base_quantization=args.base_quantization,
+                          base_quantization=base_quantization,
                           text_encoder_quantization=args.text_encoder_quantization,
                           encoders_on_device=args.encoders_on_device, blocks_to_swap=args.blocks_to_swap,
                           optimizer=args.optimizer, max_sequence_length=args.max_sequence_length,
                           validation_images=not args.no_validation_images,
                           image_token_multiplier=2 if args.model == "flux-kontext" else 1)
     family = "sdxl" if args.model == "sdxl" else "flux"
-    estimator = Estimator(family, args.pretrained_model_name_or_path, args.rank, lora_layers=args.lora_layers)
+    estimator = Estimator(family, source, args.rank, lora_layers=args.lora_layers)
     if not 0 <= args.blocks_to_swap < len(estimator.blocks):
         raise UserError(f"--blocks_to_swap {args.blocks_to_swap}: the model has {len(estimator.blocks)} blocks; "
                         f"choose 0 to {len(estimator.blocks) - 1}")
     print(plan_report(estimator, options, device_memory))
-    if args.base_quantization == "nf4":
+    if base_quantization == "nf4":
         import torch
 
         if not torch.cuda.is_available():

@@ -28,6 +28,7 @@ from dreamstep.data.dataset_config import (
     SubsetConfig,
     load_dataset_config,
     normalize_extension,
+    parse_resolution,
     require_methods,
 )
 from dreamstep.data.images import list_images
@@ -156,6 +157,26 @@ def kohya_folders_from_flags(train_data_dir: str | Path, *, reg_data_dir: str | 
     if reg_data_dir is not None:
         subsets += _kohya_folders(reg_data_dir, True, caption_extension, "--reg_data_dir")
     return DatasetConfig("--train_data_dir", "dreambooth", buckets, batch_size, tuple(subsets))
+
+
+def kohya_datasets(config: Any, command: str) -> list[DatasetConfig]:
+    """What an sd-scripts-flag trainer (``train sdxl-lora``, ``train flux-kohya``) trains on: its Kohya dataset TOML
+    (the flags are its lowest-precedence values), or Kohya's folder flags; every key and folder checked, no image
+    read yet. ``config`` has sd-scripts' data flags (``dataset_config``, ``train_data_dir``, ``resolution`` …)."""
+    cli = {k: getattr(config, k) for k in ("resolution", "train_batch_size", "enable_bucket", "min_bucket_reso",
+                                           "max_bucket_reso", "bucket_reso_steps", "bucket_no_upscale")}
+    if config.dataset_config is not None:
+        datasets = load_dataset_config(config.dataset_config, cli={**cli, **config.caption_flags()})
+        return masked_datasets(datasets, config.masked_loss, command)
+    if config.resolution is None:
+        raise UserError("--resolution is required with --train_data_dir (e.g. --resolution 1024,1024)")
+    buckets = bucket_spec(parse_resolution(config.resolution, "--resolution"), bool(config.enable_bucket),
+                          **{k: v for k, v in cli.items()
+                             if k.endswith(("reso", "steps", "upscale")) and v is not None})
+    dataset = kohya_folders_from_flags(config.train_data_dir, reg_data_dir=config.reg_data_dir, in_json=config.in_json,
+                                       caption_extension=config.caption_extension, buckets=buckets,
+                                       batch_size=config.train_batch_size)
+    return [with_caption_flags(dataset, config.caption_flags())]
 
 
 def flux_lora_datasets(config: Any, class_dir: str | None) -> list[DatasetConfig]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dreamstep.config.flux_network_args import FluxNetworkOptions
 from dreamstep.config.lycoris import LycorisOptions
 from dreamstep.config.sdxl_lora import NETWORK_MODULE
 from dreamstep.lora.kohya_network import NetworkOptions
@@ -33,19 +34,33 @@ SS_FLAG_KEYS = {
     "ss_zero_terminal_snr": "zero_terminal_snr",
     "ss_prior_loss_weight": "prior_loss_weight", "ss_max_grad_norm": "max_grad_norm",
 }
+# The entries sd-scripts' FLUX trainer adds (flux_train_network.py's update_metadata and the loss flags).
+FLUX_SS_FLAG_KEYS = {
+    "ss_apply_t5_attn_mask": "apply_t5_attn_mask", "ss_weighting_scheme": "weighting_scheme",
+    "ss_logit_mean": "logit_mean", "ss_logit_std": "logit_std", "ss_mode_scale": "mode_scale",
+    "ss_guidance_scale": "guidance_scale", "ss_timestep_sampling": "timestep_sampling",
+    "ss_sigmoid_scale": "sigmoid_scale", "ss_model_prediction_type": "model_prediction_type",
+    "ss_discrete_flow_shift": "discrete_flow_shift", "ss_loss_type": "loss_type",
+    "ss_huber_schedule": "huber_schedule", "ss_huber_c": "huber_c", "ss_huber_scale": "huber_scale",
+    "ss_fp8_base": "fp8_base",
+}
 SDXL_BASE_MODEL_VERSION = "sdxl_base_v1-0"
+FLUX_BASE_MODEL_VERSION = "flux1"  # sd-scripts' flux_utils.MODEL_VERSION_FLUX_V1
 
 
-def training_metadata(flags: Mapping[str, Any], *, base_model: str, steps_per_epoch: int) -> dict[str, str]:
-    """sd-scripts' run entries: a session id, the start time, the base model's file name, the batches per
-    epoch, and every flag of :data:`SS_FLAG_KEYS` (``flags`` maps sd-scripts flag names to values)."""
+def training_metadata(flags: Mapping[str, Any], *, base_model: str, steps_per_epoch: int,
+                      base_model_version: str = SDXL_BASE_MODEL_VERSION,
+                      flag_keys: Mapping[str, str] = SS_FLAG_KEYS) -> dict[str, str]:
+    """sd-scripts' run entries: a session id, the start time, the base model's version and file name, the batches
+    per epoch, and every flag of ``flag_keys`` (``flags`` maps sd-scripts flag names to values; a flag the trainer
+    has not is written "None", as sd-scripts writes a flag left unset)."""
     return {"ss_session_id": str(random.randrange(2**31)), "ss_training_started_at": str(time.time()),
-            "ss_base_model_version": SDXL_BASE_MODEL_VERSION, "ss_sd_model_name": Path(base_model).name,
+            "ss_base_model_version": base_model_version, "ss_sd_model_name": Path(base_model).name,
             "ss_num_batches_per_epoch": str(steps_per_epoch),
-            **{key: str(flags[flag]) for key, flag in SS_FLAG_KEYS.items()}}
+            **{key: str(flags.get(flag)) for key, flag in flag_keys.items()}}
 
 
-def network_metadata(options: NetworkOptions | LycorisOptions, network_args: Mapping[str, Any],
+def network_metadata(options: NetworkOptions | LycorisOptions | FluxNetworkOptions, network_args: Mapping[str, Any],
                      module: str = NETWORK_MODULE) -> dict[str, str]:
     """The ``ss_network_*`` header entries (``module``: --network_module)."""
     return {

@@ -106,14 +106,15 @@ class LoRAModule(nn.Module):
     base model. ``alpha`` is a buffer, saved as ``<name>.alpha``."""
 
     def __init__(self, org: nn.Module, dim: int, alpha: float, dropout: float | None = None,
-                 rank_dropout: float | None = None, module_dropout: float | None = None):
+                 rank_dropout: float | None = None, module_dropout: float | None = None,
+                 out_features: int | None = None):
         super().__init__()
         if isinstance(org, nn.Conv2d):
             self.lora_down = nn.Conv2d(org.in_channels, dim, org.kernel_size, org.stride, org.padding, bias=False)
             self.lora_up = nn.Conv2d(dim, org.out_channels, (1, 1), (1, 1), bias=False)
-        else:
+        else:  # out_features: a fused module's rows (several Linears of one input; see kohya_flux_network)
             self.lora_down = nn.Linear(org.in_features, dim, bias=False)
-            self.lora_up = nn.Linear(dim, org.out_features, bias=False)
+            self.lora_up = nn.Linear(dim, out_features or org.out_features, bias=False)
         nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_up.weight)
         self.dim = dim
@@ -146,6 +147,12 @@ class LoRAModule(nn.Module):
         """The adapter's contribution (not including the base layer's output)."""
         if self.training and self.module_dropout and torch.rand(()) < self.module_dropout:
             return torch.zeros((), device=x.device, dtype=x.dtype)
+        hidden, scale = self.hidden(x)
+        return self.lora_up(hidden) * (self.multiplier * scale)
+
+    def hidden(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The down projection of ``x`` with dropout and rank dropout applied, and the scale of its up
+        projection (alpha / dim, raised by rank dropout)."""
         hidden = self.lora_down(x.to(self.lora_down.weight.dtype))  # (..., dim) or (B, dim, h, w)
         scale = self.scale
         if self.training and self.dropout:
@@ -158,7 +165,7 @@ class LoRAModule(nn.Module):
                 keep = keep[:, None, :]
             hidden = hidden * keep.to(hidden.dtype)
             scale = scale / (1.0 - self.rank_dropout)  # as if the rank were smaller
-        return self.lora_up(hidden) * (self.multiplier * scale)
+        return hidden, scale
 
 
 class LoRANetwork(nn.Module):
@@ -191,13 +198,18 @@ class LoRANetwork(nn.Module):
     def names(self, prefix: str) -> list[str]:
         return [name for name in self.loras if name.startswith(prefix)]
 
-    def param_groups(self, unet_lr: float, text_encoder_lr: float) -> list[dict[str, Any]]:
-        """One optimizer group for the UNet modules and one for the text encoders' (as sd-scripts)."""
+    def param_groups(self, unet_lr: float, text_encoder_lr: float,
+                     loraplus: tuple[float | None, float | None] = (None, None)) -> list[dict[str, Any]]:
+        """One optimizer group for the UNet (FLUX: transformer) modules and one for the text encoders' (as
+        sd-scripts); with a LoRA+ ratio for a part (``loraplus``: UNet's, text encoders'), its up weights get a
+        group of their own at the learning rate times the ratio (Hayou et al. 2024, arXiv 2402.12354)."""
         groups = []
-        for prefix, lr in (("lora_unet", unet_lr), ("lora_te", text_encoder_lr)):
-            params = [p for name in self.names(prefix) for p in self.loras[name].parameters()]
-            if params:
-                groups.append({"params": params, "lr": lr})
+        for prefix, lr, ratio in (("lora_unet", unet_lr, loraplus[0]), ("lora_te", text_encoder_lr, loraplus[1])):
+            named = [(n, p) for name in self.names(prefix) for n, p in self.loras[name].named_parameters()]
+            up = [p for n, p in named if ratio and "lora_up" in n]
+            rest = [p for n, p in named if not (ratio and "lora_up" in n)]
+            groups += [{"params": params, "lr": rate} for params, rate in ((rest, lr), (up, lr * (ratio or 1)))
+                       if params]
         return groups
 
     def load_weights(self, path: str | Path) -> None:
@@ -227,7 +239,7 @@ class LoRANetwork(nn.Module):
         return path
 
 
-def _text_model_path(path: str) -> str:
+def text_model_path(path: str) -> str:
     """The module path as sd-scripts sees CLIP (``text_model.encoder…``); transformers 5 dropped the prefix."""
     return path if path.startswith("text_model.") else f"text_model.{path}"
 
@@ -269,7 +281,7 @@ def create_network(unet: nn.Module, text_encoders: Mapping[str, nn.Module], opti
     if train_text_encoder:
         for component, encoder in text_encoders.items():
             for path, layer in encoder.named_modules():
-                name = keys.by_diffusers.get(f"{component}.{_text_model_path(path)}")
+                name = keys.by_diffusers.get(f"{component}.{text_model_path(path)}")
                 if name is not None:
                     modules[name.kohya] = LoRAModule(layer, options.dim, options.alpha, **common)
     network = LoRANetwork(modules)

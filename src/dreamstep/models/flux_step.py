@@ -28,15 +28,18 @@ class FluxFlowMatchingStep(TrainStep):
     what DDP wraps); ``sigmas`` the training σ table; ``objective`` how σ is drawn and the prediction scored
     (``FluxTrainingConfig.flow_matching_objective()``); ``guidance_scale`` is fed to guidance-distilled bases
     (``None`` for the others); ``prior_loss_weight`` weights the regularization samples' mean loss against the
-    instance samples' (``None``: one mean over the batch)."""
+    instance samples' (``None``: one mean over the batch), or with ``per_sample_prior_weight`` each regularization
+    sample's loss before the batch mean (sd-scripts' ``loss_weights``)."""
 
     def __init__(self, model: torch.nn.Module, *, sigmas: torch.Tensor, objective: fm.FlowMatchingObjective,
-                 guidance_scale: float | None, prior_loss_weight: float | None = None, **engine_options: Any):
+                 guidance_scale: float | None, prior_loss_weight: float | None = None,
+                 per_sample_prior_weight: bool = False, **engine_options: Any):
         super().__init__(model, **engine_options)
         self.sigmas = sigmas  # (num_train_timesteps,): the training σ table
         self.objective = objective
         self.guidance_scale = guidance_scale
         self.prior_loss_weight = prior_loss_weight
+        self.per_sample_prior_weight = per_sample_prior_weight
 
     @abc.abstractmethod
     def predict(self, model: torch.nn.Module, inputs: dict[str, Any], batch: dict[str, Any],
@@ -64,6 +67,9 @@ class FluxFlowMatchingStep(TrainStep):
         per_sample = self.per_sample_loss(self.model, batch, latents, noise, sigmas, True, condition)
         if self.prior_loss_weight is None:
             return per_sample.mean()
+        if self.per_sample_prior_weight:
+            weights = torch.where(batch["is_reg"], self.prior_loss_weight, 1.0).to(per_sample.device, non_blocking=True)
+            return (per_sample * weights).mean()
         return fm.instance_plus_prior_loss(per_sample, batch["is_reg"], self.prior_loss_weight)
 
     def validation_loss_at(self, batch: dict[str, Any], latents: torch.Tensor, noise: torch.Tensor,

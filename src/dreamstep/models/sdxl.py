@@ -6,8 +6,6 @@ inference sees), the size conditioning ``add_time_ids``, VAE posteriors, and sd-
 from __future__ import annotations
 
 import contextlib
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from dreamstep.models.loading import component_identity, load_sdxl, load_sdxl_un
 from dreamstep.models.parking import ParkedModules
 from dreamstep.models.phases import ENCODERS
 from dreamstep.models.precision import freeze, weight_dtype_for
+from dreamstep.models.sample_prompts import SDXL_OPTIONS, SamplePrompt, parse_prompt_line, read_prompt_lines
 from dreamstep.models.vae import encode_posterior
 from dreamstep.notices import CAPTION_CUT, hidden
 from dreamstep.png_text import JSON_KEY, png_info, sample_parameters
@@ -250,58 +249,17 @@ class SDXLConditioner:
 
 # ------------------------------------------------------------------------------------- sample prompts
 
-@dataclass
-class SamplePrompt:
-    """One line of an sd-scripts prompt file: ``a cat --n blurry --w 1024 --h 1024 --s 30 --l 7.5 --d 42``."""
-
-    prompt: str
-    negative_prompt: str = ""
-    width: int = 1024
-    height: int = 1024
-    steps: int = 30
-    scale: float = 7.5
-    seed: int | None = None
-    sampler: str | None = None
-    extra: dict[str, str] = field(default_factory=dict)
-
-
-_OPTIONS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "l": ("scale", float),
-            "d": ("seed", int), "n": ("negative_prompt", str), "ss": ("sampler", str)}
-
-
 def parse_sample_prompt(line: str, where: str, default_size: tuple[int, int]) -> SamplePrompt:
-    """Parse one prompt line with sd-scripts' options (--n --w --h --s --l --d --ss)."""
-    parts = line.split(" --")
-    sample = SamplePrompt(prompt=parts[0].strip(), width=default_size[0], height=default_size[1])
-    for part in parts[1:]:
-        match = re.match(r"(\w+)\s*(.*)$", part.strip(), re.DOTALL)
-        if match is None or match.group(1) not in _OPTIONS:
-            name = match.group(1) if match else part
-            raise UserError(f"{where}: unknown prompt option '--{name}'{did_you_mean(name, _OPTIONS)}; "
-                            "use --n, --w, --h, --s, --l, --d or --ss")
-        attribute, kind = _OPTIONS[match.group(1)]
-        try:
-            setattr(sample, attribute, kind(match.group(2).strip()))
-        except ValueError:
-            raise UserError(f"{where}: --{match.group(1)} '{match.group(2).strip()}' is not a number") from None
+    """Parse one prompt line with sd-scripts' SDXL options (--n --w --h --s --l --d --ss)."""
+    sample = parse_prompt_line(line, where, {"width": default_size[0], "height": default_size[1]}, SDXL_OPTIONS)
     if sample.sampler is not None:
         check_sampler(sample.sampler, f"{where}: --ss")
-    if sample.width % 8 or sample.height % 8:
-        raise UserError(f"{where}: --w and --h must be multiples of 8 (got {sample.width}x{sample.height})")
     return sample
 
 
 def read_sample_prompts(path: str, default_size: tuple[int, int]) -> list[SamplePrompt]:
     """A prompt file (one prompt per line, '#' comments); every line is checked before training starts."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise UserError(f"--sample_prompts {path}: cannot read it ({e.strerror}); check the path") from None
-    prompts = [parse_sample_prompt(line, f"{path}:{i}", default_size) for i, line in enumerate(lines, 1)
-               if line.strip() and not line.lstrip().startswith("#")]
-    if not prompts:
-        raise UserError(f"--sample_prompts {path}: no prompts in the file")
-    return prompts
+    return [parse_sample_prompt(line, where, default_size) for where, line in read_prompt_lines(path)]
 
 
 def sampler_for(name: str, scheduler_config: Any, where: str = "--sample_sampler") -> Any:

@@ -43,14 +43,10 @@ from dreamstep.config.schema import config_to_toml
 from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data import (
     ConditionedBatches,
-    DatasetConfig,
-    bucket_spec,
-    load_dataset_config,
 )
 from dreamstep.data.cache import remove_caches
-from dreamstep.data.dataset_config import parse_resolution
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
-from dreamstep.data.sources import kohya_folders_from_flags, masked_datasets, with_caption_flags
+from dreamstep.data.sources import kohya_datasets
 from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.diffusion.losses import LossFunction, masked
 from dreamstep.engine.ema import validation_weights, weight_average, with_average
@@ -61,7 +57,6 @@ from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
 from dreamstep.engine.train_step import TrainStep
-from dreamstep.errors import UserError
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.kohya_files import KohyaLoraWriter, dataset_metadata, network_metadata, training_metadata
 from dreamstep.lora.kohya_network import (
@@ -78,24 +73,6 @@ from dreamstep.models.precision import dtype_named, weight_dtype_for
 from dreamstep.models.vae import sample_latents
 
 # ------------------------------------------------------------------------------------------- builders
-
-def load_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
-    """The Kohya dataset TOML, or the flag-level dataset; every key and folder checked, no image read yet."""
-    cli = {k: getattr(config, k) for k in ("resolution", "train_batch_size", "enable_bucket", "min_bucket_reso",
-                                           "max_bucket_reso", "bucket_reso_steps", "bucket_no_upscale")}
-    if config.dataset_config is not None:
-        datasets = load_dataset_config(config.dataset_config, cli={**cli, **config.caption_flags()})
-        return masked_datasets(datasets, config.masked_loss, "train sdxl-lora")
-    if config.resolution is None:
-        raise UserError("--resolution is required with --train_data_dir (e.g. --resolution 1024,1024)")
-    buckets = bucket_spec(parse_resolution(config.resolution, "--resolution"), bool(config.enable_bucket),
-                          **{k: v for k, v in cli.items()
-                             if k.endswith(("reso", "steps", "upscale")) and v is not None})
-    dataset = kohya_folders_from_flags(config.train_data_dir, reg_data_dir=config.reg_data_dir, in_json=config.in_json,
-                                       caption_extension=config.caption_extension, buckets=buckets,
-                                       batch_size=config.train_batch_size)
-    return [with_caption_flags(dataset, config.caption_flags())]
-
 
 def build_network(config: SDXLLoraConfig, base: Any,
                   options: NetworkOptions | LycorisOptions) -> LoRANetwork | LycorisNetwork:
@@ -193,7 +170,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume,
                      resume_flag="--resume", config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
-    datasets = load_datasets(config)
+    datasets = kohya_datasets(config, "train sdxl-lora")
     optimizer_args = parse_optimizer_args(config.optimizer_args)
     check_optimization(config.optimizer_type, config.learning_rate, lr_scheduler=config.lr_scheduler,
                        num_cycles=config.lr_scheduler_num_cycles, power=config.lr_scheduler_power,

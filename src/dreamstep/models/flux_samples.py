@@ -1,0 +1,101 @@
+"""Sample images of a FLUX trainer from sd-scripts' prompt files: per line ``--w --h`` (default 512), ``--s`` steps
+(20), ``--d`` seed, ``--g`` the distilled guidance fed to FLUX.1-dev (3.5), ``--l`` a true classifier-free guidance
+scale (1.0: none) with ``--n`` the negative prompt, as sd-scripts' FLUX sampler reads them. The prompts are encoded
+in the "encode text" phase (the text encoders need not come back); a CLIP-L that trains gives its pooled output
+anew."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import FluxPipeline
+from PIL import Image
+
+from dreamstep.errors import UserError
+from dreamstep.models.flux import FluxConditioner, without_text_encoders
+from dreamstep.models.parking import ParkedModules
+from dreamstep.models.sample_prompts import FLUX_OPTIONS, SamplePrompt, parse_prompt_line, read_prompt_lines
+from dreamstep.png_text import JSON_KEY, png_info, sample_parameters
+
+# sd-scripts' FLUX sampling defaults of a line's options.
+FLUX_SAMPLE_DEFAULTS = {"width": 512, "height": 512, "steps": 20, "scale": 1.0, "guidance": 3.5}
+
+
+def read_flux_sample_prompts(path: str) -> list[SamplePrompt]:
+    """A FLUX prompt file, every line checked (FLUX's latents pack 2x2 patches: sides are multiples of 16)."""
+    prompts = []
+    for where, line in read_prompt_lines(path):
+        sample = parse_prompt_line(line, where, FLUX_SAMPLE_DEFAULTS, FLUX_OPTIONS)
+        if sample.width % 16 or sample.height % 16:
+            raise UserError(f"{where}: FLUX needs --w and --h in multiples of 16 (got {sample.width}x{sample.height})")
+        prompts.append(sample)
+    return prompts
+
+
+def _texts(prompts: list[SamplePrompt]) -> list[str]:
+    """Every text to encode: each prompt, and the negative prompt of each line with true guidance."""
+    return list(dict.fromkeys(t for p in prompts for t in ((p.prompt, p.negative_prompt) if p.scale != 1.0
+                                                          else (p.prompt,))))
+
+
+class FluxSampleWriter:
+    """Samples with the training network applied (``network``: its train/eval mode is switched around them), saved
+    as ``folder/<name>_<step>_<i>.png`` with their parameters; returns the images for the log's grid."""
+
+    def __init__(self, pipeline: FluxPipeline, network: torch.nn.Module, prompts: list[SamplePrompt],
+                 embeddings: dict[str, dict[str, torch.Tensor]], *, folder: Path, name: str, seed: int,
+                 autocast: Callable[[], Any], encoders: ParkedModules, clip_trains: bool):
+        self.pipeline, self.network, self.prompts, self.embeddings = pipeline, network, prompts, embeddings
+        self.folder, self.name, self.seed = folder, name, seed
+        self.autocast, self.encoders, self.clip_trains = autocast, encoders, clip_trains
+        self.written: list[Path] = []
+
+    @staticmethod
+    def encode(conditioner: FluxConditioner, prompts: list[SamplePrompt]) -> dict[str, dict[str, torch.Tensor]]:
+        """The embeddings of every text of ``prompts``, made in the "encode text" phase (encoders on the device)."""
+        return {text: conditioner.prompts([text]) for text in _texts(prompts)}
+
+    def __call__(self, global_step: int) -> list[Image.Image]:
+        was_training = self.network.training
+        self.network.eval()
+        try:
+            parts = ("vae", "text_encoder") if self.clip_trains else ("vae",)
+            with self.encoders.on_device(*parts), self.autocast():
+                images = [self._sample(sample, i) for i, sample in enumerate(self.prompts)]
+        finally:
+            self.network.train(was_training)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for i, image in enumerate(images):
+            path = self.folder / f"{self.name}_{global_step:06d}_{i:02d}.png"
+            image.save(path, pnginfo=png_info({**image.info[JSON_KEY], "step": global_step}))
+            self.written.append(path)
+        return images
+
+    @torch.no_grad()
+    def _sample(self, sample: SamplePrompt, index: int) -> Image.Image:
+        seed = sample.seed if sample.seed is not None else self.seed + index
+        text = self._embeds(sample.prompt, "")
+        if sample.scale != 1.0:
+            text |= self._embeds(sample.negative_prompt, "negative_") | {"true_cfg_scale": sample.scale}
+        pipeline = without_text_encoders(self.pipeline)
+        image = pipeline(**text, num_inference_steps=sample.steps, guidance_scale=sample.guidance,
+                         width=sample.width, height=sample.height,
+                         generator=torch.Generator("cpu").manual_seed(seed)).images[0]
+        image.info[JSON_KEY] = sample_parameters(
+            self.pipeline, prompt=sample.prompt, negative_prompt=sample.negative_prompt or None, seed=seed,
+            steps=sample.steps, guidance_scale=sample.guidance, true_cfg_scale=sample.scale, width=sample.width,
+            height=sample.height)
+        return image
+
+    def _embeds(self, text: str, prefix: str) -> dict[str, torch.Tensor]:
+        dtype = self.pipeline.transformer.dtype
+        found = self.embeddings[text]
+        pooled = found["pooled"]
+        if self.clip_trains:
+            pooled = self.pipeline._get_clip_prompt_embeds(text, device=self.pipeline.text_encoder.device)
+        return {f"{prefix}prompt_embeds": found["prompt_embeds"].to(dtype),
+                f"{prefix}pooled_prompt_embeds": pooled.to(dtype)}
+

@@ -1,0 +1,69 @@
+"""sd-scripts' sample-prompt files (``--sample_prompts``): one prompt per line with its options, ``a cat --n blurry
+--w 1024 --h 1024 --s 30 --l 7.5 --d 42``; '#' starts a comment line. Each trainer allows the options its sampler
+has (SDXL: ``--ss`` sampler; FLUX: ``--g`` distilled guidance) and its own defaults; every line is checked before
+training starts."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dreamstep.errors import UserError, did_you_mean
+
+
+@dataclass
+class SamplePrompt:
+    """One line of a prompt file (the defaults are SDXL's; FLUX's come with its reader)."""
+
+    prompt: str
+    negative_prompt: str = ""
+    width: int = 1024
+    height: int = 1024
+    steps: int = 30
+    scale: float = 7.5
+    seed: int | None = None
+    sampler: str | None = None
+    guidance: float | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+# Option letter -> (attribute, type); a trainer allows a subset.
+OPTIONS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "l": ("scale", float),
+           "d": ("seed", int), "n": ("negative_prompt", str), "ss": ("sampler", str), "g": ("guidance", float)}
+SDXL_OPTIONS = ("n", "w", "h", "s", "l", "d", "ss")
+FLUX_OPTIONS = ("n", "w", "h", "s", "d", "l", "g")
+
+
+def parse_prompt_line(line: str, where: str, defaults: dict[str, Any], allowed: tuple[str, ...]) -> SamplePrompt:
+    """Parse one prompt line; ``defaults`` are the trainer's values of the options a line leaves out."""
+    parts = line.split(" --")
+    sample = replace(SamplePrompt(prompt=parts[0].strip()), **defaults)
+    for part in parts[1:]:
+        match = re.match(r"(\w+)\s*(.*)$", part.strip(), re.DOTALL)
+        if match is None or match.group(1) not in allowed:
+            name = match.group(1) if match else part
+            listed = ", ".join(f"--{o}" for o in allowed)
+            raise UserError(f"{where}: unknown prompt option '--{name}'{did_you_mean(name, allowed)}; use {listed}")
+        attribute, kind = OPTIONS[match.group(1)]
+        try:
+            setattr(sample, attribute, kind(match.group(2).strip()))
+        except ValueError:
+            raise UserError(f"{where}: --{match.group(1)} '{match.group(2).strip()}' is not a number") from None
+    if sample.width % 8 or sample.height % 8:
+        raise UserError(f"{where}: --w and --h must be multiples of 8 (got {sample.width}x{sample.height})")
+    return sample
+
+
+def read_prompt_lines(path: str) -> list[tuple[str, str]]:
+    """(where, line) of each prompt line of a file (``where``: file:line, for errors)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise UserError(f"--sample_prompts {path}: cannot read it ({e.strerror}); check the path") from None
+    found = [(f"{path}:{i}", line) for i, line in enumerate(lines, 1)
+             if line.strip() and not line.lstrip().startswith("#")]
+    if not found:
+        raise UserError(f"--sample_prompts {path}: no prompts in the file")
+    return found

@@ -1,0 +1,206 @@
+"""``train flux-kohya``: sd-scripts' FLUX LoRA command line as its documentation writes it, on tiny FLUX files in the
+ComfyUI / sd-scripts layouts; the file it writes (sd-scripts' keys, ss_* metadata, hashes) loads in diffusers and
+changes the image as the trained network does; resume is exact; every bad flag, value or file gets its line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxPipeline
+from flux_testkit import ROBOT_DIR, run_cli
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from dreamstep.config.flux_network_args import FluxNetworkOptions
+from dreamstep.lora.kohya_flux_network import create_flux_network
+from dreamstep.lora.kohya_network import weight_hashes
+
+
+def _dataset(tmp_path: Path) -> Path:
+    """A Kohya dataset TOML over the robot images (4 images, batch 2: 2 steps an epoch) with captions."""
+    images = tmp_path / "img"
+    images.mkdir()
+    for i in range(4):
+        shutil.copy(ROBOT_DIR / f"robot_{i}.png", images / f"robot_{i}.png")
+        (images / f"robot_{i}.txt").write_text("a photo of sks robot, blue")
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f'[general]\ncaption_extension = ".txt"\n\n[[datasets]]\nresolution = 32\nbatch_size = 2\n\n'
+                    f'  [[datasets.subsets]]\n  image_dir = "{images.as_posix()}"\n  num_repeats = 1\n')
+    return toml
+
+
+def _files(files: dict[str, Path], model_config: Path) -> tuple[str, ...]:
+    """sd-scripts' model flags with the tiny component files (bf16 BFL transformer and ae, fp16 CLIP-L and T5)."""
+    return (f"--pretrained_model_name_or_path={files['transformer']}", f"--clip_l={files['clip_l']}",
+            f"--t5xxl={files['t5xxl']}", f"--ae={files['ae']}", f"--model_config={model_config}")
+
+
+def test_the_documentation_command_line_runs_on_the_files(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path,
+                                                         tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# samples\na photo of sks robot --w 32 --h 32 --s 2 --d 7 --g 3.0\n"
+                       "sks robot in the snow --n blurry --l 2.5 --w 48 --h 32 --s 2\n")
+    out = tmp_path / "out"
+    # docs/flux_train_network.md's example (AdamW for AdamW8bit, bf16 for fp16 on a CPU, tiny sizes), as written.
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir),
+                   f"--dataset_config={_dataset(tmp_path)}", f"--output_dir={out}", "--output_name=my_flux_lora",
+                   "--save_model_as=safetensors", "--network_module=networks.lora_flux", "--network_dim=4",
+                   "--network_alpha=1", "--learning_rate=5e-3", '--optimizer_type=AdamW', '--lr_scheduler=constant',
+                   "--sdpa", "--max_train_epochs=3", "--save_every_n_epochs=1", '--mixed_precision=bf16',
+                   "--gradient_checkpointing", "--guidance_scale=1.0", '--timestep_sampling=flux_shift',
+                   '--model_prediction_type=raw', "--blocks_to_swap=1", "--cache_text_encoder_outputs",
+                   "--cache_latents", "--persistent_data_loader_workers", "--seed=42",
+                   f"--sample_prompts={prompts}", "--sample_every_n_epochs=3", "--log_with=none") == 0
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [
+        "my_flux_lora-000001.safetensors", "my_flux_lora-000002.safetensors", "my_flux_lora.safetensors"]
+    assert sorted(p.name for p in (out / "sample").glob("my_flux_lora_*.png")) == [
+        "my_flux_lora_000006_00.png", "my_flux_lora_000006_01.png"]
+    path = out / "my_flux_lora.safetensors"
+    tensors = load_file(path)
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in tensors
+    assert "lora_unet_single_blocks_0_linear1.alpha" in tensors
+    assert "lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight" in tensors
+    assert all(k.startswith(("lora_unet_", "lora_te1_")) for k in tensors)
+    assert {k: metadata[k] for k in ("ss_network_module", "ss_base_model_version", "ss_network_dim",
+                                     "ss_network_alpha", "ss_timestep_sampling", "ss_model_prediction_type",
+                                     "ss_guidance_scale", "ss_steps", "ss_epoch", "ss_num_epochs",
+                                     "ss_output_name", "ss_sd_model_name", "ss_max_train_steps")} == {
+        "ss_network_module": "networks.lora_flux", "ss_base_model_version": "flux1", "ss_network_dim": "4",
+        "ss_network_alpha": "1.0", "ss_timestep_sampling": "flux_shift", "ss_model_prediction_type": "raw",
+        "ss_guidance_scale": "1.0", "ss_steps": "6", "ss_epoch": "3", "ss_num_epochs": "3",
+        "ss_output_name": "my_flux_lora", "ss_sd_model_name": tiny_flux_files["transformer"].name,
+        "ss_max_train_steps": "6"}
+    assert metadata["sshs_model_hash"] == weight_hashes(tensors, metadata)["sshs_model_hash"]
+    assert json.loads(metadata["ss_dataset_dirs"]) == {"img": {"n_repeats": 1, "img_count": 4}}
+
+
+def _image(pipe: FluxPipeline) -> torch.Tensor:
+    return pipe("a photo of sks robot", num_inference_steps=2, guidance_scale=3.5, height=32, width=32,
+                generator=torch.Generator().manual_seed(0), output_type="pt").images
+
+
+def test_the_file_loads_in_diffusers_and_changes_the_image_as_the_trained_network(
+        tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    # diffusers' Kohya FLUX reader splits a single block's linear1 by FLUX.1's full widths (3072 x 3 + 12288),
+    # which a tiny model has not: the double blocks (fused qkv included) and CLIP-L are read here.
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                   _dataset(tmp_path), "--output_dir", out, "--network_dim", "4", "--network_alpha", "8",
+                   "--network_args", "train_blocks=double", "--learning_rate", "2e-2", "--max_train_steps", "6",
+                   "--log_with", "none", "--seed", "1") == 0
+    path = out / "last.safetensors"
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    pipe.set_progress_bar_config(disable=True)
+    base = _image(pipe)
+    network = create_flux_network(pipe.transformer, pipe.text_encoder,
+                                  FluxNetworkOptions(dim=4, alpha=8.0, train_blocks="double"))
+    network.load_weights(path)
+    ours = _image(pipe)
+    network.detach()
+    pipe.load_lora_weights(path)
+    loaded = _image(pipe)
+    assert (ours - base).abs().max() > 0.02
+    torch.testing.assert_close(loaded, ours, atol=2e-4, rtol=0)
+
+
+def test_resume_is_exact(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    base = ("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+            _dataset(tmp_path), "--network_dim", "4", "--learning_rate", "1e-3", "--seed", "5", "--log_with", "none",
+            "--network_args", "split_qkv=True", "rank_dropout=0.1", "--timestep_sampling", "shift",
+            "--gradient_checkpointing", "--cpu_offload_checkpointing")
+    assert run_cli(*base, "--output_dir", tmp_path / "straight", "--max_train_steps", "5") == 0
+    interrupted = tmp_path / "interrupted"
+    assert run_cli(*base, "--output_dir", interrupted, "--max_train_steps", "3", "--save_state",
+                   "--save_every_n_steps", "2") == 0
+    assert (interrupted / "checkpoint-2").is_dir() and (interrupted / "checkpoint-3").is_dir()
+    assert run_cli(*base, "--output_dir", interrupted, "--max_train_steps", "5", "--resume", "checkpoint-2",
+                   "--overwrite_output_dir") == 0
+    straight = load_file(tmp_path / "straight" / "last.safetensors")
+    resumed = load_file(interrupted / "last.safetensors")
+    assert straight.keys() == resumed.keys()
+    for key, value in straight.items():
+        assert torch.equal(value, resumed[key]), key
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--highvram", "--xformers", "--save_last_n_epochs", "2"),
+     "error: --highvram (dreamstep places the models itself; remove it), --xformers (FLUX runs PyTorch's "
+     "scaled-dot-product attention (--sdpa)), --save_last_n_epochs (not implemented; delete old files yourself): "
+     "sd-scripts flags that dreamstep train flux-kohya does not support; remove them"),
+    (("--network_dimm", "8"), "error: unknown flag --network_dimm (did you mean '--network_dim'?)"),
+    (("--network_module", "networks.lora"), "error: --network_module 'networks.lora' is not supported here"),
+    (("--apply_t5_attn_mask",), "error: --apply_t5_attn_mask: dreamstep does not mask T5's padding tokens yet"),
+    (("--network_args", "train_t5xxl=True"), "error: --network_args train_t5xxl=True: a LoRA on T5-XXL is not"),
+    (("--timestep_sampling", "sigmoid", "--discrete_flow_shift", "3.1582"),
+     "error: --discrete_flow_shift has no effect with --timestep_sampling sigmoid; remove it"),
+    (("--model_prediction_type", "raw", "--weighting_scheme", "sigma_sqrt"),
+     "error: --weighting_scheme sigma_sqrt weighs the loss only with --model_prediction_type sigma_scaled"),
+    (("--timestep_sampling", "shift", "--weighting_scheme", "logit_normal"),
+     "error: --weighting_scheme logit_normal draws σ from the σ table"),
+    (("--model_prediction_type", "sigma",), "error: --model_prediction_type: 'sigma' is not a valid choice"),
+    (("--loss_type", "huber"), "error: --loss_type huber with --huber_schedule snr needs a DDPM schedule's SNR"),
+    (("--cache_text_encoder_outputs", "false"), "error: --cache_text_encoder_outputs false: dreamstep's FLUX"),
+    (("--sample_every_n_steps", "2"), "error: --sample_every_n_steps has no effect without --sample_prompts"),
+    (("--gradient_checkpointing", "--cpu_offload_checkpointing", "--blocks_to_swap", "1"),
+     "error: --cpu_offload_checkpointing with --blocks_to_swap: sd-scripts takes one of the two"),
+])
+def test_bad_flags_get_one_line(flags: tuple[str, ...], message: str, tiny_flux_files: dict[str, Path],
+                                tiny_flux_dev_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                   _dataset(tmp_path), "--output_dir", out, *flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("a robot --ss euler", "prompts.txt:1: unknown prompt option '--ss'"),
+    ("a robot --w 40", "prompts.txt:1: FLUX needs --w and --h in multiples of 16 (got 40x512)"),
+    ("a robot --g high", "prompts.txt:1: --g 'high' is not a number"),
+])
+def test_bad_sample_prompts_and_files_get_one_line(line: str, message: str, tiny_flux_files: dict[str, Path],
+                                                   tiny_flux_dev_dir: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(line + "\n")
+    args = ("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+            _dataset(tmp_path), "--output_dir", tmp_path / "out")
+    assert run_cli(*args, "--sample_prompts", prompts) == 2
+    assert message in capsys.readouterr().err
+    assert run_cli(*args, "--ae", tiny_flux_files["clip_l"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --ae ") and "CLIP" in err[0], err
+
+
+def test_dry_run_prints_the_plan_from_the_files(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path,
+                                                tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                   _dataset(tmp_path), "--output_dir", out, "--fp8_base", "--dry_run") == 0
+    assert "peak device memory" in capsys.readouterr().out
+    assert not list(out.glob("*.safetensors"))
+
+
+def test_plan_takes_the_component_files(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    files = ("--clip_l", tiny_flux_files["clip_l"], "--t5xxl", tiny_flux_files["t5xxl"], "--ae", tiny_flux_files["ae"],
+             "--model_config", tiny_flux_dev_dir, "--resolution", "64", "--device_memory", "1GB")
+    assert run_cli("plan", "flux", "--pretrained_model_name_or_path", tiny_flux_files["transformer"], *files) == 0
+    bf16 = capsys.readouterr().out
+    assert run_cli("plan", "flux", "--pretrained_model_name_or_path", tiny_flux_files["fp8_transformer"], *files) == 0
+    fp8 = capsys.readouterr().out
+    # The tiny configs are read (not FLUX.1-dev's), and the fp8-stored file is planned as the fp8 base it trains as.
+    assert "fits" in bf16 and "GiB" not in bf16.split("peak device memory")[1].split("\n")[0]
+    assert "fp8" in fp8 and "fp8" not in bf16
+    assert run_cli("plan", "flux", "--pretrained_model_name_or_path", tiny_flux_files["transformer"],
+                   "--ae", tiny_flux_files["clip_l"], "--model_config", tiny_flux_dev_dir) == 2
+    assert capsys.readouterr().err.startswith("error: --ae ")
+    assert run_cli("plan", "sdxl", "--clip_l", tiny_flux_files["clip_l"]) == 2
+    assert "--clip_l is a FLUX component flag" in capsys.readouterr().err
