@@ -190,7 +190,7 @@ def test_the_form_has_every_option_of_each_trainer_in_a_section_with_its_help(se
     url, _ = server
     from dreamstep.dashboard.job_requests import SET_BY_DASHBOARD, trainer_options
 
-    for trainer in ("flux-lora", "sdxl-lora", "flux-controlnet", "flux-kontext-lora"):
+    for trainer in ("flux-lora", "sdxl-lora", "flux-kohya", "flux-controlnet", "flux-kontext-lora"):
         form = json.loads(urllib.request.urlopen(f"{url}/api/trainers/{trainer}/form", timeout=30).read())
         names = {f["name"] for f in form["fields"]}
         expected = {f.name for f in dataclasses.fields(trainer_options(trainer))}
@@ -290,3 +290,32 @@ def test_without_device_memory_the_plan_is_checked_against_the_card_found(server
     plan = answer["plan"]
     assert plan["card"] == "NVIDIA GeForce RTX 4070 (detected)" and plan["device_memory"] == 12 * 2**30
     assert plan["fits"] is True and "device memory 12.0 GiB" in plan["report"]
+
+
+def test_a_flux_kohya_plan_and_dataset_check_before_queuing_are_the_trainers(tmp_path, tiny_flux_files,
+                                                                             tiny_flux_dev_dir, capsys):
+    from dreamstep.cli import main
+
+    data = tmp_path / "data"
+    (data / "kohya").mkdir(parents=True)
+    os.symlink(ROBOT_DIR, data / "kohya" / "2_sks robot")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    files = {"pretrained_model_name_or_path": tiny_flux_files["transformer"], "clip_l": tiny_flux_files["clip_l"],
+             "t5xxl": tiny_flux_files["t5xxl"], "ae": tiny_flux_files["ae"], "model_config": tiny_flux_dev_dir}
+    roots = [tiny_flux_files["transformer"].parent, tiny_flux_dev_dir.parent, data]
+    training = Training([runs], roots, runs / ".dreamstep-jobs", TOKEN, max_running=0)
+    # Paths relative to the roots, as the form sends them (the files' folder, the tiny pipeline's parent).
+    options = {**{flag: path.name for flag, path in files.items()}, "train_data_dir": "kohya", "resolution": "64",
+               "network_dim": 4, "device_memory": "1GB"}
+    with serve(create_app([runs], training=training)) as url:
+        status, answer = _post(f"{url}/api/jobs/plan", {"trainer": "flux-kohya", "options": options}, AUTH)
+        assert status == 200, answer
+        status, check = _post(f"{url}/api/jobs/dataset", {"trainer": "flux-kohya", "options": options}, AUTH)
+    assert status == 200, check
+    # sd-scripts' folder layout: the repeats and class tokens of "2_sks robot", at the flag's resolution.
+    assert {image["caption"] for image in check["dataset"]["images"]} == {"sks robot"}
+    assert main(["train", "flux-kohya", *(f"--{flag}={path}" for flag, path in files.items()), "--train_data_dir",
+                 str(data / "kohya"), "--resolution", "64", "--network_dim", "4", "--device_memory", "1GB",
+                 "--output_dir", str(tmp_path / "dry"), "--dry_run"]) == 0
+    assert answer["plan"]["report"] in capsys.readouterr().out

@@ -33,9 +33,10 @@ __all__ = ["FieldError", "JobRequest", "check_job_request", "form_fields", "name
 # Set by the dashboard itself: the output folder from the request's root and name, the resume by Resume.
 SET_BY_DASHBOARD = ("output_dir", "resume_from_checkpoint", "resume", "config")
 WRITTEN_PATHS = ("cache_dir", "logging_dir")
-READ_PATHS = ("class_data_dir", "conditioning_data_dir", "dataset_config", "in_json", "instance_data_dir",
-              "jsonl_for_train", "model_config", "network_weights", "reg_data_dir", "sample_prompts",
-              "train_data_dir", "transformer_single_file", "validation_data_dir", "validation_image")
+READ_PATHS = ("ae", "class_data_dir", "clip_l", "conditioning_data_dir", "dataset_config", "in_json",
+              "instance_data_dir", "jsonl_for_train", "model_config", "network_weights", "reg_data_dir",
+              "sample_prompts", "t5xxl", "train_data_dir", "transformer_single_file", "validation_data_dir",
+              "validation_image")
 # A local folder inside a root, or else a Hugging Face Hub id (owner/name).
 MODEL_PATHS = ("pretrained_model_name_or_path", "controlnet_model_name_or_path", "clip_model", "dino_model",
                "dataset_name")
@@ -163,8 +164,9 @@ def _inside(roots: list[Path], relative: str, key: str, *, must_exist: bool) -> 
 
 # The new-run page's sections, in order; a flag goes to the first whose pattern matches its name.
 GROUPS = (
-    ("model", r"pretrained|revision|variant|single_file|model_config|controlnet_model|quantization|fp8_base|"
-              r"no_half_vae|v_parameterization|num_(double|single)_layers|max_sequence_length"),
+    ("model", r"pretrained|revision|variant|single_file|model_config|^clip_l$|^t5xxl$|^ae$|controlnet_model|"
+              r"quantization|fp8_base|no_half_vae|v_parameterization|num_(double|single)_layers|max_sequence_length|"
+              r"t5xxl_max_token_length|apply_t5_attn_mask"),
     ("data", r"data_dir|dataset|caption|^instance_|^class_|prior|num_class_images|^sample_batch_size|_crop|"
              r"random_flip|repeats|^resolution|bucket|in_json|jsonl|_column|proportion_empty|data_?loader"),
     ("LoRA / adapter", r"^rank$|^lora_|^network_|kohya|text_encoder_lr|train_text_encoder|text_encoder$|"

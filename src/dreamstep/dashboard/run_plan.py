@@ -7,7 +7,6 @@ No model weights are read.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -30,22 +29,23 @@ def plan_inputs(trainer: str, config: Any, check: Any) -> tuple[str, str | None,
     datasets, encodes = check.configs, check.dataset is not None and check.dataset.encodes_in_the_loop()
     if trainer == "sdxl-lora":
         from dreamstep.models import sdxl
-        from dreamstep.models.memory_plan import PlanOptions
-        from dreamstep.models.precision import weight_dtype_for
 
         text_in_the_loop = not config.network_train_unet_only or not config.cache_text_encoder_outputs
         source = sdxl.config_source(config.pretrained_model_name_or_path, config.model_config)
         check_pipeline_source(source, "sdxl")
-        return "sdxl", source, PlanOptions(
-            resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5),
-            batch_size=max(d.batch_size for d in datasets), rank=config.network_dim,
-            gradient_checkpointing=config.gradient_checkpointing, base_quantization=config.unet_quantization,
-            encoders_on_device=text_in_the_loop or not config.cache_latents or encodes,
-            blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
-            weight_dtype=weight_dtype_for(config.mixed_precision), validation_images=bool(config.sample_prompts)), {}
+        return "sdxl", source, sdxl.plan_options(
+            config, datasets, encoders_on_device=text_in_the_loop or not config.cache_latents or encodes,
+            validation_images=bool(config.sample_prompts)), {}
     source = config.flux_base().source
     if source is not None:
         check_pipeline_source(source, "flux")
+    if trainer == "flux-kohya":
+        guidance_embeds = flux.transformer_config(config)["guidance_embeds"]  # the files' own config
+        options = flux.kohya_plan_options(
+            config, datasets, max_sequence_length=config.max_sequence_length(guidance_embeds),
+            validation_images=bool(config.sample_prompts),
+            encoders_on_device=config.train_clip or not config.cache_latents or encodes)
+        return "flux", source, options, {"lora_layers": ["all-linear"]}
     if trainer == "flux-controlnet":
         options = flux.plan_options(config, rank=0, encoders_on_device=not config.cache_latents or encodes,
                                     validation_images=bool(config.validation_pairs()))

@@ -16,7 +16,7 @@ from dreamstep.errors import UserError
 __all__ = ["FOLDER_FLAGS", "check_config", "trainer_datasets"]
 
 # The flag each trainer reads an image folder from (a file given instead is its --dataset_config).
-FOLDER_FLAGS = {"flux-lora": "instance_data_dir", "sdxl-lora": "train_data_dir",
+FOLDER_FLAGS = {"flux-lora": "instance_data_dir", "sdxl-lora": "train_data_dir", "flux-kohya": "train_data_dir",
                 "flux-controlnet": "train_data_dir", "flux-kontext-lora": "instance_data_dir"}
 # Required options the data does not depend on: set where the config leaves them out.
 _PLACEHOLDERS = {"pretrained_model_name_or_path": ".", "output_dir": "."}
@@ -29,10 +29,10 @@ def trainer_datasets(trainer: str, config: Any) -> list[DatasetConfig]:
         from dreamstep.data.sources import flux_lora_datasets
 
         return flux_lora_datasets(config, _class_dir(config))
-    if trainer == "sdxl-lora":
-        from dreamstep.recipes.sdxl_lora import load_datasets
+    if trainer in ("sdxl-lora", "flux-kohya"):
+        from dreamstep.data.sources import kohya_datasets
 
-        return load_datasets(config)
+        return kohya_datasets(config, f"train {trainer}")
     if trainer == "flux-controlnet":
         from dreamstep.data.sources import paired_datasets
 

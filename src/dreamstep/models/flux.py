@@ -14,7 +14,7 @@ from diffusers import FluxControlNetPipeline, FluxPipeline
 from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
-from dreamstep.data.dataset_config import load_dataset_config
+from dreamstep.data.dataset_config import DatasetConfig, load_dataset_config
 from dreamstep.errors import UserError
 from dreamstep.files import atomic_path
 from dreamstep.models import parking
@@ -325,6 +325,20 @@ def plan_options(config: Any, *, rank: int, encoders_on_device: bool, validation
                        optimizer=config.optimizer, weight_dtype=weight_dtype_for(config.mixed_precision),
                        max_sequence_length=config.max_sequence_length, validation_images=validation_images,
                        image_token_multiplier=image_token_multiplier)
+
+
+def kohya_plan_options(config: Any, datasets: list[DatasetConfig], *, encoders_on_device: bool,
+                       validation_images: bool, max_sequence_length: int) -> PlanOptions:
+    """The memory-plan inputs of flux-kohya's ``config`` (sd-scripts' flag names; its recipe and the dashboard's
+    new-run form plan with these), at the first dataset's resolution and the largest batch of ``datasets``."""
+    return PlanOptions(resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5),
+                       batch_size=max(d.batch_size for d in datasets), rank=config.network_dim,
+                       gradient_checkpointing=config.gradient_checkpointing,
+                       cpu_offload_checkpointing=config.cpu_offload_checkpointing,
+                       base_quantization=config.base_quantization, encoders_on_device=encoders_on_device,
+                       blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
+                       weight_dtype=weight_dtype_for(config.mixed_precision),
+                       max_sequence_length=max_sequence_length, validation_images=validation_images)
 
 
 def park_encoders(components: Any, device: torch.device, *, text_encoder_trains: bool,

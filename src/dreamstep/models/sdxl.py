@@ -6,6 +6,7 @@ inference sees), the size conditioning ``add_time_ids``, VAE posteriors, and sd-
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,11 @@ from diffusers import (
 from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
+from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.models import parking
 from dreamstep.models.loading import component_identity, load_sdxl, load_sdxl_unet
+from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.parking import ParkedModules
 from dreamstep.models.phases import ENCODERS
 from dreamstep.models.precision import freeze, weight_dtype_for
@@ -351,3 +354,15 @@ class SampleWriter:
             image.save(path, pnginfo=png_info({**image.info[JSON_KEY], "step": global_step}))
             self.written.append(path)
         return images
+
+
+def plan_options(config: Any, datasets: list[DatasetConfig], *, encoders_on_device: bool,
+                 validation_images: bool) -> PlanOptions:
+    """The memory-plan inputs of sdxl-lora's ``config`` (its recipe and the dashboard's new-run form plan with
+    these), at the first dataset's resolution and the largest batch of ``datasets``."""
+    return PlanOptions(resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5),
+                       batch_size=max(d.batch_size for d in datasets), rank=config.network_dim,
+                       gradient_checkpointing=config.gradient_checkpointing,
+                       base_quantization=config.unet_quantization, encoders_on_device=encoders_on_device,
+                       blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
+                       weight_dtype=weight_dtype_for(config.mixed_precision), validation_images=validation_images)

@@ -26,7 +26,6 @@ img_attn_qkv.lora_down.weight`` …, ``.alpha``, ``lora_te1_…``) with its ``ss
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +60,6 @@ from dreamstep.models import flux, parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.flux_samples import FluxSampleWriter, read_flux_sample_prompts
 from dreamstep.models.flux_step import FluxFlowMatchingStep
-from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import dtype_named, weight_dtype_for
 
@@ -119,16 +117,10 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
         image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None],
         files=base_files.files)
     dataset, _ = build_split_datasets(datasets, config.seed, latent_cache=latent_cache, text_cache=text_cache)
-    print_run_plan("flux", base_files.source, PlanOptions(
-        resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5),
-        batch_size=max(d.batch_size for d in datasets), rank=config.network_dim,
-        gradient_checkpointing=config.gradient_checkpointing,
-        cpu_offload_checkpointing=config.cpu_offload_checkpointing, base_quantization=config.base_quantization,
-        encoders_on_device=config.train_clip or not config.cache_latents or dataset.encodes_in_the_loop(),
-        blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
-        weight_dtype=weight_dtype_for(config.mixed_precision), max_sequence_length=max_sequence_length,
-        validation_images=prompts is not None), config.device_memory,
-        lora_layers=["all-linear"])  # networks.lora_flux adapts every Linear of the blocks
+    print_run_plan("flux", base_files.source, flux.kohya_plan_options(
+        config, datasets, max_sequence_length=max_sequence_length, validation_images=prompts is not None,
+        encoders_on_device=config.train_clip or not config.cache_latents or dataset.encodes_in_the_loop()),
+        config.device_memory, lora_layers=["all-linear"])  # networks.lora_flux adapts every Linear of the blocks
     if config.dry_run:
         return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,

@@ -31,7 +31,6 @@ Outputs in --output_dir: ``<output_name>.safetensors`` (or ``.ckpt``) with sd-sc
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +66,6 @@ from dreamstep.lora.kohya_network import (
 from dreamstep.lora.lycoris_network import LycorisNetwork, create_sdxl_network
 from dreamstep.models import parking, sdxl
 from dreamstep.models.blocks import prepare_blocks
-from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.plans import print_run_plan
 from dreamstep.models.precision import dtype_named, weight_dtype_for
 from dreamstep.models.vae import sample_latents
@@ -194,14 +192,9 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
                                              latent_cache=latent_cache, text_cache=text_cache)
     scorer = load_scorer(config)
     encoders_on_device = text_in_the_loop or not config.cache_latents or dataset.encodes_in_the_loop()
-    print_run_plan("sdxl", sdxl.config_source(config.pretrained_model_name_or_path, config.model_config), PlanOptions(
-        resolution=round(math.prod(datasets[0].buckets.resolution) ** 0.5),
-        batch_size=max(d.batch_size for d in datasets),
-        rank=config.network_dim, gradient_checkpointing=config.gradient_checkpointing,
-        base_quantization=config.unet_quantization, encoders_on_device=encoders_on_device,
-        blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
-        weight_dtype=weight_dtype_for(config.mixed_precision), validation_images=prompts is not None),
-        config.device_memory)
+    print_run_plan("sdxl", sdxl.config_source(config.pretrained_model_name_or_path, config.model_config),
+                   sdxl.plan_options(config, datasets, encoders_on_device=encoders_on_device,
+                                     validation_images=prompts is not None), config.device_memory)
     if config.dry_run:
         return None
     # Module dropout skips whole LoRAs, and SDXL reads CLIP-L's penultimate layer, so the LoRAs on its
