@@ -237,12 +237,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
+        from dreamstep.engine.interrupt import take_abort
+
+        take_abort()
         # A trainer's message says what was saved and the command that continues the run.
         print(str(e) or "interrupted", file=sys.stderr)
         return getattr(e, "exit_code", 130)
     except Exception as e:
         from dreamstep.engine.disk import is_disk_full
+        from dreamstep.engine.interrupt import take_abort
 
+        abort = take_abort()
+        if abort is not None:  # a library turned the signal's abort into an error of its own
+            print(str(abort), file=sys.stderr)
+            return abort.exit_code
         if not is_disk_full(e):
             raise
         print(f"error: the disk is full ({str(e).splitlines()[0]}); free some space and run again", file=sys.stderr)

@@ -236,3 +236,27 @@ def test_a_skipped_steps_share_outside_0_to_1_is_refused_in_one_line(value: str,
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --max_skipped_steps_fraction") and "\n" not in err
     assert not out.exists()
+
+
+def test_an_abort_that_a_library_turns_into_its_own_error_still_ends_as_the_signal(monkeypatch, capsys) -> None:
+    """diffusers wraps whatever a pipeline module's import raises (onnxruntime's, when a SIGTERM lands in it) in a
+    RuntimeError: the command still ends as the signal, with its message and exit code, not a traceback."""
+    from dreamstep import cli
+    from dreamstep.engine.interrupt import StopSignals
+
+    def loading(key, command, args) -> None:
+        signals = StopSignals()
+        signals.hint = "nothing was trained yet"
+        signals.install()
+        try:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises before this ends
+            except KeyboardInterrupt:
+                raise RuntimeError("Failed to import diffusers.pipelines.onnx_utils: initialization failed") from None
+        finally:
+            signals.uninstall()
+
+    monkeypatch.setattr(cli, "_run", loading)
+    assert cli.main(["plan"]) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM at once; nothing was trained yet" in capsys.readouterr().err

@@ -14,9 +14,10 @@ import signal
 import threading
 from typing import Any
 
-__all__ = ["RunInterrupted", "StopSignals"]
+__all__ = ["RunInterrupted", "StopSignals", "take_abort"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_abort: RunInterrupted | None = None  # the abort a signal raised in this process, until the command line takes it
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -41,8 +42,10 @@ class StopSignals:
         return 128 + (self.received or signal.SIGINT)
 
     def install(self) -> None:
+        global _abort
         if threading.current_thread() is not threading.main_thread():
             return
+        _abort = None
         for sig in _SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -62,5 +65,16 @@ class StopSignals:
             os.write(2, f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
                         "(press Ctrl-C again to stop at once)\n".encode())
             return
+        global _abort
         name = signal.Signals(signum).name
-        raise RunInterrupted(f"stopped by {name} at once" + (f"; {self.hint}" if self.hint else ""), 128 + signum)
+        _abort = RunInterrupted(f"stopped by {name} at once" + (f"; {self.hint}" if self.hint else ""), 128 + signum)
+        raise _abort
+
+
+def take_abort() -> RunInterrupted | None:
+    """The abort a signal raised since the last run started (and forget it). A library may catch it and raise
+    another error instead (diffusers turns anything raised while it imports a pipeline's module, such as
+    ``onnx_utils`` importing onnxruntime, into a RuntimeError); that error is still this abort."""
+    global _abort
+    abort, _abort = _abort, None
+    return abort
