@@ -131,3 +131,11 @@ def lycoris_from_network_args(dim: int, alpha: float, dropout: float | None, net
                                                      if k not in ("conv_dim", "conv_alpha")},
                              conv_dim=args.get("conv_dim", dim), conv_alpha=args.get("conv_alpha", alpha))
     return options, args
+
+
+def check_quantized_base(dora: bool, quantization: str, quantization_flag: str, dora_flag: str) -> None:
+    """LoKr, LoHa and LoRA train on a quantized base through LyCORIS' bypass forward; DoRA cannot (one line)."""
+    if dora and quantization != "none":
+        raise UserError(f"{quantization_flag} with {dora_flag}: DoRA divides by the norm of each adapted full "
+                        "weight, and a quantized weight has no norm or sum in LyCORIS; train LoKr, LoHa or LoRA on "
+                        "it, or drop the quantization")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from dreamstep.config.evaluation import EvaluationOptions
-from dreamstep.config.lycoris import LYCORIS_MODULE, lycoris_from_network_args
+from dreamstep.config.lycoris import LYCORIS_MODULE, check_quantized_base, lycoris_from_network_args
 from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
 from dreamstep.config.options import CaptionAugmentationOptions, EmaOptions, LossOptions, MaskedLossOptions
 from dreamstep.config.schema import SEED_BOUNDS, option
@@ -154,7 +154,11 @@ class SDXLLoraConfig(LossOptions, CaptionAugmentationOptions, EmaOptions, Masked
                             f"'{NETWORK_MODULE}' (LoRA, and LoCon with --network_args conv_dim=...) and "
                             f"'{LYCORIS_MODULE}' (LoKr, LoHa, LoCon, DoRA with --network_args algo=...)")
         if self.network_module == LYCORIS_MODULE:
-            lycoris_from_network_args(self.network_dim, self.network_alpha, self.network_dropout, self.network_args)
+            lycoris, _ = lycoris_from_network_args(self.network_dim, self.network_alpha, self.network_dropout,
+                                                   self.network_args)
+            check_quantized_base(lycoris.dora_wd, self.unet_quantization,
+                                 "--fp8_base" if self.fp8_base else f"--base_quantization {self.base_quantization}",
+                                 "--network_args dora_wd=True")
         if self.network_train_unet_only and self.network_train_text_encoder_only:
             raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
         if self.unet_lr == 0 and self.text_encoder_lr == 0:

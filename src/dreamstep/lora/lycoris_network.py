@@ -202,13 +202,22 @@ class LycorisNetwork(nn.Module):
         return path
 
 
+def is_quantized(layer: nn.Module) -> bool:
+    """Whether a layer's weight is quantized (a torchao tensor subclass, or a bitsandbytes 4-bit parameter)."""
+    return type(layer.weight) not in (torch.Tensor, nn.Parameter) or hasattr(layer.weight, "quant_state")
+
+
 def _module_for(name: str, layer: nn.Module, options: LycorisOptions) -> nn.Module:
     conv = isinstance(layer, nn.Conv2d) and layer.kernel_size != (1, 1)
     dim, alpha = (options.conv_rank, options.conv_alpha or options.alpha) if conv else (options.dim, options.alpha)
     import lycoris.modules
 
     module_class = getattr(lycoris.modules, MODULE_CLASSES[options.algo])
-    module = module_class(name, layer, 1.0, dim, alpha, **options.module_kwargs())
+    # On a quantized weight LyCORIS' default forward (W + dW rebuilt, then the layer's op) cannot add to the
+    # weight (torchao's Int8Tensor/Float8Tensor have no aten.add); its bypass forward, layer(x) + dW x, computes
+    # the same output without touching the weight. DoRA needs the weight's norms: refused by the configs.
+    bypass = True if is_quantized(layer) else None
+    module = module_class(name, layer, 1.0, dim, alpha, bypass_mode=bypass, **options.module_kwargs())
     return module.to(device=layer.weight.device)
 
 
