@@ -25,10 +25,11 @@ TYPES = {
 KEYS = {"lokr": ".lokr_w1", "loha": ".hada_w1_a", "locon": ".lora_down.weight", "dora": ".dora_scale"}
 
 
-def _base(tiny_sdxl_dir: Path, toml: Path, kind: str) -> tuple:
+def _base(tiny_sdxl_dir: Path, toml: Path, kind: str, *extra_args: str) -> tuple:
     return ("train", "sdxl-lora", "--pretrained_model_name_or_path", tiny_sdxl_dir, "--dataset_config", toml,
             "--network_module", "lycoris.kohya", "--network_dim", "4", "--network_alpha", "4", "--network_args",
-            *TYPES[kind], "--learning_rate", "3e-2", "--seed", "5", "--log_with", "none", "--network_train_unet_only")
+            *TYPES[kind], *extra_args, "--learning_rate", "3e-2", "--seed", "5", "--log_with", "none",
+            "--network_train_unet_only")
 
 
 @pytest.mark.parametrize("kind", list(TYPES))
@@ -61,7 +62,8 @@ def test_each_type_lowers_the_loss_and_continues_from_its_file(kind: str, tiny_s
 
 @pytest.mark.parametrize("kind", ["lokr", "dora"])  # LoKr's alpha buffers; DoRA's trained magnitudes
 def test_resume_is_exact(kind: str, tiny_sdxl_dir: Path, tmp_path: Path) -> None:
-    base = _base(tiny_sdxl_dir, write_method(tmp_path, "captions"), kind)
+    fewer_modules = ("preset=attn-mlp",) if kind == "lokr" else ()  # resume needs no convolutions: faster
+    base = _base(tiny_sdxl_dir, write_method(tmp_path, "captions"), kind, *fewer_modules)
     assert run_cli(*base, "--output_dir", tmp_path / "straight", "--max_train_steps", "3") == 0
     interrupted = tmp_path / "interrupted"
     assert run_cli(*base, "--output_dir", interrupted, "--max_train_steps", "1", "--save_state") == 0
