@@ -54,7 +54,9 @@ class SDXLLoraConfig(LossOptions, CaptionAugmentationOptions, EmaOptions, Masked
                                                  "preset= conv_dim= conv_alpha= factor= decompose_both= "
                                                  "full_matrix= use_tucker= use_scalar= dora_wd= wd_on_output= "
                                                  "rs_lora= dropout= rank_dropout= module_dropout=, LyCORIS' "
-                                                 "defaults: algo=lora preset=full conv_dim=network_dim factor=-1)")
+                                                 "defaults: algo=lora preset=full conv_dim=network_dim factor=-1; "
+                                                 "DoRA's magnitude per input column, as ComfyUI and A1111 apply "
+                                                 "it, unless wd_on_output=True)")
     network_dim: int = option(4, "LoRA rank", bounds="[1, inf)")
     network_alpha: float = option(1.0, "LoRA alpha; the update is scaled by alpha / dim", bounds="(0, inf)")
     network_dropout: float | None = option(None, "dropout on the LoRA down projection's output", bounds="[0, 1)")
