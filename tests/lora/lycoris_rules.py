@@ -8,9 +8,11 @@ each weight adapter tries its keys (``comfy/weight_adapter/lora.py``: ``x.lora_u
 key nothing consumed is "lora key not loaded". ``calculate_weight``: LoRA ``up @ down · alpha/rank`` (rank:
 down's rows); LoHa ``(w1_a @ w1_b) * (w2_a @ w2_b) · alpha/rank`` (rank: ``w1_b``'s rows); LoKr
 ``kron(w1, w2) · alpha/rank`` (rank: the rows of the last decomposed factor's ``_b``; no decomposed factor: scale
-1); no alpha: scale 1. With ``dora_scale``, ``weight_decompose``: ``W' = (W + ΔW) · dora_scale / ‖·‖``, where
-the norm is the *base* weight's per output row when ``dora_scale`` has a row per output, else the adapted
-weight's per input column.
+1); no alpha: scale 1. With ``dora_scale``, ``weight_decompose`` (``comfy/weight_adapter/base.py``):
+``W' = (W + ΔW) · dora_scale / ‖·‖``, where the norm is the *base* weight's per output row when ``dora_scale``
+has a row per output (``dora_scale.shape[0] == weight.shape[0]``), else the adapted weight's per input column.
+ComfyUI before that branch and A1111's ``network.py`` ``apply_weight_decompose`` always take the column norm of
+the adapted weight.
 """
 
 from __future__ import annotations

@@ -134,12 +134,16 @@ def _sampled(model: str) -> tuple[dict, dict]:
     return names, targets
 
 
-@pytest.mark.parametrize("kind", [*TYPES, "dora"])
-@pytest.mark.parametrize("model", ["flux", "sdxl"])
-def test_comfyui_computes_the_trained_weight_at_full_width(model: str, kind: str) -> None:
+DORA = {"dora": LycorisOptions("lora", dim=8, alpha=4.0, dora_wd=True),  # per input column, dreamstep's default
+        "loha-dora": LycorisOptions("loha", dim=8, alpha=4.0, dora_wd=True)}
+DORA_BY_ROW = LycorisOptions("lora", dim=8, alpha=4.0, dora_wd=True, wd_on_output=True)  # LyCORIS' default
+
+
+def _trained_and_comfy(model: str, options: LycorisOptions):
+    """For each sampled full-width layer: (diffusers name, layer, the network, the trained layer's output on a probe,
+    ComfyUI's on the same probe, the base layer's)."""
     torch.manual_seed(0)  # LyCORIS initialises from the global generator
     names, targets = _sampled(model)
-    options = TYPES.get(kind) or LycorisOptions("lora", dim=8, alpha=4.0, dora_wd=True)
     network = create_network(names, targets, options)
     _trained(network, 1)
     tensors = network.state_dict()
@@ -155,18 +159,25 @@ def test_comfyui_computes_the_trained_weight_at_full_width(model: str, kind: str
             comfy = _layer_output(layer, comfy_weight(patches[name], layer.weight), x.double())
             base = _layer_output(layer, layer.weight.double(), x.double())
         assert (trained - base).abs().max() > 1e-4, diffusers  # the adapter changes the layer
-        if kind != "dora":
-            torch.testing.assert_close(comfy, trained, rtol=1e-4, atol=1e-5 * float(trained.abs().max()),
-                                       msg=diffusers)
-            continue
-        # ComfyUI divides by the base weight's row norm where LyCORIS (and peft) divide by the adapted one's:
-        # its weight is the trained one times |W + dW| / |W| per output row.
-        module = network.loras[name]
+        yield diffusers, layer, network.loras[name], trained, comfy
+
+
+@pytest.mark.parametrize("kind", [*TYPES, *DORA])
+@pytest.mark.parametrize("model", ["flux", "sdxl"])
+def test_comfyui_computes_the_trained_weight_at_full_width(model: str, kind: str) -> None:
+    for diffusers, _, _, trained, comfy in _trained_and_comfy(model, TYPES.get(kind) or DORA[kind]):
+        torch.testing.assert_close(comfy, trained, rtol=1e-4, atol=1e-5 * float(trained.abs().max()), msg=diffusers)
+
+
+@pytest.mark.parametrize("model", ["flux", "sdxl"])
+def test_a_dora_by_output_row_differs_in_comfyui_by_the_row_norm_ratio(model: str) -> None:
+    """wd_on_output=True (LyCORIS' default, peft's form): ComfyUI and Forge divide by the *base* weight's row norm
+    where the module divides by the adapted one's, so their weight is the trained one times |W + dW| / |W| per row."""
+    for diffusers, layer, module, trained, comfy in _trained_and_comfy(model, DORA_BY_ROW):
         adapted = layer.weight.double() + module.get_diff_weight(1.0)[0].double().reshape(layer.weight.shape)
         ratio = adapted.flatten(1).norm(dim=1) / layer.weight.double().flatten(1).norm(dim=1)
-        expected = _layer_output(layer, comfy_weight(patches[name], layer.weight), x.double())
-        bias = _bias(layer)
+        bias = _bias(layer).reshape((1, -1, 1, 1) if isinstance(layer, nn.Conv2d) else (1, -1))
         shape = (1, -1, 1, 1) if isinstance(layer, nn.Conv2d) else (1, -1)
-        torch.testing.assert_close((trained - bias.reshape(shape)) * ratio.reshape(shape),
-                                   expected - bias.reshape(shape), rtol=1e-4, atol=1e-5 * float(expected.abs().max()),
-                                   msg=diffusers)
+        torch.testing.assert_close((trained - bias) * ratio.reshape(shape), comfy - bias, rtol=1e-4,
+                                   atol=1e-5 * float(comfy.abs().max()), msg=diffusers)
+        assert (ratio - 1).abs().max() > 1e-3, diffusers  # a real difference, not rounding

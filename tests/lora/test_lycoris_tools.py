@@ -69,7 +69,10 @@ def test_lora_info_names_the_lokr_and_its_settings(capsys, flux_dev, tiny_flux_d
 
 def test_lora_info_on_sdxl_loha_dora_and_locon(capsys, sdxl, tiny_sdxl_dir: Path, tmp_path: Path) -> None:
     cases = {"loha": (LycorisOptions("loha", dim=2, alpha=1.0, conv_dim=0), "LoHa (rank 2)"),
-             "dora": (LycorisOptions("lora", dim=2, alpha=1.0, conv_dim=0, dora_wd=True), "LoRA (rank 2, DoRA)"),
+             "dora": (LycorisOptions("lora", dim=2, alpha=1.0, conv_dim=0, dora_wd=True),
+                      "LoRA (rank 2, DoRA by input column)"),
+             "dora-rows": (LycorisOptions("lora", dim=2, alpha=1.0, conv_dim=0, dora_wd=True, wd_on_output=True),
+                           "LoRA (rank 2, DoRA)"),
              "tucker": (LycorisOptions("lora", dim=4, alpha=1.0, conv_dim=2, use_tucker=True), "LoRA (rank 2, Tucker)")}
     for name, (options, expected) in cases.items():
         path, params = _write(sdxl, "sdxl", options, tmp_path / f"{name}.safetensors")
@@ -78,6 +81,14 @@ def test_lora_info_on_sdxl_loha_dora_and_locon(capsys, sdxl, tiny_sdxl_dir: Path
         assert "target:    SDXL: text_encoder, text_encoder_2, unet" in out
         assert f"params:    {params:,}" in out and "yes, every module exists" in out
         assert expected in out, out
+
+
+def test_convert_refuses_a_dora_by_input_column_in_one_line(capsys, flux_dev, tmp_path: Path) -> None:
+    options = LycorisOptions("lora", dim=2, alpha=1.0, dora_wd=True)  # dreamstep's default DoRA: peft has no such form
+    path, _ = _write(flux_dev, "flux", options, tmp_path / "d.safetensors")
+    line = _error(capsys, "convert", "lora", path, tmp_path / "out.safetensors", "--to", "diffusers")
+    assert "only a DoRA by output row (wd_on_output=True) or a plain LoRA goes --to diffusers" in line, line
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_convert_refuses_a_lokr_in_one_line(capsys, flux_dev, tmp_path: Path) -> None:
@@ -95,7 +106,7 @@ def test_dora_converted_to_diffusers_loads_in_diffusers_with_the_trained_layers(
                               else (StableDiffusionXLPipeline, tiny_sdxl_dir))
     torch.manual_seed(0)
     trainer_pipe = pipeline_class.from_pretrained(folder)
-    options = LycorisOptions("lora", dim=2, alpha=1.0, conv_dim=0, dora_wd=True)
+    options = LycorisOptions("lora", dim=2, alpha=1.0, conv_dim=0, dora_wd=True, wd_on_output=True)  # peft's form
     path, _ = _write(trainer_pipe, model, options, tmp_path / "dora.safetensors", noise=0.3)
     out = tmp_path / "peft.safetensors"
     code, stdout, _ = _run(capsys, "convert", "lora", path, out, "--to", "diffusers", "--base", folder)

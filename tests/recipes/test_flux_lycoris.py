@@ -54,7 +54,7 @@ def test_lycoris_type_lowers_the_loss_and_resumes_exactly(kind: str, tiny_flux_d
     (("--lora_type", "loha", "--lokr_factor", "8"), "--lokr_factor has no effect with --lora_type loha"),
     (("--rank_dropout", "0.1"), "--rank_dropout has no effect with --lora_type lora"),
     (("--lora_type", "lokr", "--lokr_factor", "0"), "factor=0: the LoKr factor"),
-    (("--lora_type", "dora", "--base_quantization", "int8"), "--base_quantization int8 with --lora_type dora"),
+    (("--lora_type", "dora", "--base_quantization", "int8"), "--base_quantization int8 with --lora_type dora: DoRA"),
     (("--lora_type", "lokra",), "--lora_type"),
 ])
 def test_bad_lora_type_options_are_one_line(flags: tuple[str, ...], expected: str, tmp_path: Path, capsys) -> None:
@@ -64,6 +64,41 @@ def test_bad_lora_type_options_are_one_line(flags: tuple[str, ...], expected: st
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and err.startswith("error: ") and expected in err, err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("kind", "mode"), [("lokr", "int8"), ("loha", "fp8")])
+def test_lycoris_on_a_quantized_base_learns_and_loads_on_the_unquantized_base(
+        kind: str, mode: str, tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    """torchao's quantized weights cannot be added to, so LyCORIS runs its bypass forward (layer(x) + dW x) there;
+    the file is the one an unquantized base trains, and applied to the unquantized base it lowers the loss."""
+    assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir, "--instance_data_dir",
+                   ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--resolution", "32", "--report_to", "none",
+                   "--lora_type", kind, *TYPES[kind], "--rank", "4", "--learning_rate", "1e-2",
+                   "--base_quantization", mode, "--output_dir", tmp_path, "--max_train_steps", "8") == 0
+    lora = tmp_path / "pytorch_lora_weights.safetensors"
+    assert all(k.startswith("lycoris_") for k in load_file(lora))  # LyCORIS' names, no quantizer internals
+    pixels = load_images(ROBOT_DIR, 32)
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    before = fixed_noise_loss(pipe, pixels, ROBOT_PROMPT)
+    apply_loras(pipe, [LoraSpec(lora)], "flux", merge=False)
+    assert fixed_noise_loss(pipe, pixels, ROBOT_PROMPT) < before
+
+
+def test_a_swapped_lycoris_run_gives_the_resident_one(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    """--blocks_to_swap moves the blocks' weights, never the LyCORIS modules (they live beside the transformer and
+    go to the device with it); both blocks of the tiny model swapped give the resident run's losses and file."""
+    common = ("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir, "--instance_data_dir",
+              ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--resolution", "32", "--report_to", "none",
+              "--lora_type", "lokr", *TYPES["lokr"], "--rank", "4", "--learning_rate", "1e-2",
+              "--gradient_checkpointing", "--max_train_steps", "3")
+    assert run_cli(*common, "--output_dir", tmp_path / "resident") == 0
+    assert run_cli(*common, "--output_dir", tmp_path / "swapped", "--blocks_to_swap", "2") == 0
+    resident = load_file(tmp_path / "resident" / "pytorch_lora_weights.safetensors")
+    swapped = load_file(tmp_path / "swapped" / "pytorch_lora_weights.safetensors")
+    assert resident.keys() == swapped.keys()
+    for key, value in resident.items():
+        torch.testing.assert_close(swapped[key], value, rtol=0, atol=1e-7, msg=key)
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in resident.items() if k.endswith(".lokr_w2"))
 
 
 def test_an_ema_of_a_lycoris_network_is_saved_beside_it(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:

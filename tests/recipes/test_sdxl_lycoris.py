@@ -14,7 +14,10 @@ from safetensors.torch import load_file
 from sdxl_testkit import captions_for, fixed_noise_loss, load_pixels, run_cli, write_method
 
 TYPES = {
-    "lokr": ("algo=lokr", "factor=4", "preset=attn-mlp"),
+    # LyCORIS' default preset (full): on the tiny UNet the fixed-noise loss moves through the ResNet convolutions,
+    # and attn-mlp's LoKr (18.6k parameters in Kronecker products with a random 4x4 factor) learns too slowly there
+    # for 4-24 steps to outweigh the seed's draw of noise (README, "LoKr, LoHa, DoRA and LoCon").
+    "lokr": ("algo=lokr", "factor=4"),
     "loha": ("algo=loha", "preset=attn-mlp", "use_scalar=True"),  # LyCORIS' scalar init: the update starts larger
     "locon": ("algo=locon", "conv_dim=2", "conv_alpha=1"),
     "dora": ("algo=lora", "dora_wd=True", "preset=attn-mlp"),
@@ -22,15 +25,14 @@ TYPES = {
 KEYS = {"lokr": ".lokr_w1", "loha": ".hada_w1_a", "locon": ".lora_down.weight", "dora": ".dora_scale"}
 
 
-def _base(tiny_sdxl_dir: Path, toml: Path, kind: str) -> tuple:
+def _base(tiny_sdxl_dir: Path, toml: Path, kind: str, *extra_args: str) -> tuple:
     return ("train", "sdxl-lora", "--pretrained_model_name_or_path", tiny_sdxl_dir, "--dataset_config", toml,
             "--network_module", "lycoris.kohya", "--network_dim", "4", "--network_alpha", "4", "--network_args",
-            *TYPES[kind], "--learning_rate", "3e-2", "--seed", "5", "--log_with", "none", "--network_train_unet_only")
+            *TYPES[kind], *extra_args, "--learning_rate", "3e-2", "--seed", "5", "--log_with", "none",
+            "--network_train_unet_only")
 
 
-# LoKr is left out here: on the tiny UNet it raises this loss slightly (1.1173 -> 1.1177..1.1186 over 4-8 steps at
-# lr 3e-3..3e-2), not yet understood; flux-lora's LoKr lowers its loss, and LoKr resumes exactly below.
-@pytest.mark.parametrize("kind", ["loha", "locon", "dora"])
+@pytest.mark.parametrize("kind", list(TYPES))
 def test_each_type_lowers_the_loss_and_continues_from_its_file(kind: str, tiny_sdxl_dir: Path, tmp_path: Path) -> None:
     toml = write_method(tmp_path, "class_tokens")  # 8 samples, batch 2: 4 steps an epoch
     out = tmp_path / "out"
@@ -41,7 +43,11 @@ def test_each_type_lowers_the_loss_and_continues_from_its_file(kind: str, tiny_s
     with safe_open(out / "last.safetensors", "pt") as f:
         meta = f.metadata()
     assert meta["ss_network_module"] == "lycoris.kohya"
-    assert json.loads(meta["ss_network_args"])["algo"] == TYPES[kind][0].split("=")[1]
+    network_args = json.loads(meta["ss_network_args"])
+    assert network_args["algo"] == TYPES[kind][0].split("=")[1]
+    if kind == "dora":  # one magnitude per input column, said in the metadata sd-scripts rebuilds the network from
+        assert network_args["wd_on_output"] == "False"
+        assert all(v.shape[0] == 1 for k, v in trained.items() if k.endswith(".dora_scale"))
     pixels, captions = load_pixels(tmp_path / "butterfly"), captions_for("class_tokens")
     after = fixed_noise_loss(pixels, captions, out / "last.safetensors", as_generate=True)
     assert after < fixed_noise_loss(pixels, captions)
@@ -56,7 +62,8 @@ def test_each_type_lowers_the_loss_and_continues_from_its_file(kind: str, tiny_s
 
 @pytest.mark.parametrize("kind", ["lokr", "dora"])  # LoKr's alpha buffers; DoRA's trained magnitudes
 def test_resume_is_exact(kind: str, tiny_sdxl_dir: Path, tmp_path: Path) -> None:
-    base = _base(tiny_sdxl_dir, write_method(tmp_path, "captions"), kind)
+    fewer_modules = ("preset=attn-mlp",) if kind == "lokr" else ()  # resume needs no convolutions: faster
+    base = _base(tiny_sdxl_dir, write_method(tmp_path, "captions"), kind, *fewer_modules)
     assert run_cli(*base, "--output_dir", tmp_path / "straight", "--max_train_steps", "3") == 0
     interrupted = tmp_path / "interrupted"
     assert run_cli(*base, "--output_dir", interrupted, "--max_train_steps", "1", "--save_state") == 0
@@ -83,4 +90,14 @@ def test_bad_lycoris_option_is_one_line(args: tuple[str, ...], expected: str, tm
                    "--network_module", "lycoris.kohya", "--network_args", *args)
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and err.startswith("error: ") and expected in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_dora_on_a_quantized_unet_is_one_line(tmp_path: Path, capsys) -> None:
+    code = run_cli("train", "sdxl-lora", "--pretrained_model_name_or_path", tmp_path / "no-model", "--dataset_config",
+                   write_method(tmp_path, "captions"), "--output_dir", tmp_path / "o", "--fp8_base",
+                   "--network_module", "lycoris.kohya", "--network_args", "dora_wd=True")
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    assert err.startswith("error: --fp8_base with --network_args dora_wd=True: DoRA divides by the norm"), err
     assert not (tmp_path / "o").exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
+from dreamstep.config.lycoris import check_quantized_base
 from dreamstep.config.options import (
     ImageDataOptions,
     LoraOptions,
@@ -66,10 +67,8 @@ class FluxLoraConfig(LoraOptions, TextEncoderLoraOptions, ImageDataOptions, Mask
         self.check_masked_loss(self.dataset_config is not None)
         self.check_text_encoder_lora()
         self.check_lora_type()
-        if self.lora_type != "lora" and self.base_quantization != "none":
-            raise UserError(f"--base_quantization {self.base_quantization} with --lora_type {self.lora_type}: LyCORIS "
-                            "rebuilds each adapted weight every step, which dreamstep has not tested on quantized "
-                            "weights; use --base_quantization none, or --lora_type lora")
+        check_quantized_base(self.lora_type == "dora", self.base_quantization,
+                             f"--base_quantization {self.base_quantization}", "--lora_type dora")
         self.check_prompt_validation()
 
     def may_hold_out_images(self) -> bool:

@@ -33,7 +33,9 @@ class LycorisOptions:
     use_tucker: bool = False  # Tucker decomposition of convolutions
     use_scalar: bool = False  # a trained scalar in front of the update
     dora_wd: bool = False  # DoRA: magnitude and direction
-    wd_on_output: bool = True  # DoRA: one magnitude per output row (True) or per input column
+    # DoRA: one magnitude per input column (False) or per output row (True, LyCORIS' default). dreamstep's default
+    # is the column, the form A1111, Forge and every ComfyUI apply exactly (see lycoris_network's docstring).
+    wd_on_output: bool = False
     rs_lora: bool = False  # scale alpha / sqrt(dim) instead of alpha / dim
     dropout: float = 0.0  # LoRA/LoCon only
     rank_dropout: float = 0.0
@@ -54,9 +56,6 @@ class LycorisOptions:
         for name in ("dropout", "rank_dropout", "module_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"{name}={getattr(self, name)} must be in [0, 1)")
-        if self.dora_wd and not self.wd_on_output:
-            raise UserError("wd_on_output=False: lycoris-lora cannot read such a DoRA file back (sd-scripts' "
-                            "--network_weights and generate would fail); leave wd_on_output at True")
         if self.dropout and self.algo in ("loha", "lokr"):
             raise UserError(f"dropout={self.dropout}: LyCORIS' {self.algo} has no plain dropout; use rank_dropout "
                             "or module_dropout")
@@ -86,7 +85,8 @@ def _bool(text: str) -> bool:
 
 
 # lycoris.kohya's network_args that dreamstep implements, with their types. LyCORIS' own defaults apply to the
-# ones not given: algo=lora, preset=full, conv_dim = --network_dim, conv_alpha = --network_alpha, factor=-1.
+# ones not given: algo=lora, preset=full, conv_dim = --network_dim, conv_alpha = --network_alpha, factor=-1; except
+# wd_on_output, False here (LyCORIS: True), and then written into ss_network_args so sd-scripts builds the same.
 NETWORK_ARGS: dict[str, Any] = {
     "algo": str, "preset": str, "conv_dim": int, "conv_alpha": float, "dropout": float, "rank_dropout": float,
     "module_dropout": float, "factor": int, "decompose_both": _bool, "use_tucker": _bool, "use_scalar": _bool,
@@ -125,7 +125,17 @@ def lycoris_from_network_args(dim: int, alpha: float, dropout: float | None, net
         raise UserError("--network_dropout has no effect with --network_module lycoris.kohya (LyCORIS reads "
                         "--network_args dropout=P); move it there")
     args = parse_lycoris_args(network_args)
+    if args.get("dora_wd"):
+        args.setdefault("wd_on_output", False)
     options = LycorisOptions(dim=dim, alpha=alpha, **{k: v for k, v in args.items()
                                                      if k not in ("conv_dim", "conv_alpha")},
                              conv_dim=args.get("conv_dim", dim), conv_alpha=args.get("conv_alpha", alpha))
     return options, args
+
+
+def check_quantized_base(dora: bool, quantization: str, quantization_flag: str, dora_flag: str) -> None:
+    """LoKr, LoHa and LoRA train on a quantized base through LyCORIS' bypass forward; DoRA cannot (one line)."""
+    if dora and quantization != "none":
+        raise UserError(f"{quantization_flag} with {dora_flag}: DoRA divides by the norm of each adapted full "
+                        "weight, and a quantized weight has no norm or sum in LyCORIS; train LoKr, LoHa or LoRA on "
+                        "it, or drop the quantization")

@@ -50,7 +50,8 @@ class LoraOptions:
     save_kohya_format: bool = option(False, "also write the LoRA with sd-scripts' key names", kw_only=True)
     lora_type: Literal["lora", "lokr", "loha", "dora"] = option(
         "lora", "the adapter: lora (peft; diffusers layout), or through LyCORIS in its layout, which ComfyUI and "
-                "Forge load: lokr (Kronecker product), loha (Hadamard product), dora (LoRA with a trained magnitude)",
+                "Forge load: lokr (Kronecker product), loha (Hadamard product), dora (LoRA with a trained magnitude "
+                "per input column, as ComfyUI and A1111 apply it)",
         kw_only=True)
     lokr_factor: int = option(16, "LoKr: each width splits into factor x width/factor, or the nearest divisor "
                                   "(-1: the most balanced split); 16 as SimpleTuner", bounds="[-1, inf)",

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from dreamstep.config.evaluation import EvaluationOptions
-from dreamstep.config.lycoris import LYCORIS_MODULE, lycoris_from_network_args
+from dreamstep.config.lycoris import LYCORIS_MODULE, check_quantized_base, lycoris_from_network_args
 from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
 from dreamstep.config.options import CaptionAugmentationOptions, EmaOptions, LossOptions, MaskedLossOptions
 from dreamstep.config.schema import SEED_BOUNDS, option
@@ -54,7 +54,9 @@ class SDXLLoraConfig(LossOptions, CaptionAugmentationOptions, EmaOptions, Masked
                                                  "preset= conv_dim= conv_alpha= factor= decompose_both= "
                                                  "full_matrix= use_tucker= use_scalar= dora_wd= wd_on_output= "
                                                  "rs_lora= dropout= rank_dropout= module_dropout=, LyCORIS' "
-                                                 "defaults: algo=lora preset=full conv_dim=network_dim factor=-1)")
+                                                 "defaults: algo=lora preset=full conv_dim=network_dim factor=-1; "
+                                                 "DoRA's magnitude per input column, as ComfyUI and A1111 apply "
+                                                 "it, unless wd_on_output=True)")
     network_dim: int = option(4, "LoRA rank", bounds="[1, inf)")
     network_alpha: float = option(1.0, "LoRA alpha; the update is scaled by alpha / dim", bounds="(0, inf)")
     network_dropout: float | None = option(None, "dropout on the LoRA down projection's output", bounds="[0, 1)")
@@ -154,7 +156,11 @@ class SDXLLoraConfig(LossOptions, CaptionAugmentationOptions, EmaOptions, Masked
                             f"'{NETWORK_MODULE}' (LoRA, and LoCon with --network_args conv_dim=...) and "
                             f"'{LYCORIS_MODULE}' (LoKr, LoHa, LoCon, DoRA with --network_args algo=...)")
         if self.network_module == LYCORIS_MODULE:
-            lycoris_from_network_args(self.network_dim, self.network_alpha, self.network_dropout, self.network_args)
+            lycoris, _ = lycoris_from_network_args(self.network_dim, self.network_alpha, self.network_dropout,
+                                                   self.network_args)
+            check_quantized_base(lycoris.dora_wd, self.unet_quantization,
+                                 "--fp8_base" if self.fp8_base else f"--base_quantization {self.base_quantization}",
+                                 "--network_args dora_wd=True")
         if self.network_train_unet_only and self.network_train_text_encoder_only:
             raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
         if self.unet_lr == 0 and self.text_encoder_lr == 0:

@@ -271,9 +271,11 @@ def convert_lycoris(src: Path, dst: Path, to: str, model: str | None, configs: M
     if converted is None:
         what = "/".join(lycoris.algorithms) + (" (DoRA)" if any("DoRA" in m.settings for m in lycoris.modules.values())
                                                else "")
-        raise UserError(f"{src}: a {what} file in LyCORIS' layout, which --to {to} cannot hold (only a DoRA or "
-                        f"plain LoRA goes --to diffusers); {READERS.get(lycoris.model or '', 'ComfyUI and Forge')} "
-                        "read this file as it is")
+        by_column = any(m.by_column for m in lycoris.modules.values())
+        only = ("only a DoRA by output row (wd_on_output=True) or a plain LoRA goes --to diffusers; this DoRA has a "
+                "magnitude per input column" if by_column else "only a DoRA or plain LoRA goes --to diffusers")
+        raise UserError(f"{src}: a {what} file in LyCORIS' layout, which --to {to} cannot hold ({only}); "
+                        f"{READERS.get(lycoris.model or '', 'ComfyUI and Forge')} read this file as it is")
     tensors, metadata = converted
     if cast_to is not None:
         tensors = {k: v.to(cast_to) for k, v in tensors.items()}

@@ -61,8 +61,13 @@ class LycorisModule:
         if any(k in t for k in ("lokr_t2", "hada_t1", "lora_mid.weight")):
             parts.append("Tucker")
         if "dora_scale" in t:
-            parts.append("DoRA")
+            parts.append("DoRA by input column" if self.by_column else "DoRA")
         return ", ".join(parts)
+
+    @property
+    def by_column(self) -> bool:
+        """A DoRA with one magnitude per input column (``dora_scale`` of shape (1, in, ...))."""
+        return "dora_scale" in self.tensors and self.tensors["dora_scale"].shape[0] != self.delta_shape[0]
 
     @property
     def delta_shape(self) -> tuple[int, int]:
@@ -206,7 +211,7 @@ def dora_as_diffusers(lycoris: LycorisFile, keys: ModelKeys, shapes: Mapping[str
             return None
         down, up = t["lora_down.weight"], t["lora_up.weight"]
         if "dora_scale" in t:
-            if t["dora_scale"].shape[0] != up.shape[0]:
+            if module.by_column:
                 return None
             spatial = [1] * (down.dim() - 2)  # peft keeps a convolution's magnitudes as (1, out, 1, 1)
             magnitudes[names[name]] = t["dora_scale"].reshape(1, -1, *spatial) if spatial else t["dora_scale"].flatten()

@@ -19,11 +19,14 @@ Names: an SDXL module is named as sd-scripts names it (``lora_unet_input_blocks_
 a FLUX transformer module as LyCORIS names a diffusers model (``lycoris_transformer_blocks_0_attn_to_q``, what
 SimpleTuner writes and ComfyUI maps onto BFL's fused weights), CLIP as sd-scripts (``lora_te1_…``).
 
-DoRA: LyCORIS rescales each output row by default (``wd_on_output=True``, as peft and the paper). ComfyUI and Forge
-apply such a file with the norm of the *base* row instead of the adapted one, so their weight differs slightly
-from the trained one (``tests/lora/test_lycoris_files.py`` shows by how much). With ``wd_on_output=False`` (one
-scale per input column) both would compute the same weight, but lycoris-lora cannot read such a file back, so
-dreamstep refuses it.
+DoRA: dreamstep trains LyCORIS' DoRA with one magnitude per *input column* (``wd_on_out=False``, ``dora_scale`` of
+shape (1, in[, 1, 1])): W' = (W + dW) · m / ‖W + dW‖ per column. That is the form every reader applies exactly: A1111
+and ComfyUI before its per-row branch always use column norms of the adapted weight, and today's ComfyUI and Forge
+keep that branch for a (1, in) ``dora_scale``. LyCORIS' default, one magnitude per output row (``wd_on_output=True``,
+as peft), is still there for files meant for diffusers/peft; ComfyUI and Forge then divide by the norm of the
+*base* row instead of the adapted one (their weight is the trained one times ‖W + dW‖ / ‖W‖ per row) and A1111's
+column formula does not fit it at all. LyCORIS' ``make_module`` cannot rebuild a per-column DoRA, so
+:func:`modules_from_tensors` gives the magnitude back to the module it builds.
 """
 
 from __future__ import annotations
@@ -199,13 +202,22 @@ class LycorisNetwork(nn.Module):
         return path
 
 
+def is_quantized(layer: nn.Module) -> bool:
+    """Whether a layer's weight is quantized (a torchao tensor subclass, or a bitsandbytes 4-bit parameter)."""
+    return type(layer.weight) not in (torch.Tensor, nn.Parameter) or hasattr(layer.weight, "quant_state")
+
+
 def _module_for(name: str, layer: nn.Module, options: LycorisOptions) -> nn.Module:
     conv = isinstance(layer, nn.Conv2d) and layer.kernel_size != (1, 1)
     dim, alpha = (options.conv_rank, options.conv_alpha or options.alpha) if conv else (options.dim, options.alpha)
     import lycoris.modules
 
     module_class = getattr(lycoris.modules, MODULE_CLASSES[options.algo])
-    module = module_class(name, layer, 1.0, dim, alpha, **options.module_kwargs())
+    # On a quantized weight LyCORIS' default forward (W + dW rebuilt, then the layer's op) cannot add to the
+    # weight (torchao's Int8Tensor/Float8Tensor have no aten.add); its bypass forward, layer(x) + dW x, computes
+    # the same output without touching the weight. DoRA needs the weight's norms: refused by the configs.
+    bypass = True if is_quantized(layer) else None
+    module = module_class(name, layer, 1.0, dim, alpha, bypass_mode=bypass, **options.module_kwargs())
     return module.to(device=layer.weight.device)
 
 
@@ -271,11 +283,20 @@ def modules_from_tensors(tensors: Mapping[str, torch.Tensor], names: Mapping[str
         if name not in names:
             raise UserError(f"{source}: module '{name}' does not exist in this model; the adapter was made for "
                             "another model or model size")
-        kind, params = get_module(dict(tensors), name)
-        module = make_module(kind, params, name, names[name][1]) if kind is not None else None
+        layer = names[name][1]
+        # LyCORIS' make_module builds a per-output-row DoRA, so a per-input-column one (dreamstep's default) is
+        # built without its magnitude, which is then given back in the column form LyCORIS' modules also compute.
+        magnitude = tensors.get(f"{name}.dora_scale")
+        by_column = magnitude is not None and magnitude.shape[0] != layer.weight.shape[0]
+        kind, params = get_module({k: v for k, v in tensors.items() if not (by_column and k.endswith(".dora_scale"))},
+                                  name)
+        module = make_module(kind, params, name, layer) if kind is not None else None
         if module is None:
             raise UserError(f"{source}: module '{name}' is of no algorithm LyCORIS rebuilds (LoRA, LoHa, LoKr)")
-        modules[name] = module.to(names[name][1].weight.device)
+        if by_column:
+            module.wd, module.wd_on_out = True, False
+            module.dora_scale = nn.Parameter(magnitude.float().reshape(1, -1, *[1] * (layer.weight.dim() - 2)))
+        modules[name] = module.to(layer.weight.device)
     return modules
 
 

@@ -194,9 +194,10 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
     if config.gradient_checkpointing:
         enable_checkpointing(base.transformer, offload_to_host=config.cpu_offload_checkpointing, device=run.device)
     base.transformer.train()
-    swapper = prepare_blocks(base.transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
-                             device=run.device, num_processes=run.accelerator.num_processes)
     model = FluxLoraModel(base.transformer, text_encoder, adapters)
+    # place=model: a LyCORIS network lives beside the transformer, and goes to the device with the rest.
+    swapper = prepare_blocks(base.transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
+                             device=run.device, num_processes=run.accelerator.num_processes, place=model)
     batches = ConditionedBatches(loader, conditioner)
 
     # 6. Step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
