@@ -128,6 +128,85 @@ def test_resume_is_exact(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Pa
         assert torch.equal(value, resumed[key]), key
 
 
+def test_t5_attention_mask_trains_caches_the_mask_and_samples(tiny_flux_files: dict[str, Path],
+                                                              tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    toml = _dataset(tmp_path)
+    for i, caption in enumerate(("sks robot", "a photo of sks robot standing in a field, blue, detailed")):
+        (tmp_path / "img" / f"robot_{i}.txt").write_text(caption)  # batch mates with different padding
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("sks robot --w 32 --h 32 --s 2 --d 3\n"
+                       "a photo of sks robot in the snow --n blurry --l 2.5 --w 32 --h 32 --s 2\n")
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config", toml,
+                   "--output_dir", out, "--apply_t5_attn_mask", "--t5xxl_max_token_length", "32",
+                   "--gradient_checkpointing", "--blocks_to_swap", "1", "--learning_rate", "1e-3",
+                   "--max_train_steps", "2", "--cache_text_encoder_outputs_to_disk", "--sample_prompts", prompts,
+                   "--sample_every_n_steps", "2", "--log_with", "none", "--seed", "3") == 0
+    with safe_open(out / "last.safetensors", "pt") as f:
+        assert f.metadata()["ss_apply_t5_attn_mask"] == "True"
+    assert len(list((out / "sample").glob("last_000002_*.png"))) == 2
+    entries = [load_file(p) for p in (out / "cache" / "text").rglob("*.safetensors")]
+    assert len(entries) == 5 and all(e["t5_mask"].shape == (32,) for e in entries)  # 3 captions, 2 prompts
+    assert sorted(int(e["t5_mask"].sum()) for e in entries)[0] < 32  # padding there, masked
+
+
+def test_masked_and_unmasked_text_never_share_cache_entries(tiny_flux_files: dict[str, Path],
+                                                            tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    from dreamstep.data.cache import text_content_key
+    from dreamstep.models import flux
+    from dreamstep.models.flux_files import resolve_base
+
+    base = resolve_base(str(tiny_flux_files["transformer"]), model_config=str(tiny_flux_dev_dir),
+                        clip_l=str(tiny_flux_files["clip_l"]), t5xxl=str(tiny_flux_files["t5xxl"]),
+                        ae=str(tiny_flux_files["ae"]))
+    paths = [flux.training_caches(tmp_path, base.source, revision=None, variant=None, mixed_precision="no",
+                                  max_sequence_length=32, cache_latents=False, image_dirs=[], files=base.files,
+                                  t5_attention_mask=masked)[1].path(text_content_key("sks robot"))
+             for masked in (False, True)]
+    assert paths[0] != paths[1]
+
+
+def test_samples_mask_each_prompts_own_t5_padding(tiny_flux_dev_dir: Path) -> None:
+    # With --apply_t5_attn_mask the prompt and the negative prompt (true CFG) each get their own mask: what their
+    # padding holds changes no sample; without the masks it does.
+    from contextlib import nullcontext
+
+    from dreamstep.models import flux
+    from dreamstep.models.flux_samples import FluxSampleWriter
+    from dreamstep.models.parking import ParkedModules
+    from dreamstep.models.sample_prompts import SamplePrompt
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    pipe.set_progress_bar_config(disable=True)
+    conditioner = flux.FluxConditioner(pipe, latent_cache=None, text_cache=_memory_cache(), max_sequence_length=24,
+                                       device=torch.device("cpu"), t5_attention_mask=True)
+    sample = SamplePrompt("a photo of sks robot in the snow at night", negative_prompt="blurry", width=32,
+                          height=32, steps=2, scale=2.5, seed=1, guidance=3.5)
+    embeddings = FluxSampleWriter.encode(conditioner, [sample])
+    assert [int(e["text_mask"].sum()) for e in embeddings.values()] != [24, 24]
+    noisy = {text: {**e, "prompt_embeds": torch.where(e["text_mask"][..., None].bool(), e["prompt_embeds"],
+                                                      torch.randn(e["prompt_embeds"].shape))}
+             for text, e in embeddings.items()}
+
+    def image(found: dict, masked: bool = True) -> torch.Tensor:
+        found = found if masked else {t: {k: v for k, v in e.items() if k != "text_mask"} for t, e in found.items()}
+        writer = FluxSampleWriter(pipe, torch.nn.Identity(), [sample], found, folder=Path("unused"), name="x",
+                                  seed=0, autocast=nullcontext, encoders=ParkedModules({}, torch.device("cpu")),
+                                  clip_trains=False)
+        return torch.from_numpy(__import__("numpy").asarray(writer._sample(sample, 0), dtype="float32"))
+
+    torch.testing.assert_close(image(noisy), image(embeddings), atol=0, rtol=0)
+    assert (image(noisy, masked=False) - image(embeddings, masked=False)).abs().max() > 0
+
+
+def _memory_cache():
+    """A text cache that keeps nothing (every prompt is encoded)."""
+    class NoCache:
+        def get_or_compute(self, keys, compute, known=None):
+            return compute(list(range(len(keys))))
+    return NoCache()
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (("--highvram", "--xformers", "--save_last_n_epochs", "2"),
      "error: --highvram (dreamstep places the models itself; remove it), --xformers (FLUX runs PyTorch's "
@@ -135,7 +214,6 @@ def test_resume_is_exact(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Pa
      "sd-scripts flags that dreamstep train flux-kohya does not support; remove them"),
     (("--network_dimm", "8"), "error: unknown flag --network_dimm (did you mean '--network_dim'?)"),
     (("--network_module", "networks.lora"), "error: --network_module 'networks.lora' is not supported here"),
-    (("--apply_t5_attn_mask",), "error: --apply_t5_attn_mask: dreamstep does not mask T5's padding tokens yet"),
     (("--network_args", "train_t5xxl=True"), "error: --network_args train_t5xxl=True: a LoRA on T5-XXL is not"),
     (("--timestep_sampling", "sigmoid", "--discrete_flow_shift", "3.1582"),
      "error: --discrete_flow_shift has no effect with --timestep_sampling sigmoid; remove it"),

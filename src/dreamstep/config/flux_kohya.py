@@ -181,7 +181,8 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
                                    bounds="[0, inf)")
     t5xxl_max_token_length: Optional[int] = option(None, "T5 tokens per caption (default: 512 for dev, 256 for "
                                                          "schnell)", bounds="[1, 512]")
-    apply_t5_attn_mask: bool = option(False, "mask T5's padding tokens (sd-scripts' flag; refused: not implemented)")
+    apply_t5_attn_mask: bool = option(False, "T5 reads each caption with its attention mask, and the transformer "
+                                             "masks T5's padding tokens out of its attention (training and samples)")
     prior_loss_weight: float = option(1.0, "loss weight of regularization images", bounds="[0, inf)")
     cache_latents: bool = option(True, "encode each image with the VAE once (its posterior is sampled every step)")
     cache_latents_to_disk: bool = option(False, "keep the latent cache in OUTPUT_DIR/cache after the run")
@@ -211,9 +212,6 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
             raise UserError(f"--network_module '{self.network_module}' is not supported here; train flux-kohya "
                             f"trains '{NETWORK_MODULE}'")
         FluxNetworkOptions.from_flags(self.network_dim, self.network_alpha, self.network_dropout, self.network_args)
-        if self.apply_t5_attn_mask:
-            raise UserError("--apply_t5_attn_mask: dreamstep does not mask T5's padding tokens yet (its text cache "
-                            "and FLUX attention have no mask); remove the flag")
         if self.network_train_unet_only and self.network_train_text_encoder_only:
             raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
         if self.full_fp16 and self.mixed_precision != "fp16":

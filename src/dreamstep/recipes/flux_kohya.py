@@ -73,10 +73,15 @@ class FluxKohyaModel(nn.Module):
         self.transformer, self.network, self.clip = transformer, network, clip
 
     def forward(self, pooled_projections: torch.Tensor, clip_input_ids: torch.Tensor | None,
-                **transformer_inputs: torch.Tensor) -> torch.Tensor:
+                text_mask: torch.Tensor | None = None, **transformer_inputs: torch.Tensor) -> torch.Tensor:
         if self.clip is not None:
             pooled_projections = self.clip(clip_input_ids).pooler_output
-        return self.transformer(pooled_projections=pooled_projections, return_dict=False, **transformer_inputs)[0]
+        masks = None
+        if text_mask is not None:  # --apply_t5_attn_mask: T5's padding tokens masked out of every attention
+            image_tokens = transformer_inputs["hidden_states"].shape[1]
+            masks = {"attention_mask": flux.joint_attention_mask(text_mask, image_tokens)}
+        return self.transformer(pooled_projections=pooled_projections, joint_attention_kwargs=masks,
+                                return_dict=False, **transformer_inputs)[0]
 
 
 class FluxKohyaStep(FluxFlowMatchingStep):
@@ -85,7 +90,7 @@ class FluxKohyaStep(FluxFlowMatchingStep):
 
     def predict(self, model: FluxKohyaModel, inputs: dict[str, Any], batch: dict[str, Any],
                 condition: None) -> torch.Tensor:
-        return model(clip_input_ids=batch.get("clip_input_ids"), **inputs)
+        return model(clip_input_ids=batch.get("clip_input_ids"), text_mask=batch.get("text_mask"), **inputs)
 
 
 def sd_scripts_sigmas(discrete_flow_shift: float) -> torch.Tensor:
@@ -115,7 +120,7 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
         config.cache_root(), base_files.source, revision=None, variant=None, mixed_precision=config.mixed_precision,
         max_sequence_length=max_sequence_length, cache_latents=config.cache_latents,
         image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None],
-        files=base_files.files)
+        files=base_files.files, t5_attention_mask=config.apply_t5_attn_mask)
     dataset, _ = build_split_datasets(datasets, config.seed, latent_cache=latent_cache, text_cache=text_cache)
     print_run_plan("flux", base_files.source, flux.kohya_plan_options(
         config, datasets, max_sequence_length=max_sequence_length, validation_images=prompts is not None,
@@ -144,7 +149,7 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
     clip = base.text_encoder if config.train_clip else None
     conditioner = flux.FluxConditioner(pipeline, latent_cache=latent_cache, text_cache=text_cache,
                                        max_sequence_length=max_sequence_length, device=run.device,
-                                       clip_ids=clip is not None)
+                                       clip_ids=clip is not None, t5_attention_mask=config.apply_t5_attn_mask)
     parking.encode_run(conditioner, dataset, None, epochs=plan.num_epochs)
     sample_texts = FluxSampleWriter.encode(conditioner, prompts) if prompts else None
     encoders = flux.park_encoders(base, run.device, text_encoder_trains=clip is not None,
