@@ -199,6 +199,44 @@ def test_samples_mask_each_prompts_own_t5_padding(tiny_flux_dev_dir: Path) -> No
     assert (image(noisy, masked=False) - image(embeddings, masked=False)).abs().max() > 0
 
 
+def test_train_t5xxl_trains_t5_saves_lora_te3_and_resumes_exactly(tiny_flux_files: dict[str, Path],
+                                                                   tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("sks robot --n blurry --l 2.0 --w 32 --h 32 --s 2\n")
+    base = ("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+            _dataset(tmp_path), "--network_dim", "4", "--network_alpha", "4", "--learning_rate", "1e-2",
+            "--seed", "2", "--log_with", "none", "--network_args", "train_t5xxl=True", "--apply_t5_attn_mask",
+            "--t5xxl_max_token_length", "16", "--gradient_checkpointing")
+    straight = tmp_path / "straight"
+    assert run_cli(*base, "--output_dir", straight, "--max_train_steps", "4", "--sample_prompts", prompts) == 0
+    assert (straight / "sample" / "last_000004_00.png").is_file()
+    tensors = load_file(straight / "last.safetensors")
+    t5_keys = sorted(k.removesuffix(".lora_down.weight") for k in tensors
+                     if k.startswith("lora_te3_") and k.endswith(".lora_down.weight"))
+    assert len(t5_keys) == 7 * 2 and "lora_te3_encoder_block_0_layer_0_SelfAttention_q" in t5_keys  # tiny T5: 2
+    assert any(k.startswith("lora_te1_") for k in tensors) and any(k.startswith("lora_unet_") for k in tensors)
+    assert not (straight / "cache" / "text").exists()  # T5 trains: nothing of the text is cached
+    # The trained file's text-encoder half changes T5's output (read back into a fresh T5 by our network).
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    ids = pipe.tokenizer_2(["a photo of sks robot"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        before = pipe.text_encoder_2(ids)[0]
+        network = create_flux_network(None, pipe.text_encoder, FluxNetworkOptions(dim=4, alpha=4.0),
+                                      pipe.text_encoder_2)
+        network.load_state_dict({k: v for k, v in tensors.items() if k.startswith("lora_te")})
+        after = pipe.text_encoder_2(ids)[0]
+        network.detach()
+    assert (after - before).abs().max() > 1e-3
+    interrupted = tmp_path / "interrupted"
+    assert run_cli(*base, "--output_dir", interrupted, "--max_train_steps", "2", "--save_state") == 0
+    assert run_cli(*base, "--output_dir", interrupted, "--max_train_steps", "4", "--resume", "checkpoint-2",
+                   "--overwrite_output_dir") == 0
+    resumed = load_file(interrupted / "last.safetensors")
+    assert resumed.keys() == tensors.keys()
+    for key, value in tensors.items():
+        assert torch.equal(value, resumed[key]), key
+
+
 def _memory_cache():
     """A text cache that keeps nothing (every prompt is encoded)."""
     class NoCache:
@@ -214,7 +252,11 @@ def _memory_cache():
      "sd-scripts flags that dreamstep train flux-kohya does not support; remove them"),
     (("--network_dimm", "8"), "error: unknown flag --network_dimm (did you mean '--network_dim'?)"),
     (("--network_module", "networks.lora"), "error: --network_module 'networks.lora' is not supported here"),
-    (("--network_args", "train_t5xxl=True"), "error: --network_args train_t5xxl=True: a LoRA on T5-XXL is not"),
+    (("--network_args", "train_t5xxl=True", "--cache_text_encoder_outputs"),
+     "error: --cache_text_encoder_outputs with --network_args train_t5xxl=True: T5-XXL trains, so its outputs "
+     "cannot be cached (sd-scripts' rule)"),
+    (("--network_args", "train_t5xxl=True", "--network_train_unet_only"),
+     "error: --network_args train_t5xxl=True with --network_train_unet_only: no text encoder LoRA would train"),
     (("--timestep_sampling", "sigmoid", "--discrete_flow_shift", "3.1582"),
      "error: --discrete_flow_shift has no effect with --timestep_sampling sigmoid; remove it"),
     (("--model_prediction_type", "raw", "--weighting_scheme", "sigma_sqrt"),

@@ -142,7 +142,7 @@ class FluxConditioner:
     """Turns a collated batch into the step's inputs: VAE posteriors from the latent cache and prompt
     embeddings from the text cache, encoding (and storing) only what is not cached yet."""
 
-    def __init__(self, pipeline: FluxPipeline, *, latent_cache: TensorCache | None, text_cache: TensorCache,
+    def __init__(self, pipeline: FluxPipeline, *, latent_cache: TensorCache | None, text_cache: TensorCache | None,
                  max_sequence_length: int, device: torch.device, clip_ids: bool = False,
                  t5_attention_mask: bool = False):
         self.pipeline = pipeline
@@ -163,7 +163,11 @@ class FluxConditioner:
     def prompts(self, captions: list[str], known: Any = None) -> dict[str, torch.Tensor]:
         """T5 embeddings (B, S, D), CLIP pooled (B, P) and text ids (S, 3) for the captions, and with
         ``t5_attention_mask`` T5's attention mask (``text_mask`` (B, S)); ``known``: the cache entries the loader
-        read (``batch["text"]``)."""
+        read (``batch["text"]``). Without a text cache (T5 trains, so it runs in the step) the T5 token ids
+        (``t5_input_ids`` (B, S)) come instead of the embeddings, which are ``None``."""
+        if self.text_cache is None:
+            return self._token_ids(captions)
+
         def encode(missing: list[int]) -> dict[str, torch.Tensor]:
             return encode_prompts(self.pipeline, [captions[i] for i in missing], self.max_sequence_length,
                                   self.t5_attention_mask)
@@ -176,6 +180,15 @@ class FluxConditioner:
             inputs["text_mask"] = found["t5_mask"].to(self.device, non_blocking=True)
         if self.clip_ids:
             inputs["clip_input_ids"] = clip_input_ids(self.pipeline, captions).to(self.device, non_blocking=True)
+        return inputs
+
+    def _token_ids(self, captions: list[str]) -> dict[str, Any]:
+        ids, mask = t5_tokens(self.pipeline, captions, self.max_sequence_length)
+        inputs = {"prompt_embeds": None, "pooled": None, "t5_input_ids": ids.to(self.device, non_blocking=True),
+                  "clip_input_ids": clip_input_ids(self.pipeline, captions).to(self.device, non_blocking=True),
+                  "text_ids": text_ids(ids.shape[1], self.device, torch.float32)}
+        if self.t5_attention_mask:
+            inputs["text_mask"] = mask.to(self.device, non_blocking=True)
         return inputs
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -384,11 +397,11 @@ def kohya_plan_options(config: Any, datasets: list[DatasetConfig], *, encoders_o
 
 
 def park_encoders(components: Any, device: torch.device, *, text_encoder_trains: bool,
-                  latents_cached: bool) -> ParkedModules:
+                  latents_cached: bool, t5_trains: bool = False) -> ParkedModules:
     """Move the encoders the loop does not use off ``device`` (:func:`~dreamstep.models.parking.park_encoders`):
-    T5 always (its outputs are cached), CLIP unless it trains, the VAE when the latents are cached."""
+    T5 unless it trains (its outputs are cached), CLIP unless it trains, the VAE when the latents are cached."""
     return parking.park_encoders("flux", components, device, text_encoders_train=text_encoder_trains,
-                                 latents_cached=latents_cached)
+                                 latents_cached=latents_cached, t5_trains=t5_trains)
 
 
 def prompt_embeddings(conditioner: FluxConditioner, prompts: list[str]) -> dict[str, dict[str, torch.Tensor]]:

@@ -2,7 +2,7 @@
 (20), ``--d`` seed, ``--g`` the distilled guidance fed to FLUX.1-dev (3.5), ``--l`` a true classifier-free guidance
 scale (1.0: none) with ``--n`` the negative prompt, as sd-scripts' FLUX sampler reads them. The prompts are encoded
 in the "encode text" phase (the text encoders need not come back); a CLIP-L that trains gives its pooled output
-anew."""
+anew, a T5 that trains (``train_t5xxl``) its embeddings."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from diffusers import FluxPipeline
 from PIL import Image
 
 from dreamstep.errors import UserError
-from dreamstep.models.flux import FluxConditioner, joint_attention_mask, without_text_encoders
+from dreamstep.models.flux import FluxConditioner, joint_attention_mask, t5_embeddings, without_text_encoders
 from dreamstep.models.parking import ParkedModules
 from dreamstep.models.sample_prompts import FLUX_OPTIONS, SamplePrompt, parse_prompt_line, read_prompt_lines
 from dreamstep.png_text import JSON_KEY, png_info, sample_parameters
@@ -48,10 +48,10 @@ class FluxSampleWriter:
 
     def __init__(self, pipeline: FluxPipeline, network: torch.nn.Module, prompts: list[SamplePrompt],
                  embeddings: dict[str, dict[str, torch.Tensor]], *, folder: Path, name: str, seed: int,
-                 autocast: Callable[[], Any], encoders: ParkedModules, clip_trains: bool):
+                 autocast: Callable[[], Any], encoders: ParkedModules, clip_trains: bool, t5_trains: bool = False):
         self.pipeline, self.network, self.prompts, self.embeddings = pipeline, network, prompts, embeddings
         self.folder, self.name, self.seed = folder, name, seed
-        self.autocast, self.encoders, self.clip_trains = autocast, encoders, clip_trains
+        self.autocast, self.encoders, self.clip_trains, self.t5_trains = autocast, encoders, clip_trains, t5_trains
         self.written: list[Path] = []
 
     @staticmethod
@@ -105,11 +105,12 @@ class FluxSampleWriter:
     def _embeds(self, text: str, prefix: str) -> dict[str, torch.Tensor]:
         dtype = self.pipeline.transformer.dtype
         found = self.embeddings[text]
-        pooled = found["pooled"]
+        pooled, embeds = found["pooled"], found["prompt_embeds"]
         if self.clip_trains:
             pooled = self.pipeline._get_clip_prompt_embeds(text, device=self.pipeline.text_encoder.device)
-        return {f"{prefix}prompt_embeds": found["prompt_embeds"].to(dtype),
-                f"{prefix}pooled_prompt_embeds": pooled.to(dtype)}
+        if self.t5_trains:  # found holds T5's token ids (and mask): the embeddings are the trained T5's now
+            embeds = t5_embeddings(self.pipeline.text_encoder_2, found["t5_input_ids"], found.get("text_mask"))
+        return {f"{prefix}prompt_embeds": embeds.to(dtype), f"{prefix}pooled_prompt_embeds": pooled.to(dtype)}
 
 
 @contextlib.contextmanager
