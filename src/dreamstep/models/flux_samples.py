@@ -60,14 +60,17 @@ class FluxSampleWriter:
         return {text: conditioner.prompts([text]) for text in _texts(prompts)}
 
     def __call__(self, global_step: int) -> list[Image.Image]:
-        was_training = self.network.training
-        self.network.eval()
+        modules = [self.network, self.pipeline.text_encoder_2] if self.t5_trains else [self.network]
+        modes = [module.training for module in modules]
+        for module in modules:  # no dropout in samples (T5-XXL's own is 0.1)
+            module.eval()
         try:
             parts = ("vae", "text_encoder") if self.clip_trains else ("vae",)
             with self.encoders.on_device(*parts), self.autocast():
                 images = [self._sample(sample, i) for i, sample in enumerate(self.prompts)]
         finally:
-            self.network.train(was_training)
+            for module, mode in zip(modules, modes):
+                module.train(mode)
         self.folder.mkdir(parents=True, exist_ok=True)
         for i, image in enumerate(images):
             path = self.folder / f"{self.name}_{global_step:06d}_{i:02d}.png"

@@ -11,16 +11,18 @@ flux_shift`` with ``--sigmoid_scale`` and ``--discrete_flow_shift`` (which also 
 ``--model_prediction_type raw|additive|sigma_scaled`` with ``--weighting_scheme``, ``--guidance_scale``,
 ``--loss_type`` (Huber schedules), ``--prior_loss_weight`` per regularization sample, ``--masked_loss``;
 ``--fp8_base``, ``--blocks_to_swap``, ``--gradient_checkpointing`` (``--cpu_offload_checkpointing``),
-``--mixed_precision`` with ``--full_bf16`` / ``--full_fp16``; ``--t5xxl_max_token_length``; latents and T5
-outputs cached by content (``--cache_*_to_disk`` keeps them); the optimizers of :mod:`dreamstep.engine.optim`
+``--mixed_precision`` with ``--full_bf16`` / ``--full_fp16``; ``--t5xxl_max_token_length``;
+``--apply_t5_attn_mask`` (T5 reads with its mask, the transformer masks T5's padding, in training and samples);
+``train_t5xxl=True`` (a ``lora_te3_`` LoRA on T5-XXL, which then runs every step); latents and T5 outputs cached by
+content (``--cache_*_to_disk`` keeps them); the optimizers of :mod:`dreamstep.engine.optim`
 with ``--optimizer_args``; LR schedules with warm-up; ``--save_every_n_steps`` / ``--save_every_n_epochs``;
 ``--save_state`` + ``--resume`` (exact); ``--sample_prompts`` with sd-scripts' FLUX line options
 (``--n --w --h --s --d --l --g``); TensorBoard and a loss curve.
 
 Outputs in --output_dir: ``<output_name>.safetensors`` in sd-scripts' FLUX LoRA layout (``lora_unet_double_blocks_0_
-img_attn_qkv.lora_down.weight`` …, ``.alpha``, ``lora_te1_…``) with its ``ss_*`` metadata and ``sshs_*`` hashes,
-``<output_name>-step00000500.*`` and ``<output_name>-000001.*`` along the way, ``checkpoint-N/`` with --save_state,
-``sample/`` PNGs, ``config.toml``, TensorBoard logs and ``loss_curve.png``.
+img_attn_qkv.lora_down.weight`` …, ``.alpha``, ``lora_te1_…``, ``lora_te3_…``) with its ``ss_*`` metadata and
+``sshs_*`` hashes, ``<output_name>-step00000500.*`` and ``<output_name>-000001.*`` along the way,
+``checkpoint-N/`` with --save_state, ``sample/`` PNGs, ``config.toml``, TensorBoard logs and ``loss_curve.png``.
 """
 
 from __future__ import annotations
@@ -177,9 +179,11 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
         network.load_weights(config.network_weights)
     half = config.full_fp16 or config.full_bf16
     network.to(weight_dtype_for(config.mixed_precision) if half else torch.float32)
-    for encoder in (clip, t5):
-        if encoder is not None:
-            encoder.train()
+    if clip is not None:
+        clip.train()
+    if t5 is not None and config.gradient_checkpointing:  # as sd-scripts: a trained T5 checkpoints and trains (its
+        t5.gradient_checkpointing_enable({"use_reentrant": False})  # dropout) with --gradient_checkpointing only
+        t5.train()
     if config.gradient_checkpointing:
         enable_checkpointing(base.transformer, offload_to_host=config.cpu_offload_checkpointing, device=run.device)
     base.transformer.train()
