@@ -6,7 +6,8 @@ names to the model's weights, where a diffusers FLUX name lands on a row slice o
 (``flux_to_diffusers``); per module the up tensor is ``.lora_up.weight``, ``_lora.up.weight``, ``.lora_B.weight``
 or ``.lora.up.weight`` (down alike), the scale is
 ``<module>.alpha`` / rank, or 1 when the file has no alpha key; a key no rule consumes is "lora key not
-loaded". Diffusers-named SDXL UNet attention layers map only as ``….processor.to_q`` (the old
+loaded". T5-XXL maps as ``lora_te3_encoder_block_…`` (and ``lora_te2_…``) onto ``t5xxl.transformer.…``.
+Diffusers-named SDXL UNet attention layers map only as ``….processor.to_q`` (the old
 attention-processor format). CLIP maps as ``lora_te1_text_model_…`` / ``text_encoder.text_model.…``.
 
 sd-scripts (``networks/lora_flux.py``, ``networks/lora.py``): one LoRA per Linear/Conv named
@@ -29,6 +30,9 @@ from dreamstep.models.sgm_keys import unet_module_map
 
 CLIP_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1",
                 "mlp.fc2")
+T5_MODULES = ("layer.0.SelfAttention.q", "layer.0.SelfAttention.k", "layer.0.SelfAttention.v",
+              "layer.0.SelfAttention.o", "layer.1.DenseReluDense.wi_0", "layer.1.DenseReluDense.wi_1",
+              "layer.1.DenseReluDense.wo")
 FLUX_DOUBLE = {"attn.to_out.0": "img_attn.proj", "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
                "attn.to_add_out": "txt_attn.proj", "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
                "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2"}
@@ -87,13 +91,27 @@ def _clip_keys(component: str, kohya_prefix: str, comfy_name: str, layers: int) 
     return out
 
 
+def t5_keys(layers: int) -> dict[str, Target]:
+    """ComfyUI's T5-XXL rule (``model_lora_keys_clip``, "OneTrainer SD3 and Flux lora"): every weight
+    ``t5xxl.transformer.<path>.weight`` of a FLUX text model (CLIP-L present, no CLIP-G) maps from
+    ``lora_te2_<path with _>`` and ``lora_te3_<path with _>``; here the Linears of each of ``layers`` blocks."""
+    out = {}
+    for b in range(layers):
+        for m in T5_MODULES:
+            path = f"encoder.block.{b}.{m}"
+            target = Target(f"t5xxl.transformer.{path}")
+            out |= {f"lora_te2_{path.replace('.', '_')}": target, f"lora_te3_{path.replace('.', '_')}": target}
+    return out
+
+
 def comfy_flux_key_map(double: int = 19, single: int = 38, hidden: int = 3072,
-                       clip_layers: int = 12) -> dict[str, Target]:
-    """ComfyUI's LoRA key map for a FLUX model: diffusers ``transformer.…``, Kohya ``lora_unet_<BFL>``, CLIP-L."""
+                       clip_layers: int = 12, t5_layers: int = 24) -> dict[str, Target]:
+    """ComfyUI's LoRA key map for a FLUX model: diffusers ``transformer.…``, Kohya ``lora_unet_<BFL>``, CLIP-L,
+    T5-XXL."""
     diffusers = flux_diffusers_targets(double, single, hidden)
     key_map = {f"transformer.{k}": t for k, t in diffusers.items()}
     key_map |= {f"lora_unet_{t.weight.replace('.', '_')}": Target(t.weight) for t in diffusers.values()}
-    return key_map | _clip_keys("text_encoder", "lora_te1", "clip_l", clip_layers)
+    return key_map | _clip_keys("text_encoder", "lora_te1", "clip_l", clip_layers) | t5_keys(t5_layers)
 
 
 def comfy_sdxl_key_map(unet_config: Mapping, clip_layers: int = 12, clip_g_layers: int = 32) -> dict[str, Target]:

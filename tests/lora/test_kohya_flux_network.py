@@ -10,13 +10,13 @@ import torch
 from accelerate import init_empty_weights
 from diffusers import FluxTransformer2DModel
 from loader_rules import comfy_flux_key_map, comfy_load, sd_scripts_load
-from transformers import CLIPTextConfig, CLIPTextModel
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from dreamstep.config.flux_network_args import FluxNetworkOptions
 from dreamstep.errors import UserError
 from dreamstep.lora.formats import FLUX_DOUBLE_BLOCK, FLUX_SINGLE_BLOCK
 from dreamstep.lora.kohya_flux_network import create_flux_network
-from dreamstep.models.full_size import CLIP_L
+from dreamstep.models.full_size import CLIP_L, T5_XXL
 from dreamstep.models.tiny import build_tiny_flux
 
 
@@ -120,7 +120,7 @@ def test_network_args_choose_modules_and_ranks_as_sd_scripts(tiny) -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["train_t5xxl=True"], "train_t5xxl=True: a LoRA on T5-XXL is not implemented"),
+    (["train_t5xxl=yes"], "train_t5xxl=yes: give True or False"),
     (["ggpo_beta=0.01"], "'ggpo_beta' (LoRA-GGPO) is an sd-scripts option dreamstep does not support"),
     (["train_block=single"], "unknown key 'train_block' (did you mean 'train_blocks'?)"),
     (["train_blocks=some"], "train_blocks=some: use all, single or double"),
@@ -242,3 +242,33 @@ def test_full_size_files_map_whole_in_diffusers_kohya_reader(args: list[str]) ->
     # Every diffusers part of every module the file holds: q, k, v (and proj_mlp) of each fused one; CLIP-L's 72.
     assert len(read) == 2 * (len(file) // 3 + 19 * 2 * 2 + 38 * 3)
     assert sum(k.startswith("text_encoder.") for k in read) == 2 * 12 * 6
+
+
+def test_train_t5xxl_file_loads_whole_in_comfyui_and_sd_scripts_not_in_diffusers_reader() -> None:
+    # train_t5xxl=True at T5-XXL's full size (meta): sd-scripts' lora_te3_ names, every key mapped by ComfyUI's
+    # rule onto the T5 weight of its shape, and by sd-scripts' loader names.
+    with init_empty_weights():
+        clip = CLIPTextModel(CLIPTextConfig(**CLIP_L))
+        t5 = T5EncoderModel(T5Config(**T5_XXL))
+    options, _ = FluxNetworkOptions.from_flags(16, 8.0, None, ["train_t5xxl=True"])
+    network = create_flux_network(None, clip, options, t5)
+    network.detach()
+    tensors = {k: torch.tensor(8.0) if k.endswith(".alpha") else v for k, v in network.state_dict().items()}
+    t5_names = {k.removesuffix(".alpha") for k in tensors if k.startswith("lora_te3_") and k.endswith(".alpha")}
+    assert len(t5_names) == 24 * 7 and "lora_te3_encoder_block_23_layer_1_DenseReluDense_wi_1" in t5_names
+    key_map = comfy_flux_key_map()
+    patches, not_loaded = comfy_load(tensors, key_map)
+    assert not_loaded == [] and len(patches) == len(tensors) // 3
+    for patch in (p for p in patches if p.target.weight.startswith("t5xxl.")):
+        layer = t5.get_submodule(patch.target.weight.removeprefix("t5xxl.transformer."))
+        assert patch.up.shape == (layer.out_features, 16) and patch.down.shape == (16, layer.in_features)
+        assert patch.scale == 0.5
+    sd_scripts_names = {k: t for k, t in key_map.items() if k.startswith(("lora_te1_", "lora_te3_"))}
+    patches, unknown = sd_scripts_load(tensors, sd_scripts_names)
+    assert unknown == [] and len(patches) == len(tensors) // 3
+    # diffusers 0.42's Kohya FLUX reader (FluxPipeline.load_lora_weights) converts lora_te1_ only: it reads the
+    # rest of such a file and leaves the lora_te3_ keys out (T5's LoRA does not load in diffusers).
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+
+    read = _convert_kohya_flux_lora_to_diffusers({k: torch.zeros(v.shape) for k, v in tensors.items()})
+    assert all(k.startswith("text_encoder.") for k in read) and len(read) == 2 * 12 * 6

@@ -128,6 +128,123 @@ def test_resume_is_exact(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Pa
         assert torch.equal(value, resumed[key]), key
 
 
+def test_t5_attention_mask_trains_caches_the_mask_and_samples(tiny_flux_files: dict[str, Path],
+                                                              tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    toml = _dataset(tmp_path)
+    for i, caption in enumerate(("sks robot", "a photo of sks robot standing in a field, blue, detailed")):
+        (tmp_path / "img" / f"robot_{i}.txt").write_text(caption)  # batch mates with different padding
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("sks robot --w 32 --h 32 --s 2 --d 3\n"
+                       "a photo of sks robot in the snow --n blurry --l 2.5 --w 32 --h 32 --s 2\n")
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config", toml,
+                   "--output_dir", out, "--apply_t5_attn_mask", "--t5xxl_max_token_length", "32",
+                   "--gradient_checkpointing", "--blocks_to_swap", "1", "--learning_rate", "1e-3",
+                   "--max_train_steps", "2", "--cache_text_encoder_outputs_to_disk", "--sample_prompts", prompts,
+                   "--sample_every_n_steps", "2", "--log_with", "none", "--seed", "3") == 0
+    with safe_open(out / "last.safetensors", "pt") as f:
+        assert f.metadata()["ss_apply_t5_attn_mask"] == "True"
+    assert len(list((out / "sample").glob("last_000002_*.png"))) == 2
+    entries = [load_file(p) for p in (out / "cache" / "text").rglob("*.safetensors")]
+    assert len(entries) == 5 and all(e["t5_mask"].shape == (32,) for e in entries)  # 3 captions, 2 prompts
+    assert sorted(int(e["t5_mask"].sum()) for e in entries)[0] < 32  # padding there, masked
+
+
+def test_masked_and_unmasked_text_never_share_cache_entries(tiny_flux_files: dict[str, Path],
+                                                            tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    from dreamstep.data.cache import text_content_key
+    from dreamstep.models import flux
+    from dreamstep.models.flux_files import resolve_base
+
+    base = resolve_base(str(tiny_flux_files["transformer"]), model_config=str(tiny_flux_dev_dir),
+                        clip_l=str(tiny_flux_files["clip_l"]), t5xxl=str(tiny_flux_files["t5xxl"]),
+                        ae=str(tiny_flux_files["ae"]))
+    paths = [flux.training_caches(tmp_path, base.source, revision=None, variant=None, mixed_precision="no",
+                                  max_sequence_length=32, cache_latents=False, image_dirs=[], files=base.files,
+                                  t5_attention_mask=masked)[1].path(text_content_key("sks robot"))
+             for masked in (False, True)]
+    assert paths[0] != paths[1]
+
+
+def test_samples_mask_each_prompts_own_t5_padding(tiny_flux_dev_dir: Path) -> None:
+    # With --apply_t5_attn_mask the prompt and the negative prompt (true CFG) each get their own mask: what their
+    # padding holds changes no sample; without the masks it does.
+    from contextlib import nullcontext
+
+    from dreamstep.models import flux
+    from dreamstep.models.flux_samples import FluxSampleWriter
+    from dreamstep.models.parking import ParkedModules
+    from dreamstep.models.sample_prompts import SamplePrompt
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    pipe.set_progress_bar_config(disable=True)
+    conditioner = flux.FluxConditioner(pipe, latent_cache=None, text_cache=_memory_cache(), max_sequence_length=24,
+                                       device=torch.device("cpu"), t5_attention_mask=True)
+    sample = SamplePrompt("a photo of sks robot in the snow at night", negative_prompt="blurry", width=32,
+                          height=32, steps=2, scale=2.5, seed=1, guidance=3.5)
+    embeddings = FluxSampleWriter.encode(conditioner, [sample])
+    assert [int(e["text_mask"].sum()) for e in embeddings.values()] != [24, 24]
+    noisy = {text: {**e, "prompt_embeds": torch.where(e["text_mask"][..., None].bool(), e["prompt_embeds"],
+                                                      torch.randn(e["prompt_embeds"].shape))}
+             for text, e in embeddings.items()}
+
+    def image(found: dict, masked: bool = True) -> torch.Tensor:
+        found = found if masked else {t: {k: v for k, v in e.items() if k != "text_mask"} for t, e in found.items()}
+        writer = FluxSampleWriter(pipe, torch.nn.Identity(), [sample], found, folder=Path("unused"), name="x",
+                                  seed=0, autocast=nullcontext, encoders=ParkedModules({}, torch.device("cpu")),
+                                  clip_trains=False)
+        return torch.from_numpy(__import__("numpy").asarray(writer._sample(sample, 0), dtype="float32"))
+
+    torch.testing.assert_close(image(noisy), image(embeddings), atol=0, rtol=0)
+    assert (image(noisy, masked=False) - image(embeddings, masked=False)).abs().max() > 0
+
+
+def test_train_t5xxl_trains_t5_saves_lora_te3_and_resumes_exactly(tiny_flux_files: dict[str, Path],
+                                                                   tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("sks robot --n blurry --l 2.0 --w 32 --h 32 --s 2\n")
+    base = ("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+            _dataset(tmp_path), "--network_dim", "4", "--network_alpha", "4", "--learning_rate", "1e-2",
+            "--seed", "2", "--log_with", "none", "--network_args", "train_t5xxl=True", "--apply_t5_attn_mask",
+            "--t5xxl_max_token_length", "16", "--gradient_checkpointing")
+    straight = tmp_path / "straight"
+    assert run_cli(*base, "--output_dir", straight, "--max_train_steps", "4", "--sample_prompts", prompts) == 0
+    assert (straight / "sample" / "last_000004_00.png").is_file()
+    tensors = load_file(straight / "last.safetensors")
+    t5_keys = sorted(k.removesuffix(".lora_down.weight") for k in tensors
+                     if k.startswith("lora_te3_") and k.endswith(".lora_down.weight"))
+    assert len(t5_keys) == 7 * 2 and "lora_te3_encoder_block_0_layer_0_SelfAttention_q" in t5_keys  # tiny T5: 2
+    assert any(k.startswith("lora_te1_") for k in tensors) and any(k.startswith("lora_unet_") for k in tensors)
+    assert not (straight / "cache" / "text").exists()  # T5 trains: nothing of the text is cached
+    # The trained file's text-encoder half changes T5's output (read back into a fresh T5 by our network).
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    ids = pipe.tokenizer_2(["a photo of sks robot"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        before = pipe.text_encoder_2(ids)[0]
+        network = create_flux_network(None, pipe.text_encoder, FluxNetworkOptions(dim=4, alpha=4.0),
+                                      pipe.text_encoder_2)
+        network.load_state_dict({k: v for k, v in tensors.items() if k.startswith("lora_te")})
+        after = pipe.text_encoder_2(ids)[0]
+        network.detach()
+    assert (after - before).abs().max() > 1e-3
+    interrupted = tmp_path / "interrupted"
+    assert run_cli(*base, "--output_dir", interrupted, "--max_train_steps", "2", "--save_state") == 0
+    assert run_cli(*base, "--output_dir", interrupted, "--max_train_steps", "4", "--resume", "checkpoint-2",
+                   "--overwrite_output_dir") == 0
+    resumed = load_file(interrupted / "last.safetensors")
+    assert resumed.keys() == tensors.keys()
+    for key, value in tensors.items():
+        assert torch.equal(value, resumed[key]), key
+
+
+def _memory_cache():
+    """A text cache that keeps nothing (every prompt is encoded)."""
+    class NoCache:
+        def get_or_compute(self, keys, compute, known=None):
+            return compute(list(range(len(keys))))
+    return NoCache()
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (("--highvram", "--xformers", "--save_last_n_epochs", "2"),
      "error: --highvram (dreamstep places the models itself; remove it), --xformers (FLUX runs PyTorch's "
@@ -135,8 +252,11 @@ def test_resume_is_exact(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Pa
      "sd-scripts flags that dreamstep train flux-kohya does not support; remove them"),
     (("--network_dimm", "8"), "error: unknown flag --network_dimm (did you mean '--network_dim'?)"),
     (("--network_module", "networks.lora"), "error: --network_module 'networks.lora' is not supported here"),
-    (("--apply_t5_attn_mask",), "error: --apply_t5_attn_mask: dreamstep does not mask T5's padding tokens yet"),
-    (("--network_args", "train_t5xxl=True"), "error: --network_args train_t5xxl=True: a LoRA on T5-XXL is not"),
+    (("--network_args", "train_t5xxl=True", "--cache_text_encoder_outputs"),
+     "error: --cache_text_encoder_outputs with --network_args train_t5xxl=True: T5-XXL trains, so its outputs "
+     "cannot be cached (sd-scripts' rule)"),
+    (("--network_args", "train_t5xxl=True", "--network_train_unet_only"),
+     "error: --network_args train_t5xxl=True with --network_train_unet_only: no text encoder LoRA would train"),
     (("--timestep_sampling", "sigmoid", "--discrete_flow_shift", "3.1582"),
      "error: --discrete_flow_shift has no effect with --timestep_sampling sigmoid; remove it"),
     (("--model_prediction_type", "raw", "--weighting_scheme", "sigma_sqrt"),

@@ -1,7 +1,8 @@
 """One ``train flux-kohya`` step has the loss sd-scripts' FLUX trainer computes for the same draws, for every
 ``--timestep_sampling`` and ``--model_prediction_type`` (and σ weightings, Huber losses, a regularization image's
-``--prior_loss_weight``). The expected numbers come from sd-scripts' own functions, run once on the same tiny
-transformer and inputs (``tests/fixtures/sd_scripts/make_flux_step_losses.py`` says how)."""
+``--prior_loss_weight``, ``--apply_t5_attn_mask`` against sd-scripts' own FLUX model). The expected numbers come
+from sd-scripts' own functions, run once on the same tiny transformer and inputs
+(``tests/fixtures/sd_scripts/make_flux_step_losses.py`` says how)."""
 
 from __future__ import annotations
 
@@ -53,11 +54,10 @@ def _config(flags: dict[str, Any], files: dict[str, Path], model_config: Path, t
         **{k: str(v) for k, v in flags.items()}})
 
 
-@pytest.mark.parametrize("case", EXPECTED["cases"])
-def test_one_step_has_sd_scripts_loss(case: str, transformer: torch.nn.Module, tiny_flux_files: dict[str, Path],
-                                      tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
-    expected = EXPECTED["cases"][case]
-    config = _config(expected["flags"], tiny_flux_files, tiny_flux_dev_dir, tmp_path)
+def _step_loss(flags: dict[str, Any], transformer: torch.nn.Module, files: dict[str, Path], model_config: Path,
+               tmp_path: Path, **changes: torch.Tensor) -> float:
+    """One FluxKohyaStep step's loss on the fixture's inputs and draws (``changes``: batch entries replaced)."""
+    config = _config(flags, files, model_config, tmp_path)
     network = create_flux_network(transformer, None, FluxNetworkOptions(dim=4, alpha=1.0))
     try:
         step = GivenLatentsStep(
@@ -70,12 +70,41 @@ def test_one_step_has_sd_scripts_loss(case: str, transformer: torch.nn.Module, t
         batch = {"latent_dist": torch.cat([given["latents"], torch.zeros_like(given["latents"])], dim=1),
                  "pooled": given["pooled"], "prompt_embeds": given["prompt_embeds"],
                  "text_ids": flux.text_ids(6, "cpu", torch.float32), "is_reg": torch.tensor(EXPECTED["is_reg"])}
+        if config.apply_t5_attn_mask:  # what FluxConditioner gives with the flag: the cached T5 mask
+            batch["text_mask"] = torch.tensor(EXPECTED["t5_mask"])
         torch.manual_seed(EXPECTED["seed"])
         with torch.no_grad():
-            loss = step.forward(batch)
+            return step.forward(batch | changes).item()
     finally:
         network.detach()
-    assert loss.item() == pytest.approx(expected["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", EXPECTED["cases"])
+def test_one_step_has_sd_scripts_loss(case: str, transformer: torch.nn.Module, tiny_flux_files: dict[str, Path],
+                                      tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    expected = EXPECTED["cases"][case]
+    loss = _step_loss(expected["flags"], transformer, tiny_flux_files, tiny_flux_dev_dir, tmp_path)
+    assert loss == pytest.approx(expected["loss"], rel=1e-5)
+
+
+def test_the_t5_mask_hides_the_padding_tokens(transformer: torch.nn.Module, tiny_flux_files: dict[str, Path],
+                                              tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    # --apply_t5_attn_mask: the padded positions' embeddings change nothing; without the mask they change the loss.
+    case = EXPECTED["cases"]["sigma + sigma_scaled + t5 attention mask"]
+    padding = torch.tensor(EXPECTED["t5_mask"]) == 0
+    embeds = inputs()["prompt_embeds"]
+    noise = 10 * torch.randn(embeds.shape, generator=torch.Generator().manual_seed(1))
+    changed = torch.where(padding[..., None], noise, embeds)
+    masked = _step_loss(case["flags"], transformer, tiny_flux_files, tiny_flux_dev_dir, tmp_path)
+    masked_changed = _step_loss(case["flags"], transformer, tiny_flux_files, tiny_flux_dev_dir, tmp_path,
+                                prompt_embeds=changed)
+    assert masked_changed == masked and masked == pytest.approx(case["loss"], rel=1e-5)  # bit for bit
+    unmasked = {k: v for k, v in case["flags"].items() if k != "apply_t5_attn_mask"}
+    plain = _step_loss(unmasked, transformer, tiny_flux_files, tiny_flux_dev_dir, tmp_path)
+    plain_changed = _step_loss(unmasked, transformer, tiny_flux_files, tiny_flux_dev_dir, tmp_path,
+                               prompt_embeds=changed)
+    # (the tiny model's text moves its loss a little: 2e-4 here, where the mask lets nothing through)
+    assert abs(plain_changed - plain) > 1e-4 and abs(plain - masked) > 1e-5
 
 
 def test_the_sigma_table_is_sd_scripts_shifted_table() -> None:

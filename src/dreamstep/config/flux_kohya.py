@@ -181,12 +181,14 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
                                    bounds="[0, inf)")
     t5xxl_max_token_length: Optional[int] = option(None, "T5 tokens per caption (default: 512 for dev, 256 for "
                                                          "schnell)", bounds="[1, 512]")
-    apply_t5_attn_mask: bool = option(False, "mask T5's padding tokens (sd-scripts' flag; refused: not implemented)")
+    apply_t5_attn_mask: bool = option(False, "T5 reads each caption with its attention mask, and the transformer "
+                                             "masks T5's padding tokens out of its attention (training and samples)")
     prior_loss_weight: float = option(1.0, "loss weight of regularization images", bounds="[0, inf)")
     cache_latents: bool = option(True, "encode each image with the VAE once (its posterior is sampled every step)")
     cache_latents_to_disk: bool = option(False, "keep the latent cache in OUTPUT_DIR/cache after the run")
-    cache_text_encoder_outputs: bool = option(True, "encode each caption once (CLIP-L runs every step while its "
-                                                    "LoRA trains)")
+    cache_text_encoder_outputs: Optional[bool] = option(
+        None, "encode each caption once (default: on; CLIP-L runs every step while its LoRA trains; off with "
+              "--network_args train_t5xxl=True, whose T5 runs every step)")
     cache_text_encoder_outputs_to_disk: bool = option(False, "keep the text cache in OUTPUT_DIR/cache after the run")
     save_model_as: Literal["safetensors", "ckpt", "pt"] = option("safetensors", "LoRA file format")
     save_precision: Optional[Literal["fp32", "float", "fp16", "bf16"]] = option(
@@ -210,10 +212,8 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
         if self.network_module != NETWORK_MODULE:
             raise UserError(f"--network_module '{self.network_module}' is not supported here; train flux-kohya "
                             f"trains '{NETWORK_MODULE}'")
-        FluxNetworkOptions.from_flags(self.network_dim, self.network_alpha, self.network_dropout, self.network_args)
-        if self.apply_t5_attn_mask:
-            raise UserError("--apply_t5_attn_mask: dreamstep does not mask T5's padding tokens yet (its text cache "
-                            "and FLUX attention have no mask); remove the flag")
+        network, _ = FluxNetworkOptions.from_flags(self.network_dim, self.network_alpha, self.network_dropout,
+                                                   self.network_args)
         if self.network_train_unet_only and self.network_train_text_encoder_only:
             raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
         if self.full_fp16 and self.mixed_precision != "fp16":
@@ -258,9 +258,20 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
             self.cache_latents = True  # as sd-scripts: caching to disk caches
         if self.cache_text_encoder_outputs_to_disk:
             self.cache_text_encoder_outputs = True
-        if not self.cache_text_encoder_outputs:
+        if network.train_t5xxl:
+            if self.network_train_unet_only:
+                raise UserError("--network_args train_t5xxl=True with --network_train_unet_only: no text encoder "
+                                "LoRA would train (sd-scripts adds none); drop one of the two")
+            if self.cache_text_encoder_outputs:
+                raise UserError("--cache_text_encoder_outputs with --network_args train_t5xxl=True: T5-XXL trains, "
+                                "so its outputs cannot be cached (sd-scripts' rule); drop "
+                                "--cache_text_encoder_outputs[_to_disk]")
+            self.cache_text_encoder_outputs = False
+        elif self.cache_text_encoder_outputs is False:
             raise UserError("--cache_text_encoder_outputs false: dreamstep's FLUX trainers encode each caption with "
                             "T5 once (the same embeddings as encoding every step); drop the value")
+        else:
+            self.cache_text_encoder_outputs = True
         self.check_loss(snr_schedule=False)
         self.check_captions(self.dataset_config is not None)
         self.check_masked_loss(self.dataset_config is not None)
@@ -284,6 +295,12 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
     @property
     def train_clip(self) -> bool:
         return not self.network_train_unet_only
+
+    @property
+    def train_t5(self) -> bool:
+        """``--network_args train_t5xxl=True``: T5-XXL gets a LoRA and runs every step (its outputs uncached)."""
+        return FluxNetworkOptions.from_flags(self.network_dim, self.network_alpha, self.network_dropout,
+                                             self.network_args)[0].train_t5xxl
 
     def flux_base(self) -> FluxBase:
         """Where the base's parts come from, every file checked once (see ``FluxTrainingConfig.flux_base``)."""

@@ -1,7 +1,8 @@
 """sd-scripts' ``networks.lora_flux`` ``--network_args``, parsed and checked without torch: which FLUX modules get a
 LoRA, at which rank, and LoRA+ learning-rate ratios (:mod:`dreamstep.lora.kohya_flux_network` builds the network).
 
-The keys and their meaning are sd-scripts': ``train_blocks`` (all, single, double), ``split_qkv``, the per-type ranks
+The keys and their meaning are sd-scripts': ``train_blocks`` (all, single, double), ``split_qkv``, ``train_t5xxl``
+(a LoRA on T5-XXL too, ``lora_te3_…``), the per-type ranks
 ``img_attn_dim`` … ``single_mod_dim`` (0 leaves those modules out), ``in_dims`` (ranks of img_in, time_in,
 vector_in, guidance_in, txt_in), ``train_double_block_indices`` / ``train_single_block_indices`` ("all", "none",
 or "0-3,7"), ``rank_dropout``, ``module_dropout``, ``loraplus_lr_ratio`` and its per-part forms.
@@ -43,6 +44,7 @@ class FluxNetworkOptions:
     module_dropout: float | None = None
     train_blocks: str = "all"
     split_qkv: bool = False
+    train_t5xxl: bool = False
     type_dims: dict[str, int] | None = None
     in_dims: tuple[int, ...] | None = None
     double_blocks: str | None = None
@@ -62,9 +64,6 @@ class FluxNetworkOptions:
             if key not in _KEYS:
                 raise UserError(f"--network_args: unknown key '{key}'{did_you_mean(key, _KEYS)}; valid keys: "
                                 f"{', '.join(_KEYS)}")
-        if _flag(args, "train_t5xxl"):
-            raise UserError("--network_args train_t5xxl=True: a LoRA on T5-XXL is not implemented (T5 stays frozen "
-                            "and its outputs cached); remove it")
         floats = {key: _number(args, key, float) for key in _FLOATS if key in args}
         for key in ("rank_dropout", "module_dropout"):
             if key in floats and not 0 <= floats[key] < 1:
@@ -85,7 +84,8 @@ class FluxNetworkOptions:
         plus = floats.get("loraplus_lr_ratio")
         options = cls(dim=dim, alpha=alpha, dropout=dropout, rank_dropout=floats.get("rank_dropout"),
                       module_dropout=floats.get("module_dropout"), train_blocks=train_blocks,
-                      split_qkv=_flag(args, "split_qkv"), type_dims=type_dims or None, in_dims=in_dims,
+                      split_qkv=_flag(args, "split_qkv"), train_t5xxl=_flag(args, "train_t5xxl"),
+                      type_dims=type_dims or None, in_dims=in_dims,
                       double_blocks=args.get("train_double_block_indices"),
                       single_blocks=args.get("train_single_block_indices"),
                       loraplus_unet=floats.get("loraplus_unet_lr_ratio", plus),

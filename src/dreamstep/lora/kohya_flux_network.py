@@ -10,7 +10,8 @@ diffusers' modules. With ``split_qkv=True`` each part has its own LoRA (sd-scrip
 them as sd-scripts saves them: the downs stacked (parts·dim, in), the ups block-diagonal (Σ rows, parts·dim), one
 alpha (whose scale stays alpha / dim, as sd-scripts trains it).
 
-CLIP-L gets sd-scripts' ``lora_te1_text_model_…`` modules unless ``--network_train_unet_only``.
+CLIP-L gets sd-scripts' ``lora_te1_text_model_…`` modules unless ``--network_train_unet_only``; T5-XXL its
+``lora_te3_encoder_block_…`` modules (attention q/k/v/o, the gated MLP's wi_0/wi_1/wo) with ``train_t5xxl=True``.
 """
 
 from __future__ import annotations
@@ -133,9 +134,9 @@ class FluxLoRANetwork(LoRANetwork):
 
 
 def create_flux_network(transformer: nn.Module | None, clip: nn.Module | None,
-                        options: FluxNetworkOptions) -> FluxLoRANetwork:
-    """sd-scripts' network over a diffusers FLUX ``transformer`` and the CLIP-L ``clip`` (either ``None``: not
-    trained), attached (its hooks are active); the modules take the device of the layers they adapt."""
+                        options: FluxNetworkOptions, t5: nn.Module | None = None) -> FluxLoRANetwork:
+    """sd-scripts' network over a diffusers FLUX ``transformer``, the CLIP-L ``clip`` and T5-XXL ``t5`` (``None``:
+    not trained), attached (its hooks are active); the modules take the device of the layers they adapt."""
     dropouts = {"dropout": options.dropout, "rank_dropout": options.rank_dropout,
                 "module_dropout": options.module_dropout}
     modules: dict[str, nn.Module] = {}
@@ -152,6 +153,12 @@ def create_flux_network(transformer: nn.Module | None, clip: nn.Module | None,
         keys = flux_keys(clip_layers=clip.config.num_hidden_layers)
         for path, layer in clip.named_modules():
             found = keys.by_diffusers.get(f"text_encoder.{text_model_path(path)}")
+            if found is not None:
+                modules[found.kohya] = LoRAModule(layer, options.dim, options.alpha, **dropouts)
+    if t5 is not None:  # train_t5xxl: sd-scripts' lora_te3_encoder_block_{i}_layer_0_SelfAttention_q …
+        keys = flux_keys(t5_layers=t5.config.num_layers)
+        for path, layer in t5.named_modules():
+            found = keys.by_diffusers.get(f"text_encoder_2.{path}")
             if found is not None:
                 modules[found.kohya] = LoRAModule(layer, options.dim, options.alpha, **dropouts)
     network = FluxLoRANetwork(modules)

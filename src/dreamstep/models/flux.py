@@ -61,15 +61,48 @@ def latent_image_ids(height: int, width: int, device: torch.device | str, dtype:
 
 
 @torch.no_grad()
-def encode_prompts(pipeline: FluxPipeline, prompts: list[str], max_sequence_length: int
-                   ) -> dict[str, torch.Tensor]:
+def encode_prompts(pipeline: FluxPipeline, prompts: list[str], max_sequence_length: int,
+                   t5_attention_mask: bool = False) -> dict[str, torch.Tensor]:
     """T5 sequence embeddings (B, S, D) and CLIP pooled embeddings (B, P) for each prompt (training
-    captions: the run summary names those that get cut, so the pipeline's notices are hidden)."""
+    captions: the run summary names those that get cut, so the pipeline's notices are hidden).
+    ``t5_attention_mask`` (sd-scripts' ``--apply_t5_attn_mask``): T5 reads its tokens with their attention mask
+    (padding masked out), which is returned as ``t5_mask`` (B, S) for the transformer to mask the same tokens."""
+    if t5_attention_mask:
+        ids, mask = t5_tokens(pipeline, prompts, max_sequence_length)
+        with hidden(CAPTION_CUT):
+            pooled = pipeline._get_clip_prompt_embeds(prompts, device=pipeline.text_encoder.device)
+        embeds = t5_embeddings(pipeline.text_encoder_2, ids, mask)
+        return {"prompt_embeds": embeds.float().cpu(), "pooled": pooled.float().cpu(), "t5_mask": mask}
     with hidden(CAPTION_CUT):
         prompt_embeds, pooled, _ = pipeline.encode_prompt(prompt=prompts, prompt_2=prompts,
                                                           device=pipeline.text_encoder.device,
                                                           max_sequence_length=max_sequence_length)
     return {"prompt_embeds": prompt_embeds.float().cpu(), "pooled": pooled.float().cpu()}
+
+
+def t5_tokens(pipeline: FluxPipeline, prompts: list[str], max_sequence_length: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """T5 token ids and attention mask (B, S), padded and truncated to ``max_sequence_length`` as
+    ``FluxPipeline`` (and sd-scripts) tokenize."""
+    tokens = pipeline.tokenizer_2(prompts, padding="max_length", max_length=max_sequence_length, truncation=True,
+                                  return_tensors="pt")
+    return tokens.input_ids, tokens.attention_mask
+
+
+def t5_embeddings(text_encoder: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """T5's last hidden state (B, S, D) for token ``ids``, reading them with the attention ``mask`` when given
+    (sd-scripts' ``--apply_t5_attn_mask``) or every token (``FluxPipeline``'s way)."""
+    device = next(text_encoder.parameters()).device
+    return text_encoder(ids.to(device), attention_mask=None if mask is None else mask.to(device))[0]
+
+
+def joint_attention_mask(text_mask: torch.Tensor, image_tokens: int) -> torch.Tensor:
+    """The FLUX attention mask of sd-scripts' ``--apply_t5_attn_mask``: (B, 1, 1, S + N) booleans over the keys of
+    the joint [text, image] sequence, false at T5's padding tokens (``text_mask`` (B, S) is 0 there); every query
+    (image and text tokens alike) attends only to the others. diffusers' ``FluxAttnProcessor`` takes it as
+    ``joint_attention_kwargs={"attention_mask": ...}``."""
+    image = torch.ones(len(text_mask), image_tokens, dtype=torch.bool, device=text_mask.device)
+    return torch.cat([text_mask.bool(), image], dim=1)[:, None, None, :]
 
 
 def clip_input_ids(pipeline: FluxPipeline, prompts: list[str]) -> torch.Tensor:
@@ -109,14 +142,16 @@ class FluxConditioner:
     """Turns a collated batch into the step's inputs: VAE posteriors from the latent cache and prompt
     embeddings from the text cache, encoding (and storing) only what is not cached yet."""
 
-    def __init__(self, pipeline: FluxPipeline, *, latent_cache: TensorCache | None, text_cache: TensorCache,
-                 max_sequence_length: int, device: torch.device, clip_ids: bool = False):
+    def __init__(self, pipeline: FluxPipeline, *, latent_cache: TensorCache | None, text_cache: TensorCache | None,
+                 max_sequence_length: int, device: torch.device, clip_ids: bool = False,
+                 t5_attention_mask: bool = False):
         self.pipeline = pipeline
         self.latent_cache = latent_cache
         self.text_cache = text_cache
         self.max_sequence_length = max_sequence_length
         self.device = device
         self.clip_ids = clip_ids
+        self.t5_attention_mask = t5_attention_mask
 
     def latents(self, batch: dict[str, Any], prefix: str = "") -> torch.Tensor:
         """(B, 2C, h, w) posterior mean and std of the batch's images (or its conditioning images)."""
@@ -126,17 +161,34 @@ class FluxConditioner:
         return latents_for_batch(batch, encode, self.latent_cache, prefix=prefix).to(self.device, non_blocking=True)
 
     def prompts(self, captions: list[str], known: Any = None) -> dict[str, torch.Tensor]:
-        """T5 embeddings (B, S, D), CLIP pooled (B, P) and text ids (S, 3) for the captions; ``known``: the
-        cache entries the loader read (``batch["text"]``)."""
+        """T5 embeddings (B, S, D), CLIP pooled (B, P) and text ids (S, 3) for the captions, and with
+        ``t5_attention_mask`` T5's attention mask (``text_mask`` (B, S)); ``known``: the cache entries the loader
+        read (``batch["text"]``). Without a text cache (T5 trains, so it runs in the step) the T5 token ids
+        (``t5_input_ids`` (B, S)) come instead of the embeddings, which are ``None``."""
+        if self.text_cache is None:
+            return self._token_ids(captions)
+
         def encode(missing: list[int]) -> dict[str, torch.Tensor]:
-            return encode_prompts(self.pipeline, [captions[i] for i in missing], self.max_sequence_length)
+            return encode_prompts(self.pipeline, [captions[i] for i in missing], self.max_sequence_length,
+                                  self.t5_attention_mask)
 
         found = self.text_cache.get_or_compute([text_content_key(c) for c in captions], encode, known)
         embeds = found["prompt_embeds"].to(self.device, non_blocking=True)
         inputs = {"prompt_embeds": embeds, "pooled": found["pooled"].to(self.device, non_blocking=True),
                   "text_ids": text_ids(embeds.shape[1], self.device, embeds.dtype)}
+        if self.t5_attention_mask:
+            inputs["text_mask"] = found["t5_mask"].to(self.device, non_blocking=True)
         if self.clip_ids:
             inputs["clip_input_ids"] = clip_input_ids(self.pipeline, captions).to(self.device, non_blocking=True)
+        return inputs
+
+    def _token_ids(self, captions: list[str]) -> dict[str, Any]:
+        ids, mask = t5_tokens(self.pipeline, captions, self.max_sequence_length)
+        inputs = {"prompt_embeds": None, "pooled": None, "t5_input_ids": ids.to(self.device, non_blocking=True),
+                  "clip_input_ids": clip_input_ids(self.pipeline, captions).to(self.device, non_blocking=True),
+                  "text_ids": text_ids(ids.shape[1], self.device, torch.float32)}
+        if self.t5_attention_mask:
+            inputs["text_mask"] = mask.to(self.device, non_blocking=True)
         return inputs
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -162,10 +214,12 @@ class ControlConditioner:
 
 def training_caches(root: Path, source: str | None, *, revision: str | None, variant: str | None,
                     mixed_precision: str, max_sequence_length: int, cache_latents: bool, image_dirs: list[Path],
-                    files: FluxFiles | None = None) -> tuple[TensorCache | None, TensorCache]:
+                    files: FluxFiles | None = None, t5_attention_mask: bool = False
+                    ) -> tuple[TensorCache | None, TensorCache]:
     """The latent cache (``None`` when ``cache_latents`` is off) and the text-embedding cache of a run,
-    each keyed to the weights that fill it (a component file's own, or the folder's); nothing is written until
-    the first entry is stored."""
+    each keyed to the weights that fill it (a component file's own, or the folder's) and the text cache to the
+    way T5 reads (``t5_attention_mask``: masked, its entries holding the mask); nothing is written until the
+    first entry is stored."""
     files = files or FluxFiles()
     ident = dict(revision=revision, variant=variant, extra=mixed_precision)
 
@@ -176,7 +230,8 @@ def training_caches(root: Path, source: str | None, *, revision: str | None, var
 
     latents = TensorCache(root / "latents", identity("ae", "vae"), image_dirs) if cache_latents else None
     text_id = "+".join((identity("clip_l", "text_encoder"), identity("t5xxl", "text_encoder_2")))
-    text = TensorCache(root / "text", f"{text_id}|{max_sequence_length}", image_dirs)
+    masked = "|t5_attention_mask" if t5_attention_mask else ""
+    text = TensorCache(root / "text", f"{text_id}|{max_sequence_length}{masked}", image_dirs)
     return latents, text
 
 
@@ -336,17 +391,18 @@ def kohya_plan_options(config: Any, datasets: list[DatasetConfig], *, encoders_o
                        gradient_checkpointing=config.gradient_checkpointing,
                        cpu_offload_checkpointing=config.cpu_offload_checkpointing,
                        base_quantization=config.base_quantization, encoders_on_device=encoders_on_device,
-                       blocks_to_swap=config.blocks_to_swap, optimizer=config.optimizer_type,
+                       t5_trains=config.train_t5, blocks_to_swap=config.blocks_to_swap,
+                       optimizer=config.optimizer_type,
                        weight_dtype=weight_dtype_for(config.mixed_precision),
                        max_sequence_length=max_sequence_length, validation_images=validation_images)
 
 
 def park_encoders(components: Any, device: torch.device, *, text_encoder_trains: bool,
-                  latents_cached: bool) -> ParkedModules:
+                  latents_cached: bool, t5_trains: bool = False) -> ParkedModules:
     """Move the encoders the loop does not use off ``device`` (:func:`~dreamstep.models.parking.park_encoders`):
-    T5 always (its outputs are cached), CLIP unless it trains, the VAE when the latents are cached."""
+    T5 unless it trains (its outputs are cached), CLIP unless it trains, the VAE when the latents are cached."""
     return parking.park_encoders("flux", components, device, text_encoders_train=text_encoder_trains,
-                                 latents_cached=latents_cached)
+                                 latents_cached=latents_cached, t5_trains=t5_trains)
 
 
 def prompt_embeddings(conditioner: FluxConditioner, prompts: list[str]) -> dict[str, dict[str, torch.Tensor]]:

@@ -2,11 +2,12 @@
 (20), ``--d`` seed, ``--g`` the distilled guidance fed to FLUX.1-dev (3.5), ``--l`` a true classifier-free guidance
 scale (1.0: none) with ``--n`` the negative prompt, as sd-scripts' FLUX sampler reads them. The prompts are encoded
 in the "encode text" phase (the text encoders need not come back); a CLIP-L that trains gives its pooled output
-anew."""
+anew, a T5 that trains (``train_t5xxl``) its embeddings."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from diffusers import FluxPipeline
 from PIL import Image
 
 from dreamstep.errors import UserError
-from dreamstep.models.flux import FluxConditioner, without_text_encoders
+from dreamstep.models.flux import FluxConditioner, joint_attention_mask, t5_embeddings, without_text_encoders
 from dreamstep.models.parking import ParkedModules
 from dreamstep.models.sample_prompts import FLUX_OPTIONS, SamplePrompt, parse_prompt_line, read_prompt_lines
 from dreamstep.png_text import JSON_KEY, png_info, sample_parameters
@@ -47,10 +48,10 @@ class FluxSampleWriter:
 
     def __init__(self, pipeline: FluxPipeline, network: torch.nn.Module, prompts: list[SamplePrompt],
                  embeddings: dict[str, dict[str, torch.Tensor]], *, folder: Path, name: str, seed: int,
-                 autocast: Callable[[], Any], encoders: ParkedModules, clip_trains: bool):
+                 autocast: Callable[[], Any], encoders: ParkedModules, clip_trains: bool, t5_trains: bool = False):
         self.pipeline, self.network, self.prompts, self.embeddings = pipeline, network, prompts, embeddings
         self.folder, self.name, self.seed = folder, name, seed
-        self.autocast, self.encoders, self.clip_trains = autocast, encoders, clip_trains
+        self.autocast, self.encoders, self.clip_trains, self.t5_trains = autocast, encoders, clip_trains, t5_trains
         self.written: list[Path] = []
 
     @staticmethod
@@ -59,14 +60,17 @@ class FluxSampleWriter:
         return {text: conditioner.prompts([text]) for text in _texts(prompts)}
 
     def __call__(self, global_step: int) -> list[Image.Image]:
-        was_training = self.network.training
-        self.network.eval()
+        modules = [self.network, self.pipeline.text_encoder_2] if self.t5_trains else [self.network]
+        modes = [module.training for module in modules]
+        for module in modules:  # no dropout in samples (T5-XXL's own is 0.1)
+            module.eval()
         try:
             parts = ("vae", "text_encoder") if self.clip_trains else ("vae",)
             with self.encoders.on_device(*parts), self.autocast():
                 images = [self._sample(sample, i) for i, sample in enumerate(self.prompts)]
         finally:
-            self.network.train(was_training)
+            for module, mode in zip(modules, modes):
+                module.train(mode)
         self.folder.mkdir(parents=True, exist_ok=True)
         for i, image in enumerate(images):
             path = self.folder / f"{self.name}_{global_step:06d}_{i:02d}.png"
@@ -81,21 +85,60 @@ class FluxSampleWriter:
         if sample.scale != 1.0:
             text |= self._embeds(sample.negative_prompt, "negative_") | {"true_cfg_scale": sample.scale}
         pipeline = without_text_encoders(self.pipeline)
-        image = pipeline(**text, num_inference_steps=sample.steps, guidance_scale=sample.guidance,
-                         width=sample.width, height=sample.height,
-                         generator=torch.Generator("cpu").manual_seed(seed)).images[0]
+        with _text_masks(pipeline.transformer, self._masks(sample, text)):
+            image = pipeline(**text, num_inference_steps=sample.steps, guidance_scale=sample.guidance,
+                             width=sample.width, height=sample.height,
+                             generator=torch.Generator("cpu").manual_seed(seed)).images[0]
         image.info[JSON_KEY] = sample_parameters(
             self.pipeline, prompt=sample.prompt, negative_prompt=sample.negative_prompt or None, seed=seed,
             steps=sample.steps, guidance_scale=sample.guidance, true_cfg_scale=sample.scale, width=sample.width,
             height=sample.height)
         return image
 
+    def _masks(self, sample: SamplePrompt, text: dict[str, Any]) -> dict[int, torch.Tensor]:
+        """T5's attention mask of each prompt's embeddings (``--apply_t5_attn_mask``), by the embeddings tensor the
+        pipeline passes the transformer (the positive and negative prompts' differ); empty without masks."""
+        masks = {}
+        for prompt, prefix in ((sample.prompt, ""), (sample.negative_prompt, "negative_")):
+            found = self.embeddings.get(prompt, {})
+            if f"{prefix}prompt_embeds" in text and "text_mask" in found:
+                masks[id(text[f"{prefix}prompt_embeds"])] = found["text_mask"]
+        return masks
+
     def _embeds(self, text: str, prefix: str) -> dict[str, torch.Tensor]:
         dtype = self.pipeline.transformer.dtype
         found = self.embeddings[text]
-        pooled = found["pooled"]
+        pooled, embeds = found["pooled"], found["prompt_embeds"]
         if self.clip_trains:
             pooled = self.pipeline._get_clip_prompt_embeds(text, device=self.pipeline.text_encoder.device)
-        return {f"{prefix}prompt_embeds": found["prompt_embeds"].to(dtype),
-                f"{prefix}pooled_prompt_embeds": pooled.to(dtype)}
+        if self.t5_trains:  # found holds T5's token ids (and mask): the embeddings are the trained T5's now
+            embeds = t5_embeddings(self.pipeline.text_encoder_2, found["t5_input_ids"], found.get("text_mask"))
+        return {f"{prefix}prompt_embeds": embeds.to(dtype), f"{prefix}pooled_prompt_embeds": pooled.to(dtype)}
 
+
+@contextlib.contextmanager
+def _text_masks(transformer: torch.nn.Module, masks: dict[int, torch.Tensor]) -> Iterator[None]:
+    """While sampling, give each transformer call the attention mask of the prompt embeddings it reads
+    (``masks``: ``id`` of the embeddings tensor -> T5's mask (1, S)), as sd-scripts' sampler masks T5's padding
+    for the prompt and the negative prompt alike; ``FluxPipeline`` passes one ``joint_attention_kwargs`` to both
+    calls of true classifier-free guidance, so the mask is chosen per call here."""
+    if not masks:
+        yield
+        return
+
+    def add_mask(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        text = kwargs["encoder_hidden_states"]
+        mask = masks.get(id(text))
+        if mask is None:
+            raise RuntimeError("sampling with --apply_t5_attn_mask: the transformer got prompt embeddings "
+                               "without a T5 mask")
+        image_tokens = kwargs["hidden_states"].shape[1]
+        joint = joint_attention_mask(mask.to(text.device), image_tokens).expand(len(text), -1, -1, -1)
+        return args, {**kwargs, "joint_attention_kwargs": {**(kwargs.get("joint_attention_kwargs") or {}),
+                                                           "attention_mask": joint}}
+
+    handle = transformer.register_forward_pre_hook(add_mask, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()

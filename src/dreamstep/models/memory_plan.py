@@ -233,7 +233,8 @@ class PlanOptions:
     encoder (a text encoder that trains, or the VAE for latents that are not cached), which then stays on the
     device while training; ``validation_images``: validation generates images (the VAE decodes them), not only
     the validation loss; ``image_token_multiplier``: how many images' tokens the FLUX transformer reads per
-    sample (2 for a model that reads a condition image's tokens beside the target's)."""
+    sample (2 for a model that reads a condition image's tokens beside the target's); ``t5_trains``: FLUX's T5
+    runs in the loop too (flux-kohya's ``train_t5xxl``)."""
 
     resolution: int = 1024
     batch_size: int = 1
@@ -243,6 +244,7 @@ class PlanOptions:
     base_quantization: str = "none"
     text_encoder_quantization: str = "none"
     encoders_on_device: bool = False
+    t5_trains: bool = False
     blocks_to_swap: int = 0
     optimizer: str = "AdamW"
     weight_dtype: torch.dtype = torch.bfloat16

@@ -68,11 +68,12 @@ class ParkedModules:
 
 
 def park_encoders(family: str, components: Any, device: torch.device, *, text_encoders_train: bool,
-                  latents_cached: bool) -> ParkedModules:
+                  latents_cached: bool, t5_trains: bool = False) -> ParkedModules:
     """Move the encoders of ``components`` that the loop does not use (:func:`~dreamstep.models.phases.loop_encoders`)
     off ``device``, and bring those it uses there. Call after the "encode" phases (:func:`encode_run`), before the
     transformer / UNet loads."""
-    stays = loop_encoders(family, text_encoders_train=text_encoders_train, vae_in_the_loop=not latents_cached)
+    stays = loop_encoders(family, text_encoders_train=text_encoders_train, vae_in_the_loop=not latents_cached,
+                          t5_trains=t5_trains)
     encoders = ParkedModules({name: getattr(components, name) for name in ENCODERS if name not in stays}, device)
     encoders.park()
     for name in stays:

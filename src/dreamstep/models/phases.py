@@ -28,10 +28,14 @@ def base_name(family: str) -> str:
     return "unet" if family == "sdxl" else "transformer"
 
 
-def loop_encoders(family: str, *, text_encoders_train: bool, vae_in_the_loop: bool) -> tuple[str, ...]:
-    """The encoders a training step itself runs: FLUX trains only CLIP (T5's outputs are always cached), SDXL
-    both of its text encoders; the VAE encodes in the loop when latents are not cached."""
+def loop_encoders(family: str, *, text_encoders_train: bool, vae_in_the_loop: bool,
+                  t5_trains: bool = False) -> tuple[str, ...]:
+    """The encoders a training step itself runs: FLUX trains CLIP (T5's outputs are cached, unless T5 trains too:
+    flux-kohya's ``train_t5xxl``), SDXL both of its text encoders; the VAE encodes in the loop when latents are
+    not cached."""
     texts = ("text_encoder",) if family != "sdxl" else ("text_encoder", "text_encoder_2")
+    if family != "sdxl" and t5_trains:
+        texts = ("text_encoder", "text_encoder_2")
     return (texts if text_encoders_train else ()) + (("vae",) if vae_in_the_loop else ())
 
 

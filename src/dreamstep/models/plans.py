@@ -275,7 +275,7 @@ class Estimator:
 
     def _phase(self, phase: str, options: PlanOptions, base: tuple[list[Line], list[Line]]) -> Phase:
         in_the_loop = loop_encoders(self.family, text_encoders_train=options.encoders_on_device,
-                                    vae_in_the_loop=options.encoders_on_device)
+                                    vae_in_the_loop=options.encoders_on_device, t5_trains=options.t5_trains)
         resident = resident_components(self.family, phase, in_the_loop=in_the_loop,
                                        validation_images=options.validation_images,
                                        base_loads_on_device=options.base_quantization == "nf4"

@@ -11,16 +11,18 @@ flux_shift`` with ``--sigmoid_scale`` and ``--discrete_flow_shift`` (which also 
 ``--model_prediction_type raw|additive|sigma_scaled`` with ``--weighting_scheme``, ``--guidance_scale``,
 ``--loss_type`` (Huber schedules), ``--prior_loss_weight`` per regularization sample, ``--masked_loss``;
 ``--fp8_base``, ``--blocks_to_swap``, ``--gradient_checkpointing`` (``--cpu_offload_checkpointing``),
-``--mixed_precision`` with ``--full_bf16`` / ``--full_fp16``; ``--t5xxl_max_token_length``; latents and T5
-outputs cached by content (``--cache_*_to_disk`` keeps them); the optimizers of :mod:`dreamstep.engine.optim`
+``--mixed_precision`` with ``--full_bf16`` / ``--full_fp16``; ``--t5xxl_max_token_length``;
+``--apply_t5_attn_mask`` (T5 reads with its mask, the transformer masks T5's padding, in training and samples);
+``train_t5xxl=True`` (a ``lora_te3_`` LoRA on T5-XXL, which then runs every step); latents and T5 outputs cached by
+content (``--cache_*_to_disk`` keeps them); the optimizers of :mod:`dreamstep.engine.optim`
 with ``--optimizer_args``; LR schedules with warm-up; ``--save_every_n_steps`` / ``--save_every_n_epochs``;
 ``--save_state`` + ``--resume`` (exact); ``--sample_prompts`` with sd-scripts' FLUX line options
 (``--n --w --h --s --d --l --g``); TensorBoard and a loss curve.
 
 Outputs in --output_dir: ``<output_name>.safetensors`` in sd-scripts' FLUX LoRA layout (``lora_unet_double_blocks_0_
-img_attn_qkv.lora_down.weight`` …, ``.alpha``, ``lora_te1_…``) with its ``ss_*`` metadata and ``sshs_*`` hashes,
-``<output_name>-step00000500.*`` and ``<output_name>-000001.*`` along the way, ``checkpoint-N/`` with --save_state,
-``sample/`` PNGs, ``config.toml``, TensorBoard logs and ``loss_curve.png``.
+img_attn_qkv.lora_down.weight`` …, ``.alpha``, ``lora_te1_…``, ``lora_te3_…``) with its ``ss_*`` metadata and
+``sshs_*`` hashes, ``<output_name>-step00000500.*`` and ``<output_name>-000001.*`` along the way,
+``checkpoint-N/`` with --save_state, ``sample/`` PNGs, ``config.toml``, TensorBoard logs and ``loss_curve.png``.
 """
 
 from __future__ import annotations
@@ -65,18 +67,28 @@ from dreamstep.models.precision import dtype_named, weight_dtype_for
 
 
 class FluxKohyaModel(nn.Module):
-    """What DDP wraps: the transformer (with the network's hooks), and CLIP-L when its LoRA trains, which then
-    gives the pooled prompt embedding every step (T5's comes from the cache)."""
+    """What DDP wraps: the transformer (with the network's hooks), CLIP-L when its LoRA trains, which then gives the
+    pooled prompt embedding every step, and T5-XXL when its LoRA trains (``train_t5xxl``), which then gives the
+    sequence embeddings every step (else they come from the cache)."""
 
-    def __init__(self, transformer: nn.Module, network: FluxLoRANetwork, clip: nn.Module | None):
+    def __init__(self, transformer: nn.Module, network: FluxLoRANetwork, clip: nn.Module | None,
+                 t5: nn.Module | None = None):
         super().__init__()
-        self.transformer, self.network, self.clip = transformer, network, clip
+        self.transformer, self.network, self.clip, self.t5 = transformer, network, clip, t5
 
     def forward(self, pooled_projections: torch.Tensor, clip_input_ids: torch.Tensor | None,
+                text_mask: torch.Tensor | None = None, t5_input_ids: torch.Tensor | None = None,
                 **transformer_inputs: torch.Tensor) -> torch.Tensor:
         if self.clip is not None:
             pooled_projections = self.clip(clip_input_ids).pooler_output
-        return self.transformer(pooled_projections=pooled_projections, return_dict=False, **transformer_inputs)[0]
+        if self.t5 is not None:  # T5 reads with its mask exactly when the transformer masks (--apply_t5_attn_mask)
+            transformer_inputs["encoder_hidden_states"] = flux.t5_embeddings(self.t5, t5_input_ids, text_mask)
+        masks = None
+        if text_mask is not None:  # --apply_t5_attn_mask: T5's padding tokens masked out of every attention
+            image_tokens = transformer_inputs["hidden_states"].shape[1]
+            masks = {"attention_mask": flux.joint_attention_mask(text_mask, image_tokens)}
+        return self.transformer(pooled_projections=pooled_projections, joint_attention_kwargs=masks,
+                                return_dict=False, **transformer_inputs)[0]
 
 
 class FluxKohyaStep(FluxFlowMatchingStep):
@@ -85,7 +97,8 @@ class FluxKohyaStep(FluxFlowMatchingStep):
 
     def predict(self, model: FluxKohyaModel, inputs: dict[str, Any], batch: dict[str, Any],
                 condition: None) -> torch.Tensor:
-        return model(clip_input_ids=batch.get("clip_input_ids"), **inputs)
+        return model(clip_input_ids=batch.get("clip_input_ids"), text_mask=batch.get("text_mask"),
+                     t5_input_ids=batch.get("t5_input_ids"), **inputs)
 
 
 def sd_scripts_sigmas(discrete_flow_shift: float) -> torch.Tensor:
@@ -115,7 +128,9 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
         config.cache_root(), base_files.source, revision=None, variant=None, mixed_precision=config.mixed_precision,
         max_sequence_length=max_sequence_length, cache_latents=config.cache_latents,
         image_dirs=[s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None],
-        files=base_files.files)
+        files=base_files.files, t5_attention_mask=config.apply_t5_attn_mask)
+    if config.train_t5:  # T5 trains: it encodes every step, nothing of the text is cached
+        text_cache = None
     dataset, _ = build_split_datasets(datasets, config.seed, latent_cache=latent_cache, text_cache=text_cache)
     print_run_plan("flux", base_files.source, flux.kohya_plan_options(
         config, datasets, max_sequence_length=max_sequence_length, validation_images=prompts is not None,
@@ -142,13 +157,15 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
                                            files=base_files.files)
     pipeline = flux.assemble_pipeline(base)
     clip = base.text_encoder if config.train_clip else None
+    t5 = base.text_encoder_2 if config.train_t5 else None
     conditioner = flux.FluxConditioner(pipeline, latent_cache=latent_cache, text_cache=text_cache,
                                        max_sequence_length=max_sequence_length, device=run.device,
-                                       clip_ids=clip is not None)
+                                       clip_ids=clip is not None, t5_attention_mask=config.apply_t5_attn_mask)
     parking.encode_run(conditioner, dataset, None, epochs=plan.num_epochs)
     sample_texts = FluxSampleWriter.encode(conditioner, prompts) if prompts else None
     encoders = flux.park_encoders(base, run.device, text_encoder_trains=clip is not None,
-                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
+                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop(),
+                                  t5_trains=t5 is not None)
 
     # 4. Load: the transformer frozen in the --mixed_precision dtype (fp8 with --fp8_base or an fp8 file); the
     # network on top in fp32 (half with --full_bf16 / --full_fp16).
@@ -157,17 +174,20 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
         mixed_precision=config.mixed_precision, device=run.device, base_quantization=config.base_quantization,
         on_host=config.blocks_to_swap > 0)
     flux.attach_transformer(pipeline, base)
-    network = create_flux_network(base.transformer if config.train_transformer else None, clip, options)
+    network = create_flux_network(base.transformer if config.train_transformer else None, clip, options, t5)
     if config.network_weights is not None:
         network.load_weights(config.network_weights)
     half = config.full_fp16 or config.full_bf16
     network.to(weight_dtype_for(config.mixed_precision) if half else torch.float32)
     if clip is not None:
         clip.train()
+    if t5 is not None and config.gradient_checkpointing:  # as sd-scripts: a trained T5 checkpoints and trains (its
+        t5.gradient_checkpointing_enable({"use_reentrant": False})  # dropout) with --gradient_checkpointing only
+        t5.train()
     if config.gradient_checkpointing:
         enable_checkpointing(base.transformer, offload_to_host=config.cpu_offload_checkpointing, device=run.device)
     base.transformer.train()
-    model = FluxKohyaModel(base.transformer, network, clip)
+    model = FluxKohyaModel(base.transformer, network, clip, t5)
     swapper = prepare_blocks(base.transformer, blocks_to_swap=config.blocks_to_swap, compile=False,
                              device=run.device, num_processes=run.accelerator.num_processes, place=model)
 
@@ -207,7 +227,8 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
                              plan.steps_per_epoch, plan.total_steps, save_dtype, metadata)
     sampler = (FluxSampleWriter(pipeline, network, prompts, sample_texts, folder=folder / "sample",
                                 name=config.output_name, seed=config.seed, autocast=run.accelerator.autocast,
-                                encoders=encoders, clip_trains=clip is not None) if prompts else None)
+                                encoders=encoders, clip_trains=clip is not None, t5_trains=t5 is not None)
+               if prompts else None)
     if config.sample_at_first and sampler is not None and not run.resume_from and run.is_main_process:
         sampler(0)
     sample_every = Every(config.sample_every_n_steps, config.sample_every_n_epochs)
