@@ -157,3 +157,15 @@ def test_edit_captions_needs_a_dataset(capsys):
 
     assert main(["dashboard", ".", "--edit_captions"]) == 2
     assert "--edit_captions edits the captions of --dataset" in capsys.readouterr().err
+
+
+def test_the_caption_log_folder_is_made_for_a_job_and_removed_with_the_dashboard():
+    import gc
+
+    editing = CaptionEditing(TOKEN, [])
+    assert editing.log_dir is None  # a dashboard that never captions leaves nothing in the temp folder
+    folder = editing.log_path.parent
+    assert folder.is_dir()
+    del editing
+    gc.collect()
+    assert not folder.exists()

@@ -19,10 +19,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +61,7 @@ class CaptionEditing:
 
     token: str
     model_roots: list[Path]
-    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dreamstep-captions-")))
+    log_dir: Path | None = None  # made when the first captioning job starts; removed with this object
     process: subprocess.Popen | None = None
     command: list[str] = field(default_factory=list)
     rescanned: bool = True  # whether the check was made again after the last job ended
@@ -67,6 +69,9 @@ class CaptionEditing:
 
     @property
     def log_path(self) -> Path:
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="dreamstep-captions-"))
+            weakref.finalize(self, shutil.rmtree, self.log_dir, ignore_errors=True)
         return self.log_dir / "caption.log"
 
 
@@ -132,7 +137,7 @@ def caption_routes(editing: CaptionEditing, state: Any) -> list[Route]:
                 state.rescan()  # the new caption files change what the trainer will read
             editing.rescanned = True
         log = editing.log_path.read_bytes()[-_LOG_TAIL:].decode("utf-8", errors="replace").splitlines() \
-            if editing.log_path.is_file() else []
+            if editing.log_dir is not None and editing.log_path.is_file() else []
         return {"running": code is None, "returncode": code, "command": editing.command, "log": log}
 
     def listing(request: Request) -> Response:
