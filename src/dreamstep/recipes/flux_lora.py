@@ -52,6 +52,7 @@ from dreamstep.lora.inject import (
     save_flux_lora,
 )
 from dreamstep.lora.lycoris_network import LycorisNetwork, create_flux_network
+from dreamstep.lora.network_weights import StartingFile, check_starting_file, load_into_lora, load_into_network
 from dreamstep.models import flux, parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.flux_step import FluxFlowMatchingStep
@@ -105,24 +106,30 @@ def optimizer_groups(config: FluxLoraConfig, transformer: nn.Module, text_encode
     return groups
 
 
-def add_adapters(config: FluxLoraConfig, transformer: nn.Module,
-                 text_encoder: nn.Module | None) -> tuple[LycorisNetwork | None, Any]:
+def add_adapters(config: FluxLoraConfig, transformer: nn.Module, text_encoder: nn.Module | None,
+                 start: StartingFile | None = None) -> tuple[LycorisNetwork | None, Any]:
     """The adapters --lora_type asks for on the transformer (and CLIP): peft's LoRA inside the models, or a
-    LyCORIS network; and what the run checkpoints (the LoRA weights, or the network)."""
+    LyCORIS network, with the weights of --network_weights (``start``) when given; and what the run
+    checkpoints (the LoRA weights, or the network)."""
     targets = flux_lora_targets(transformer, config.lora_layers)
     if config.lora_type != "lora":
         network = create_flux_network(transformer, targets, text_encoder, CLIP_LORA_TARGETS, config.lycoris_options())
+        if start is not None:
+            load_into_network(start, network)
         return network, network
     add_lora(transformer, targets, config.rank, config.alpha, config.lora_dropout)
     if text_encoder is not None:
         add_lora(text_encoder, CLIP_LORA_TARGETS, config.rank, config.alpha, config.lora_dropout)
     cast_trainable_params_to_fp32(transformer, *([text_encoder] if text_encoder is not None else []))
+    if start is not None:
+        load_into_lora(start, {"transformer": transformer, "text_encoder": text_encoder})
     return None, TrainableState({"transformer": transformer, "text_encoder": text_encoder})
 
 
 def train(config: FluxLoraConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder and image (each decoded once) and the optimizer, before a model loads.
+    start = _starting_file(config)
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
@@ -188,7 +195,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
         transformer_single_file=config.flux_base().files.transformer, mixed_precision=config.mixed_precision,
         device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
     flux.attach_transformer(pipeline, base)
-    adapters, trained = add_adapters(config, base.transformer, text_encoder)
+    adapters, trained = add_adapters(config, base.transformer, text_encoder, start)
     if text_encoder is not None:
         text_encoder.train()
     if config.gradient_checkpointing:
@@ -281,6 +288,17 @@ def evaluating(module: nn.Module | None) -> Iterator[None]:
         if module is not None:
             module.train(was_training)
 EMA_WEIGHT_NAME = "pytorch_lora_weights_ema.safetensors"
+
+
+def _starting_file(config: FluxLoraConfig) -> StartingFile | None:
+    """--network_weights checked against the flags from its header (and the transformer's config); the run
+    trains with the file's alpha, which config.toml then records."""
+    if config.network_weights is None:
+        return None
+    start = check_starting_file(config, flux.transformer_config(config))
+    if start.alpha is not None:
+        config.lora_alpha = start.alpha
+    return start
 
 
 def _generate_class_images(config: FluxLoraConfig, class_dir: str, device: torch.device) -> None:
