@@ -2,9 +2,10 @@
 
 As sd-scripts' ``--network_weights``: the file's weights are loaded and its alpha is the one trained with. A
 LyCORIS file's alpha must equal a given ``--lora_alpha``; a plain LoRA's ``up`` is rescaled to a given
-``--lora_alpha`` (flux-lora's diffusers file stores alpha folded, as alpha = rank), so its delta is the file's. The file must be what the flags build: the same type
-(``--lora_type``), rank and layers. What its header tells (type, model, rank, text encoder, alpha) is checked
-before any model loads; which layers it adapts is checked against the built adapters (nothing is written yet).
+``--lora_alpha`` (flux-lora's diffusers file stores alpha folded, as alpha = rank), so its delta is the file's.
+The file must be what the flags build: the same type (``--lora_type``), rank and layers. What its header tells
+(type, model, rank, text encoder, alpha) is checked before any model loads; which layers it adapts, and each
+tensor's shape, against the built adapters (nothing is written yet).
 
 A plain LoRA is read in either layout flux-lora writes (diffusers, or sd-scripts' names from
 ``--save_kohya_format``) through the conversion code; a LoKr/LoHa/DoRA file through the LyCORIS network's own
@@ -13,6 +14,7 @@ loader.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +27,10 @@ from torch import nn
 from dreamstep.errors import UserError
 from dreamstep.lora.convert import read_lora, to_diffusers
 from dreamstep.lora.formats import DIFFUSERS_SUFFIXES, model_keys
+from dreamstep.lora.inject import flux_lora_targets
 from dreamstep.lora.io import read_lora_file, sniff_container
 from dreamstep.lora.layouts import LoraWeights, canonical_name, guess_model
-from dreamstep.lora.lycoris_network import FLUX_PREFIX, LycorisNetwork, is_lycoris
+from dreamstep.lora.lycoris_network import FLUX_PREFIX, LycorisNetwork, create_flux_network, is_lycoris
 
 FLAG = "--network_weights"
 _TYPE_NAMES = {"lora": "plain LoRA", "lokr": "LoKr", "loha": "LoHa", "dora": "DoRA",
@@ -130,10 +133,12 @@ def check_starting_file(config: Any, transformer_config: Mapping[str, Any]) -> S
         if kind == "lokr" and decomposed != config.lokr_decompose_both:
             raise UserError(f"{FLAG} {path}: the file's LoKr {'decomposes' if decomposed else 'does not decompose'} "
                             f"both factors; {'give' if decomposed else 'drop'} --lokr_decompose_both")
+        alpha = None
         if not (kind == "lokr" and full_matrix):  # a full-matrix LoKr has no rank, and LyCORIS sets its alpha
             _check_rank(_lycoris_rank(shapes, kind), config, path)
-            return StartingFile(path, _check_alpha(_one(set(alphas.values()), "alpha", path), config, path))
-        return StartingFile(path, None)
+            alpha = _check_alpha(_one(set(alphas.values()), "alpha", path), config, path)
+        _check_lycoris_transformer(shapes, config, transformer_config, path)
+        return StartingFile(path, alpha)
     try:
         lora = read_lora(path, "flux")
         modules = to_diffusers(lora, model_keys("flux", {"transformer": transformer_config}))
@@ -146,7 +151,53 @@ def check_starting_file(config: Any, transformer_config: Mapping[str, Any]) -> S
     # module's up rescaled to it on loading, so the adapter's delta is the file's either way.
     alphas = {m.alpha for m in modules.values()}
     alpha = config.lora_alpha if config.lora_alpha is not None else _one(alphas, "alpha", path)
+    _check_lora_transformer(modules, config, transformer_config, path)
     return StartingFile(path, float(alpha), modules)
+
+
+def _meta_transformer(transformer_config: Mapping[str, Any]) -> nn.Module:
+    """The run's transformer built on the meta device from its config (no weights): what the adapters target."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        return FluxTransformer2DModel.from_config(dict(transformer_config))
+
+
+def _check_lora_transformer(modules: Mapping[str, LoraWeights], config: Any, transformer_config: Mapping[str, Any],
+                            path: Path) -> None:
+    """The file's transformer modules are those --lora_layers adapts, each with the layer's width."""
+    transformer = _meta_transformer(transformer_config)
+    targets = {f"transformer.{t}": transformer.get_submodule(t) for t in flux_lora_targets(transformer,
+                                                                                         config.lora_layers)}
+    _differences({name for name in modules if name.startswith("transformer.")}, set(targets), path, "adapter")
+    for name, layer in targets.items():
+        down, up = modules[name].down, modules[name].up
+        if (down.shape[1], up.shape[0]) != (layer.in_features, layer.out_features):
+            raise UserError(f"{FLAG} {path}: '{name}' is {up.shape[0]}x{down.shape[1]} in the file, "
+                            f"{layer.out_features}x{layer.in_features} in this model; the file was made for "
+                            "another model size")
+
+
+def _check_lycoris_transformer(shapes: Mapping[str, tuple[int, ...]], config: Any,
+                               transformer_config: Mapping[str, Any], path: Path) -> None:
+    """The file's transformer tensors are those the configured LyCORIS network has, by name and shape (the
+    network built on the meta device; DoRA's magnitude, which LyCORIS computes from real weights, is left to
+    the loading)."""
+    transformer = _meta_transformer(transformer_config)
+    options = dataclasses.replace(config.lycoris_options(), dora_wd=False)
+    network = create_flux_network(transformer, flux_lora_targets(transformer, config.lora_layers), None, (), options)
+    own = {key: tuple(value.shape) for key, value in network.state_dict().items()}
+    found = {key: shape for key, shape in shapes.items() if key.startswith(FLUX_PREFIX)}
+    _differences({key.split(".", 1)[0] for key in found}, {key.split(".", 1)[0] for key in own}, path, "module")
+    for key, shape in found.items():
+        if key.endswith(".dora_scale"):
+            continue
+        if key not in own:
+            raise UserError(f"{FLAG} {path}: tensor '{key}' does not belong to this network; train with the "
+                            "file's --lora_type, --rank, --lokr_factor and options")
+        if shape != own[key]:
+            raise UserError(f"{FLAG} {path}: '{key}' has shape {shape}, the network needs {own[key]}; "
+                            "use the file's --rank, --lokr_factor and options")
 
 
 def _differences(found: set[str], built: set[str], path: Path, what: str) -> None:
