@@ -199,3 +199,21 @@ def test_a_network_weights_file_that_does_not_fit_is_one_line(
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code == 2 and len(errors) == 1 and "--network_weights" in errors[0] and expected in errors[0], err
     assert "Traceback" not in err and not out.exists()
+
+
+def test_a_checkpoint_wins_over_network_weights(saved_files: dict[str, Path], tiny_flux_dev_dir: Path,
+                                                tmp_path: Path) -> None:
+    """Resuming a run that started from a file continues the checkpoint (the file is not loaded over it)."""
+    common = ("--network_weights", saved_files["lokr"], "--learning_rate", "1e-2", "--text_encoder_lr", "1e-3",
+              "--checkpointing_steps", "2")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert run_cli(*_from_file_args(tiny_flux_dev_dir, straight, "lokr", *common, "--max_train_steps", "4")) == 0
+    assert run_cli(*_from_file_args(tiny_flux_dev_dir, split, "lokr", *common, "--max_train_steps", "2")) == 0
+    assert run_cli(*_from_file_args(tiny_flux_dev_dir, split, "lokr", *common, "--max_train_steps", "4",
+                                    "--resume_from_checkpoint", "latest")) == 0
+    trained = load_file(straight / "pytorch_lora_weights.safetensors")
+    resumed = load_file(split / "pytorch_lora_weights.safetensors")
+    started = load_file(saved_files["lokr"])
+    assert any(not torch.equal(value, started[key]) for key, value in trained.items())
+    for key, value in trained.items():
+        torch.testing.assert_close(resumed[key], value, atol=1e-6, rtol=0, msg=key)
