@@ -173,6 +173,8 @@ def test_network_weights_continue_from_a_saved_file(source: str, saved_files: di
     ("lora", ("--lora_layers", "attn.to_q"), "which --lora_layers does not"),
     ("lokr", ("--lora_type", "lokr", "--lokr_factor", "4", "--lora_layers", "attention+ff"), "has no module for"),
     ("lokr", ("--lora_type", "lokr", "--lokr_factor", "2"), "has shape"),
+    ("lokr", ("--lora_type", "lokr", "--lokr_factor", "4", "--lokr_full_matrix", "false"),
+     "is in full-matrix mode; drop --lokr_full_matrix false"),
     ("no-te", (), "has no text-encoder adapters; drop --train_text_encoder"),
     ("sdxl", (), "an adapter for SDXL"),
     ("corrupt", (), "not a readable safetensors file"),

@@ -128,7 +128,7 @@ def check_starting_file(config: Any, transformer_config: Mapping[str, Any]) -> S
         full_matrix = any(key.endswith(".lokr_w2") for key in keys)
         if kind == "lokr" and full_matrix != config.lokr_full_matrix:
             raise UserError(f"{FLAG} {path}: the file's LoKr is {'' if full_matrix else 'not '}in full-matrix mode; "
-                            f"{'drop' if not full_matrix else 'give'} --lokr_full_matrix false")
+                            f"{'give' if not full_matrix else 'drop'} --lokr_full_matrix false")
         decomposed = any(key.endswith(".lokr_w1_a") for key in keys)
         if kind == "lokr" and decomposed != config.lokr_decompose_both:
             raise UserError(f"{FLAG} {path}: the file's LoKr {'decomposes' if decomposed else 'does not decompose'} "
