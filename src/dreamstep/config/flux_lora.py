@@ -47,6 +47,13 @@ class FluxLoraConfig(LoraOptions, TextEncoderLoraOptions, ImageDataOptions, Mask
     center_crop: bool = option(False, "center-crop to --resolution (default: random crop)")
     validation_data_dir: Optional[str] = option(None, "folder of held-out images of the subject for the validation "
                                                       "loss (captioned like the instance images)")
+    network_weights: Optional[str] = option(None, "continue from this adapter file instead of the fresh init: "
+                                                  "a flux-lora pytorch_lora_weights.safetensors (or its Kohya file) "
+                                                  "of the same --lora_type, --rank, --lora_layers and "
+                                                  "--train_text_encoder (and LoKr options); alpha: the file's "
+                                                  "(as sd-scripts), or --lora_alpha (a LoRA's up is rescaled to "
+                                                  "it, a LyCORIS file's alpha must equal it); "
+                                                  "--resume_from_checkpoint's checkpoint wins over it")
 
     def __post_init__(self) -> None:
         super().__post_init__()
