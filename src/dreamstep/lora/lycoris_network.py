@@ -295,6 +295,7 @@ def modules_from_tensors(tensors: Mapping[str, torch.Tensor], names: Mapping[str
             raise UserError(f"{source}: module '{name}' is of no algorithm LyCORIS rebuilds (LoRA, LoHa, LoKr)")
         if by_column:
             module.wd, module.wd_on_out = True, False
+            module.dora_norm_dims = layer.weight.dim() - 1  # set by LyCORIS only for the DoRA it builds (3.2 reads it)
             module.dora_scale = nn.Parameter(magnitude.float().reshape(1, -1, *[1] * (layer.weight.dim() - 2)))
         modules[name] = module.to(layer.weight.device)
     return modules
