@@ -7,19 +7,6 @@ const SAMPLES_SHOWN = 24;
 const COLORS = ["#1446aa", "#c2410c", "#15803d", "#7e22ce", "#0e7490", "#be123c", "#4d7c0f", "#a16207"];
 let current = null;  // {refresh(): Promise} of the view on screen
 
-function el(tag, attrs, ...children) {
-  const node = document.createElement(tag);
-  for (const [key, value] of Object.entries(attrs || {})) {
-    if (value === undefined || value === null || value === false) { continue; }
-    if (key === "class") { node.className = value; } else if (key === "text") { node.textContent = value; }
-    else if (key.startsWith("on")) { node.addEventListener(key.slice(2), value); } else { node.setAttribute(key, value); }
-  }
-  for (const child of children.flat()) {
-    if (child !== null && child !== undefined) { node.append(child instanceof Node ? child : String(child)); }
-  }
-  return node;
-}
-
 async function getJSON(url) {
   const response = await fetch(url, { credentials: "same-origin" });
   if (!response.ok) { throw new Error(`${url}: ${response.status} ${await response.text()}`); }
@@ -358,8 +345,6 @@ window.addEventListener("DOMContentLoaded", async () => {
     const info = await getJSON("/api/info");
     document.getElementById("nav-dataset").hidden = !info.dataset;
     document.getElementById("nav-new").hidden = !info.training;
-    const token = new URLSearchParams(location.search).get("token");
-    if (token) { sessionStorage.setItem("dreamstep_token", token); }  // for the new-run page's changes
     if (info.dataset && !location.hash) { location.hash = "#/dataset"; }
   } catch (e) { /* the runs view shows the error */ }
   await route();

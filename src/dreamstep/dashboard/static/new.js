@@ -4,27 +4,12 @@
 // POST carrying the token of the address the dashboard printed (kept for this tab in sessionStorage).
 "use strict";
 
-const TOKEN = (() => {
-  const given = new URLSearchParams(location.search).get("token");
-  if (given) { sessionStorage.setItem("dreamstep_token", given); }
-  return given || sessionStorage.getItem("dreamstep_token") || "";
-})();
 const $ = (id) => document.getElementById(id);
 let fields = [];
 let checkTimer = null;
 let previewAsked = "";  // the options of the last preview (the run's name changes nothing in it)
 let previewBusy = false;  // one preview at a time: a full-size plan takes seconds; the latest options go next
 let shownLog = null;
-
-function el(tag, props = {}, ...children) {
-  const node = document.createElement(tag);
-  for (const [key, value] of Object.entries(props)) {
-    if (key === "text") { node.textContent = value; } else if (key.startsWith("on")) { node[key] = value; }
-    else if (value !== null && value !== undefined) { node.setAttribute(key, value); }
-  }
-  node.append(...children.filter((c) => c !== null));
-  return node;
-}
 
 async function getJSON(path) {
   const response = await fetch(path, { headers: { "X-Dreamstep-Token": TOKEN } });
