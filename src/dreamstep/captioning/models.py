@@ -22,18 +22,7 @@ from PIL import Image
 from dreamstep.captioning.captioner import Captioner, unavailable_reason
 from dreamstep.config.caption import DEFAULT_MODELS, FLORENCE_TASKS, CaptionConfig
 from dreamstep.errors import UserError, refusing_pickled_code
-
-
-def pick_device(requested: str | None) -> torch.device:
-    if requested:
-        try:
-            device = torch.device(requested)
-        except RuntimeError:
-            raise UserError(f"--device {requested}: not a device; use cuda, cuda:1 or cpu") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise UserError(f"--device {requested}: this torch build sees no CUDA GPU; use --device cpu")
-        return device
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from dreamstep.models.precision import choose_device
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -46,7 +35,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_transformers_captioner(config: CaptionConfig) -> Captioner:
     """Florence-2, BLIP or an instruction model, loaded on its device; a model that cannot be had is one
     UserError line."""
-    device = pick_device(config.device)
+    device = choose_device(config.device)
     dtype = pick_dtype(config.dtype, device)
     builders = {"florence2": _florence2, "blip": _blip, "qwen-vl": _instruction_model}
     caption = builders[config.captioner](config, device, dtype)

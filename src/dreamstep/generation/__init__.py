@@ -4,7 +4,8 @@ device and precision (:mod:`.pipelines`), and PNGs that carry their parameters (
 
 from dreamstep.generation.loras import LoraSpec, apply_loras, parse_lora_spec
 from dreamstep.generation.outputs import save_png
-from dreamstep.generation.pipelines import build_pipeline, choose_device, choose_dtype
+from dreamstep.generation.pipelines import build_pipeline, choose_dtype
+from dreamstep.models.precision import choose_device
 from dreamstep.png_text import a1111_parameters, read_parameters
 
 __all__ = ["LoraSpec", "a1111_parameters", "apply_loras", "build_pipeline", "choose_device", "choose_dtype",

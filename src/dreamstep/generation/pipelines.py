@@ -28,23 +28,6 @@ DEFAULT_BASES = {"flux": "black-forest-labs/FLUX.1-dev", "flux-kontext": "black-
                  "sdxl": "stabilityai/stable-diffusion-xl-base-1.0"}
 
 
-def choose_device(name: str | None) -> torch.device:
-    """``name``, or the best available: CUDA, then Apple MPS, then the CPU."""
-    if name is not None:
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            raise UserError(f"--device {name}: not a device name; use cpu, cuda, cuda:1 or mps") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-        return device
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
 def choose_dtype(precision: str, device: torch.device) -> torch.dtype:
     """``auto``: fp32 on the CPU (half precision is slow there), bf16 on GPUs that have it, else fp16."""
     if precision != "auto":

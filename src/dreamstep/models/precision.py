@@ -86,3 +86,20 @@ def configure_gpu_precision(device: torch.device, mixed_precision: str, allow_tf
     math = "TF32 matmuls" if allow_tf32 else "full fp32 matmuls (--allow_tf32 false)"
     return (f"warning: training in fp32 ({math}, --mixed_precision no) on a GPU with bf16: "
             "--mixed_precision bf16 is about twice as fast and halves the frozen weights' memory")
+
+
+def choose_device(name: str | None) -> torch.device:
+    """``name``, or the best available: CUDA, then Apple MPS, then the CPU."""
+    if name is not None:
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise UserError(f"--device {name}: not a device name; use cpu, cuda, cuda:1 or mps") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
