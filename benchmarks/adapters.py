@@ -25,8 +25,8 @@ from torch import nn
 
 from dreamstep.config.lycoris import LycorisOptions
 from dreamstep.lora.formats import model_keys
-from dreamstep.lora.inject import flux_lora_targets
 from dreamstep.lora.lycoris_network import create_network, file_names, sdxl_targets
+from dreamstep.models.flux.lora_targets import flux_lora_targets
 from dreamstep.models.full_size import _build, released_configs
 
 TYPES = {

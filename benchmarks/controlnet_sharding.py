@@ -31,8 +31,8 @@ from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.sharding import local_state_bytes, shard_model
 from dreamstep.engine.train_step import make_accelerator
-from dreamstep.models import controlnet as cn
-from dreamstep.models import flux
+from dreamstep.models.flux import controlnet as cn
+from dreamstep.models.flux import plumbing as flux
 from dreamstep.recipes.flux_controlnet import FluxControlNetStep
 
 # A FLUX.1-shaped transformer narrow enough for CPU processes (8 heads of 64 = 512 wide).

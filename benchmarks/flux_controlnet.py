@@ -29,8 +29,8 @@ from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW, trainable_state_bytes
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
-from dreamstep.models import controlnet as cn
-from dreamstep.models import flux
+from dreamstep.models.flux import controlnet as cn
+from dreamstep.models.flux import plumbing as flux
 from dreamstep.recipes.flux_controlnet import FluxControlNetStep
 
 SEED_CONTROLNET_PARAMS = 1.44e9  # seed 003: the ControlNet it trains has about 1.44B parameters

@@ -39,8 +39,9 @@ from measure import time_steps
 from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
-from dreamstep.models import flux, quantization
+from dreamstep.models import quantization
 from dreamstep.models.blocks import BlockSwapper, compile_blocks
+from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.precision import freeze
 from dreamstep.models.tiny import build_tiny_flux
 from dreamstep.recipes.flux_lora import FluxLoraModel, FluxLoraStep

@@ -20,7 +20,8 @@ from flux_lora import FULL_TRANSFORMER
 from measure import time_steps
 
 from dreamstep.engine.optim import FUSED_ADAMW_DEVICES, build_optimizer
-from dreamstep.lora.inject import FLUX_LORA_PRESETS, add_lora, flux_lora_targets
+from dreamstep.lora.inject import add_lora
+from dreamstep.models.flux.lora_targets import FLUX_LORA_PRESETS, flux_lora_targets
 
 
 def lora_shapes(rank: int, layers: str) -> list[torch.Size]:

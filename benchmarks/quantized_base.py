@@ -57,7 +57,8 @@ def quantization_config(mode: str):
 def one_mode(folder: Path, mode: str, tokens: int, text_tokens: int, steps: int) -> dict:
     from diffusers import FluxTransformer2DModel
 
-    from dreamstep.lora.inject import add_lora, flux_lora_targets
+    from dreamstep.lora.inject import add_lora
+    from dreamstep.models.flux.lora_targets import flux_lora_targets
 
     config = quantization_config(mode)
     model = FluxTransformer2DModel.from_pretrained(folder, torch_dtype=torch.bfloat16,

@@ -28,10 +28,10 @@ from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.lora.kohya_network import NetworkOptions, create_network
-from dreamstep.models import sdxl
 from dreamstep.models.precision import freeze
 from dreamstep.models.published_configs import SDXL_UNET
-from dreamstep.models.sdxl import SDXLLoraModel
+from dreamstep.models.sdxl import plumbing as sdxl
+from dreamstep.models.sdxl.plumbing import SDXLLoraModel
 from dreamstep.models.tiny import build_clip_tokenizer, build_tiny_sdxl
 from dreamstep.recipes.sdxl_lora import SDXLLoraStep
 

@@ -3,7 +3,7 @@
 from diffusers.optimization import SchedulerType
 
 from dreamstep.config import sdxl_lora, training
-from dreamstep.models import sdxl
+from dreamstep.models.sdxl import plumbing as sdxl
 
 
 def test_lr_scheduler_names_are_diffusers_names() -> None:

@@ -299,8 +299,8 @@ def test_adapter_panel_reports_a_lokr_run(finished_run, tiny_flux_dev_dir: Path,
     from diffusers import FluxPipeline
 
     from dreamstep.config.lycoris import LycorisOptions
-    from dreamstep.lora.inject import flux_lora_targets
     from dreamstep.lora.lycoris_network import create_flux_network
+    from dreamstep.models.flux.lora_targets import flux_lora_targets
 
     run = copy_run(finished_run, tmp_path)
     transformer = FluxPipeline.from_pretrained(tiny_flux_dev_dir).transformer
@@ -316,7 +316,7 @@ def test_adapter_panel_reports_a_lokr_run(finished_run, tiny_flux_dev_dir: Path,
 def test_a_controlnet_runs_weights_are_named_as_a_controlnet_not_read_as_a_lora(tmp_path, tiny_flux_dev_dir):
     from diffusers import FluxTransformer2DModel
 
-    from dreamstep.models.controlnet import build_from_transformer, save
+    from dreamstep.models.flux.controlnet import build_from_transformer, save
 
     run = tmp_path / "runs" / "control"
     transformer = FluxTransformer2DModel.from_pretrained(tiny_flux_dev_dir, subfolder="transformer")

@@ -107,7 +107,8 @@ def test_draws_are_reproducible_and_a_resumed_run_continues_them(tmp_path: Path)
 
 def test_a_dropped_caption_trains_on_the_cached_empty_embedding(tmp_path: Path) -> None:
     from dreamstep.data.sources import bucket_spec, dreambooth_from_flags, with_caption_flags
-    from dreamstep.models import flux, parking
+    from dreamstep.models import parking
+    from dreamstep.models.flux import plumbing as flux
     from dreamstep.models.tiny import build_tiny_flux
 
     pipe = build_tiny_flux(seed=0)

@@ -104,7 +104,7 @@ def test_unreadable_entry_is_a_miss_and_is_rewritten(tmp_path: Path):
 
 
 def test_non_finite_latents_stop_at_encode_time_naming_the_image_and_the_fix(tmp_path: Path):
-    from dreamstep.models.sdxl import SDXLConditioner
+    from dreamstep.models.sdxl.plumbing import SDXLConditioner
     from dreamstep.models.tiny import build_tiny_sdxl
 
     folder = tmp_path / "imgs"

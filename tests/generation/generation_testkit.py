@@ -14,10 +14,11 @@ from PIL import Image
 from dreamstep.cli import main
 from dreamstep.config.lycoris import LycorisOptions
 from dreamstep.lora.formats import model_keys, pipeline_configs
-from dreamstep.lora.inject import add_lora, flux_lora_targets, save_flux_lora
+from dreamstep.lora.inject import add_lora, save_flux_lora
 from dreamstep.lora.kohya_network import NetworkOptions, create_network
 from dreamstep.lora.lycoris_network import create_network as create_lycoris_network
 from dreamstep.lora.lycoris_network import file_names, sdxl_targets
+from dreamstep.models.flux.lora_targets import flux_lora_targets
 
 PROMPT = "a photo of sks dog"
 FLUX_ARGS = ("--steps", "2", "--width", "32", "--height", "32", "--seed", "7")

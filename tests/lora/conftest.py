@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from lora_testkit import inference_mode
 
-from dreamstep.lora.formats import ModelKeys, model_keys, pipeline_configs
+from dreamstep.lora.formats import model_keys, pipeline_configs
+from dreamstep.models.lora_keys import ModelKeys
 from dreamstep.models.tiny import build_tiny_flux, build_tiny_sdxl
 
 

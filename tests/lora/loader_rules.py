@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dreamstep.models.sgm_keys import unet_module_map
+from dreamstep.models.sdxl.sgm_keys import unet_module_map
 
 CLIP_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1",
                 "mlp.fc2")

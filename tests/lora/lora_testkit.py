@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from dreamstep.lora.convert import LoraWeights
-from dreamstep.lora.formats import ModelKeys
+from dreamstep.models.lora_keys import ModelKeys
 
 # Two small checkpoints written by the MindSpore port (mindone), fp32 and fp16, shipped with the tests.
 MINDSPORE_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "mindspore"

@@ -244,7 +244,7 @@ def test_flux_kontext_lora_maps_fully_in_comfyui_and_diffusers_at_full_size(tmp_
     from accelerate import init_empty_weights
     from diffusers import FluxKontextPipeline, FluxTransformer2DModel
 
-    from dreamstep.lora.inject import flux_lora_targets
+    from dreamstep.models.flux.lora_targets import flux_lora_targets
     from dreamstep.models.full_size import released_configs
 
     config = {k: v for k, v in released_configs("flux")["transformer"].items() if not k.startswith("_")}

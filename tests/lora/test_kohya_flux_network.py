@@ -14,9 +14,9 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from dreamstep.config.flux_network_args import FluxNetworkOptions
 from dreamstep.errors import UserError
-from dreamstep.lora.formats import FLUX_DOUBLE_BLOCK, FLUX_SINGLE_BLOCK
 from dreamstep.lora.kohya_flux_network import create_flux_network
-from dreamstep.models.full_size import CLIP_L, T5_XXL
+from dreamstep.models.flux.lora_keys import FLUX_DOUBLE_BLOCK, FLUX_SINGLE_BLOCK
+from dreamstep.models.published_configs import CLIP_L, T5_XXL
 from dreamstep.models.tiny import build_tiny_flux
 
 
@@ -191,7 +191,7 @@ def _alpha_of(network, name: str) -> float:
 
 def _bfl_shapes(transformer) -> dict[str, tuple[int, int]]:
     """BFL weight -> (rows, columns), from the diffusers parts each is made of."""
-    from dreamstep.lora.formats import FLUX_GLOBAL, FLUX_GUIDANCE
+    from dreamstep.models.flux.lora_keys import FLUX_GLOBAL, FLUX_GUIDANCE
 
     shapes = {}
     for kind, ours, table, count in (("double_blocks", "transformer_blocks", FLUX_DOUBLE_BLOCK, 19),

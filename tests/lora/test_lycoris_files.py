@@ -15,8 +15,9 @@ from torch import nn
 
 from dreamstep.config.lycoris import LycorisOptions
 from dreamstep.lora.formats import model_keys
-from dreamstep.lora.inject import CLIP_LORA_TARGETS, flux_lora_targets
+from dreamstep.lora.inject import CLIP_LORA_TARGETS
 from dreamstep.lora.lycoris_network import create_network, file_names, sdxl_targets
+from dreamstep.models.flux.lora_targets import flux_lora_targets
 from dreamstep.models.full_size import _build, released_configs
 from dreamstep.models.published_configs import SDXL_UNET
 

@@ -16,8 +16,8 @@ from test_cli import _error, _run
 from dreamstep.config.lycoris import LycorisOptions
 from dreamstep.generation.loras import LoraSpec, apply_loras
 from dreamstep.lora.formats import model_keys, pipeline_configs
-from dreamstep.lora.inject import flux_lora_targets
 from dreamstep.lora.lycoris_network import create_network, file_names, sdxl_targets
+from dreamstep.models.flux.lora_targets import flux_lora_targets
 
 
 def _write(pipe, model: str, options: LycorisOptions, path: Path, noise: float = 0.0) -> tuple[Path, int]:

@@ -10,8 +10,9 @@ from cuda_stand_ins import CudaRuntime
 from diffusers import FluxTransformer2DModel
 
 from dreamstep.errors import UserError
-from dreamstep.lora.inject import add_lora, flux_lora_targets
+from dreamstep.lora.inject import add_lora
 from dreamstep.models.blocks import BlockSwapper, compile_blocks, repeated_blocks
+from dreamstep.models.flux.lora_targets import flux_lora_targets
 from dreamstep.models.precision import cast_trainable_params_to_fp32, freeze
 from dreamstep.models.quantization import quantize_built_model
 

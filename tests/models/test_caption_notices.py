@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from diffusers import FluxPipeline, StableDiffusionXLPipeline
 
-from dreamstep.models import flux, sdxl
+from dreamstep.models.flux import plumbing as flux
+from dreamstep.models.sdxl import plumbing as sdxl
 
 LONG_CAPTION = "a photo of a small red toy robot on a wooden table " * 20
 

@@ -15,7 +15,7 @@ from torchao.quantization import Float8Tensor
 
 from dreamstep.errors import UserError
 from dreamstep.models import published_configs
-from dreamstep.models.flux_files import (
+from dreamstep.models.flux.files import (
     FileHeader,
     FluxFiles,
     guidance_embeds,

@@ -1,6 +1,6 @@
 import torch
 
-from dreamstep.models import flux
+from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.tiny import build_tiny_flux
 
 

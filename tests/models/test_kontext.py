@@ -12,7 +12,8 @@ from diffusers import FluxKontextPipeline
 from PIL import Image, ImageDraw
 
 from dreamstep.cli import main
-from dreamstep.models import flux, kontext
+from dreamstep.models.flux import kontext
+from dreamstep.models.flux import plumbing as flux
 
 
 def test_tiny_model_flux_kontext_is_a_kontext_pipeline_that_follows_its_image(

@@ -16,10 +16,11 @@ from diffusers import AutoencoderKL, FluxTransformer2DModel
 from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
-from dreamstep.lora.inject import add_lora, flux_lora_targets
+from dreamstep.lora.inject import add_lora
 from dreamstep.models import memory_plan as mp
 from dreamstep.models import quantization
 from dreamstep.models.blocks import enable_checkpointing
+from dreamstep.models.flux.lora_targets import flux_lora_targets
 from dreamstep.models.plans import Estimator
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.published_configs import FLUX_DEV_TRANSFORMER
@@ -132,7 +133,7 @@ def test_each_encode_phase_holds_its_encoders_and_their_largest_pass(tiny_flux_d
     """The text encoders as the trainer loads them encoding a batch of captions (padded to T5's 512 tokens, as
     FluxPipeline pads them), and the VAE encoding one image; each while the other waits in host memory."""
     from dreamstep.data.cache import TensorCache
-    from dreamstep.models import flux
+    from dreamstep.models.flux import plumbing as flux
 
     base = flux.load_encoders_for_training(str(tiny_flux_dev_dir), revision=None, variant=None,
                                            mixed_precision="bf16", device=torch.device("cpu"))

@@ -15,10 +15,11 @@ from diffusers import FluxTransformer2DModel
 
 from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.train_step import make_accelerator
-from dreamstep.lora.inject import add_lora, flux_lora_targets
+from dreamstep.lora.inject import add_lora
 from dreamstep.models import loading, quantization
 from dreamstep.models import memory_plan as mp
 from dreamstep.models.blocks import BlockSwapper
+from dreamstep.models.flux.lora_targets import flux_lora_targets
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.recipes.flux_lora import FluxLoraModel, FluxLoraStep
 

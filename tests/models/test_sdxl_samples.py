@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dreamstep.models import sdxl
 from dreamstep.models.loading import load_sdxl
+from dreamstep.models.sdxl import plumbing as sdxl
 
 
 def test_samples_from_cached_embeddings_are_the_samples_of_the_prompts(tiny_sdxl_dir: Path) -> None:

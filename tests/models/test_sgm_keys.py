@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dreamstep.models.sgm_keys import (
+from dreamstep.models.sdxl.sgm_keys import (
     KeyMappingError,
     sdxl_to_sgm,
     sgm_to_sdxl,

@@ -14,7 +14,7 @@ from PIL import Image, ImageDraw
 
 from dreamstep.cli import main
 from dreamstep.diffusion import flow_matching as fm
-from dreamstep.models import flux
+from dreamstep.models.flux import plumbing as flux
 
 ROBOT_DIR = Path(__file__).resolve().parents[2] / "examples" / "robot"
 ROBOT_PROMPT = "a photo of sks robot"

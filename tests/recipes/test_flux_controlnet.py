@@ -20,8 +20,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dreamstep.config.flux_controlnet import FluxControlNetConfig
 from dreamstep.config.schema import build_config
 from dreamstep.diffusion import flow_matching as fm
-from dreamstep.models import controlnet as cn
-from dreamstep.models import flux
+from dreamstep.models.flux import controlnet as cn
+from dreamstep.models.flux import plumbing as flux
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PROMPT = "a red square"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW, stochastic_round_to_bf16, trainable_state_bytes
-from dreamstep.models import controlnet as cn
+from dreamstep.models.flux import controlnet as cn
 from dreamstep.models.tiny import build_tiny_flux
 
 

@@ -153,8 +153,8 @@ def test_t5_attention_mask_trains_caches_the_mask_and_samples(tiny_flux_files: d
 def test_masked_and_unmasked_text_never_share_cache_entries(tiny_flux_files: dict[str, Path],
                                                             tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
     from dreamstep.data.cache import text_content_key
-    from dreamstep.models import flux
-    from dreamstep.models.flux_files import resolve_base
+    from dreamstep.models.flux import plumbing as flux
+    from dreamstep.models.flux.files import resolve_base
 
     base = resolve_base(str(tiny_flux_files["transformer"]), model_config=str(tiny_flux_dev_dir),
                         clip_l=str(tiny_flux_files["clip_l"]), t5xxl=str(tiny_flux_files["t5xxl"]),
@@ -171,8 +171,8 @@ def test_samples_mask_each_prompts_own_t5_padding(tiny_flux_dev_dir: Path) -> No
     # padding holds changes no sample; without the masks it does.
     from contextlib import nullcontext
 
-    from dreamstep.models import flux
-    from dreamstep.models.flux_samples import FluxSampleWriter
+    from dreamstep.models.flux import plumbing as flux
+    from dreamstep.models.flux.samples import FluxSampleWriter
     from dreamstep.models.parking import ParkedModules
     from dreamstep.models.sample_prompts import SamplePrompt
 

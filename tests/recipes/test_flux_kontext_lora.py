@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from dreamstep.diffusion import flow_matching as fm
 from dreamstep.engine.run_folder import read_status
-from dreamstep.models import flux
+from dreamstep.models.flux import plumbing as flux
 from dreamstep.png_text import JSON_KEY
 
 INSTRUCTION = "an orange ball"

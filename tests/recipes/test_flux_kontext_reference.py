@@ -12,8 +12,9 @@ from diffusers.training_utils import compute_density_for_timestep_sampling, comp
 from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
-from dreamstep.lora.inject import add_lora, flux_lora_targets
-from dreamstep.models import flux
+from dreamstep.lora.inject import add_lora
+from dreamstep.models.flux import plumbing as flux
+from dreamstep.models.flux.lora_targets import flux_lora_targets
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.tiny import build_tiny_flux_kontext
 from dreamstep.models.vae import encode_posterior

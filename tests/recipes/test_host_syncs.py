@@ -25,8 +25,10 @@ from dreamstep.engine.logging import TrainingLogger
 from dreamstep.engine.loop import run_training
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
-from dreamstep.lora.inject import add_lora, flux_lora_targets
-from dreamstep.models import flux, parking
+from dreamstep.lora.inject import add_lora
+from dreamstep.models import parking
+from dreamstep.models.flux import plumbing as flux
+from dreamstep.models.flux.lora_targets import flux_lora_targets
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.tiny import build_tiny_flux
 from dreamstep.recipes.flux_lora import FluxLoraModel, FluxLoraStep

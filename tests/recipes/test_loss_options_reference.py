@@ -13,8 +13,9 @@ from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.diffusion.losses import LossFunction
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
-from dreamstep.lora.inject import add_lora, flux_lora_targets
-from dreamstep.models import flux
+from dreamstep.lora.inject import add_lora
+from dreamstep.models.flux import plumbing as flux
+from dreamstep.models.flux.lora_targets import flux_lora_targets
 from dreamstep.models.tiny import build_tiny_flux
 from dreamstep.recipes.flux_lora import FluxLoraModel, FluxLoraStep
 
@@ -192,7 +193,7 @@ def test_one_sdxl_step_has_sd_scripts_loss_for_the_same_draws(v_prediction: bool
     """Huber with the snr schedule, input perturbation of random strength, min-SNR and the debiased estimation
     weight, prior weight 0.5: train_network.py's loss, written out from its code."""
     from dreamstep.diffusion import noise_prediction as noise_math
-    from dreamstep.models.sdxl import SDXLLoraModel
+    from dreamstep.models.sdxl.plumbing import SDXLLoraModel
     from dreamstep.recipes.sdxl_lora import SDXLLoraStep
 
     scheduler = noise_math.training_scheduler(tiny_sdxl.scheduler.config)

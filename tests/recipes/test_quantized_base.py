@@ -17,10 +17,12 @@ from sdxl_testkit import write_method
 
 from dreamstep.config import memory, sdxl_lora, training
 from dreamstep.errors import UserError
-from dreamstep.models import flux, parking, sdxl
+from dreamstep.models import parking
+from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.loading import load_flux_transformer, load_sdxl_unet
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.plans import Estimator
+from dreamstep.models.sdxl import plumbing as sdxl
 
 pytest.importorskip("torchao", reason="the quantized modes need the 'quant' extra")
 

@@ -15,7 +15,7 @@ from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data import build_dataset
 from dreamstep.data.sources import kohya_datasets
 from dreamstep.errors import UserError
-from dreamstep.models.sdxl import parse_sample_prompt
+from dreamstep.models.sdxl.plumbing import parse_sample_prompt
 
 
 def _config(**values) -> SDXLLoraConfig:

@@ -42,9 +42,9 @@ from dreamstep.evaluation.control import mean_edge_agreement
 from dreamstep.evaluation.fidelity import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, FidelityScorer
 from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, remove_loras
 from dreamstep.generation.pipelines import build_pipeline, choose_dtype, load_flux_controlnet
-from dreamstep.models import controlnet as cn
-from dreamstep.models import flux
-from dreamstep.models.flux_files import resolve_base
+from dreamstep.models.flux import controlnet as cn
+from dreamstep.models.flux import plumbing as flux
+from dreamstep.models.flux.files import resolve_base
 from dreamstep.models.precision import choose_device
 
 BASELINE = "base model"

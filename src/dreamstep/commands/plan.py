@@ -9,11 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dreamstep.config.memory import OPTIMIZER_STATE_BYTES, QUANTIZATION_MODES, parse_bytes
 from dreamstep.errors import UserError
 
-PIPELINES = {"flux": "FluxPipeline", "flux-kontext": "FluxKontextPipeline", "sdxl": "StableDiffusionXLPipeline"}
+if TYPE_CHECKING:
+    from dreamstep.models.family import ModelFamily
+
+# What `plan MODEL` plans: a LoRA of this family, with the condition image's tokens beside the target's times this.
+MODELS = {"flux": ("flux", 1), "flux-kontext": ("flux", 2), "sdxl": ("sdxl", 1)}
 MAX_T5_TOKENS = 512  # FLUX.1-dev's T5 reads at most 512 tokens
 
 
@@ -22,7 +27,7 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
                           "(encode images, encode text, load, train, validate) before loading anything "
                           "(full-size published configs, or a local model folder's), and say which options fit "
                           "the card.")
-    parser.add_argument("model", choices=tuple(PIPELINES), help="FLUX.1 LoRA, FLUX.1 Kontext LoRA or SDXL LoRA")
+    parser.add_argument("model", choices=tuple(MODELS), help="FLUX.1 LoRA, FLUX.1 Kontext LoRA or SDXL LoRA")
     parser.add_argument("--pretrained_model_name_or_path", default=None,
                         help="a local model folder to read the configs from (default: FLUX.1-dev / SDXL base 1.0), "
                              "or a FLUX transformer file (flux1-dev.safetensors, an fp8 copy, a .gguf)")
@@ -33,8 +38,9 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("--resolution", type=int, default=1024)
     parser.add_argument("--train_batch_size", type=int, default=1)
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    parser.add_argument("--lora_layers", nargs="+", default=["attention"],
-                        help="FLUX LoRA layers, as train flux-lora's --lora_layers (attention, all-linear, ...)")
+    parser.add_argument("--lora_layers", nargs="+", default=None,
+                        help="FLUX LoRA layers, as train flux-lora's --lora_layers (default attention; all-linear, "
+                             "...)")
     parser.add_argument("--no_gradient_checkpointing", action="store_true")
     parser.add_argument("--cpu_offload_checkpointing", action="store_true",
                         help="the inputs checkpointing keeps wait in host memory (as train's flag)")
@@ -53,14 +59,15 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse what no run could train with, each in one line naming the flag, before anything is built."""
-    step = 8 if args.model == "sdxl" else 16
+    family = _family(args.model)
+    step = family.resolution_step
     if args.resolution < step or args.resolution % step:
         raise UserError(f"--resolution {args.resolution}: give a positive multiple of {step} "
                         f"(e.g. {max(step, round(args.resolution / step) * step)})")
     for flag, value in (("--train_batch_size", args.train_batch_size), ("--rank", args.rank)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be at least 1")
-    if not 1 <= args.max_sequence_length <= MAX_T5_TOKENS:
+    if not 1 <= args.max_sequence_length <= MAX_T5_TOKENS:  # refused for any model: no silent acceptance
         raise UserError(f"--max_sequence_length {args.max_sequence_length}: T5 reads 1 to {MAX_T5_TOKENS} tokens")
     if args.blocks_to_swap and args.no_gradient_checkpointing:
         raise UserError("--blocks_to_swap needs gradient checkpointing (the trainers refuse it without): remove "
@@ -72,8 +79,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.device_memory:
         parse_bytes(args.device_memory, "--device_memory")
     given = [flag for flag in _FILE_FLAGS if getattr(args, flag) is not None]
-    if args.model == "sdxl" and given:
-        raise UserError(f"--{given[0]} is a FLUX component flag; remove it for sdxl")
+    if given and family.name != "flux":
+        raise UserError(f"--{given[0]} is a FLUX component flag; remove it for {args.model}")
+    if args.text_encoder_quantization != "none" and family.long_text_encoder is None:
+        raise UserError(f"--text_encoder_quantization: {family.title}'s text encoders are never quantized (only "
+                        f"FLUX's T5 is); remove it for {args.model}")
     if args.pretrained_model_name_or_path is not None and not _flux_files(args):
         check_model_folder(args.pretrained_model_name_or_path, args.model)
 
@@ -81,12 +91,18 @@ def check_arguments(args: argparse.Namespace) -> None:
 _FILE_FLAGS = ("clip_l", "t5xxl", "ae", "model_config")
 
 
+def _family(model: str) -> ModelFamily:
+    from dreamstep.models.family import get_family
+
+    return get_family(MODELS[model][0])
+
+
 def _flux_files(args: argparse.Namespace) -> bool:
     """Whether the FLUX base is given as component files (checked by resolve_base, as the trainers check them)."""
-    from dreamstep.models.flux_files import is_component_file
+    from dreamstep.models.flux.files import is_component_file
 
     model = args.pretrained_model_name_or_path
-    return args.model != "sdxl" and model is not None and (
+    return _family(args.model).name == "flux" and model is not None and (
         is_component_file(model) or any(getattr(args, flag) is not None for flag in _FILE_FLAGS))
 
 
@@ -108,10 +124,13 @@ def check_model_folder(source: str, model: str) -> None:
         found = json.loads(index.read_text()).get("_class_name", "?")
     except ValueError:
         raise UserError(f"{index}: not valid JSON") from None
-    if found != PIPELINES[model] and not (model.startswith("flux") and found.startswith("Flux")):
-        other = next((m for m, name in PIPELINES.items() if name == found), None)
-        hint = f"; plan it with 'dreamstep plan {other}'" if other else ""
-        raise UserError(f"--pretrained_model_name_or_path {source}: a {found} folder, not {PIPELINES[model]}{hint}")
+    from dreamstep.models.family import family_of_pipeline
+
+    wanted, owner = _family(model), family_of_pipeline(found)
+    if owner is not wanted:
+        hint = f"; plan it with 'dreamstep plan {owner.name}'" if owner is not None else ""
+        raise UserError(f"--pretrained_model_name_or_path {source}: a {found} folder, not a {wanted.title} pipeline "
+                        f"({', '.join(wanted.pipeline_classes)}){hint}")
 
 
 def model_source(args: argparse.Namespace) -> tuple[str | None, str]:
@@ -119,7 +138,7 @@ def model_source(args: argparse.Namespace) -> tuple[str | None, str]:
     is resolved as the trainers resolve it (each file checked), and a transformer stored in fp8 is the fp8 base."""
     if not _flux_files(args):
         return args.pretrained_model_name_or_path, args.base_quantization
-    from dreamstep.models.flux_files import read_header, resolve_base, storage_quantization
+    from dreamstep.models.flux.files import read_header, resolve_base, storage_quantization
 
     base = resolve_base(args.pretrained_model_name_or_path, clip_l=args.clip_l, t5xxl=args.t5xxl, ae=args.ae,
                         model_config=args.model_config)
@@ -134,6 +153,7 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     check_arguments(args)
     source, base_quantization = model_source(args)
     from dreamstep.models import memory_plan as mp
+    from dreamstep.models.family import check_blocks_to_swap
     from dreamstep.models.memory_plan import PlanOptions
     from dreamstep.models.plans import Estimator, plan_report
 
@@ -147,12 +167,9 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
                           encoders_on_device=args.encoders_on_device, blocks_to_swap=args.blocks_to_swap,
                           optimizer=args.optimizer, max_sequence_length=args.max_sequence_length,
                           validation_images=not args.no_validation_images,
-                          image_token_multiplier=2 if args.model == "flux-kontext" else 1)
-    family = "sdxl" if args.model == "sdxl" else "flux"
-    estimator = Estimator(family, source, args.rank, lora_layers=args.lora_layers)
-    if not 0 <= args.blocks_to_swap < len(estimator.blocks):
-        raise UserError(f"--blocks_to_swap {args.blocks_to_swap}: the model has {len(estimator.blocks)} blocks; "
-                        f"choose 0 to {len(estimator.blocks) - 1}")
+                          image_token_multiplier=MODELS[args.model][1])
+    estimator = Estimator(MODELS[args.model][0], source, args.rank, lora_layers=args.lora_layers)
+    check_blocks_to_swap(args.blocks_to_swap, len(estimator.blocks))
     print(plan_report(estimator, options, device_memory))
     if base_quantization == "nf4":
         import torch

@@ -35,7 +35,7 @@ from dreamstep.errors import UserError
 
 if TYPE_CHECKING:
     from dreamstep.diffusion.flow_matching import FlowMatchingObjective
-    from dreamstep.models.flux_files import FluxBase
+    from dreamstep.models.flux.files import FluxBase
 
 NETWORK_MODULE = "networks.lora_flux"
 WEIGHTING_SCHEMES = ("uniform", "none", "sigma_sqrt", "logit_normal", "mode", "cosmap")
@@ -277,7 +277,7 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
         self.check_masked_loss(self.dataset_config is not None)
         base = self.flux_base()
         if base.files.transformer is not None:
-            from dreamstep.models.flux_files import read_header
+            from dreamstep.models.flux.files import read_header
 
             self.fp8_base = self.fp8_base or read_header(base.files.transformer, "--pretrained_model_name_or_path").fp8
         check_quantization(self.base_quantization, "--fp8_base")
@@ -304,7 +304,7 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
 
     def flux_base(self) -> FluxBase:
         """Where the base's parts come from, every file checked once (see ``FluxTrainingConfig.flux_base``)."""
-        from dreamstep.models.flux_files import resolve_base  # torch: not imported for --help
+        from dreamstep.models.flux.files import resolve_base  # torch: not imported for --help
 
         if "_flux_base" not in self.__dict__:
             self.__dict__["_flux_base"] = resolve_base(self.pretrained_model_name_or_path,

@@ -16,7 +16,7 @@ from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
 
 NETWORK_MODULE = "networks.lora"
-# sd-scripts' --sample_sampler names (models/sdxl.py maps each to a diffusers scheduler).
+# sd-scripts' --sample_sampler names (models/sdxl/plumbing.py maps each to a diffusers scheduler).
 SAMPLERS = ("ddim", "pndm", "euler", "k_euler", "euler_a", "k_euler_a", "dpmsolver++", "heun")
 
 

@@ -20,7 +20,7 @@ from dreamstep.errors import UserError
 
 if TYPE_CHECKING:
     from dreamstep.diffusion.flow_matching import FlowMatchingObjective
-    from dreamstep.models.flux_files import FluxBase
+    from dreamstep.models.flux.files import FluxBase
 
 # diffusers' get_scheduler names (all but piecewise_constant, which needs a rule string).
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -151,7 +151,7 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, Eval
     def flux_base(self) -> FluxBase:
         """Where the base's parts come from (a folder or hub id, the component files), every file checked: once
         per config, as the recipes ask for it at every load."""
-        from dreamstep.models.flux_files import resolve_base  # torch: not imported for --help
+        from dreamstep.models.flux.files import resolve_base  # torch: not imported for --help
 
         if "_flux_base" not in self.__dict__:
             self.__dict__["_flux_base"] = resolve_base(
@@ -172,7 +172,7 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, Eval
         if self.resolution % 16:
             raise UserError(f"--resolution must be a multiple of 16 for FLUX's 2x2 latent packing "
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
-        from dreamstep.models.flux_files import read_header, storage_quantization
+        from dreamstep.models.flux.files import read_header, storage_quantization
 
         base = self.flux_base()
         if base.files.transformer is not None:

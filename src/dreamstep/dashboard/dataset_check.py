@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dreamstep.dashboard.trainer_data import FOLDER_FLAGS, check_config, trainer_datasets
+from dreamstep.dashboard.trainer_data import check_config, folder_flag, trainer_datasets
 from dreamstep.data.buckets import BucketPlanner
 from dreamstep.data.dataset import BucketDataset
 from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig
@@ -90,7 +90,7 @@ def check_trainer_data(trainer: str, config: Any, source: str | None = None) -> 
     ``source`` names it on the page (default: its dataset TOML or image folder)."""
     configs = trainer_datasets(trainer, config)
     if source is None:
-        source = str(config.dataset_config or getattr(config, FOLDER_FLAGS[trainer], None) or configs[0].where)
+        source = str(config.dataset_config or getattr(config, folder_flag(trainer), None) or configs[0].where)
     return check_datasets(configs, source, config.seed)
 
 

@@ -73,6 +73,16 @@ def trainer_options(trainer: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def trainer_recipe(trainer: str) -> Any:
+    """The recipe module of ``dreamstep train TRAINER``: what the dashboard asks of it (``FOLDER_FLAG``,
+    ``training_datasets(config)``, ``plan_inputs(config, datasets, encodes_in_the_loop)``) is what its ``train``
+    calls, so the form's dataset check and plan cannot disagree with the run."""
+    from dreamstep.cli import COMMANDS
+
+    trainer_options(trainer)  # an unknown trainer is a FieldError naming the known ones
+    return importlib.import_module(COMMANDS[("train", trainer)].runner.partition(":")[0])
+
+
 def check_job_request(body: Any, output_roots: list[Path], data_roots: list[Path]) -> JobRequest:
     """The job ``body`` asks for (``trainer``, ``output_root``: an index into the output roots, ``name``,
     ``options``: flag names without ``--`` and their values), or :class:`FieldError`."""

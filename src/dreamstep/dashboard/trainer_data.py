@@ -9,50 +9,26 @@ from pathlib import Path
 from typing import Any
 
 from dreamstep.config.schema import build_config, load_toml
+from dreamstep.dashboard.job_requests import trainer_options, trainer_recipe
 from dreamstep.data.dataset_config import DatasetConfig, load_dataset_config
-from dreamstep.data.images import IMAGE_EXTENSIONS
 from dreamstep.errors import UserError
 
-__all__ = ["FOLDER_FLAGS", "check_config", "trainer_datasets"]
+__all__ = ["check_config", "folder_flag", "trainer_datasets"]
 
-# The flag each trainer reads an image folder from (a file given instead is its --dataset_config).
-FOLDER_FLAGS = {"flux-lora": "instance_data_dir", "sdxl-lora": "train_data_dir", "flux-kohya": "train_data_dir",
-                "flux-controlnet": "train_data_dir", "flux-kontext-lora": "instance_data_dir"}
 # Required options the data does not depend on: set where the config leaves them out.
 _PLACEHOLDERS = {"pretrained_model_name_or_path": ".", "output_dir": "."}
 
 
 def trainer_datasets(trainer: str, config: Any) -> list[DatasetConfig]:
-    """The datasets ``dreamstep train TRAINER`` builds from ``config`` (its config dataclass), by the same
-    functions its recipe calls; a mistake raises the trainer's UserError."""
-    if trainer == "flux-lora":
-        from dreamstep.data.sources import flux_lora_datasets
-
-        return flux_lora_datasets(config, _class_dir(config))
-    if trainer in ("sdxl-lora", "flux-kohya"):
-        from dreamstep.data.sources import kohya_datasets
-
-        return kohya_datasets(config, f"train {trainer}")
-    if trainer == "flux-controlnet":
-        from dreamstep.data.sources import paired_datasets
-
-        return paired_datasets(config, ("controlnet",), "train flux-controlnet")
-    if trainer == "flux-kontext-lora":
-        from dreamstep.models.kontext import kontext_datasets
-
-        return kontext_datasets(config)
-    raise UserError(f"--trainer {trainer}: the dataset check does not know this trainer's data; choose one of "
-                    f"{', '.join(FOLDER_FLAGS)}")
+    """The datasets ``dreamstep train TRAINER`` builds from ``config`` (its config dataclass): its recipe's own
+    ``training_datasets``; a mistake raises the trainer's UserError."""
+    return trainer_recipe(trainer).training_datasets(config)
 
 
-def _class_dir(config: Any) -> str | None:
-    """flux-lora's class folder as its recipe reads it first: with prior preservation from the flags, and only
-    once it holds --num_class_images images (the base model makes the rest before the data is built again)."""
-    if not config.class_images_to_generate:
-        return None
-    folder = Path(config.class_data_dir)
-    found = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS] if folder.is_dir() else []
-    return config.class_data_dir if len(found) >= config.num_class_images else None
+def folder_flag(trainer: str) -> str:
+    """The flag ``dreamstep train TRAINER`` reads an image folder from (a file given instead is its
+    --dataset_config)."""
+    return trainer_recipe(trainer).FOLDER_FLAG
 
 
 def check_config(trainer: str, data: str | Path | None = None, config_toml: str | Path | None = None,
@@ -61,8 +37,6 @@ def check_config(trainer: str, data: str | Path | None = None, config_toml: str 
     ``data`` (an image folder, read with the trainer's folder flag, or a dataset TOML), then ``flags`` (given
     values as on its command line; ``None`` leaves one out). Options the data does not need (the model, the
     output folder) get placeholders where missing. Bad values raise the trainer's own UserError."""
-    from dreamstep.dashboard.job_requests import trainer_options
-
     options_class = trainer_options(trainer)
     names = set(options_class.__dataclass_fields__)
     from_toml = load_toml(config_toml) if config_toml is not None else {}
@@ -71,9 +45,9 @@ def check_config(trainer: str, data: str | Path | None = None, config_toml: str 
         path = Path(data)
         if not path.exists():
             raise UserError(f"--dataset {path}: no such file or folder; give a dataset TOML or an image folder")
-        folder_flag = FOLDER_FLAGS[trainer]
-        values.update({"dataset_config": None, folder_flag: None})
-        values["dataset_config" if path.is_file() else folder_flag] = str(path)
+        folder = folder_flag(trainer)
+        values.update({"dataset_config": None, folder: None})
+        values["dataset_config" if path.is_file() else folder] = str(path)
         if path.is_file() and "masked_loss" not in from_toml and "masked_loss" in names:
             # A TOML that gives masks is read as --masked_loss reads it, and the check shows the masks.
             values["masked_loss"] = str(_declares_masks(path))

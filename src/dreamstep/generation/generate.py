@@ -34,8 +34,8 @@ from dreamstep.evaluation.candidates import lora_file_for
 from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, parse_lora_spec
 from dreamstep.generation.outputs import next_index, save_png
 from dreamstep.generation.pipelines import build_pipeline, choose_dtype, default_size
-from dreamstep.models.flux import FLUX_DEV_SAMPLING
-from dreamstep.models.kontext import edit_size
+from dreamstep.models.flux.kontext import edit_size
+from dreamstep.models.flux.plumbing import FLUX_DEV_SAMPLING
 from dreamstep.models.precision import choose_device
 
 SDXL_DEFAULTS = {"steps": 50, "guidance_scale": 7.0}

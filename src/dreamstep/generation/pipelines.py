@@ -19,7 +19,7 @@ from diffusers import (
 )
 
 from dreamstep.errors import UserError, refusing_pickled_code
-from dreamstep.models.flux_files import FILE_SUFFIXES, resolve_base
+from dreamstep.models.flux.files import FILE_SUFFIXES, resolve_base
 from dreamstep.models.loading import CHECKPOINT_SUFFIXES, load_flux, load_sdxl
 from dreamstep.models.precision import dtype_named
 

@@ -24,7 +24,7 @@ import torch
 
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.lora import formats
-from dreamstep.lora.formats import ModelKeys, model_keys
+from dreamstep.lora.formats import model_keys
 from dreamstep.lora.io import container_for, read_lora_file, write_lora_file
 from dreamstep.lora.layouts import (
     LAYOUTS,
@@ -33,13 +33,14 @@ from dreamstep.lora.layouts import (
     diffusers_file_contents,
     diffusers_state_dict,
     fold_alpha,
-    guess_model,
     kohya_state_dict,
     modules_from_file,
 )
-from dreamstep.lora.lycoris_files import READERS, LycorisFile, dora_as_diffusers, read_lycoris
+from dreamstep.lora.lycoris_files import LycorisFile, dora_as_diffusers, lycoris_readers, read_lycoris
 from dreamstep.lora.lycoris_network import is_lycoris
+from dreamstep.models.family import families, guess_family, model_title
 from dreamstep.models.full_size import weight_shapes
+from dreamstep.models.lora_keys import ModelKeys
 from dreamstep.models.precision import dtype_named
 
 # --------------------------------------------------------------------------- one function per direction
@@ -52,10 +53,10 @@ def _exact_alpha(scale: float, rank: int) -> float | None:
 
 
 def _unmapped(name: str, keys: ModelKeys, source: str) -> UserError:
-    model, _ = guess_model([name])
+    model, _ = guess_family([name])
     if model is not None and model != keys.model:
-        return UserError(f"{source}: module '{name}' has no counterpart in {formats.MODEL_NAMES[keys.model]}; "
-                         f"this LoRA looks made for {formats.MODEL_NAMES[model]}")
+        return UserError(f"{source}: module '{name}' has no counterpart in {model_title(keys.model)}; "
+                         f"this LoRA looks made for {model_title(model)}")
     return UserError(f"{source}: module '{name}' does not exist in the target {keys.description}; "
                      f"the LoRA was made for another model or model size (give the right --model / --base)")
 
@@ -159,7 +160,7 @@ def diffusers_to_kohya(modules: Mapping[str, LoraWeights], keys: ModelKeys, sour
 
 def mindspore_to_diffusers(modules: Mapping[str, LoraWeights], keys: ModelKeys, source: str) -> dict[str, LoraWeights]:
     """MindSpore port names (``lora_unet.<diffusers module>``) -> diffusers names (``unet.<module>``)."""
-    prefixes = formats.KOHYA_PREFIXES[keys.model]
+    prefixes = formats.kohya_prefixes(keys.model)
     out = {}
     for name, m in modules.items():
         prefix, _, module = name.partition(".")
@@ -172,7 +173,7 @@ def mindspore_to_diffusers(modules: Mapping[str, LoraWeights], keys: ModelKeys, 
 
 def diffusers_to_mindspore(modules: Mapping[str, LoraWeights], keys: ModelKeys, source: str) -> dict[str, LoraWeights]:
     """diffusers names -> MindSpore port names (inverse of :func:`mindspore_to_diffusers`)."""
-    prefixes = {v: k for k, v in formats.KOHYA_PREFIXES[keys.model].items()}
+    prefixes = {v: k for k, v in formats.kohya_prefixes(keys.model).items()}
     out = {}
     for name, m in modules.items():
         component, _, module = name.partition(".")
@@ -211,21 +212,26 @@ class Lora:
 
 
 def read_lora(path: str | Path, model: str | None = None) -> Lora:
-    """Read and classify a LoRA file; ``model`` ('flux'/'sdxl'), when given, must be the one it was made for."""
+    """Read and classify a LoRA file; ``model`` (a family's name), when given, must be the one it was made for."""
     lora_file = read_lora_file(path)
     source = str(lora_file.path)
     layout = detect_layout(list(lora_file.tensors), source)
     modules = modules_from_file(lora_file, layout)
-    guessed, evidence = guess_model(list(modules))
+    guessed, evidence = guess_family(list(modules))
     if guessed is None and layout == "mindspore":
-        guessed = "sdxl"  # the MindSpore port trains SDXL only
-    if guessed == "sd1":
-        raise UserError(f"{source}: module '{evidence}' is Stable Diffusion 1.x/2.x naming; dreamstep converts "
-                        f"FLUX.1 and SDXL LoRAs")
+        guessed = _mindspore_family()
+    if guessed is not None and guessed not in families():
+        raise UserError(f"{source}: module '{evidence}' is {model_title(guessed)} naming; dreamstep converts "
+                        f"{' and '.join(f.title for f in families().values())} LoRAs")
     if model is not None and guessed is not None and guessed != model:
-        raise UserError(f"{source}: module '{evidence}' has no counterpart in {formats.MODEL_NAMES[model]}; "
-                        f"this LoRA looks made for {formats.MODEL_NAMES[guessed]}")
+        raise UserError(f"{source}: module '{evidence}' has no counterpart in {model_title(model)}; "
+                        f"this LoRA looks made for {model_title(guessed)}")
     return Lora(lora_file.path, lora_file.container, layout, model or guessed, modules, lora_file.metadata)
+
+
+def _mindspore_family() -> str:
+    """The family the MindSpore port trains (its files name no model)."""
+    return next(f.name for f in families().values() if f.mindspore_port)
 
 
 def to_diffusers(lora: Lora, keys: ModelKeys) -> dict[str, LoraWeights]:
@@ -240,8 +246,8 @@ def to_diffusers(lora: Lora, keys: ModelKeys) -> dict[str, LoraWeights]:
 
 def _keys_for(lora: Lora, configs: Mapping[str, Mapping] | None) -> ModelKeys:
     if lora.model is None:
-        raise UserError(f"{lora.path}: cannot tell whether this LoRA is for FLUX.1 or SDXL (it adapts only "
-                        f"text encoders); pass --model flux or --model sdxl")
+        raise UserError(f"{lora.path}: cannot tell which model this LoRA is for (it adapts only text encoders); "
+                        f"pass --model ({' or '.join(families())})")
     return model_keys(lora.model, configs)
 
 
@@ -275,7 +281,7 @@ def convert_lycoris(src: Path, dst: Path, to: str, model: str | None, configs: M
         only = ("only a DoRA by output row (wd_on_output=True) or a plain LoRA goes --to diffusers; this DoRA has a "
                 "magnitude per input column" if by_column else "only a DoRA or plain LoRA goes --to diffusers")
         raise UserError(f"{src}: a {what} file in LyCORIS' layout, which --to {to} cannot hold ({only}); "
-                        f"{READERS.get(lycoris.model or '', 'ComfyUI and Forge')} read this file as it is")
+                        f"{lycoris_readers(lycoris.model)} read this file as it is")
     tensors, metadata = converted
     if cast_to is not None:
         tensors = {k: v.to(cast_to) for k, v in tensors.items()}
@@ -317,9 +323,9 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
         return lycoris
     lora = read_lora(src, model)
     keys = _keys_for(lora, configs)
-    if to == "mindspore" and keys.model != "sdxl":
-        raise UserError(f"--to mindspore: the MindSpore port's layout exists for SDXL only, this LoRA is "
-                        f"for {formats.MODEL_NAMES[keys.model]}")
+    if to == "mindspore" and keys.model != _mindspore_family():
+        raise UserError(f"--to mindspore: the MindSpore port's layout exists for {model_title(_mindspore_family())} "
+                        f"only, this LoRA is for {model_title(keys.model)}")
     notes: list[str] = []
     ours = to_diffusers(lora, keys)
     if to == "kohya":
@@ -332,7 +338,7 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
             notes.append("alpha/rank is folded into lora_B (alpha = rank), the one form diffusers and ComfyUI "
                          "both apply at the trained strength")
     source_count = len(lora.modules)
-    if len(out) != source_count and keys.model == "flux":
+    if len(out) != source_count and keys.fuses_modules:
         fused = len(out) < source_count
         notes.append(f"{source_count} modules became {len(out)}: sd-scripts' FLUX layout fuses the attention's q, k "
                      f"and v (and a single block's q, k, v and MLP input) into one module whose rank is the sum of "

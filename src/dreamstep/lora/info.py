@@ -16,7 +16,8 @@ from dreamstep.lora.formats import folder_configs, model_keys
 from dreamstep.lora.io import LoraFile, read_lora_file
 from dreamstep.lora.lycoris_files import fit_problem, read_lycoris, report_lines
 from dreamstep.lora.lycoris_network import is_lycoris
-from dreamstep.models.full_size import RELEASED_NAMES, lora_shape_problem, weight_shapes
+from dreamstep.models.family import families, model_title
+from dreamstep.models.full_size import lora_shape_problem, weight_shapes
 
 LAYOUT_NAMES = {
     "kohya": "Kohya sd-scripts layout (lora_down/lora_up/alpha)",
@@ -37,7 +38,7 @@ def _component(lora: Lora, name: str) -> str:
     if lora.layout == "diffusers":
         return name.partition(".")[0]
     prefix = re.match(r"lora_(?:unet|te\d?)", name).group(0)
-    return formats.KOHYA_PREFIXES.get(lora.model or "", {}).get(prefix, prefix)
+    return families()[lora.model].kohya_prefixes.get(prefix, prefix) if lora.model in families() else prefix
 
 
 def _values(values: set) -> str:
@@ -63,7 +64,7 @@ def _fit(lora: Lora, base: str | None) -> str:
     configs, or the released FLUX.1-dev / SDXL base 1.0, built on the meta device."""
     configs = folder_configs(base) if base else None
     keys = model_keys(lora.model, configs)
-    target = f"the {keys.description}" + (f" of {base}" if base else f" ({RELEASED_NAMES[lora.model]})")
+    target = f"the {keys.description}" + (f" of {base}" if base else f" ({families()[lora.model].released_name})")
     try:
         modules = to_diffusers(lora, keys)
     except UserError as e:
@@ -83,7 +84,8 @@ def _describe_lycoris(lora_file: LoraFile, model: str | None, base: str | None) 
     if lycoris.model is not None:
         configs = folder_configs(base) if base else None
         keys = model_keys(lycoris.model, configs)
-        target = f"the {keys.description}" + (f" of {base}" if base else f" ({RELEASED_NAMES[lycoris.model]})")
+        released = families()[lycoris.model].released_name
+        target = f"the {keys.description}" + (f" of {base}" if base else f" ({released})")
         problem = fit_problem(lycoris, keys, weight_shapes(lycoris.model, configs))
         fits = f"yes, every module exists with its shape in {target}" if problem is None else (
             f"NO: {problem} in {target}{'' if base else '; give the model folder with --base'}")
@@ -103,7 +105,7 @@ def describe(path: str, model: str | None = None, base: str | None = None) -> st
     tensors = [t for m in lora.modules.values() for t in (m.down, m.up)]
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
     components = sorted({_component(lora, n) for n in lora.modules})
-    target = formats.MODEL_NAMES.get(lora.model or "", "unknown (text encoders only; pass --model)")
+    target = model_title(lora.model) if lora.model else "unknown (text encoders only; pass --model)"
     lines = [
         f"file:      {lora.path} ({size:,} bytes, {lora.container})",
         f"format:    {lora.format}: {LAYOUT_NAMES[lora.layout]}",

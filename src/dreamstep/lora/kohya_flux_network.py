@@ -2,9 +2,9 @@
 so its files load in sd-scripts, ComfyUI, Forge and diffusers.
 
 sd-scripts adapts every Linear of Black Forest Labs' blocks (``double_blocks.{i}.img_attn.qkv`` …, ``single_blocks.
-{i}.linear1`` …; :data:`dreamstep.lora.formats.FLUX_DOUBLE_BLOCK`), where q, k and v (and a single block's MLP input)
-are one fused Linear. diffusers keeps them as separate Linears of the same input, so a fused module here is one
-``lora_down`` (dim, in) and one ``lora_up`` (Σ rows, dim) whose row slices are added to each part's output through
+{i}.linear1`` …; :data:`dreamstep.models.flux.lora_keys.FLUX_DOUBLE_BLOCK`), where q, k and v (and a single block's
+MLP input) are one fused Linear. diffusers keeps them as separate Linears of the same input, so a fused module here is
+one ``lora_down`` (dim, in) and one ``lora_up`` (Σ rows, dim) whose row slices are added to each part's output through
 forward hooks (:class:`FusedLoRAModule`): the same function and the same tensors as sd-scripts', computed on
 diffusers' modules. With ``split_qkv=True`` each part has its own LoRA (sd-scripts' split form) and the file holds
 them as sd-scripts saves them: the downs stacked (parts·dim, in), the ups block-diagonal (Σ rows, parts·dim), one
@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from dreamstep.config.flux_network_args import IN_DIM_NAMES, FluxNetworkOptions, block_selection
-from dreamstep.lora.formats import FLUX_DOUBLE_BLOCK, FLUX_GLOBAL, FLUX_GUIDANCE, FLUX_SINGLE_BLOCK, flux_keys
 from dreamstep.lora.kohya_network import LoRAModule, LoRANetwork, text_model_path
+from dreamstep.models.flux.lora_keys import FLUX_DOUBLE_BLOCK, FLUX_GLOBAL, FLUX_GUIDANCE, FLUX_SINGLE_BLOCK, flux_keys
 
 # Where each kind of BFL block is in diffusers' transformer.
 _BLOCKS = {"double_blocks": ("transformer_blocks", FLUX_DOUBLE_BLOCK),

@@ -34,8 +34,9 @@ from torch import nn
 
 from dreamstep.config.schema import parse_key_values
 from dreamstep.errors import UserError, did_you_mean
-from dreamstep.lora.formats import ModelKeys, sdxl_keys
 from dreamstep.lora.io import container_for, read_lora_file, write_lora_file
+from dreamstep.models.lora_keys import ModelKeys
+from dreamstep.models.sdxl.lora_keys import sdxl_keys
 
 UNET_TARGETS = ("Transformer2DModel",)
 UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")

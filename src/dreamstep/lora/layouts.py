@@ -71,13 +71,6 @@ def detect_layout(keys: list[str], source: str) -> str:
     return next(iter(layouts))
 
 
-def guess_model(names: list[str]) -> tuple[str | None, str | None]:
-    """(model, the first name that tells) from module or key names, by :data:`formats.MODEL_HINTS`."""
-    for hint, model in formats.MODEL_HINTS:
-        for name in names:
-            if hint in name:
-                return model, name
-    return None, None
 
 
 # ------------------------------------------------------------------------------ state dict <-> modules

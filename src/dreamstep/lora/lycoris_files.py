@@ -15,14 +15,11 @@ import torch
 
 from dreamstep.errors import UserError
 from dreamstep.lora import formats
-from dreamstep.lora.formats import ModelKeys
 from dreamstep.lora.io import LoraFile, read_lora_file
-from dreamstep.lora.layouts import guess_model
 from dreamstep.lora.lycoris_network import ALGORITHM_NAMES, FLUX_PREFIX
+from dreamstep.models.family import families, guess_family, model_title
+from dreamstep.models.lora_keys import ModelKeys
 
-# Who reads a LyCORIS file of each model as it is.
-READERS = {"flux": "ComfyUI, Forge, LyCORIS on diffusers' FLUX (SimpleTuner)",
-           "sdxl": "ComfyUI, Forge, A1111, sd-scripts with lycoris.kohya"}
 # Text encoder file prefixes (sd-scripts' names, both models) -> component.
 _TEXT_PREFIXES = {"lora_te1": "text_encoder", "lora_te2": "text_encoder_2", "lora_te3": "text_encoder_2"}
 
@@ -123,11 +120,15 @@ def read_lycoris(path: str | Path, model: str | None = None, lora_file: LoraFile
         modules[name] = LycorisModule(name, ALGORITHM_NAMES[kind.__name__],
                                       {k[len(prefix):]: v for k, v in lora_file.tensors.items()
                                        if k.startswith(prefix)})
-    guessed = "flux" if any(n.startswith(FLUX_PREFIX) for n in names) else guess_model(names)[0]
+    guessed = guess_family(names)[0]
     if model is not None and guessed is not None and guessed != model:
-        raise UserError(f"{source}: this LyCORIS file is for {formats.MODEL_NAMES[guessed]}, not "
-                        f"{formats.MODEL_NAMES[model]}")
+        raise UserError(f"{source}: this LyCORIS file is for {model_title(guessed)}, not {model_title(model)}")
     return LycorisFile(lora_file.path, lora_file.container, model or guessed, modules, lora_file.metadata)
+
+
+def lycoris_readers(model: str | None) -> str:
+    """Who reads a LyCORIS file of family ``model`` as it is."""
+    return families()[model].lycoris_readers if model in families() else "ComfyUI, Forge"
 
 
 def diffusers_names(keys: ModelKeys, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
@@ -163,15 +164,15 @@ def _component(name: str, model: str | None) -> str:
     prefix = name.split("_text_model")[0] if name.startswith("lora_te") else None
     if prefix in _TEXT_PREFIXES:
         return _TEXT_PREFIXES[prefix]
-    return "transformer" if model == "flux" else "unet"
+    return families()[model].denoiser if model in families() else "denoiser"
 
 
 def report_lines(lycoris: LycorisFile, fits: str | None) -> list[str]:
     """The ``lora info`` lines after ``file:`` for a LyCORIS file."""
-    target = formats.MODEL_NAMES.get(lycoris.model or "", "unknown (pass --model)")
+    target = model_title(lycoris.model) if lycoris.model else "unknown (pass --model)"
     components = sorted({_component(n, lycoris.model) for n in lycoris.modules})
     tensors = [t for m in lycoris.modules.values() for k, t in m.tensors.items() if k != "alpha"]
-    readers = READERS.get(lycoris.model or "", "ComfyUI, Forge")
+    readers = lycoris_readers(lycoris.model)
     layout = f"LyCORIS layout ({', '.join(lycoris.algorithms)}; {readers})"
     lines = [f"format:    lycoris-{lycoris.model or 'unknown'}: {layout}",
              f"target:    {target}: {', '.join(components)}"]

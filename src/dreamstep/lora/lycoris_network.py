@@ -40,8 +40,8 @@ from torch import nn
 
 from dreamstep.config.lycoris import LycorisOptions
 from dreamstep.errors import UserError
-from dreamstep.lora.formats import ModelKeys
 from dreamstep.lora.io import container_for, read_lora_file, write_lora_file
+from dreamstep.models.lora_keys import ModelKeys
 
 # LyCORIS' algo names that dreamstep trains, and the LyCORIS module class of each (imported when used: importing
 # lycoris takes seconds, as it imports peft and bitsandbytes, and most commands never need it).
@@ -241,7 +241,7 @@ def create_sdxl_network(unet: nn.Module, text_encoders: Mapping[str, nn.Module],
                         train_unet: bool = True, train_text_encoder: bool = True) -> LycorisNetwork:
     """sd-scripts' ``lycoris.kohya`` network over an SDXL UNet and its CLIP encoders ({"text_encoder": CLIP-L,
     "text_encoder_2": CLIP-G}), with sd-scripts' names, attached."""
-    from dreamstep.lora.formats import sdxl_keys
+    from dreamstep.models.sdxl.lora_keys import sdxl_keys
 
     keys = sdxl_keys(dict(unet.config), text_encoders["text_encoder"].config.num_hidden_layers,
                      text_encoders["text_encoder_2"].config.num_hidden_layers)
@@ -255,7 +255,7 @@ def create_flux_network(transformer: nn.Module, targets: Iterable[str], text_enc
                         text_encoder_targets: Iterable[str], options: LycorisOptions) -> LycorisNetwork:
     """A network over the FLUX transformer's ``targets`` (module paths) and, when given, the CLIP text encoder's
     modules whose paths end with one of ``text_encoder_targets``, attached."""
-    from dreamstep.lora.formats import flux_keys
+    from dreamstep.models.flux.lora_keys import flux_keys
 
     components = {"transformer": transformer} | ({"text_encoder": text_encoder} if text_encoder is not None else {})
     clip_layers = text_encoder.config.num_hidden_layers if text_encoder is not None else 12

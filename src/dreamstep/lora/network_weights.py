@@ -1,4 +1,5 @@
-"""``--network_weights`` of ``train flux-lora``: continue from a saved adapter file instead of the fresh init.
+"""``--network_weights``: continue from a saved adapter file instead of the fresh init (``train flux-lora``; any
+family whose trainer builds its LoRA from :meth:`~dreamstep.models.family.ModelFamily.lora_targets`).
 
 As sd-scripts' ``--network_weights``: the file's weights are loaded and its alpha is the one trained with. A
 LyCORIS file's alpha must equal a given ``--lora_alpha``; a plain LoRA's ``up`` is rescaled to a given
@@ -27,10 +28,10 @@ from torch import nn
 from dreamstep.errors import UserError
 from dreamstep.lora.convert import read_lora, to_diffusers
 from dreamstep.lora.formats import DIFFUSERS_SUFFIXES, model_keys
-from dreamstep.lora.inject import flux_lora_targets
 from dreamstep.lora.io import read_lora_file, sniff_container
-from dreamstep.lora.layouts import LoraWeights, canonical_name, guess_model
+from dreamstep.lora.layouts import LoraWeights, canonical_name
 from dreamstep.lora.lycoris_network import FLUX_PREFIX, LycorisNetwork, create_flux_network, is_lycoris
+from dreamstep.models.family import ModelFamily, guess_family, model_title
 
 FLAG = "--network_weights"
 _TYPE_NAMES = {"lora": "plain LoRA", "lokr": "LoKr", "loha": "LoHa", "dora": "DoRA",
@@ -102,18 +103,19 @@ def _check_alpha(alpha: float | None, config: Any, path: Path) -> float | None:
     return alpha
 
 
-def check_starting_file(config: Any, transformer_config: Mapping[str, Any]) -> StartingFile:
-    """Check ``config.network_weights`` against the flags before any model loads (see the module docstring)."""
+def check_starting_file(config: Any, family: ModelFamily, denoiser: nn.Module) -> StartingFile:
+    """Check ``config.network_weights`` against the flags before any model loads (see the module docstring);
+    ``denoiser``: the run's denoiser built on the meta device (no weights), which the adapters target."""
     path = Path(config.network_weights)
     shapes, alphas = _header(path)
     keys = list(shapes)
     if not keys:
         raise UserError(f"{FLAG} {path}: the file holds no tensors")
     names = sorted({key.split(".", 1)[0] if key.startswith(("lora_", FLUX_PREFIX)) else key for key in keys})
-    model, evidence = ("flux", None) if any(n.startswith(FLUX_PREFIX) for n in names) else guess_model(names)
-    if model not in ("flux", None):
-        raise UserError(f"{FLAG} {path}: an adapter for {'SDXL' if model == 'sdxl' else 'SD 1.x/2.x'} "
-                        f"('{evidence}'); flux-lora continues from a FLUX.1 file")
+    model, evidence = guess_family(names)
+    if model not in (family.name, None):
+        raise UserError(f"{FLAG} {path}: an adapter for {model_title(model)} ('{evidence}'); continue from a "
+                        f"{family.title} file")
     kind = _file_type(keys)
     if kind != config.lora_type:
         hint = f"--lora_type {kind}" if kind in _TYPE_NAMES and kind != "lycoris-lora" else "another file"
@@ -137,11 +139,11 @@ def check_starting_file(config: Any, transformer_config: Mapping[str, Any]) -> S
         if not (kind == "lokr" and full_matrix):  # a full-matrix LoKr has no rank, and LyCORIS sets its alpha
             _check_rank(_lycoris_rank(shapes, kind), config, path)
             alpha = _check_alpha(_one(set(alphas.values()), "alpha", path), config, path)
-        _check_lycoris_transformer(shapes, config, transformer_config, path)
+        _check_lycoris_transformer(shapes, config, family, denoiser, path)
         return StartingFile(path, alpha)
     try:
-        lora = read_lora(path, "flux")
-        modules = to_diffusers(lora, model_keys("flux", {"transformer": transformer_config}))
+        lora = read_lora(path, family.name)
+        modules = to_diffusers(lora, model_keys(family.name, {family.denoiser: dict(denoiser.config)}))
     except UserError as e:
         raise UserError(f"{FLAG} {e}") from None
     if any(name.startswith("text_encoder_2.") for name in modules):
@@ -151,25 +153,16 @@ def check_starting_file(config: Any, transformer_config: Mapping[str, Any]) -> S
     # module's up rescaled to it on loading, so the adapter's delta is the file's either way.
     alphas = {m.alpha for m in modules.values()}
     alpha = config.lora_alpha if config.lora_alpha is not None else _one(alphas, "alpha", path)
-    _check_lora_transformer(modules, config, transformer_config, path)
+    _check_lora_transformer(modules, config, family, denoiser, path)
     return StartingFile(path, float(alpha), modules)
 
 
-def _meta_transformer(transformer_config: Mapping[str, Any]) -> nn.Module:
-    """The run's transformer built on the meta device from its config (no weights): what the adapters target."""
-    from diffusers import FluxTransformer2DModel
-
-    with torch.device("meta"):
-        return FluxTransformer2DModel.from_config(dict(transformer_config))
-
-
-def _check_lora_transformer(modules: Mapping[str, LoraWeights], config: Any, transformer_config: Mapping[str, Any],
-                            path: Path) -> None:
-    """The file's transformer modules are those --lora_layers adapts, each with the layer's width."""
-    transformer = _meta_transformer(transformer_config)
-    targets = {f"transformer.{t}": transformer.get_submodule(t) for t in flux_lora_targets(transformer,
-                                                                                         config.lora_layers)}
-    _differences({name for name in modules if name.startswith("transformer.")}, set(targets), path, "adapter")
+def _check_lora_transformer(modules: Mapping[str, LoraWeights], config: Any, family: ModelFamily,
+                            denoiser: nn.Module, path: Path) -> None:
+    """The file's denoiser modules are those --lora_layers adapts, each with the layer's width."""
+    prefix = f"{family.denoiser}."
+    targets = {prefix + t: denoiser.get_submodule(t) for t in family.lora_targets(denoiser, config.lora_layers)}
+    _differences({name for name in modules if name.startswith(prefix)}, set(targets), path, "adapter")
     for name, layer in targets.items():
         down, up = modules[name].down, modules[name].up
         if (down.shape[1], up.shape[0]) != (layer.in_features, layer.out_features):
@@ -178,14 +171,13 @@ def _check_lora_transformer(modules: Mapping[str, LoraWeights], config: Any, tra
                             "another model size")
 
 
-def _check_lycoris_transformer(shapes: Mapping[str, tuple[int, ...]], config: Any,
-                               transformer_config: Mapping[str, Any], path: Path) -> None:
+def _check_lycoris_transformer(shapes: Mapping[str, tuple[int, ...]], config: Any, family: ModelFamily,
+                               denoiser: nn.Module, path: Path) -> None:
     """The file's transformer tensors are those the configured LyCORIS network has, by name and shape (the
     network built on the meta device; DoRA's magnitude, which LyCORIS computes from real weights, is left to
     the loading)."""
-    transformer = _meta_transformer(transformer_config)
     options = dataclasses.replace(config.lycoris_options(), dora_wd=False)
-    network = create_flux_network(transformer, flux_lora_targets(transformer, config.lora_layers), None, (), options)
+    network = create_flux_network(denoiser, family.lora_targets(denoiser, config.lora_layers), None, (), options)
     own = {key: tuple(value.shape) for key, value in network.state_dict().items()}
     found = {key: shape for key, shape in shapes.items() if key.startswith(FLUX_PREFIX)}
     _differences({key.split(".", 1)[0] for key in found}, {key.split(".", 1)[0] for key in own}, path, "module")

@@ -64,6 +64,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dreamstep.errors import UserError
+from dreamstep.models.family import check_blocks_to_swap
 
 ALIGNMENT = 512  # bytes; every stored tensor starts at a multiple (torch's CUDA allocator aligns to 512 too)
 CHUNK_BYTES = 64 * 2**20  # host chunk size: a power of two, so the pinned allocator does not round it
@@ -374,9 +375,7 @@ class BlockSwapper:
         the rest of ``place`` (default: ``model``; give the module that holds it with its adapters when
         those live outside it) is moved to ``device``."""
         blocks = repeated_blocks(model)
-        if not 1 <= blocks_to_swap <= len(blocks):
-            raise UserError(f"{flag} {blocks_to_swap}: this {type(model).__name__} has {len(blocks)} blocks; "
-                            f"give 1 to {len(blocks)}")
+        check_blocks_to_swap(blocks_to_swap, len(blocks), flag)
         return cls(place if place is not None else model, blocks[len(blocks) - blocks_to_swap:], device,
                    side_stream)
 

@@ -30,9 +30,10 @@ from safetensors import SafetensorError, safe_open
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from dreamstep.errors import UserError, refusing_pickled_code
-from dreamstep.models import flux_files, published_configs, quantization
-from dreamstep.models.flux_files import FluxFiles
-from dreamstep.models.sgm_keys import UNET_PREFIX
+from dreamstep.models import published_configs, quantization
+from dreamstep.models.flux import files as flux_files
+from dreamstep.models.flux.files import FluxFiles
+from dreamstep.models.sdxl.sgm_keys import UNET_PREFIX
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 # "owner/name" as on the hub; anything else that does not exist locally is a mistyped path.
@@ -140,7 +141,7 @@ def load_flux(pretrained_model_name_or_path: str | Path | None, *, revision: str
               quantize: dict[str, str] | None = None, transformer: bool = True) -> FluxComponents:
     """Load a FLUX.1 pipeline's components, all in ``weight_dtype``.
 
-    ``files`` replace the folder's parts with component files (:mod:`~dreamstep.models.flux_files`: the
+    ``files`` replace the folder's parts with component files (:mod:`~dreamstep.models.flux.files`: the
     transformer as ``flux1-dev.safetensors`` or a ``.gguf``, ``ae``, ``clip_l``, ``t5xxl``), configured by the
     folder (or hub id) ``pretrained_model_name_or_path``, or with ``None`` there by the published configs
     (all four files given). ``transformer_single_file`` is ``files.transformer``. ``quantize`` maps component

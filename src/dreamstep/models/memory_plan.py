@@ -409,7 +409,7 @@ RESOLUTION_STEP = 64
 
 
 def options_that_fit(estimate: Callable[[PlanOptions], MemoryPlan], options: PlanOptions, device_memory: int,
-                     *, max_blocks: int, cuda: bool, has_t5: bool = False,
+                     *, max_blocks: int, cuda: bool, has_long_text_encoder: bool = False,
                      can_offload_checkpointing: bool = False) -> list[tuple[str, MemoryPlan]]:
     """Changes of the memory options that bring the estimate under the card's usable memory, in the order
     that costs least speed and quality: each single change that fits; if none does, the changes together,
@@ -420,7 +420,7 @@ def options_that_fit(estimate: Callable[[PlanOptions], MemoryPlan], options: Pla
         steps.append(("encoders off the device (cached latents and text)", {"encoders_on_device": False}))
     if not options.gradient_checkpointing:
         steps.append(("--gradient_checkpointing", {"gradient_checkpointing": True}))
-    if has_t5 and options.text_encoder_quantization == "none":
+    if has_long_text_encoder and options.text_encoder_quantization == "none":
         steps.append(("--text_encoder_quantization int8", {"text_encoder_quantization": "int8"}))
     if can_offload_checkpointing and not options.cpu_offload_checkpointing:
         steps.append(("--cpu_offload_checkpointing", {"gradient_checkpointing": True,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dreamstep.models.family import ModelFamily
 from dreamstep.models.phases import ENCODERS, loop_encoders
 
 # Where parked modules wait. Tests point it at the meta device, where any use of a parked module fails.
@@ -67,7 +68,7 @@ class ParkedModules:
         return ", ".join(self.modules) if self.modules else "none"
 
 
-def park_encoders(family: str, components: Any, device: torch.device, *, text_encoders_train: bool,
+def park_encoders(family: ModelFamily, components: Any, device: torch.device, *, text_encoders_train: bool,
                   latents_cached: bool, t5_trains: bool = False) -> ParkedModules:
     """Move the encoders of ``components`` that the loop does not use (:func:`~dreamstep.models.phases.loop_encoders`)
     off ``device``, and bring those it uses there. Call after the "encode" phases (:func:`encode_run`), before the

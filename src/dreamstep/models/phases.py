@@ -19,31 +19,26 @@ The trainers place their modules by :func:`resident_components`, and the memory 
 
 from __future__ import annotations
 
+from dreamstep.models.family import ModelFamily
+
 PHASES = ("encode images", "encode text", "load", "train", "validate")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 ENCODERS = (*TEXT_ENCODERS, "vae")
 
 
-def base_name(family: str) -> str:
-    return "unet" if family == "sdxl" else "transformer"
-
-
-def loop_encoders(family: str, *, text_encoders_train: bool, vae_in_the_loop: bool,
+def loop_encoders(family: ModelFamily, *, text_encoders_train: bool, vae_in_the_loop: bool,
                   t5_trains: bool = False) -> tuple[str, ...]:
-    """The encoders a training step itself runs: FLUX trains CLIP (T5's outputs are cached, unless T5 trains too:
-    flux-kohya's ``train_t5xxl``), SDXL both of its text encoders; the VAE encodes in the loop when latents are
-    not cached."""
-    texts = ("text_encoder",) if family != "sdxl" else ("text_encoder", "text_encoder_2")
-    if family != "sdxl" and t5_trains:
-        texts = ("text_encoder", "text_encoder_2")
+    """The encoders a training step itself runs: the family's text encoders that train
+    (:meth:`~dreamstep.models.family.ModelFamily.loop_text_encoders`; ``t5_trains``: its long text encoder too,
+    flux-kohya's ``train_t5xxl``); the VAE encodes in the loop when latents are not cached."""
+    texts = family.loop_text_encoders(long_encoder_trains=t5_trains)
     return (texts if text_encoders_train else ()) + (("vae",) if vae_in_the_loop else ())
 
 
-def resident_components(family: str, phase: str, *, in_the_loop: tuple[str, ...], validation_images: bool,
+def resident_components(base: str, phase: str, *, in_the_loop: tuple[str, ...], validation_images: bool,
                         base_loads_on_device: bool = False) -> tuple[str, ...]:
-    """The components on the device in ``phase`` (pipeline names: transformer / unet, text_encoder,
-    text_encoder_2, vae); ``in_the_loop`` from :func:`loop_encoders`."""
-    base = base_name(family)
+    """The components on the device in ``phase`` (pipeline names: ``base``, the denoiser (transformer / unet),
+    text_encoder, text_encoder_2, vae); ``in_the_loop`` from :func:`loop_encoders`."""
     if phase == "encode images":
         return ("vae",)
     if phase == "encode text":

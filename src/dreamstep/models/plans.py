@@ -1,11 +1,12 @@
-"""Memory plans of FLUX.1 and SDXL LoRA runs (see :mod:`dreamstep.models.memory_plan` for the method), built
-from the model folder's configs on the meta device."""
+"""Memory plans of LoRA and ControlNet runs of any family (see :mod:`dreamstep.models.memory_plan` for the method),
+built from the model folder's configs on the meta device by the family's own members
+(:class:`~dreamstep.models.family.ModelFamily`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,10 +15,9 @@ from torch import nn
 
 from dreamstep.config.memory import OPTIMIZER_STATE_BYTES, parse_bytes
 from dreamstep.engine.logging import say_before_the_run
-from dreamstep.errors import UserError
 from dreamstep.models import memory_plan as mp
-from dreamstep.models import published_configs as published
 from dreamstep.models.blocks import HostCheckpointing
+from dreamstep.models.family import get_family
 from dreamstep.models.memory_plan import Line, MemoryPlan, Phase, PlanOptions
 from dreamstep.models.phases import PHASES, loop_encoders, resident_components
 from dreamstep.models.vae import encode_posterior
@@ -29,91 +29,8 @@ def _with_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
     return model
 
 
-def flux_components(folder: Path | None) -> dict[str, nn.Module]:
-    """The FLUX.1 components on the meta device, from ``folder``'s configs or FLUX.1-dev's."""
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
-    from transformers import CLIPTextModel, T5EncoderModel
-
-    def config(sub: str, fallback: dict[str, Any]) -> dict[str, Any]:
-        return mp.load_config(folder, sub, fallback)
-
-    return {
-        "transformer": mp.build_on_meta(FluxTransformer2DModel, config("transformer", published.FLUX_DEV_TRANSFORMER)),
-        "text_encoder_2": mp.build_on_meta(T5EncoderModel, config("text_encoder_2", published.T5_XXL_ENCODER)),
-        "text_encoder": mp.build_on_meta(CLIPTextModel, config("text_encoder", published.CLIP_L_TEXT)),
-        "vae": mp.build_on_meta(AutoencoderKL, config("vae", published.FLUX_VAE)),
-    }
-
-
-def sdxl_components(folder: Path | None) -> dict[str, nn.Module]:
-    """The SDXL components on the meta device, from ``folder``'s configs or SDXL base 1.0's."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
-
-    def config(sub: str, fallback: dict[str, Any]) -> dict[str, Any]:
-        return mp.load_config(folder, sub, fallback)
-
-    return {
-        "unet": mp.build_on_meta(UNet2DConditionModel, config("unet", published.SDXL_UNET)),
-        "text_encoder": mp.build_on_meta(CLIPTextModel, config("text_encoder", published.CLIP_L_TEXT)),
-        "text_encoder_2": mp.build_on_meta(CLIPTextModelWithProjection,
-                                           config("text_encoder_2", published.OPENCLIP_BIGG_TEXT)),
-        "vae": mp.build_on_meta(AutoencoderKL, config("vae", published.SDXL_VAE)),
-    }
-
-
-LABELS = {"flux": {"transformer": "transformer", "text_encoder_2": "text_encoder_2 (T5)",
-                  "text_encoder": "text_encoder (CLIP)", "vae": "vae"},
-          "sdxl": {"unet": "unet", "text_encoder": "text_encoder (CLIP-L)", "text_encoder_2": "text_encoder_2 (bigG)",
-                   "vae": "vae"}}
 # Captions are encoded this many at a time (parking.fill_caches), images one at a time.
 ENCODE_BATCH = 8
-
-
-def _flux_step(transformer: nn.Module, resolution: int, batch: int, text_tokens: int,
-               controlnet: nn.Module | None = None, train: bool = True,
-               image_token_multiplier: int = 1) -> Callable[[], torch.Tensor | None]:
-    """One forward of the transformer (fed by ``controlnet``'s residuals when given) at ``resolution`` (FLUX
-    packs 2x2 latent patches: a 1024 px image is 64 x 64 tokens, times ``image_token_multiplier`` for a model
-    that reads condition images' tokens beside the target's), returning a loss when ``train``. Training
-    steps get the trainer's fp32 inputs (cached latents and embeddings; autocast casts them per op), inference
-    the pipeline's, in the transformer's dtype."""
-    config = transformer.config
-    tokens = (resolution // 16) ** 2 * image_token_multiplier
-
-    def run() -> torch.Tensor | None:
-        dtype = torch.float32 if train else transformer.dtype
-        inputs = dict(
-            hidden_states=torch.empty(batch, tokens, config.in_channels, dtype=dtype),
-            encoder_hidden_states=torch.empty(batch, text_tokens, config.joint_attention_dim, dtype=dtype),
-            pooled_projections=torch.empty(batch, config.pooled_projection_dim, dtype=dtype),
-            timestep=torch.empty(batch, dtype=dtype), img_ids=torch.empty(tokens, 3),
-            txt_ids=torch.empty(text_tokens, 3),
-            guidance=torch.empty(batch, dtype=dtype) if config.guidance_embeds else None, return_dict=False)
-        residuals = {}
-        if controlnet is not None:
-            double, single = controlnet(controlnet_cond=torch.empty_like(inputs["hidden_states"]), **inputs)
-            residuals = {"controlnet_block_samples": double, "controlnet_single_block_samples": single}
-        out = transformer(**inputs, **residuals)[0]
-        return (out.float() - torch.empty_like(out, dtype=torch.float32)).pow(2).mean() if train else None
-
-    return run
-
-
-def _sdxl_step(unet: nn.Module, resolution: int, batch: int, text_tokens: int,
-               train: bool = True) -> Callable[[], torch.Tensor | None]:
-    config = unet.config
-    side = resolution // 8
-
-    def run() -> torch.Tensor | None:
-        out = unet(torch.empty(batch, config.in_channels, side, side), torch.empty(batch),
-                   encoder_hidden_states=torch.empty(batch, text_tokens, config.cross_attention_dim),
-                   added_cond_kwargs={"text_embeds": torch.empty(batch, config.projection_class_embeddings_input_dim
-                                                                 - 6 * config.addition_time_embed_dim),
-                                      "time_ids": torch.empty(batch, 6)}, return_dict=False)[0]
-        return (out.float() - torch.empty_like(out, dtype=torch.float32)).pow(2).mean() if train else None
-
-    return run
 
 
 def _text_encoder_pass(encoder: nn.Module, tokens: int) -> Callable[[], None]:
@@ -143,44 +60,33 @@ class Estimator:
     phase (:mod:`dreamstep.models.phases`): which components are on the device, what waits in host memory, and
     the peak of the pass that runs.
 
-    ``arch``: "flux" or "sdxl" (a LoRA of ``rank`` on the transformer / UNet), or "flux-controlnet" (a
-    ControlNet of ``controlnet_layers`` = (double, single) blocks trained beside the frozen transformer)."""
+    ``family``: the family's name; what trains is a LoRA of ``rank`` on its denoiser (``lora_layers``: the
+    trainer's ``--lora_layers``), or the module ``build_trainable(denoiser)`` returns, trained beside the frozen
+    denoiser and labelled ``trainable_label`` in the plan (a ControlNet)."""
 
-    def __init__(self, arch: str, source: str | None, rank: int = 0, lora_layers: list[str] | None = None,
-                 controlnet_layers: tuple[int, int] = (4, 10), device_type: str = "cuda"):
-        from dreamstep.lora.inject import flux_lora_targets
-
+    def __init__(self, family: str, source: str | None, rank: int = 0, lora_layers: list[str] | None = None,
+                 build_trainable: Callable[[nn.Module], nn.Module] | None = None, trainable_label: str = "",
+                 device_type: str = "cuda"):
         folder = mp.model_folder(source)
-        self.arch = arch
+        self.family = get_family(family)
         self.device_type = device_type  # whose autocast policy the passes follow
-        if arch not in ("flux", "sdxl", "flux-controlnet"):
-            raise UserError(f"unknown model '{arch}'; use flux or sdxl")
-        self.family = "sdxl" if arch == "sdxl" else "flux"
-        self.components = sdxl_components(folder) if arch == "sdxl" else flux_components(folder)
+        self.labels = self.family.component_labels
+        self.components = self.family.meta_components(folder)
         for module in self.components.values():
             module.requires_grad_(False)
-        self.base_name = "unet" if arch == "sdxl" else "transformer"
+        self.base_name = self.family.denoiser
         self.base = self.components[self.base_name]
-        if arch == "flux-controlnet":
-            from diffusers import FluxControlNetModel
-
+        if build_trainable is not None:
             with torch.device("meta"), mp.default_dtype(torch.float32):
-                self.trainable = FluxControlNetModel.from_transformer(
-                    self.base, *controlnet_layers, attention_head_dim=self.base.config.attention_head_dim,
-                    num_attention_heads=self.base.config.num_attention_heads, load_weights_from_transformer=False)
-            self.trainable_label = f"ControlNet ({controlnet_layers[0]} + {controlnet_layers[1]} blocks)"
+                self.trainable = build_trainable(self.base)
+            self.trainable_label = trainable_label
         else:
-            targets = (flux_lora_targets(self.base, lora_layers or ["attention"]) if arch == "flux" else
-                       # sd-scripts' networks.lora adapts every linear layer of the UNet's transformer blocks.
-                       [name for name, m in self.base.named_modules()
-                        if isinstance(m, nn.Linear) and ".attentions." in name])
-            self.trainable = _with_lora(self.base, rank, targets)
+            self.trainable = _with_lora(self.base, rank, self.family.lora_targets(self.base, lora_layers or []))
             self.trainable_label = f"LoRA rank {rank}"
             for param in self.trainable.parameters():  # trainable weights are fp32 (models/precision.py)
                 if param.requires_grad:
                     param.data = param.data.float()
-        self.blocks = ([*self.base.transformer_blocks, *self.base.single_transformer_blocks] if arch != "sdxl" else
-                       [m for m in self.base.modules() if type(m).__name__ == "BasicTransformerBlock"])
+        self.blocks = self.family.swap_blocks(self.base)
 
     def _quantized(self, mode: str) -> dict[nn.Parameter, str]:
         if mode == "none":
@@ -213,12 +119,9 @@ class Estimator:
             else:
                 model.disable_gradient_checkpointing()
             model.train(train)
-        if self.arch == "sdxl":
-            step = _sdxl_step(self.base, resolution, batch, 77, train)
-        else:
-            step = _flux_step(self.base, resolution, batch, text_tokens, train=train,
-                              controlnet=self.trainable if self.trainable is not self.base else None,
-                              image_token_multiplier=image_token_multiplier)
+        step = self.family.training_pass(self.base, resolution=resolution, batch=batch, text_tokens=text_tokens,
+                                         train=train, image_token_multiplier=image_token_multiplier,
+                                         trainable=self.trainable if self.trainable is not self.base else None)
         grad = torch.enable_grad() if train else torch.no_grad()
         with torch.device("meta"), grad:
             peak = mp.pass_peak(nn.ModuleList(models), step, autocast=half, device_type=self.device_type,
@@ -233,7 +136,7 @@ class Estimator:
         if name == "vae":
             run = _vae_pass(module, resolution, decode)
         else:
-            run = _text_encoder_pass(module, text_tokens if "T5" in LABELS[self.family][name] else 77)
+            run = _text_encoder_pass(module, text_tokens if name == self.family.long_text_encoder else 77)
         with torch.device("meta"), torch.no_grad():
             return mp.pass_peak(module, run, autocast=None, device_type=self.device_type)
 
@@ -243,9 +146,9 @@ class Estimator:
         if name == self.base_name:
             quant = options.base_quantization
         else:
-            quant = options.text_encoder_quantization if "T5" in LABELS[self.family][name] else "none"
+            quant = options.text_encoder_quantization if name == self.family.long_text_encoder else "none"
         frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
-        return Line(f"{LABELS[self.family][name]} (frozen)", frozen, _label(quant, mp.dtype_name(options.weight_dtype)),
+        return Line(f"{self.labels[name]} (frozen)", frozen, _label(quant, mp.dtype_name(options.weight_dtype)),
                     mp.weight_bytes(module, quant, dtype_bytes, frozen_only=True))
 
     def _base_lines(self, options: PlanOptions) -> tuple[list[Line], list[Line]]:
@@ -276,7 +179,7 @@ class Estimator:
     def _phase(self, phase: str, options: PlanOptions, base: tuple[list[Line], list[Line]]) -> Phase:
         in_the_loop = loop_encoders(self.family, text_encoders_train=options.encoders_on_device,
                                     vae_in_the_loop=options.encoders_on_device, t5_trains=options.t5_trains)
-        resident = resident_components(self.family, phase, in_the_loop=in_the_loop,
+        resident = resident_components(self.base_name, phase, in_the_loop=in_the_loop,
                                        validation_images=options.validation_images,
                                        base_loads_on_device=options.base_quantization == "nf4"
                                        and not options.blocks_to_swap)
@@ -286,7 +189,7 @@ class Estimator:
         host = [self._weights(name, options) for name in encoders if name not in resident]
         resolution, tokens = options.resolution, options.max_sequence_length
         if phase.startswith("encode"):
-            passes = {f"encoding with {LABELS[self.family][n]}": self.encoder_pass(n, resolution, tokens)
+            passes = {f"encoding with {self.labels[n]}": self.encoder_pass(n, resolution, tokens)
                       for n in encoders if n in resident}
             name, peak = max(passes.items(), key=lambda item: item[1])
             return Phase(phase, resident, device + [Line(f"the largest pass: {name}", 0, "", peak)], host)
@@ -340,19 +243,38 @@ def plan_report(estimator: Estimator, options: PlanOptions, device_memory: int |
 def options_that_fit(estimator: Estimator, options: PlanOptions, device_memory: int) -> list[tuple[str, MemoryPlan]]:
     """:func:`~dreamstep.models.memory_plan.options_that_fit` for ``estimator``'s model on this machine."""
     return mp.options_that_fit(estimator, options, device_memory, max_blocks=len(estimator.blocks) - 1,
-                               cuda=torch.cuda.is_available(), has_t5=estimator.family == "flux",
-                               can_offload_checkpointing=estimator.family == "flux")
+                               cuda=torch.cuda.is_available(),
+                               has_long_text_encoder=estimator.family.long_text_encoder is not None,
+                               can_offload_checkpointing=estimator.family.long_text_encoder is not None)
 
 
-def print_run_plan(arch: str, source: str | None, options: PlanOptions, device_memory: str | None,
-                   **estimator_options: Any) -> None:
+@dataclass(frozen=True)
+class RunPlan:
+    """What a trainer plans its run with (its recipe's ``plan_inputs``; the dashboard plans a job with the same):
+    the family, the base whose configs are read (``None``: a base of component files alone, planned from the
+    published configs), the options, and what trains (:class:`Estimator`'s keyword arguments)."""
+
+    family: str
+    source: str | None
+    options: PlanOptions
+    trains: dict[str, Any] = field(default_factory=dict)
+
+    def check_source(self) -> None:
+        """The base must be a pipeline of the family (one line naming it, before anything is built)."""
+        from dreamstep.models.loading import check_pipeline_source
+
+        if self.source is not None:
+            check_pipeline_source(self.source, self.family)
+
+    def estimator(self) -> Estimator:
+        return Estimator(self.family, self.source, self.options.rank, **self.trains)
+
+
+def print_run_plan(run_plan: RunPlan, device_memory: str | None) -> None:
     """Print a training run's plan before its models load (``device_memory`` as the user wrote it, or
-    ``None`` to detect the card); ``estimator_options`` go to :class:`Estimator`. The run's ``train.log``
-    gets it too."""
-    from dreamstep.models.loading import check_pipeline_source
-
-    if source is not None:  # None: a FLUX base of component files alone, planned from the published configs
-        check_pipeline_source(source, "sdxl" if arch == "sdxl" else "flux")
+    ``None`` to detect the card). The run's ``train.log`` gets it too."""
+    run_plan.check_source()
     memory = parse_bytes(device_memory, "--device_memory") if device_memory else mp.detected_device_memory()
-    estimator = Estimator(arch, source, options.rank, **estimator_options)
+    options = run_plan.options
+    estimator = run_plan.estimator()
     say_before_the_run(plan_report(estimator, options, memory))

@@ -55,7 +55,7 @@ from dreamstep.config.choices import TINY_ARCHS, TINY_SDXL_SINGLE_FILE
 from dreamstep.errors import UserError
 from dreamstep.files import honour_umask
 from dreamstep.models import published_configs
-from dreamstep.models.sgm_keys import save_sdxl_single_file
+from dreamstep.models.sdxl.sgm_keys import save_sdxl_single_file
 
 ARCHS = TINY_ARCHS
 SINGLE_FILE_NAME = TINY_SDXL_SINGLE_FILE
@@ -326,8 +326,8 @@ def write_flux_component_files(pipe: FluxPipeline, out_dir: str | Path,
     have it), each stored in its :data:`FLUX_FILE_DTYPES` dtype unless ``dtypes`` says otherwise
     (``torch.float8_e4m3fn``: an fp8 copy). Returns the paths by sd-scripts' flag names (the transformer as
     "transformer")."""
-    from dreamstep.models.flux_files import transformer_to_bfl
-    from dreamstep.models.sgm_keys import vae_to_ldm
+    from dreamstep.models.flux.files import transformer_to_bfl
+    from dreamstep.models.sdxl.sgm_keys import vae_to_ldm
 
     out_dir = Path(out_dir)
     clip = {k if k.startswith("text_model.") else f"text_model.{k}": v

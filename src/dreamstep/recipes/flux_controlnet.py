@@ -38,6 +38,7 @@ from PIL import Image
 from dreamstep.config.flux_controlnet import FluxControlNetConfig
 from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches
+from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import load_rgb
 from dreamstep.data.sources import paired_datasets
@@ -51,11 +52,13 @@ from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.sharding import FullState, full_model_state, is_sharded, shard_model
 from dreamstep.engine.summary import print_run_summary
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
-from dreamstep.models import controlnet as cn
-from dreamstep.models import flux, parking
+from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
-from dreamstep.models.flux_step import FluxFlowMatchingStep, condition_latents
-from dreamstep.models.plans import print_run_plan
+from dreamstep.models.flux import controlnet as cn
+from dreamstep.models.flux import plumbing as flux
+from dreamstep.models.flux.family import FAMILY as FLUX
+from dreamstep.models.flux.step import FluxFlowMatchingStep, condition_latents
+from dreamstep.models.plans import RunPlan, print_run_plan
 from dreamstep.models.precision import autocast
 
 
@@ -77,6 +80,24 @@ class FluxControlNetStep(FluxFlowMatchingStep):
         return self.transformer(**inputs, **residuals, return_dict=False)[0]
 
 
+FOLDER_FLAG = "train_data_dir"  # the flag an image folder is read from (the dashboard's dataset check)
+
+
+def training_datasets(config: FluxControlNetConfig) -> list[DatasetConfig]:
+    return paired_datasets(config, ("controlnet",), "train flux-controlnet")
+
+
+def plan_inputs(config: FluxControlNetConfig, dataset_configs: list[DatasetConfig],
+                encodes_in_the_loop: bool) -> RunPlan:
+    """The memory plan's inputs; ``encodes_in_the_loop``: the loop encodes random crops itself."""
+    layers = (config.num_double_layers, config.num_single_layers)
+    return RunPlan(FLUX.name, config.flux_base().source, flux.plan_options(
+        config, dataset_configs, rank=0, encoders_on_device=not config.cache_latents or encodes_in_the_loop,
+        validation_images=bool(config.validation_pairs())),
+        {"build_trainable": cn.meta_builder(*layers),
+         "trainable_label": f"ControlNet ({layers[0]} + {layers[1]} blocks)"})
+
+
 def train(config: FluxControlNetConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder, pair and image (validation images too) and the optimizer,
@@ -85,7 +106,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
     check_optimization(**config.optimization())
-    datasets = paired_datasets(config, ("controlnet",), "train flux-controlnet")
+    datasets = training_datasets(config)
     # Target and control posteriors cached (a random crop with room to move is encoded every step), prompt
     # embeddings cached.
     latent_cache, text_cache = flux.caches_of(config, datasets)
@@ -96,11 +117,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     transformer_config = flux.transformer_config(config)  # checked before the plan, or anything is encoded
     if config.controlnet_model_name_or_path is None:
         cn.check_layers(config.num_double_layers, config.num_single_layers, transformer_config)
-    print_run_plan("flux-controlnet", config.flux_base().source, flux.plan_options(
-        config, rank=0, encoders_on_device=not config.cache_latents or dataset.encodes_in_the_loop(),
-        validation_images=bool(validation)),
-        config.device_memory,
-        controlnet_layers=(config.num_double_layers, config.num_single_layers))
+    print_run_plan(plan_inputs(config, datasets, dataset.encodes_in_the_loop()), config.device_memory)
     if config.dry_run:
         return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,

@@ -40,6 +40,7 @@ from dreamstep.config.flux_network_args import FluxNetworkOptions
 from dreamstep.config.schema import config_to_toml
 from dreamstep.data import ConditionedBatches
 from dreamstep.data.cache import remove_caches
+from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets
 from dreamstep.data.sources import kohya_datasets
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
@@ -58,11 +59,13 @@ from dreamstep.lora.kohya_files import (
     training_metadata,
 )
 from dreamstep.lora.kohya_flux_network import FluxLoRANetwork, create_flux_network
-from dreamstep.models import flux, parking
+from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
-from dreamstep.models.flux_samples import FluxSampleWriter, read_flux_sample_prompts
-from dreamstep.models.flux_step import FluxFlowMatchingStep
-from dreamstep.models.plans import print_run_plan
+from dreamstep.models.flux import plumbing as flux
+from dreamstep.models.flux.family import FAMILY as FLUX
+from dreamstep.models.flux.samples import FluxSampleWriter, read_flux_sample_prompts
+from dreamstep.models.flux.step import FluxFlowMatchingStep
+from dreamstep.models.plans import RunPlan, print_run_plan
 from dreamstep.models.precision import dtype_named, weight_dtype_for
 
 
@@ -107,13 +110,30 @@ def sd_scripts_sigmas(discrete_flow_shift: float) -> torch.Tensor:
     return flux.training_sigmas(FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=discrete_flow_shift))
 
 
+FOLDER_FLAG = "train_data_dir"  # the flag an image folder is read from (the dashboard's dataset check)
+
+
+def training_datasets(config: FluxKohyaConfig) -> list[DatasetConfig]:
+    return kohya_datasets(config, "train flux-kohya")
+
+
+def plan_inputs(config: FluxKohyaConfig, dataset_configs: list[DatasetConfig], encodes_in_the_loop: bool) -> RunPlan:
+    """The memory plan's inputs; ``encodes_in_the_loop``: the loop encodes random crops itself."""
+    guidance_embeds = flux.transformer_config(config)["guidance_embeds"]  # the files' own config
+    return RunPlan(FLUX.name, config.flux_base().source, flux.kohya_plan_options(
+        config, dataset_configs, max_sequence_length=config.max_sequence_length(guidance_embeds),
+        validation_images=bool(config.sample_prompts),
+        encoders_on_device=config.train_clip or not config.cache_latents or encodes_in_the_loop),
+        {"lora_layers": ["all-linear"]})  # networks.lora_flux adapts every Linear of the blocks
+
+
 def train(config: FluxKohyaConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, key, folder, image, prompt line and the optimizer, before a model loads.
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume,
                      resume_flag="--resume", config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
-    datasets = kohya_datasets(config, "train flux-kohya")
+    datasets = training_datasets(config)
     optimizer_args = parse_optimizer_args(config.optimizer_args)
     check_optimization(config.optimizer_type, config.learning_rate, lr_scheduler=config.lr_scheduler,
                        num_cycles=config.lr_scheduler_num_cycles, power=config.lr_scheduler_power,
@@ -132,10 +152,7 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
     if config.train_t5:  # T5 trains: it encodes every step, nothing of the text is cached
         text_cache = None
     dataset, _ = build_split_datasets(datasets, config.seed, latent_cache=latent_cache, text_cache=text_cache)
-    print_run_plan("flux", base_files.source, flux.kohya_plan_options(
-        config, datasets, max_sequence_length=max_sequence_length, validation_images=prompts is not None,
-        encoders_on_device=config.train_clip or not config.cache_latents or dataset.encodes_in_the_loop()),
-        config.device_memory, lora_layers=["all-linear"])  # networks.lora_flux adapts every Linear of the blocks
+    print_run_plan(plan_inputs(config, datasets, dataset.encodes_in_the_loop()), config.device_memory)
     if config.dry_run:
         return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,

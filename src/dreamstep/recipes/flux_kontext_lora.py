@@ -31,6 +31,7 @@ from PIL import Image
 from dreamstep.config.flux_kontext_lora import FluxKontextLoraConfig
 from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches
+from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.engine.ema import validation_weights, weight_average, with_average
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
@@ -41,12 +42,16 @@ from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.convert import convert_lora
-from dreamstep.lora.inject import TrainableState, add_lora, flux_lora_targets, save_flux_lora
-from dreamstep.models import flux, kontext, parking
+from dreamstep.lora.inject import TrainableState, add_lora, save_flux_lora
+from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
-from dreamstep.models.controlnet import side_by_side
-from dreamstep.models.flux_step import FluxFlowMatchingStep, condition_latents
-from dreamstep.models.plans import print_run_plan
+from dreamstep.models.flux import kontext
+from dreamstep.models.flux import plumbing as flux
+from dreamstep.models.flux.controlnet import side_by_side
+from dreamstep.models.flux.family import FAMILY as FLUX
+from dreamstep.models.flux.lora_targets import flux_lora_targets
+from dreamstep.models.flux.step import FluxFlowMatchingStep, condition_latents
+from dreamstep.models.plans import RunPlan, print_run_plan
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.vae import posterior_mean, sample_latents
 
@@ -76,6 +81,24 @@ class FluxKontextStep(FluxFlowMatchingStep):
         return kontext.target_prediction(prediction, inputs["hidden_states"].shape[1])
 
 
+FOLDER_FLAG = "instance_data_dir"  # the flag an image folder is read from (the dashboard's dataset check)
+
+
+def training_datasets(config: FluxKontextLoraConfig) -> list[DatasetConfig]:
+    return kontext.kontext_datasets(config)
+
+
+def plan_inputs(config: FluxKontextLoraConfig, dataset_configs: list[DatasetConfig],
+                encodes_in_the_loop: bool) -> RunPlan:
+    """The memory plan's inputs; ``encodes_in_the_loop``: the loop encodes random crops itself. The transformer
+    reads the condition's tokens beside the target's: twice the image tokens of a pair."""
+    paired = dataset_configs[0].method == "controlnet"
+    return RunPlan(FLUX.name, config.flux_base().source, flux.plan_options(
+        config, dataset_configs, rank=config.rank, encoders_on_device=not config.cache_latents or encodes_in_the_loop,
+        validation_images=bool(config.validation_prompt), image_token_multiplier=2 if paired else 1),
+        {"lora_layers": config.lora_layers})
+
+
 def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder, pair and image and the optimizer, before a model loads.
@@ -83,7 +106,7 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
     check_optimization(**config.optimization())
-    datasets = kontext.kontext_datasets(config)
+    datasets = training_datasets(config)
     paired = datasets[0].method == "controlnet"  # every dataset has condition images, or none has
     # Target and condition posteriors cached (a random crop with room to move is encoded every step), the
     # instructions' embeddings cached.
@@ -93,11 +116,7 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
     validation_image = kontext.validation_image(config.validation_image)
     scorer = load_scorer(config)
     flux.transformer_config(config)  # --blocks_to_swap checked before the plan, or anything is encoded
-    # The transformer reads the condition's tokens beside the target's: twice the image tokens of a pair.
-    print_run_plan("flux", config.flux_base().source, flux.plan_options(
-        config, rank=config.rank, encoders_on_device=not config.cache_latents or dataset.encodes_in_the_loop(),
-        validation_images=bool(config.validation_prompt), image_token_multiplier=2 if paired else 1),
-        config.device_memory, lora_layers=config.lora_layers)
+    print_run_plan(plan_inputs(config, datasets, dataset.encodes_in_the_loop()), config.device_memory)
     if config.dry_run:
         return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,

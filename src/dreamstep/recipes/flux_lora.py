@@ -33,6 +33,7 @@ from torch import nn
 from dreamstep.config.flux_lora import FluxLoraConfig
 from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches
+from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import IMAGE_EXTENSIONS
 from dreamstep.data.sources import flux_lora_datasets
@@ -45,19 +46,16 @@ from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.convert import convert_lora
-from dreamstep.lora.inject import (
-    CLIP_LORA_TARGETS,
-    TrainableState,
-    add_lora,
-    flux_lora_targets,
-    save_flux_lora,
-)
+from dreamstep.lora.inject import CLIP_LORA_TARGETS, TrainableState, add_lora, save_flux_lora
 from dreamstep.lora.lycoris_network import LycorisNetwork, create_flux_network
 from dreamstep.lora.network_weights import StartingFile, check_starting_file, load_into_lora, load_into_network
-from dreamstep.models import flux, parking
+from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
-from dreamstep.models.flux_step import FluxFlowMatchingStep
-from dreamstep.models.plans import print_run_plan
+from dreamstep.models.flux import plumbing as flux
+from dreamstep.models.flux.family import FAMILY as FLUX
+from dreamstep.models.flux.lora_targets import flux_lora_targets
+from dreamstep.models.flux.step import FluxFlowMatchingStep
+from dreamstep.models.plans import RunPlan, print_run_plan
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 
 
@@ -127,6 +125,24 @@ def add_adapters(config: FluxLoraConfig, transformer: nn.Module, text_encoder: n
     return None, TrainableState({"transformer": transformer, "text_encoder": text_encoder})
 
 
+FOLDER_FLAG = "instance_data_dir"  # the flag an image folder is read from (the dashboard's dataset check)
+
+
+def training_datasets(config: FluxLoraConfig) -> list[DatasetConfig]:
+    """The datasets this run trains on as it first reads them: the class folder joins once it holds
+    --num_class_images images (the base model makes the missing ones after the check)."""
+    class_dir = config.class_data_dir if config.class_images_to_generate else None
+    return flux_lora_datasets(config, None if class_dir is None or _class_images_missing(config) else class_dir)
+
+
+def plan_inputs(config: FluxLoraConfig, dataset_configs: list[DatasetConfig], encodes_in_the_loop: bool) -> RunPlan:
+    """The memory plan's inputs; ``encodes_in_the_loop``: the loop encodes random crops itself."""
+    return RunPlan(FLUX.name, config.flux_base().source, flux.plan_options(
+        config, dataset_configs, rank=config.rank, validation_images=bool(config.validation_prompt),
+        encoders_on_device=config.train_text_encoder or not config.cache_latents or encodes_in_the_loop),
+        {"lora_layers": config.lora_layers})
+
+
 def train(config: FluxLoraConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder and image (each decoded once) and the optimizer, before a model loads.
@@ -138,16 +154,13 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
     # Class images still to be made join the data in step 2; until then the instance images are checked alone.
     class_dir = config.class_data_dir if config.class_images_to_generate else None
     generate_class_images = class_dir is not None and _class_images_missing(config)
-    datasets = flux_lora_datasets(config, None if generate_class_images else class_dir)
-    latent_cache, text_cache = flux.caches_of(config, datasets)
-    dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
+    first_datasets = training_datasets(config)
+    latent_cache, text_cache = flux.caches_of(config, first_datasets)
+    dataset, held_out = build_split_datasets(first_datasets, config.seed, config.validation_split,
                                              latent_cache=latent_cache, text_cache=text_cache)
     scorer = load_scorer(config)
     flux.transformer_config(config)  # --blocks_to_swap checked before the plan, or anything is encoded
-    print_run_plan("flux", config.flux_base().source, flux.plan_options(
-        config, rank=config.rank,
-        encoders_on_device=config.train_text_encoder or not config.cache_latents or dataset.encodes_in_the_loop(),
-        validation_images=bool(config.validation_prompt)), config.device_memory, lora_layers=config.lora_layers)
+    print_run_plan(plan_inputs(config, first_datasets, dataset.encodes_in_the_loop()), config.device_memory)
     if config.dry_run:
         return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
@@ -163,8 +176,8 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
             _generate_class_images(config, class_dir, run.device)
         run.accelerator.wait_for_everyone()
         parking.free_device_memory(run.device)
-        datasets = flux_lora_datasets(config, class_dir)
-        dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
+        dataset, held_out = build_split_datasets(flux_lora_datasets(config, class_dir), config.seed,
+                                                 config.validation_split,
                                                  latent_cache=latent_cache, text_cache=text_cache)
 
     # 3. Data: bucketed samples, posteriors and prompt embeddings from the content-keyed caches (random crops
@@ -239,7 +252,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
 
     def sample(global_step: int) -> list:
         with encoders.on_device("vae"), evaluating(adapters):
-            return _validation_images(config, pipeline, datasets[0].buckets.resolution, embeddings)
+            return _validation_images(config, pipeline, first_datasets[0].buckets.resolution, embeddings)
 
     hooks = RunHooks(sample=sample if prompts else None,
                      score=(lambda _, images: evaluator(images, prompts)) if evaluator is not None else None,
@@ -296,7 +309,7 @@ def _starting_file(config: FluxLoraConfig) -> StartingFile | None:
     trains with the file's alpha, which config.toml then records."""
     if config.network_weights is None:
         return None
-    start = check_starting_file(config, flux.transformer_config(config))
+    start = check_starting_file(config, FLUX, flux.meta_transformer(config))
     if start.alpha is not None:
         config.lora_alpha = start.alpha
     return start

@@ -44,6 +44,7 @@ from dreamstep.data import (
     ConditionedBatches,
 )
 from dreamstep.data.cache import remove_caches
+from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import kohya_datasets
 from dreamstep.diffusion import noise_prediction as noise_math
@@ -64,10 +65,12 @@ from dreamstep.lora.kohya_network import (
     create_network,
 )
 from dreamstep.lora.lycoris_network import LycorisNetwork, create_sdxl_network
-from dreamstep.models import parking, sdxl
+from dreamstep.models import parking
 from dreamstep.models.blocks import prepare_blocks
-from dreamstep.models.plans import print_run_plan
+from dreamstep.models.plans import RunPlan, print_run_plan
 from dreamstep.models.precision import dtype_named, weight_dtype_for
+from dreamstep.models.sdxl import plumbing as sdxl
+from dreamstep.models.sdxl.family import FAMILY as SDXL
 from dreamstep.models.vae import sample_latents
 
 # ------------------------------------------------------------------------------------------- builders
@@ -162,13 +165,31 @@ class SDXLLoraStep(TrainStep):
 
 # ------------------------------------------------------------------------------------------- main
 
+FOLDER_FLAG = "train_data_dir"  # the flag an image folder is read from (the dashboard's dataset check)
+
+
+def training_datasets(config: SDXLLoraConfig) -> list[DatasetConfig]:
+    return kohya_datasets(config, "train sdxl-lora")
+
+
+def plan_inputs(config: SDXLLoraConfig, dataset_configs: list[DatasetConfig], encodes_in_the_loop: bool) -> RunPlan:
+    """The memory plan's inputs; ``encodes_in_the_loop``: the loop encodes random crops itself. The text encoders
+    run in the loop when they train, or when their outputs are not cached."""
+    text_in_the_loop = not config.network_train_unet_only or not config.cache_text_encoder_outputs
+    return RunPlan(SDXL.name, sdxl.config_source(config.pretrained_model_name_or_path, config.model_config),
+                   sdxl.plan_options(config, dataset_configs,
+                                     encoders_on_device=text_in_the_loop or not config.cache_latents
+                                     or encodes_in_the_loop,
+                                     validation_images=bool(config.sample_prompts)))
+
+
 def train(config: SDXLLoraConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, key, folder, image and the optimizer, before a model loads.
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume,
                      resume_flag="--resume", config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
-    datasets = kohya_datasets(config, "train sdxl-lora")
+    datasets = training_datasets(config)
     optimizer_args = parse_optimizer_args(config.optimizer_args)
     check_optimization(config.optimizer_type, config.learning_rate, lr_scheduler=config.lr_scheduler,
                        num_cycles=config.lr_scheduler_num_cycles, power=config.lr_scheduler_power,
@@ -191,10 +212,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
                                              latent_cache=latent_cache, text_cache=text_cache)
     scorer = load_scorer(config)
-    encoders_on_device = text_in_the_loop or not config.cache_latents or dataset.encodes_in_the_loop()
-    print_run_plan("sdxl", sdxl.config_source(config.pretrained_model_name_or_path, config.model_config),
-                   sdxl.plan_options(config, datasets, encoders_on_device=encoders_on_device,
-                                     validation_images=prompts is not None), config.device_memory)
+    print_run_plan(plan_inputs(config, datasets, dataset.encodes_in_the_loop()), config.device_memory)
     if config.dry_run:
         return None
     # Module dropout skips whole LoRAs, and SDXL reads CLIP-L's penultimate layer, so the LoRAs on its

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from diffusers import FluxControlNetModel, FluxTransformer2DModel
 from PIL import Image
 from safetensors.torch import save_file
+from torch import nn
 
 from dreamstep.errors import UserError, refusing_pickled_code
 from dreamstep.files import atomic_files
@@ -57,6 +59,20 @@ def build_from_transformer(transformer: FluxTransformer2DModel, num_double_layer
         load_weights_from_transformer=False)
     _copy_from_transformer(controlnet, transformer)
     return controlnet
+
+
+def meta_builder(num_double_layers: int, num_single_layers: int) -> Callable[[nn.Module], FluxControlNetModel]:
+    """What the memory plan builds beside a transformer on the meta device: a ControlNet of these blocks, without
+    copying weights (the plan counts its parameters and prices its passes)."""
+
+    def build(transformer: nn.Module) -> FluxControlNetModel:
+        config = transformer.config
+        return FluxControlNetModel.from_transformer(
+            transformer, num_layers=num_double_layers, num_single_layers=num_single_layers,
+            attention_head_dim=config.attention_head_dim, num_attention_heads=config.num_attention_heads,
+            load_weights_from_transformer=False)
+
+    return build
 
 
 # The parts a ControlNet built from the transformer starts from (what diffusers' from_transformer copies).

@@ -32,6 +32,7 @@ from dreamstep.models.parking import ParkedModules
 from dreamstep.models.phases import ENCODERS
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.sample_prompts import SDXL_OPTIONS, SamplePrompt, parse_prompt_line, read_prompt_lines
+from dreamstep.models.sdxl.family import FAMILY as SDXL
 from dreamstep.models.vae import encode_posterior
 from dreamstep.notices import CAPTION_CUT, hidden
 from dreamstep.png_text import JSON_KEY, png_info, sample_parameters
@@ -199,7 +200,7 @@ def park_encoders(base: Any, device: torch.device, *, text_in_the_loop: bool, la
     """Move the encoders the loop does not use off ``device`` (:func:`~dreamstep.models.parking.park_encoders`):
     both CLIP encoders unless they encode in the loop (they train, or their outputs are not cached), the VAE
     when the latents are cached."""
-    return parking.park_encoders("sdxl", base, device, text_encoders_train=text_in_the_loop,
+    return parking.park_encoders(SDXL, base, device, text_encoders_train=text_in_the_loop,
                                  latents_cached=latents_cached)
 
 

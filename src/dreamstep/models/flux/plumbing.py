@@ -14,11 +14,12 @@ from diffusers import FluxControlNetPipeline, FluxPipeline
 from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
-from dreamstep.data.dataset_config import DatasetConfig, load_dataset_config
-from dreamstep.errors import UserError
+from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.files import atomic_path
 from dreamstep.models import parking
-from dreamstep.models.flux_files import FLAGS, FluxFiles, config_folder, read_header
+from dreamstep.models.family import check_blocks_to_swap
+from dreamstep.models.flux.family import FAMILY as FLUX
+from dreamstep.models.flux.files import FLAGS, FluxFiles, config_folder, read_header
 from dreamstep.models.loading import component_identity, load_flux, load_flux_transformer
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.parking import ParkedModules
@@ -329,12 +330,17 @@ def transformer_config(config: Any) -> dict[str, Any]:
     with config_folder(base.source, header) as configs:
         found = FluxTransformer2DModel.load_config(configs, subfolder="transformer",
                                                    revision=config.revision if base.source else None)
-    blocks = found["num_layers"] + found["num_single_layers"]
-    swap = getattr(config, "blocks_to_swap", 0)
-    if swap and not 1 <= swap <= blocks:
-        raise UserError(f"--blocks_to_swap {swap}: this FluxTransformer2DModel has {blocks} blocks; "
-                        f"give 1 to {blocks}")
+    check_blocks_to_swap(getattr(config, "blocks_to_swap", 0), found["num_layers"] + found["num_single_layers"])
     return found
+
+
+def meta_transformer(config: Any) -> torch.nn.Module:
+    """The transformer of a FLUX trainer's config built on the meta device (no weights): what its adapters
+    target, checked before anything loads."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        return FluxTransformer2DModel.from_config(transformer_config(config))
 
 
 def attach_transformer(pipeline: FluxPipeline, components: Any) -> None:
@@ -360,17 +366,13 @@ def caches_of(config: Any, datasets: list[Any]) -> tuple[TensorCache | None, Ten
                            image_dirs=image_dirs, files=base.files)
 
 
-def plan_options(config: Any, *, rank: int, encoders_on_device: bool, validation_images: bool,
-                 image_token_multiplier: int = 1) -> PlanOptions:
-    """The memory-plan inputs of a FLUX trainer's config (any :class:`FluxTrainingConfig`); a dataset TOML's
-    batch size and resolution win over the flags, as in training. ``image_token_multiplier``: see
-    :class:`~dreamstep.models.memory_plan.PlanOptions`."""
-    resolution, batch_size = config.resolution, config.train_batch_size
-    if getattr(config, "dataset_config", None) is not None:
-        datasets = load_dataset_config(config.dataset_config, cli={"resolution": resolution,
-                                                                   "train_batch_size": batch_size})
-        resolution = max(round(math.prod(d.buckets.resolution) ** 0.5) for d in datasets)
-        batch_size = max(d.batch_size for d in datasets)
+def plan_options(config: Any, datasets: list[DatasetConfig], *, rank: int, encoders_on_device: bool,
+                 validation_images: bool, image_token_multiplier: int = 1) -> PlanOptions:
+    """The memory-plan inputs of a FLUX trainer's config (any :class:`FluxTrainingConfig`) and the ``datasets`` it
+    trains on (their largest resolution and batch: a dataset TOML's win over the flags, as in training).
+    ``image_token_multiplier``: see :class:`~dreamstep.models.memory_plan.PlanOptions`."""
+    resolution = max(round(math.prod(d.buckets.resolution) ** 0.5) for d in datasets)
+    batch_size = max(d.batch_size for d in datasets)
     return PlanOptions(resolution=resolution, batch_size=batch_size, rank=rank,
                        gradient_checkpointing=config.gradient_checkpointing,
                        cpu_offload_checkpointing=config.cpu_offload_checkpointing,
@@ -401,7 +403,7 @@ def park_encoders(components: Any, device: torch.device, *, text_encoder_trains:
                   latents_cached: bool, t5_trains: bool = False) -> ParkedModules:
     """Move the encoders the loop does not use off ``device`` (:func:`~dreamstep.models.parking.park_encoders`):
     T5 unless it trains (its outputs are cached), CLIP unless it trains, the VAE when the latents are cached."""
-    return parking.park_encoders("flux", components, device, text_encoders_train=text_encoder_trains,
+    return parking.park_encoders(FLUX, components, device, text_encoders_train=text_encoder_trains,
                                  latents_cached=latents_cached, t5_trains=t5_trains)
 
 

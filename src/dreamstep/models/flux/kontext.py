@@ -29,7 +29,7 @@ from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig, load_data
 from dreamstep.data.images import list_images, load_rgb
 from dreamstep.data.sources import bucket_spec, dreambooth_from_flags, with_caption_flags
 from dreamstep.errors import UserError
-from dreamstep.models import flux
+from dreamstep.models.flux import plumbing as flux
 
 # What a Hugging Face image folder names its metadata table.
 METADATA_NAMES = ("metadata.jsonl", "metadata.csv")

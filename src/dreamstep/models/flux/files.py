@@ -27,8 +27,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dreamstep.errors import UserError
-from dreamstep.lora import formats
 from dreamstep.models import published_configs
+from dreamstep.models.flux.lora_keys import (
+    FLUX_DOUBLE_BLOCK,
+    FLUX_FUSED_ROWS,
+    FLUX_GLOBAL,
+    FLUX_GUIDANCE,
+    FLUX_SINGLE_BLOCK,
+)
 
 # The prefix ComfyUI's and Forge's full checkpoints put before the transformer's keys.
 COMFY_PREFIX = "model.diffusion_model."
@@ -261,17 +267,17 @@ def transformer_to_bfl(state_dict: Mapping[str, torch.Tensor], config: Mapping[s
                 out[f"{bfl}.{kind}"] = torch.cat([state_dict[p] for p in parts])
                 used.update(parts)
 
-    globals_ = {**formats.FLUX_GLOBAL, **(formats.FLUX_GUIDANCE if config["guidance_embeds"] else {})}
+    globals_ = {**FLUX_GLOBAL, **(FLUX_GUIDANCE if config["guidance_embeds"] else {})}
     for bfl, name in globals_.items():
         take(bfl, (name,))
     for i in range(config["num_layers"]):
-        for bfl, names in formats.FLUX_DOUBLE_BLOCK.items():
+        for bfl, names in FLUX_DOUBLE_BLOCK.items():
             take(f"double_blocks.{i}.{bfl}", tuple(f"transformer_blocks.{i}.{n}" for n in names))
         for bfl, name in _DOUBLE_NORMS.items():
             out[f"double_blocks.{i}.{bfl}"] = state_dict[f"transformer_blocks.{i}.{name}"]
             used.add(f"transformer_blocks.{i}.{name}")
     for i in range(config["num_single_layers"]):
-        for bfl, names in formats.FLUX_SINGLE_BLOCK.items():
+        for bfl, names in FLUX_SINGLE_BLOCK.items():
             take(f"single_blocks.{i}.{bfl}", tuple(f"single_transformer_blocks.{i}.{n}" for n in names))
         for bfl, name in _SINGLE_NORMS.items():
             out[f"single_blocks.{i}.{bfl}"] = state_dict[f"single_transformer_blocks.{i}.{name}"]
@@ -295,23 +301,23 @@ def transformer_from_bfl(checkpoint: Mapping[str, torch.Tensor], config: Mapping
     out: dict[str, torch.Tensor] = {}
 
     def give(bfl: str, names: tuple[str, ...], module: str = "") -> None:
-        # A fused BFL linear's output rows are its parts', in units of the width (formats.FLUX_FUSED_ROWS).
-        rows = [r * hidden for r in formats.FLUX_FUSED_ROWS.get(module, ())]
+        # A fused BFL linear's output rows are its parts', in units of the width (FLUX_FUSED_ROWS).
+        rows = [r * hidden for r in FLUX_FUSED_ROWS.get(module, ())]
         for kind in ("weight", "bias"):
             if f"{bfl}.{kind}" in checkpoint:
                 tensor = checkpoint.pop(f"{bfl}.{kind}")
                 out.update(zip((f"{n}.{kind}" for n in names), tensor.split(rows) if rows else (tensor,)))
 
-    globals_ = {**formats.FLUX_GLOBAL, **(formats.FLUX_GUIDANCE if config["guidance_embeds"] else {})}
+    globals_ = {**FLUX_GLOBAL, **(FLUX_GUIDANCE if config["guidance_embeds"] else {})}
     for bfl, name in globals_.items():
         give(bfl, (name,))
     for i in range(config["num_layers"]):
-        for bfl, names in formats.FLUX_DOUBLE_BLOCK.items():
+        for bfl, names in FLUX_DOUBLE_BLOCK.items():
             give(f"double_blocks.{i}.{bfl}", tuple(f"transformer_blocks.{i}.{n}" for n in names), bfl)
         for bfl, name in _DOUBLE_NORMS.items():
             out[f"transformer_blocks.{i}.{name}"] = checkpoint.pop(f"double_blocks.{i}.{bfl}")
     for i in range(config["num_single_layers"]):
-        for bfl, names in formats.FLUX_SINGLE_BLOCK.items():
+        for bfl, names in FLUX_SINGLE_BLOCK.items():
             give(f"single_blocks.{i}.{bfl}", tuple(f"single_transformer_blocks.{i}.{n}" for n in names), bfl)
         for bfl, name in _SINGLE_NORMS.items():
             out[f"single_transformer_blocks.{i}.{name}"] = checkpoint.pop(f"single_blocks.{i}.{bfl}")

@@ -16,7 +16,7 @@ from diffusers import FluxPipeline
 from PIL import Image
 
 from dreamstep.errors import UserError
-from dreamstep.models.flux import FluxConditioner, joint_attention_mask, t5_embeddings, without_text_encoders
+from dreamstep.models.flux.plumbing import FluxConditioner, joint_attention_mask, t5_embeddings, without_text_encoders
 from dreamstep.models.parking import ParkedModules
 from dreamstep.models.sample_prompts import FLUX_OPTIONS, SamplePrompt, parse_prompt_line, read_prompt_lines
 from dreamstep.png_text import JSON_KEY, png_info, sample_parameters

@@ -19,7 +19,7 @@ import torch
 from dreamstep.diffusion import flow_matching as fm
 from dreamstep.diffusion.losses import masked
 from dreamstep.engine.train_step import TrainStep
-from dreamstep.models import flux
+from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.vae import posterior_mean, sample_latents
 
 

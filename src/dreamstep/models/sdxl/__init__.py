@@ -1,0 +1,1 @@
+"""SDXL as a model family: see :mod:`dreamstep.models.sdxl.family`."""

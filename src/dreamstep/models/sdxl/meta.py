@@ -1,0 +1,66 @@
+"""SDXL on the meta device: its components for the memory plan, the UNet's training pass as the trainer calls it,
+and the full-size parts whose weight shapes check a LoRA file."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dreamstep.models import memory_plan as mp
+from dreamstep.models import published_configs as published
+
+TEXT_TOKENS = 77  # both CLIP encoders read 77 tokens
+
+
+def meta_components(folder: Path | None) -> dict[str, nn.Module]:
+    """The SDXL components on the meta device, from ``folder``'s configs or SDXL base 1.0's."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    def config(sub: str, fallback: dict[str, Any]) -> dict[str, Any]:
+        return mp.load_config(folder, sub, fallback)
+
+    return {
+        "unet": mp.build_on_meta(UNet2DConditionModel, config("unet", published.SDXL_UNET)),
+        "text_encoder": mp.build_on_meta(CLIPTextModel, config("text_encoder", published.CLIP_L_TEXT)),
+        "text_encoder_2": mp.build_on_meta(CLIPTextModelWithProjection,
+                                           config("text_encoder_2", published.OPENCLIP_BIGG_TEXT)),
+        "vae": mp.build_on_meta(AutoencoderKL, config("vae", published.SDXL_VAE)),
+    }
+
+
+def training_pass(unet: nn.Module, *, resolution: int, batch: int, train: bool = True
+                  ) -> Callable[[], torch.Tensor | None]:
+    """One forward of the UNet on a ``resolution`` px latent with SDXL's size conditioning, returning a loss when
+    ``train``."""
+    config = unet.config
+    side = resolution // 8
+
+    def run() -> torch.Tensor | None:
+        out = unet(torch.empty(batch, config.in_channels, side, side), torch.empty(batch),
+                   encoder_hidden_states=torch.empty(batch, TEXT_TOKENS, config.cross_attention_dim),
+                   added_cond_kwargs={"text_embeds": torch.empty(batch, config.projection_class_embeddings_input_dim
+                                                                 - 6 * config.addition_time_embed_dim),
+                                      "time_ids": torch.empty(batch, 6)}, return_dict=False)[0]
+        return (out.float() - torch.empty_like(out, dtype=torch.float32)).pow(2).mean() if train else None
+
+    return run
+
+
+def released_components(configs: Mapping[str, Mapping]) -> dict[str, nn.Module]:
+    """The UNet and both CLIP text encoders built empty from ``configs``."""
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    def clean(config: Mapping) -> dict:
+        return {k: v for k, v in config.items() if not k.startswith("_")}
+
+    with init_empty_weights():
+        return {"unet": UNet2DConditionModel.from_config(clean(configs["unet"])),
+                "text_encoder": CLIPTextModel(CLIPTextConfig(**clean(configs["text_encoder"]))),
+                "text_encoder_2": CLIPTextModelWithProjection(CLIPTextConfig(**clean(configs["text_encoder_2"])))}
