@@ -26,8 +26,8 @@ from torch import nn
 from dreamstep.config.lycoris import LycorisOptions
 from dreamstep.lora.formats import model_keys
 from dreamstep.lora.lycoris_network import create_network, file_names, sdxl_targets
+from dreamstep.models.family import get_family
 from dreamstep.models.flux.lora_targets import flux_lora_targets
-from dreamstep.models.full_size import _build, released_configs
 
 TYPES = {
     "LoRA r16": LycorisOptions("lora", dim=16, alpha=16.0),
@@ -41,8 +41,8 @@ SDXL_ONLY = {"LoCon r16/c8": LycorisOptions("lora", dim=16, alpha=16.0, conv_dim
 
 def layers(model: str, conv: bool) -> tuple[dict, dict]:
     """(file names, {diffusers name: layer}) of the trainer's default targets on the released model (meta)."""
-    configs = released_configs(model)
-    built = _build(model, configs)
+    configs = get_family(model).released_configs()
+    built = get_family(model).released_components(configs)
     if model == "flux":
         transformer = built["transformer"]
         targets = {f"transformer.{p}": transformer.get_submodule(p)

@@ -244,10 +244,10 @@ def test_flux_kontext_lora_maps_fully_in_comfyui_and_diffusers_at_full_size(tmp_
     from accelerate import init_empty_weights
     from diffusers import FluxKontextPipeline, FluxTransformer2DModel
 
+    from dreamstep.models.family import get_family
     from dreamstep.models.flux.lora_targets import flux_lora_targets
-    from dreamstep.models.full_size import released_configs
 
-    config = {k: v for k, v in released_configs("flux")["transformer"].items() if not k.startswith("_")}
+    config = {k: v for k, v in get_family("flux").released_configs()["transformer"].items() if not k.startswith("_")}
     with init_empty_weights():
         transformer = FluxTransformer2DModel.from_config({**config, "guidance_embeds": True})
     names = [f"transformer.{n}" for n in flux_lora_targets(transformer, ["all-linear"])]

@@ -16,7 +16,7 @@ from dreamstep.config.flux_network_args import FluxNetworkOptions
 from dreamstep.errors import UserError
 from dreamstep.lora.kohya_flux_network import create_flux_network
 from dreamstep.models.flux.lora_keys import FLUX_DOUBLE_BLOCK, FLUX_SINGLE_BLOCK
-from dreamstep.models.published_configs import CLIP_L, T5_XXL
+from dreamstep.models.published_configs import CLIP_L_TEXT, T5_XXL_ENCODER
 from dreamstep.models.tiny import build_tiny_flux
 
 
@@ -157,7 +157,7 @@ def test_loraplus_gives_the_up_weights_their_ratio(tiny) -> None:
 def test_full_size_files_load_whole_in_comfyui_and_sd_scripts(args: list[str]) -> None:
     with init_empty_weights():
         transformer = FluxTransformer2DModel(guidance_embeds=True)  # diffusers' defaults: FLUX.1's shapes
-        clip = CLIPTextModel(CLIPTextConfig(**CLIP_L))
+        clip = CLIPTextModel(CLIPTextConfig(**CLIP_L_TEXT))
     options, _ = FluxNetworkOptions.from_flags(16, 8.0, None, args)
     network = create_flux_network(transformer, clip, options)
     network.detach()
@@ -223,7 +223,7 @@ def test_full_size_files_map_whole_in_diffusers_kohya_reader(args: list[str]) ->
 
     with init_empty_weights():
         transformer = FluxTransformer2DModel(guidance_embeds=True)
-        clip = CLIPTextModel(CLIPTextConfig(**CLIP_L))
+        clip = CLIPTextModel(CLIPTextConfig(**CLIP_L_TEXT))
     options, _ = FluxNetworkOptions.from_flags(16, 8.0, None, args)
     network = create_flux_network(transformer, clip, options)
     network.detach()
@@ -248,8 +248,8 @@ def test_train_t5xxl_file_loads_whole_in_comfyui_and_sd_scripts_not_in_diffusers
     # train_t5xxl=True at T5-XXL's full size (meta): sd-scripts' lora_te3_ names, every key mapped by ComfyUI's
     # rule onto the T5 weight of its shape, and by sd-scripts' loader names.
     with init_empty_weights():
-        clip = CLIPTextModel(CLIPTextConfig(**CLIP_L))
-        t5 = T5EncoderModel(T5Config(**T5_XXL))
+        clip = CLIPTextModel(CLIPTextConfig(**CLIP_L_TEXT))
+        t5 = T5EncoderModel(T5Config(**T5_XXL_ENCODER))
     options, _ = FluxNetworkOptions.from_flags(16, 8.0, None, ["train_t5xxl=True"])
     network = create_flux_network(None, clip, options, t5)
     network.detach()

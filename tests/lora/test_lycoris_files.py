@@ -17,8 +17,8 @@ from dreamstep.config.lycoris import LycorisOptions
 from dreamstep.lora.formats import model_keys
 from dreamstep.lora.inject import CLIP_LORA_TARGETS
 from dreamstep.lora.lycoris_network import create_network, file_names, sdxl_targets
+from dreamstep.models.family import get_family
 from dreamstep.models.flux.lora_targets import flux_lora_targets
-from dreamstep.models.full_size import _build, released_configs
 from dreamstep.models.published_configs import SDXL_UNET
 
 TYPES = {
@@ -36,7 +36,7 @@ def _comfy_flux_names() -> dict:
 
 
 def _flux(configs: dict) -> tuple[dict, dict]:
-    models = _build("flux", configs)
+    models = get_family("flux").released_components(configs)
     transformer, clip = models["transformer"], models["text_encoder"]
     names = file_names(model_keys("flux", configs), {"transformer": transformer, "text_encoder": clip})
     targets = {f"transformer.{p}": transformer.get_submodule(p) for p in flux_lora_targets(transformer, ["all-linear"])}
@@ -45,7 +45,7 @@ def _flux(configs: dict) -> tuple[dict, dict]:
 
 
 def _sdxl(configs: dict) -> tuple[dict, dict]:
-    models = _build("sdxl", configs)
+    models = get_family("sdxl").released_components(configs)
     encoders = {"text_encoder": models["text_encoder"], "text_encoder_2": models["text_encoder_2"]}
     names = file_names(model_keys("sdxl", configs), {"unet": models["unet"], **encoders})
     return names, sdxl_targets(models["unet"], encoders, "full", conv=True)
@@ -54,7 +54,7 @@ def _sdxl(configs: dict) -> tuple[dict, dict]:
 @pytest.mark.parametrize("kind", list(TYPES))
 @pytest.mark.parametrize("model", ["flux", "sdxl"])
 def test_full_size_files_load_in_comfyui_and_lycoris_with_every_key(model: str, kind: str) -> None:
-    configs = released_configs(model)
+    configs = get_family(model).released_configs()
     names, targets = (_flux if model == "flux" else _sdxl)(configs)
     network = create_network(names, targets, TYPES[kind])  # the modules move to their layers' meta device
     tensors = network.state_dict()
@@ -128,7 +128,7 @@ SAMPLE = {
 
 
 def _sampled(model: str) -> tuple[dict, dict]:
-    names, targets = (_flux if model == "flux" else _sdxl)(REDUCED[model](released_configs(model)))
+    names, targets = (_flux if model == "flux" else _sdxl)(REDUCED[model](get_family(model).released_configs()))
     targets = {n: targets[n.replace("text_encoder.text_model.", "text_encoder.").replace(
         "text_encoder_2.text_model.", "text_encoder_2.")] if n not in targets else targets[n] for n in SAMPLE[model]}
     _materialise(targets, 0)

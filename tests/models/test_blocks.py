@@ -120,7 +120,7 @@ def test_a_swapped_out_block_cannot_run_by_accident() -> None:
 
 
 def test_blocks_to_swap_beyond_the_model_is_one_clear_error() -> None:
-    with pytest.raises(UserError, match="--blocks_to_swap 5: this FluxTransformer2DModel has 4 blocks; give 1 to 4"):
+    with pytest.raises(UserError, match="--blocks_to_swap 5: the model has 4 blocks; choose 0 to 4"):
         BlockSwapper.for_model(small_flux(), 5, CPU)
 
 

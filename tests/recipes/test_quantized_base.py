@@ -19,6 +19,7 @@ from dreamstep.config import memory, sdxl_lora, training
 from dreamstep.errors import UserError
 from dreamstep.models import parking
 from dreamstep.models.flux import plumbing as flux
+from dreamstep.models.flux.controlnet import meta_builder
 from dreamstep.models.loading import load_flux_transformer, load_sdxl_unet
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.plans import Estimator
@@ -207,8 +208,8 @@ def test_controlnet_phases_have_only_their_components_on_the_device(tiny_flux_de
                    "--validation_inference_steps", "1") == 0
     recorded = _recorded_once(seen)
     assert recorded == PHASES_IN_SD_SCRIPTS_ORDER
-    plan = Estimator("flux-controlnet", str(tiny_flux_dev_dir), device_type="cpu",
-                     controlnet_layers=(1, 1))(PlanOptions(resolution=32))
+    plan = Estimator("flux", str(tiny_flux_dev_dir), device_type="cpu", build_trainable=meta_builder(1, 1),
+                     trainable_label="ControlNet")(PlanOptions(resolution=32))
     assert {phase: plan.phase(phase).resident for phase in PLANNED} == {phase: recorded[phase] for phase in PLANNED}
 
 
