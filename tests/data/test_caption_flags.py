@@ -16,7 +16,7 @@ from dreamstep.config.schema import build_config
 from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data.cache import TensorCache, text_content_key
 from dreamstep.data.dataset import ConditionedBatches, build_dataset, make_dataloader
-from dreamstep.data.sources import flux_lora_datasets, kohya_datasets, paired_datasets
+from dreamstep.data.sources import dreambooth_datasets, kohya_datasets, paired_datasets
 
 CAPTION = "sks robot, red, standing, outdoors, daylight, smiling"
 
@@ -41,8 +41,8 @@ def test_flags_set_every_folder_subset_and_a_toml_subsets_own_keys_win(tmp_path:
         Image.new("RGB", (32, 32), "white").save(tmp_path / "cond" / f"{i}.png")
     base = {"output_dir": str(tmp_path / "o"), "pretrained_model_name_or_path": "m", "resolution": 32}
     built = [
-        flux_lora_datasets(build_config(FluxLoraConfig, {**base, "instance_data_dir": str(images),
-                                                         "instance_prompt": "x", **FLAGS}), None),
+        dreambooth_datasets(build_config(FluxLoraConfig, {**base, "instance_data_dir": str(images),
+                                                         "instance_prompt": "x", **FLAGS}), None, "train flux-lora"),
         paired_datasets(build_config(FluxControlNetConfig, {**base, "train_data_dir": str(images),
                                                             "conditioning_data_dir": str(tmp_path / "cond"), **FLAGS}),
                         ("controlnet",), "train flux-controlnet"),
@@ -58,7 +58,7 @@ def test_flags_set_every_folder_subset_and_a_toml_subsets_own_keys_win(tmp_path:
     toml.write_text(f"[[datasets]]\nresolution = 32\n[[datasets.subsets]]\nimage_dir = '{images.as_posix()}'\n"
                     "caption_extension = '.txt'\ncaption_dropout_rate = 0.5\n")
     config = build_config(FluxLoraConfig, {**base, "dataset_config": str(toml), **FLAGS})
-    (subset,) = flux_lora_datasets(config, None)[0].subsets
+    (subset,) = dreambooth_datasets(config, None, "train flux-lora")[0].subsets
     assert subset.captions.caption_dropout_rate == 0.5 and subset.captions.shuffle_caption is True
 
 

@@ -13,7 +13,7 @@ from PIL import Image
 from dreamstep.config.flux_lora import FluxLoraConfig
 from dreamstep.config.schema import build_config
 from dreamstep.data.dataset import build_dataset, collate
-from dreamstep.data.sources import flux_lora_datasets
+from dreamstep.data.sources import dreambooth_datasets
 from dreamstep.errors import UserError
 
 
@@ -34,7 +34,7 @@ def _toml(tmp_path: Path, subset: str) -> Path:
 def _datasets(toml: Path, masked_loss: bool = True):
     config = build_config(FluxLoraConfig, {"pretrained_model_name_or_path": "m", "output_dir": "o",
                                            "dataset_config": str(toml), "masked_loss": masked_loss})
-    return flux_lora_datasets(config, None)
+    return dreambooth_datasets(config, None, "train flux-lora")
 
 
 def test_an_alpha_mask_gets_its_images_crop_and_flip(tmp_path: Path) -> None:

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from dreamstep.cli import main
+from dreamstep.engine.run import configure_gpu_precision
 from dreamstep.errors import UserError
 from dreamstep.models.precision import (
     autocast,
     cast_trainable_params_to_fp32,
-    configure_gpu_precision,
     freeze,
     weight_dtype_for,
 )

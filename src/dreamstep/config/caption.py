@@ -6,8 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from dreamstep.config.schema import option
-from dreamstep.data.dataset_config import normalize_extension
+from dreamstep.config.schema import normalize_extension, option
 from dreamstep.errors import UserError
 
 CAPTIONERS = ("florence2", "qwen-vl", "blip", "wd14")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Optional
 
 from dreamstep.config.choices import MODEL_PREDICTION_TYPES, TIMESTEP_SAMPLINGS
 from dreamstep.config.flux_network_args import FluxNetworkOptions
-from dreamstep.config.memory import check_quantization, parse_bytes
+from dreamstep.config.memory import parse_bytes
 from dreamstep.config.options import (
     CaptionAugmentationOptions,
     FluxComponentFileOptions,
@@ -35,7 +35,6 @@ from dreamstep.errors import UserError
 
 if TYPE_CHECKING:
     from dreamstep.diffusion.flow_matching import FlowMatchingObjective
-    from dreamstep.models.flux.files import FluxBase
 
 NETWORK_MODULE = "networks.lora_flux"
 WEIGHTING_SCHEMES = ("uniform", "none", "sigma_sqrt", "logit_normal", "mode", "cosmap")
@@ -275,12 +274,6 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
         self.check_loss(snr_schedule=False)
         self.check_captions(self.dataset_config is not None)
         self.check_masked_loss(self.dataset_config is not None)
-        base = self.flux_base()
-        if base.files.transformer is not None:
-            from dreamstep.models.flux.files import read_header
-
-            self.fp8_base = self.fp8_base or read_header(base.files.transformer, "--pretrained_model_name_or_path").fp8
-        check_quantization(self.base_quantization, "--fp8_base")
         if self.seed is None:
             self.seed = random.randrange(2**31)
 
@@ -302,14 +295,10 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
         return FluxNetworkOptions.from_flags(self.network_dim, self.network_alpha, self.network_dropout,
                                              self.network_args)[0].train_t5xxl
 
-    def flux_base(self) -> FluxBase:
-        """Where the base's parts come from, every file checked once (see ``FluxTrainingConfig.flux_base``)."""
-        from dreamstep.models.flux.files import resolve_base  # torch: not imported for --help
-
-        if "_flux_base" not in self.__dict__:
-            self.__dict__["_flux_base"] = resolve_base(self.pretrained_model_name_or_path,
-                                                       model_config=self.model_config, **self.component_files())
-        return self.__dict__["_flux_base"]
+    def take_base_file(self, transformer_file: str | None, stored_fp8: bool) -> None:
+        """What the base's transformer file tells (see ``FluxTrainingConfig.take_base_file``): a file stored in fp8
+        trains as the fp8 base it is, as sd-scripts' --fp8_base."""
+        self.fp8_base = self.fp8_base or stored_fp8
 
     def cache_root(self) -> Path:
         """Where the run's latent and text caches live (kept after the run with --cache_*_to_disk)."""

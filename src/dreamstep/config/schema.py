@@ -271,3 +271,10 @@ def refuse_unused(config: Any, names: tuple[str, ...], when: str) -> None:
     for name in names:
         if getattr(config, name) != defaults[name]:
             raise UserError(f"--{name} has no effect {when}; remove it")
+
+
+def normalize_extension(extension: str | None) -> str | None:
+    """``"txt"`` and ``".txt"`` both mean ``.txt`` (sd-scripts would look for ``imgtxt``)."""
+    if extension is None or extension.startswith(".") or not extension:
+        return extension or None
+    return f".{extension}"

@@ -20,7 +20,6 @@ from dreamstep.errors import UserError
 
 if TYPE_CHECKING:
     from dreamstep.diffusion.flow_matching import FlowMatchingObjective
-    from dreamstep.models.flux.files import FluxBase
 
 # diffusers' get_scheduler names (all but piecewise_constant, which needs a rule string).
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -148,16 +147,15 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, Eval
             raise UserError(f"--weighting_scheme {self.weighting_scheme} draws σ from the σ table, which "
                             f"--timestep_sampling {self.timestep_sampling} does not use; give one of the two")
 
-    def flux_base(self) -> FluxBase:
-        """Where the base's parts come from (a folder or hub id, the component files), every file checked: once
-        per config, as the recipes ask for it at every load."""
-        from dreamstep.models.flux.files import resolve_base  # torch: not imported for --help
-
-        if "_flux_base" not in self.__dict__:
-            self.__dict__["_flux_base"] = resolve_base(
-                self.pretrained_model_name_or_path, transformer_single_file=self.transformer_single_file,
-                model_config=self.model_config, **self.component_files())
-        return self.__dict__["_flux_base"]
+    def take_base_file(self, transformer_file: str | None, stored_fp8: bool) -> None:
+        """What the base's transformer file tells (the FLUX family reads it when it resolves the base,
+        :func:`~dreamstep.models.flux.files.base_of`, before anything is written): a transformer stored in fp8
+        trains as the fp8 base it is (sd-scripts' --fp8_base), unless asked otherwise."""
+        if stored_fp8 and self.base_quantization == "none":
+            self.base_quantization = "fp8"
+        file_flag = "--transformer_single_file" if self.transformer_single_file else "--pretrained_model_name_or_path"
+        check_single_file_quantization(self.base_quantization, "--base_quantization", transformer_file, file_flag)
+        check_compile(self.compile, self.base_quantization, "--base_quantization")
 
     def cache_root(self) -> Path:
         """Where the run's latent and text caches live: --cache_dir, or OUTPUT_DIR/cache."""
@@ -172,17 +170,7 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, Eval
         if self.resolution % 16:
             raise UserError(f"--resolution must be a multiple of 16 for FLUX's 2x2 latent packing "
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
-        from dreamstep.models.flux.files import read_header, storage_quantization
-
-        base = self.flux_base()
-        if base.files.transformer is not None:
-            # A transformer stored in fp8 trains as the fp8 base it is (sd-scripts' --fp8_base), unless asked otherwise.
-            header = read_header(base.files.transformer, "--pretrained_model_name_or_path")
-            self.base_quantization = storage_quantization(header, self.base_quantization)
         check_quantization(self.base_quantization, "--base_quantization")
-        file_flag = "--transformer_single_file" if self.transformer_single_file else "--pretrained_model_name_or_path"
-        check_single_file_quantization(self.base_quantization, "--base_quantization",
-                                       str(base.files.transformer) if base.files.transformer else None, file_flag)
         check_compile(self.compile, self.base_quantization, "--base_quantization")
         check_quantization(self.text_encoder_quantization, "--text_encoder_quantization")
         if self.device_memory is not None:

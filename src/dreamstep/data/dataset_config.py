@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dreamstep.config.schema import convert_value, load_toml
+from dreamstep.config.schema import convert_value, load_toml, normalize_extension
 from dreamstep.data.buckets import BucketSpec, adjust_bucket_limits
 from dreamstep.data.captions import CaptionOptions
 from dreamstep.errors import UserError, did_you_mean
@@ -296,13 +296,6 @@ def _parse_subset(resolve: _Resolver, place: str, method: Method) -> SubsetConfi
         conditioning_data_dir=Path(conditioning) if conditioning is not None else None,
         flip_aug=resolve("flip_aug"), random_crop=resolve("random_crop"), captions=captions,
         alpha_mask=resolve("alpha_mask"))
-
-
-def normalize_extension(extension: str | None) -> str | None:
-    """``"txt"`` and ``".txt"`` both mean ``.txt`` (sd-scripts would look for ``imgtxt``)."""
-    if extension is None or extension.startswith(".") or not extension:
-        return extension or None
-    return f".{extension}"
 
 
 def require_methods(configs: list[DatasetConfig], allowed: tuple[Method, ...], trainer: str) -> None:

@@ -1,9 +1,9 @@
 """Datasets described by diffusers-style flags, mapped onto the same :class:`DatasetConfig` that a Kohya
 TOML produces, so every trainer has one data pipeline.
 
-- DreamBooth (FLUX LoRA): ``--instance_data_dir`` + ``--instance_prompt`` (optionally per-image caption
-  files via ``--caption_extension``, with the instance prompt as the fallback), and for prior
-  preservation ``--class_data_dir`` + ``--class_prompt``: a regularization subset whose samples are paired
+- DreamBooth (diffusers' DreamBooth scripts, e.g. FLUX LoRA): ``--instance_data_dir`` + ``--instance_prompt``
+  (optionally per-image caption files via ``--caption_extension``, with the instance prompt as the fallback), and
+  for prior preservation ``--class_data_dir`` + ``--class_prompt``: a regularization subset whose samples are paired
   with the instance samples in every batch, as diffusers' DreamBooth script does.
 - ControlNet pairs: ``--train_data_dir`` + ``--conditioning_data_dir`` (same-named files), or a
   ``--jsonl_for_train`` file with ``image``, ``conditioning_image`` and ``text`` columns (a
@@ -21,13 +21,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dreamstep.config.schema import normalize_extension
 from dreamstep.data.buckets import BucketSpec, adjust_bucket_limits
 from dreamstep.data.captions import CaptionOptions
 from dreamstep.data.dataset_config import (
     DatasetConfig,
     SubsetConfig,
     load_dataset_config,
-    normalize_extension,
     parse_resolution,
     require_methods,
 )
@@ -179,14 +179,15 @@ def kohya_datasets(config: Any, command: str) -> list[DatasetConfig]:
     return [with_caption_flags(dataset, config.caption_flags())]
 
 
-def flux_lora_datasets(config: Any, class_dir: str | None) -> list[DatasetConfig]:
-    """What ``train flux-lora`` trains on, from its config (a :class:`~dreamstep.config.flux_lora.FluxLoraConfig`):
-    its dataset TOML, or its instance (and class) folders, with its defaults. The dashboard's dataset check
-    reads a folder through this too, so it shows what the trainer will do."""
+def dreambooth_datasets(config: Any, class_dir: str | None, command: str) -> list[DatasetConfig]:
+    """What a trainer with the flags of diffusers' DreamBooth scripts (``train flux-lora``: a
+    :class:`~dreamstep.config.flux_lora.FluxLoraConfig`) trains on: its dataset TOML, or its instance (and class)
+    folders, with its defaults. The dashboard's dataset check reads a folder through this too, so it shows what
+    the trainer will do."""
     if config.dataset_config is not None:
         datasets = load_dataset_config(config.dataset_config, cli={
             "resolution": config.resolution, "train_batch_size": config.train_batch_size, **config.caption_flags()})
-        return masked_datasets(datasets, config.masked_loss, "train flux-lora")
+        return masked_datasets(datasets, config.masked_loss, command)
     dataset = with_caption_flags(dreambooth_from_flags(
         config.instance_data_dir, config.instance_prompt, caption_extension=config.caption_extension,
         class_data_dir=class_dir, class_prompt=config.class_prompt if class_dir else None,

@@ -16,6 +16,7 @@ import contextlib
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,6 @@ from dreamstep.engine.run_folder import STATUS_FILE, OutputLock, RunStatus, chec
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.errors import UserError
 from dreamstep.files import write_bytes_atomic
-from dreamstep.models.precision import configure_gpu_precision
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -153,6 +153,25 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool, resume_from_che
         check_resume_settings(resume, config_toml, resume_must_match)
     return check_output_dir(output_dir, overwrite=overwrite, resume=resume, resume_request=resume_from_checkpoint,
                             resume_flag=resume_flag)
+
+
+def configure_gpu_precision(device: torch.device, mixed_precision: str, allow_tf32: bool,
+                            bf16_supported: Callable[[], bool] | None = None) -> str | None:
+    """On a CUDA device, let fp32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa, fp32
+    range) as ``allow_tf32`` says; elsewhere change nothing. Returns a one-line warning when the run
+    computes in fp32 (``mixed_precision`` neither fp16 nor bf16) on a card that has bf16 (``bf16_supported``:
+    default ``torch.cuda.is_bf16_supported``)."""
+    if device.type != "cuda":
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    torch.backends.cudnn.allow_tf32 = allow_tf32
+    if mixed_precision in ("fp16", "bf16"):
+        return None
+    if not (bf16_supported or torch.cuda.is_bf16_supported)():
+        return None
+    math = "TF32 matmuls" if allow_tf32 else "full fp32 matmuls (--allow_tf32 false)"
+    return (f"warning: training in fp32 ({math}, --mixed_precision no) on a GPU with bf16: "
+            "--mixed_precision bf16 is about twice as fast and halves the frozen weights' memory")
 
 
 def start_run(output_dir: str | Path, *, mixed_precision: str, seed: int, report_to: str,

@@ -85,7 +85,7 @@ def _lycoris_rank(shapes: Mapping[str, tuple[int, ...]], kind: str) -> set[int]:
 def _one(values: set, what: str, path: Path) -> Any:
     if len(values) > 1:
         raise UserError(f"{FLAG} {path}: its modules have different {what}s ({', '.join(map(str, sorted(values)))}); "
-                        f"flux-lora trains one {what} for all")
+                        f"the run trains one {what} for all")
     return next(iter(values), None)
 
 

@@ -15,7 +15,6 @@ weights stay fp32 because the optimizer updates them in their own dtype: fp16/bf
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 
 import torch
 
@@ -68,24 +67,6 @@ def autocast(device_type: str, mixed_precision: str) -> contextlib.AbstractConte
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=dtype)
-
-
-def configure_gpu_precision(device: torch.device, mixed_precision: str, allow_tf32: bool,
-                            bf16_supported: Callable[[], bool] | None = None) -> str | None:
-    """On a CUDA device, let fp32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa, fp32
-    range) as ``allow_tf32`` says; elsewhere change nothing. Returns a one-line warning when the run
-    computes in fp32 on a card that has bf16 (``bf16_supported``: default ``torch.cuda.is_bf16_supported``)."""
-    if device.type != "cuda":
-        return None
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    torch.backends.cudnn.allow_tf32 = allow_tf32
-    if weight_dtype_for(mixed_precision) != torch.float32:
-        return None
-    if not (bf16_supported or torch.cuda.is_bf16_supported)():
-        return None
-    math = "TF32 matmuls" if allow_tf32 else "full fp32 matmuls (--allow_tf32 false)"
-    return (f"warning: training in fp32 ({math}, --mixed_precision no) on a GPU with bf16: "
-            "--mixed_precision bf16 is about twice as fast and halves the frozen weights' memory")
 
 
 def choose_device(name: str | None) -> torch.device:

@@ -57,6 +57,7 @@ from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.flux import controlnet as cn
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.flux.family import FAMILY as FLUX
+from dreamstep.models.flux.files import base_of
 from dreamstep.models.flux.step import FluxFlowMatchingStep, condition_latents
 from dreamstep.models.plans import RunPlan, print_run_plan
 from dreamstep.models.precision import autocast
@@ -91,7 +92,7 @@ def plan_inputs(config: FluxControlNetConfig, dataset_configs: list[DatasetConfi
                 encodes_in_the_loop: bool) -> RunPlan:
     """The memory plan's inputs; ``encodes_in_the_loop``: the loop encodes random crops itself."""
     layers = (config.num_double_layers, config.num_single_layers)
-    return RunPlan(FLUX.name, config.flux_base().source, flux.plan_options(
+    return RunPlan(FLUX.name, base_of(config).source, flux.plan_options(
         config, dataset_configs, rank=0, encoders_on_device=not config.cache_latents or encodes_in_the_loop,
         validation_images=bool(config.validation_pairs())),
         {"build_trainable": cn.meta_builder(*layers),
@@ -102,6 +103,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder, pair and image (validation images too) and the optimizer,
     # before a model loads.
+    base_of(config)  # the base's files checked, and what they tell the config, before config.toml is written
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
@@ -134,9 +136,9 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     # 3. Encode (models/phases.py): the text encoders and the VAE encode every caption, pair and validation
     # prompt before the transformer loads; then those the loop does not use wait in host memory.
     base = flux.load_encoders_for_training(
-        config.flux_base().source, revision=config.revision, variant=config.variant,
+        base_of(config).source, revision=config.revision, variant=config.variant,
         mixed_precision=config.mixed_precision, device=run.device,
-        text_encoder_quantization=config.text_encoder_quantization, files=config.flux_base().files)
+        text_encoder_quantization=config.text_encoder_quantization, files=base_of(config).files)
     conditioner = flux.ControlConditioner(flux.FluxConditioner(
         flux.assemble_pipeline(base), latent_cache=latent_cache, text_cache=text_cache,
         max_sequence_length=config.max_sequence_length, device=run.device))
@@ -148,8 +150,8 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
 
     # 4. Load: the base frozen in --mixed_precision; the ControlNet built or loaded, in its weight dtype.
     flux.load_transformer_for_training(
-        base, config.flux_base().source, revision=config.revision, variant=config.variant,
-        transformer_single_file=config.flux_base().files.transformer, mixed_precision=config.mixed_precision,
+        base, base_of(config).source, revision=config.revision, variant=config.variant,
+        transformer_single_file=base_of(config).files.transformer, mixed_precision=config.mixed_precision,
         device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
     if config.controlnet_model_name_or_path is not None:
         controlnet = cn.load(config.controlnet_model_name_or_path, base.transformer)

@@ -63,6 +63,7 @@ from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.flux.family import FAMILY as FLUX
+from dreamstep.models.flux.files import base_of
 from dreamstep.models.flux.samples import FluxSampleWriter, read_flux_sample_prompts
 from dreamstep.models.flux.step import FluxFlowMatchingStep
 from dreamstep.models.plans import RunPlan, print_run_plan
@@ -120,7 +121,7 @@ def training_datasets(config: FluxKohyaConfig) -> list[DatasetConfig]:
 def plan_inputs(config: FluxKohyaConfig, dataset_configs: list[DatasetConfig], encodes_in_the_loop: bool) -> RunPlan:
     """The memory plan's inputs; ``encodes_in_the_loop``: the loop encodes random crops itself."""
     guidance_embeds = flux.transformer_config(config)["guidance_embeds"]  # the files' own config
-    return RunPlan(FLUX.name, config.flux_base().source, flux.kohya_plan_options(
+    return RunPlan(FLUX.name, base_of(config).source, flux.kohya_plan_options(
         config, dataset_configs, max_sequence_length=config.max_sequence_length(guidance_embeds),
         validation_images=bool(config.sample_prompts),
         encoders_on_device=config.train_clip or not config.cache_latents or encodes_in_the_loop),
@@ -130,6 +131,7 @@ def plan_inputs(config: FluxKohyaConfig, dataset_configs: list[DatasetConfig], e
 def train(config: FluxKohyaConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, key, folder, image, prompt line and the optimizer, before a model loads.
+    base_of(config)  # the base's files checked, and what they tell the config, before config.toml is written
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume,
                      resume_flag="--resume", config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
@@ -141,7 +143,7 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
     options, network_args = FluxNetworkOptions.from_flags(config.network_dim, config.network_alpha,
                                                           config.network_dropout, config.network_args)
     prompts = read_flux_sample_prompts(config.sample_prompts) if config.sample_prompts else None
-    base_files = config.flux_base()
+    base_files = base_of(config)
     guidance_embeds = flux.transformer_config(config)["guidance_embeds"]  # also checks --blocks_to_swap
     max_sequence_length = config.max_sequence_length(guidance_embeds)
     latent_cache, text_cache = flux.training_caches(

@@ -49,6 +49,7 @@ from dreamstep.models.flux import kontext
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.flux.controlnet import side_by_side
 from dreamstep.models.flux.family import FAMILY as FLUX
+from dreamstep.models.flux.files import base_of
 from dreamstep.models.flux.lora_targets import flux_lora_targets
 from dreamstep.models.flux.step import FluxFlowMatchingStep, condition_latents
 from dreamstep.models.plans import RunPlan, print_run_plan
@@ -93,7 +94,7 @@ def plan_inputs(config: FluxKontextLoraConfig, dataset_configs: list[DatasetConf
     """The memory plan's inputs; ``encodes_in_the_loop``: the loop encodes random crops itself. The transformer
     reads the condition's tokens beside the target's: twice the image tokens of a pair."""
     paired = dataset_configs[0].method == "controlnet"
-    return RunPlan(FLUX.name, config.flux_base().source, flux.plan_options(
+    return RunPlan(FLUX.name, base_of(config).source, flux.plan_options(
         config, dataset_configs, rank=config.rank, encoders_on_device=not config.cache_latents or encodes_in_the_loop,
         validation_images=bool(config.validation_prompt), image_token_multiplier=2 if paired else 1),
         {"lora_layers": config.lora_layers})
@@ -102,6 +103,7 @@ def plan_inputs(config: FluxKontextLoraConfig, dataset_configs: list[DatasetConf
 def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder, pair and image and the optimizer, before a model loads.
+    base_of(config)  # the base's files checked, and what they tell the config, before config.toml is written
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
@@ -132,9 +134,9 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
     # 3. Encode (models/phases.py): the text encoders and the VAE encode every instruction, pair and validation
     # prompt before the transformer loads; then those the loop does not use wait in host memory.
     base = flux.load_encoders_for_training(
-        config.flux_base().source, revision=config.revision, variant=config.variant,
+        base_of(config).source, revision=config.revision, variant=config.variant,
         mixed_precision=config.mixed_precision, device=run.device,
-        text_encoder_quantization=config.text_encoder_quantization, files=config.flux_base().files)
+        text_encoder_quantization=config.text_encoder_quantization, files=base_of(config).files)
     pipeline = flux.assemble_pipeline(base, pipeline_class=FluxKontextPipeline)
     encoder = flux.FluxConditioner(pipeline, latent_cache=latent_cache, text_cache=text_cache,
                                    max_sequence_length=config.max_sequence_length, device=run.device)
@@ -148,8 +150,8 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
 
     # 4. Load: the transformer frozen in the --mixed_precision dtype (quantized as asked); LoRA weights in fp32.
     flux.load_transformer_for_training(
-        base, config.flux_base().source, revision=config.revision, variant=config.variant,
-        transformer_single_file=config.flux_base().files.transformer, mixed_precision=config.mixed_precision,
+        base, base_of(config).source, revision=config.revision, variant=config.variant,
+        transformer_single_file=base_of(config).files.transformer, mixed_precision=config.mixed_precision,
         device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
     flux.attach_transformer(pipeline, base)
     transformer = base.transformer

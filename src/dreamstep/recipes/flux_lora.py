@@ -36,7 +36,7 @@ from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import IMAGE_EXTENSIONS
-from dreamstep.data.sources import flux_lora_datasets
+from dreamstep.data.sources import dreambooth_datasets
 from dreamstep.engine.ema import validation_weights, weight_average, with_average
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import Every
@@ -53,6 +53,7 @@ from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.flux.family import FAMILY as FLUX
+from dreamstep.models.flux.files import base_of
 from dreamstep.models.flux.lora_targets import flux_lora_targets
 from dreamstep.models.flux.step import FluxFlowMatchingStep
 from dreamstep.models.plans import RunPlan, print_run_plan
@@ -125,6 +126,7 @@ def add_adapters(config: FluxLoraConfig, transformer: nn.Module, text_encoder: n
     return None, TrainableState({"transformer": transformer, "text_encoder": text_encoder})
 
 
+COMMAND = "train flux-lora"
 FOLDER_FLAG = "instance_data_dir"  # the flag an image folder is read from (the dashboard's dataset check)
 
 
@@ -132,12 +134,13 @@ def training_datasets(config: FluxLoraConfig) -> list[DatasetConfig]:
     """The datasets this run trains on as it first reads them: the class folder joins once it holds
     --num_class_images images (the base model makes the missing ones after the check)."""
     class_dir = config.class_data_dir if config.class_images_to_generate else None
-    return flux_lora_datasets(config, None if class_dir is None or _class_images_missing(config) else class_dir)
+    return dreambooth_datasets(config, None if class_dir is None or _class_images_missing(config) else class_dir,
+                               COMMAND)
 
 
 def plan_inputs(config: FluxLoraConfig, dataset_configs: list[DatasetConfig], encodes_in_the_loop: bool) -> RunPlan:
     """The memory plan's inputs; ``encodes_in_the_loop``: the loop encodes random crops itself."""
-    return RunPlan(FLUX.name, config.flux_base().source, flux.plan_options(
+    return RunPlan(FLUX.name, base_of(config).source, flux.plan_options(
         config, dataset_configs, rank=config.rank, validation_images=bool(config.validation_prompt),
         encoders_on_device=config.train_text_encoder or not config.cache_latents or encodes_in_the_loop),
         {"lora_layers": config.lora_layers})
@@ -146,6 +149,7 @@ def plan_inputs(config: FluxLoraConfig, dataset_configs: list[DatasetConfig], en
 def train(config: FluxLoraConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder and image (each decoded once) and the optimizer, before a model loads.
+    base_of(config)  # the base's files checked, and what they tell the config, before config.toml is written
     start = _starting_file(config)
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
@@ -166,7 +170,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
                     config_toml=config_to_toml(config),
-                    command="dreamstep train flux-lora", overwrite=config.overwrite_output_dir,
+                    command=f"dreamstep {COMMAND}", overwrite=config.overwrite_output_dir,
                     allow_tf32=config.allow_tf32)
 
     # 2. Class images: the whole base pipeline makes the missing ones, then everything is freed; the data is
@@ -176,7 +180,7 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
             _generate_class_images(config, class_dir, run.device)
         run.accelerator.wait_for_everyone()
         parking.free_device_memory(run.device)
-        dataset, held_out = build_split_datasets(flux_lora_datasets(config, class_dir), config.seed,
+        dataset, held_out = build_split_datasets(dreambooth_datasets(config, class_dir, COMMAND), config.seed,
                                                  config.validation_split,
                                                  latent_cache=latent_cache, text_cache=text_cache)
 
@@ -189,9 +193,9 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
     # 4. Encode (models/phases.py): the text encoders and the VAE encode every caption, held-out image and
     # validation prompt before the transformer loads; then those the loop does not use wait in host memory.
     base = flux.load_encoders_for_training(
-        config.flux_base().source, revision=config.revision, variant=config.variant,
+        base_of(config).source, revision=config.revision, variant=config.variant,
         mixed_precision=config.mixed_precision, device=run.device,
-        text_encoder_quantization=config.text_encoder_quantization, files=config.flux_base().files)
+        text_encoder_quantization=config.text_encoder_quantization, files=base_of(config).files)
     pipeline = flux.assemble_pipeline(base)
     text_encoder = base.text_encoder if config.train_text_encoder else None
     conditioner = flux.FluxConditioner(
@@ -205,8 +209,8 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
 
     # 5. Load: the transformer frozen in the --mixed_precision dtype (quantized as asked); LoRA weights in fp32.
     flux.load_transformer_for_training(
-        base, config.flux_base().source, revision=config.revision, variant=config.variant,
-        transformer_single_file=config.flux_base().files.transformer, mixed_precision=config.mixed_precision,
+        base, base_of(config).source, revision=config.revision, variant=config.variant,
+        transformer_single_file=base_of(config).files.transformer, mixed_precision=config.mixed_precision,
         device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
     flux.attach_transformer(pipeline, base)
     adapters, trained = add_adapters(config, base.transformer, text_encoder, start)
@@ -318,10 +322,10 @@ def _starting_file(config: FluxLoraConfig) -> StartingFile | None:
 def _generate_class_images(config: FluxLoraConfig, class_dir: str, device: torch.device) -> None:
     """The missing class images, from the whole base pipeline (loaded for this alone, then dropped)."""
     base = flux.load_frozen_for_training(
-        config.flux_base().source, revision=config.revision, variant=config.variant,
-        transformer_single_file=config.flux_base().files.transformer, mixed_precision=config.mixed_precision,
+        base_of(config).source, revision=config.revision, variant=config.variant,
+        transformer_single_file=base_of(config).files.transformer, mixed_precision=config.mixed_precision,
         device=device, base_quantization=config.base_quantization,
-        text_encoder_quantization=config.text_encoder_quantization, files=config.flux_base().files)
+        text_encoder_quantization=config.text_encoder_quantization, files=base_of(config).files)
     flux.generate_class_images(flux.assemble_pipeline(base), class_dir, config.class_prompt, config.num_class_images,
                                batch_size=config.sample_batch_size, resolution=config.resolution,
                                seed=config.seed, guidance_scale=config.guidance_scale)

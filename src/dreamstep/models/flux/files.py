@@ -378,6 +378,21 @@ def resolve_base(pretrained_model_name_or_path: str, *, transformer_single_file:
     return FluxBase(source, files)
 
 
+def base_of(config: Any) -> FluxBase:
+    """Where a FLUX trainer's base parts come from (a folder or hub id, the component files), every file checked,
+    and what the transformer file's storage tells the config (its ``take_base_file``): once per config, as the
+    recipes ask for it at every load. A recipe asks first, before it writes anything."""
+    if "_flux_base" not in config.__dict__:
+        base = resolve_base(config.pretrained_model_name_or_path,
+                            transformer_single_file=getattr(config, "transformer_single_file", None),
+                            model_config=config.model_config, **config.component_files())
+        header = read_header(base.files.transformer, FLAGS["transformer"]) if base.files.transformer else None
+        config.take_base_file(str(base.files.transformer) if base.files.transformer else None,
+                              stored_fp8=header is not None and header.fp8)
+        config.__dict__["_flux_base"] = base
+    return config.__dict__["_flux_base"]
+
+
 def storage_quantization(header: FileHeader, base_quantization: str) -> str:
     """The base quantization a transformer file trains with: as asked, or for a file stored in fp8 (sd-scripts'
     and ComfyUI's fp8 copies) "fp8", so that it stays the fp8 base it is (sd-scripts' --fp8_base)."""

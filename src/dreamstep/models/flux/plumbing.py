@@ -19,7 +19,7 @@ from dreamstep.files import atomic_path
 from dreamstep.models import parking
 from dreamstep.models.family import check_blocks_to_swap
 from dreamstep.models.flux.family import FAMILY as FLUX
-from dreamstep.models.flux.files import FLAGS, FluxFiles, config_folder, read_header
+from dreamstep.models.flux.files import FLAGS, FluxFiles, base_of, config_folder, read_header
 from dreamstep.models.loading import component_identity, load_flux, load_flux_transformer
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.parking import ParkedModules
@@ -325,7 +325,7 @@ def transformer_config(config: Any) -> dict[str, Any]:
     checked against its blocks (which the transformer loads only after every caption is encoded)."""
     from diffusers import FluxTransformer2DModel
 
-    base = config.flux_base()
+    base = base_of(config)
     header = read_header(base.files.transformer, FLAGS["transformer"]) if base.files.transformer else None
     with config_folder(base.source, header) as configs:
         found = FluxTransformer2DModel.load_config(configs, subfolder="transformer",
@@ -359,7 +359,7 @@ def caches_of(config: Any, datasets: list[Any]) -> tuple[TensorCache | None, Ten
     ``datasets`` (their image and condition folders)."""
     image_dirs = [folder for dataset in datasets for subset in dataset.subsets
                   for folder in (subset.image_dir, subset.conditioning_data_dir) if folder is not None]
-    base = config.flux_base()
+    base = base_of(config)
     return training_caches(config.cache_root(), base.source, revision=config.revision,
                            variant=config.variant, mixed_precision=config.mixed_precision,
                            max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents,
