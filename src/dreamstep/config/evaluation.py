@@ -4,7 +4,7 @@ fidelity scores of validation samples (see :mod:`dreamstep.evaluation`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from dreamstep.config.schema import option
 from dreamstep.errors import UserError, did_you_mean
@@ -35,9 +35,13 @@ class EvaluationOptions:
     eval_batch_size: int = option(16, "images per batch through the evaluation models", bounds="[1, inf)",
                                   kw_only=True)
 
-    def check_evaluation(self, allowed: tuple[str, ...] = FIDELITY_METRICS) -> None:
+    # The metrics a trainer computes (a ControlNet's adds the control metrics).
+    metrics_allowed: ClassVar[tuple[str, ...]] = FIDELITY_METRICS
+
+    def check_group(self) -> None:
         """Refuse unknown metric names and a split outside [0, 1) before any model loads; accepts
         ``--eval_metrics dino,clip_i`` as well as ``--eval_metrics dino clip_i``."""
+        allowed = self.metrics_allowed
         self.eval_metrics = list(dict.fromkeys(m.strip() for v in self.eval_metrics for m in v.split(",") if m.strip()))
         for name in self.eval_metrics:
             if name not in allowed:

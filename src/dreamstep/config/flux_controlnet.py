@@ -43,11 +43,10 @@ class FluxControlNetConfig(PairedDataOptions, PairedValidationOptions, FluxTrain
     shard_base: bool = option(False, "with --zero_stage 2 or 3: shard the frozen transformer's blocks too "
                                      "(for a base too large for one device)")
 
-    metrics_allowed = FIDELITY_METRICS + CONTROL_METRICS
+    metrics_allowed: ClassVar[tuple[str, ...]] = FIDELITY_METRICS + CONTROL_METRICS
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.check_paired_data()
         if self.controlnet_weights_dtype == "bf16" and self.mixed_precision != "bf16":
             raise UserError("--controlnet_weights_dtype bf16 needs --mixed_precision bf16 (bf16 compute)")
         if self.controlnet_weights_dtype == "bf16" and self.optimizer.lower() != "adamw":
@@ -63,4 +62,3 @@ class FluxControlNetConfig(PairedDataOptions, PairedValidationOptions, FluxTrain
         if self.shard_base and self.base_quantization != "none":
             raise UserError(f"--shard_base splits a bf16/fp32 base; a --base_quantization {self.base_quantization} "
                             f"base is small enough to keep whole on each process: drop --shard_base")
-        self.check_paired_validation()

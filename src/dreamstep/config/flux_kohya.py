@@ -29,7 +29,7 @@ from dreamstep.config.options import (
     LossOptions,
     MaskedLossOptions,
 )
-from dreamstep.config.schema import SEED_BOUNDS, option, refuse_unused
+from dreamstep.config.schema import SEED_BOUNDS, check_option_groups, option, refuse_unused
 from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
 
@@ -271,9 +271,7 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
                             "T5 once (the same embeddings as encoding every step); drop the value")
         else:
             self.cache_text_encoder_outputs = True
-        self.check_loss(snr_schedule=False)
-        self.check_captions(self.dataset_config is not None)
-        self.check_masked_loss(self.dataset_config is not None)
+        check_option_groups(self)
         if self.seed is None:
             self.seed = random.randrange(2**31)
 

@@ -55,8 +55,6 @@ class FluxKontextLoraConfig(LoraOptions, ImageDataOptions, PromptValidationOptio
             refuse_unused(self, _TABLE_FLAGS, "without --dataset_name")
         if self.validation_image is not None and not self.validation_prompt:
             raise UserError("--validation_image is edited by --validation_prompt: give --validation_prompt too")
-        self.check_captions(self.dataset_config is not None)
-        self.check_prompt_validation()
 
 
 _TABLE_FLAGS = ("image_column", "cond_image_column", "caption_column")

@@ -11,7 +11,7 @@ from typing import ClassVar, Optional
 from dreamstep.config.lycoris import check_quantized_base
 from dreamstep.config.options import (
     ImageDataOptions,
-    LoraOptions,
+    LycorisTypeOptions,
     MaskedLossOptions,
     PromptValidationOptions,
     TextEncoderLoraOptions,
@@ -22,7 +22,7 @@ from dreamstep.errors import UserError
 
 
 @dataclass
-class FluxLoraConfig(LoraOptions, TextEncoderLoraOptions, ImageDataOptions, MaskedLossOptions,
+class FluxLoraConfig(LycorisTypeOptions, TextEncoderLoraOptions, ImageDataOptions, MaskedLossOptions,
                      PromptValidationOptions, FluxTrainingConfig):
     # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
     resume_must_match: ClassVar[tuple[str, ...]] = (
@@ -70,13 +70,8 @@ class FluxLoraConfig(LoraOptions, TextEncoderLoraOptions, ImageDataOptions, Mask
             refuse_unused(self, _PRIOR_FLAGS, "without --with_prior_preservation")
             if self.dataset_config is None:  # a dataset TOML's is_reg subsets are weighted by it
                 refuse_unused(self, ("prior_loss_weight",), "without --with_prior_preservation or --dataset_config")
-        self.check_captions(self.dataset_config is not None)
-        self.check_masked_loss(self.dataset_config is not None)
-        self.check_text_encoder_lora()
-        self.check_lora_type()
         check_quantized_base(self.lora_type == "dora", self.base_quantization,
                              f"--base_quantization {self.base_quantization}", "--lora_type dora")
-        self.check_prompt_validation()
 
     def may_hold_out_images(self) -> bool:
         return super().may_hold_out_images() or self.validation_data_dir is not None

@@ -1,14 +1,15 @@
 """Option groups that the trainers' configs compose, as litgpt composes ``TrainArgs`` and ``EvalArgs``: each
 flag is declared once, here, and a config inherits the groups it has (``class MyConfig(LoraOptions,
 PairedDataOptions, FluxTrainingConfig)``). The fields are keyword-only, so a group sits beside a config's
-required fields in any order. A group's ``check_*`` method refuses its bad combinations; the config's
-``__post_init__`` calls it, so everything is checked when the config is built, before any model loads.
+required fields in any order. A group's ``check_group`` refuses its bad combinations; every group a config is
+composed of is checked when the config is built (:func:`~dreamstep.config.schema.check_option_groups`), before any
+model loads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional
 
 from dreamstep.config.choices import HUBER_SCHEDULES, LOSS_TYPES
 from dreamstep.config.evaluation import EvaluationOptions
@@ -39,7 +40,9 @@ class FluxComponentFileOptions:
 
 @dataclass
 class LoraOptions:
-    """The shape and targets of a FLUX transformer LoRA (diffusers' DreamBooth LoRA flag names)."""
+    """The shape and targets of a FLUX transformer LoRA (diffusers' DreamBooth LoRA flag names). The LyCORIS
+    adapter types are their own group (:class:`LycorisTypeOptions`): a trainer that has not built them has not
+    got their flags."""
 
     rank: int = option(4, "LoRA rank", bounds="[1, inf)", kw_only=True)
     lora_alpha: Optional[float] = option(None, "LoRA alpha (default: the rank, i.e. scale 1)", bounds="(0, inf)",
@@ -48,6 +51,17 @@ class LoraOptions:
     lora_layers: list[str] = option(["attention"], "preset (attention, attention+ff, all-linear) or "
                                                    "comma-separated module names", kw_only=True)
     save_kohya_format: bool = option(False, "also write the LoRA with sd-scripts' key names", kw_only=True)
+
+    @property
+    def alpha(self) -> float:
+        """The alpha the LoRA is built with: --lora_alpha, or the rank."""
+        return self.lora_alpha if self.lora_alpha is not None else self.rank
+
+
+@dataclass
+class LycorisTypeOptions(LoraOptions):
+    """``--lora_type``: a LoKr, LoHa or DoRA through LyCORIS instead of peft's LoRA, with their settings."""
+
     lora_type: Literal["lora", "lokr", "loha", "dora"] = option(
         "lora", "the adapter: lora (peft; diffusers layout), or through LyCORIS in its layout, which ComfyUI and "
                 "Forge load: lokr (Kronecker product), loha (Hadamard product), dora (LoRA with a trained magnitude "
@@ -65,12 +79,7 @@ class LoraOptions:
     module_dropout: float = option(0.0, "lokr/loha/dora: leave out a module's whole update at this rate per step",
                                    bounds="[0, 1)", kw_only=True)
 
-    @property
-    def alpha(self) -> float:
-        """The alpha the LoRA is built with: --lora_alpha, or the rank."""
-        return self.lora_alpha if self.lora_alpha is not None else self.rank
-
-    def check_lora_type(self) -> None:
+    def check_group(self) -> None:
         if self.lora_type == "lora":
             refuse_unused(self, ("rank_dropout", "module_dropout"), "with --lora_type lora (peft's LoRA has "
                                                                     "--lora_dropout)")
@@ -113,13 +122,15 @@ class LossOptions:
     huber_scale: float = option(1.0, "Huber threshold scale (constant, exponential)", bounds="(0, inf)",
                                 kw_only=True)
 
-    def check_loss(self, snr_schedule: bool) -> None:
-        """Refuse Huber flags without a Huber loss, and the snr schedule where there is no SNR
-        (``snr_schedule``: whether the model's noise schedule has one)."""
+    # Whether the model's noise schedule has an SNR (a DDPM schedule: SDXL); flow matching has none.
+    has_snr_schedule: ClassVar[bool] = False
+
+    def check_group(self) -> None:
+        """Refuse Huber flags without a Huber loss, and the snr schedule where there is no SNR."""
         if self.loss_type not in ("huber", "smooth_l1"):
             refuse_unused(self, ("huber_c", "huber_scale"), f"with --loss_type {self.loss_type}")
             return
-        if self.huber_schedule == "snr" and not snr_schedule:
+        if self.huber_schedule == "snr" and not self.has_snr_schedule:
             raise UserError(f"--loss_type {self.loss_type} with --huber_schedule snr needs a DDPM schedule's SNR, "
                             "which flow matching has not (sd-scripts stops there too); give --huber_schedule "
                             "constant or exponential")
@@ -147,7 +158,7 @@ class EmaOptions:
     ema_validation: bool = option(True, "with --ema_decay: samples and evaluation use the EMA weights",
                                   kw_only=True)
 
-    def check_ema(self) -> None:
+    def check_group(self) -> None:
         if self.ema_decay is None:
             refuse_unused(self, ("ema_update_every", "ema_warmup_power", "ema_on_cpu", "ema_validation"),
                           "without --ema_decay")
@@ -168,8 +179,8 @@ class MaskedLossOptions:
                                       "in a dataset TOML subset) or the same-named image of the subset's "
                                       "conditioning_data_dir; black regions train nothing", kw_only=True)
 
-    def check_masked_loss(self, dataset_toml: bool) -> None:
-        if self.masked_loss and not dataset_toml:
+    def check_group(self) -> None:
+        if self.masked_loss and getattr(self, "dataset_config", None) is None:
             raise UserError("--masked_loss reads its masks from a dataset TOML (alpha_mask = true, or "
                             "conditioning_data_dir in each subset); give --dataset_config")
 
@@ -184,7 +195,7 @@ class TextEncoderLoraOptions:
     adam_weight_decay_text_encoder: float = option(1e-3, "weight decay of the text-encoder LoRA (diffusers' "
                                                          "default)", bounds="[0, inf)", kw_only=True)
 
-    def check_text_encoder_lora(self) -> None:
+    def check_group(self) -> None:
         if not self.train_text_encoder:
             refuse_unused(self, ("text_encoder_lr", "adam_weight_decay_text_encoder"), "without --train_text_encoder")
 
@@ -213,8 +224,9 @@ class CaptionAugmentationOptions:
         """The five values by their dataset TOML key."""
         return {name: getattr(self, name) for name in CAPTION_FLAGS}
 
-    def check_captions(self, dataset_toml: bool) -> None:
+    def check_group(self) -> None:
         """--keep_tokens alone has no effect, unless a dataset TOML's subsets shuffle or drop tags."""
+        dataset_toml = getattr(self, "dataset_config", None) is not None
         if not dataset_toml and not self.shuffle_caption and self.caption_tag_dropout_rate == 0:
             refuse_unused(self, ("keep_tokens",), "without --shuffle_caption or --caption_tag_dropout_rate")
 
@@ -252,8 +264,7 @@ class PairedDataOptions(ImageDataOptions):
     random_crop: bool = option(False, "crop at random (default: center crop, as diffusers' scripts do)",
                                kw_only=True)
 
-    def check_paired_data(self) -> None:
-        self.check_captions(self.dataset_config is not None)
+    def check_group(self) -> None:
         flags_given = any(v is not None for v in (self.train_data_dir, self.jsonl_for_train))
         if self.dataset_config is None and not flags_given:
             raise UserError("give --train_data_dir with --conditioning_data_dir, --jsonl_for_train, "
@@ -273,7 +284,7 @@ class PromptValidationOptions(EvaluationOptions):
 
     validation_prompt: Optional[str] = option(None, "prompt for validation images during training", kw_only=True)
 
-    def check_prompt_validation(self) -> None:
+    def check_group(self) -> None:
         if self.eval_metrics and not self.validation_prompt:
             raise UserError("--eval_metrics scores the validation samples: give --validation_prompt too")
 
@@ -288,7 +299,7 @@ class PairedValidationOptions(EvaluationOptions):
     validation_image: list[str] = option([], "condition images for validation (one, or one per "
                                              "--validation_prompt)", kw_only=True)
 
-    def check_paired_validation(self) -> None:
+    def check_group(self) -> None:
         prompts, images = len(self.validation_prompt), len(self.validation_image)
         if (prompts == 0) != (images == 0):
             raise UserError("validation needs both --validation_prompt and --validation_image")

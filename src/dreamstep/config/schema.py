@@ -278,3 +278,14 @@ def normalize_extension(extension: str | None) -> str | None:
     if extension is None or extension.startswith(".") or not extension:
         return extension or None
     return f".{extension}"
+
+
+def check_option_groups(config: Any) -> None:
+    """Run the checks of every option group ``config`` is composed of: each class of its MRO that defines its own
+    ``check_group`` (the groups of :mod:`dreamstep.config.options`), base groups first. A training config calls
+    this once at the end of its ``__post_init__``, so a group's checks run because it is composed, and no config
+    can forget one."""
+    for cls in reversed(type(config).__mro__):
+        check = cls.__dict__.get("check_group")
+        if check is not None:
+            check(config)

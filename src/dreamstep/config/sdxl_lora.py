@@ -11,7 +11,7 @@ from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.lycoris import LYCORIS_MODULE, check_quantized_base, lycoris_from_network_args
 from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
 from dreamstep.config.options import CaptionAugmentationOptions, EmaOptions, LossOptions, MaskedLossOptions
-from dreamstep.config.schema import SEED_BOUNDS, option
+from dreamstep.config.schema import SEED_BOUNDS, check_option_groups, option
 from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
 
@@ -23,6 +23,7 @@ SAMPLERS = ("ddim", "pndm", "euler", "k_euler", "euler_a", "k_euler_a", "dpmsolv
 @dataclass
 class SDXLLoraConfig(LossOptions, CaptionAugmentationOptions, EmaOptions, MaskedLossOptions, EvaluationOptions):
     # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
+    has_snr_schedule: ClassVar[bool] = True  # SDXL's DDPM schedule (sd-scripts' --huber_schedule snr)
     resume_must_match: ClassVar[tuple[str, ...]] = (
         "pretrained_model_name_or_path", "network_module", "network_dim", "network_alpha", "network_args",
         "network_train_unet_only", "network_train_text_encoder_only")
@@ -193,16 +194,12 @@ class SDXLLoraConfig(LossOptions, CaptionAugmentationOptions, EmaOptions, Masked
         if self.debiased_estimation_loss and self.zero_terminal_snr and not self.v_parameterization:
             raise UserError("--debiased_estimation_loss weighs ε-prediction by 1/√SNR, infinite at the last timestep "
                             "of --zero_terminal_snr; add --v_parameterization or drop one of the two")
-        self.check_loss(snr_schedule=True)
-        self.check_captions(self.dataset_config is not None)
-        self.check_ema()
-        self.check_masked_loss(self.dataset_config is not None)
         if self.min_timestep >= self.max_timestep:
             raise UserError(f"--min_timestep must be below --max_timestep (got {self.min_timestep}, "
                             f"{self.max_timestep})")
         if (self.dataset_config is None) == (self.train_data_dir is None):
             raise UserError("give the data with --dataset_config, or with --train_data_dir (not both)")
-        self.check_evaluation()
+        check_option_groups(self)
         if self.eval_metrics and not self.sample_prompts:
             raise UserError("--eval_metrics scores samples of the --sample_prompts: give a prompt file too")
         if self.output_name != Path(self.output_name).name or self.output_name in ("", ".", ".."):

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from dreamstep.config.choices import TIMESTEP_SAMPLINGS
-from dreamstep.config.evaluation import FIDELITY_METRICS, EvaluationOptions
+from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
 from dreamstep.config.options import EmaOptions, FluxComponentFileOptions, LossOptions
-from dreamstep.config.schema import SEED_BOUNDS, config_to_toml, option, refuse_unused
+from dreamstep.config.schema import SEED_BOUNDS, check_option_groups, config_to_toml, option, refuse_unused
 from dreamstep.errors import UserError
 
 if TYPE_CHECKING:
@@ -182,8 +182,4 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, Eval
             raise UserError("--cpu_offload_checkpointing needs --gradient_checkpointing: it offloads the inputs "
                             "that checkpointing keeps; add --gradient_checkpointing")
         self.check_timestep_sampling()
-        self.check_loss(snr_schedule=False)
-        self.check_ema()
-        self.check_evaluation(self.metrics_allowed)
-
-    metrics_allowed = FIDELITY_METRICS
+        check_option_groups(self)

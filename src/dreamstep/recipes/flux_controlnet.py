@@ -54,11 +54,12 @@ from dreamstep.engine.summary import print_run_summary
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
+from dreamstep.models.flow_step import condition_latents
 from dreamstep.models.flux import controlnet as cn
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.flux.family import FAMILY as FLUX
 from dreamstep.models.flux.files import base_of
-from dreamstep.models.flux.step import FluxFlowMatchingStep, condition_latents
+from dreamstep.models.flux.step import FluxFlowMatchingStep
 from dreamstep.models.plans import RunPlan, print_run_plan
 from dreamstep.models.precision import autocast
 

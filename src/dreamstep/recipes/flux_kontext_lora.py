@@ -45,13 +45,14 @@ from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import TrainableState, add_lora, save_flux_lora
 from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
+from dreamstep.models.flow_step import condition_latents
 from dreamstep.models.flux import kontext
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.flux.controlnet import side_by_side
 from dreamstep.models.flux.family import FAMILY as FLUX
 from dreamstep.models.flux.files import base_of
 from dreamstep.models.flux.lora_targets import flux_lora_targets
-from dreamstep.models.flux.step import FluxFlowMatchingStep, condition_latents
+from dreamstep.models.flux.step import FluxFlowMatchingStep
 from dreamstep.models.plans import RunPlan, print_run_plan
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.vae import posterior_mean, sample_latents
