@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from dreamstep.config.schema import option
+from dreamstep.config.schema import option, refuse_unused
 from dreamstep.errors import UserError, did_you_mean
 
 FIDELITY_METRICS = ("dino", "clip_i", "clip_t")
@@ -43,6 +43,9 @@ class EvaluationOptions:
         ``--eval_metrics dino,clip_i`` as well as ``--eval_metrics dino clip_i``."""
         allowed = self.metrics_allowed
         self.eval_metrics = list(dict.fromkeys(m.strip() for v in self.eval_metrics for m in v.split(",") if m.strip()))
+        if not self.eval_metrics:
+            refuse_unused(self, ("eval_identifier", "dino_model", "clip_model", "eval_batch_size"),
+                          "without --eval_metrics")
         for name in self.eval_metrics:
             if name not in allowed:
                 raise UserError(f"--eval_metrics: unknown metric '{name}'{did_you_mean(name, allowed)}; "

@@ -287,6 +287,8 @@ class PromptValidationOptions(EvaluationOptions):
     def check_group(self) -> None:
         if self.eval_metrics and not self.validation_prompt:
             raise UserError("--eval_metrics scores the validation samples: give --validation_prompt too")
+        if not self.validation_prompt:
+            refuse_unused(self, _SAMPLE_FLAGS, "without --validation_prompt")
 
 
 @dataclass
@@ -309,6 +311,9 @@ class PairedValidationOptions(EvaluationOptions):
         if self.eval_metrics and not self.validation_prompt:
             raise UserError("--eval_metrics scores the validation samples: give --validation_prompt and "
                             "--validation_image too")
+        if not self.validation_prompt:
+            refuse_unused(self, _SAMPLE_FLAGS, "without --validation_prompt and --validation_image")
+
 
     def validation_pairs(self) -> list[tuple[str, str]]:
         """(condition image path, prompt) pairs; a single prompt or image is shared by all of the other."""
@@ -316,3 +321,7 @@ class PairedValidationOptions(EvaluationOptions):
         prompts = self.validation_prompt * count if len(self.validation_prompt) == 1 else self.validation_prompt
         images = self.validation_image * count if len(self.validation_image) == 1 else self.validation_image
         return list(zip(images, prompts))
+
+
+# How validation samples are made (FluxTrainingConfig's): no samples, no effect.
+_SAMPLE_FLAGS = ("num_validation_images", "validation_inference_steps")

@@ -11,7 +11,7 @@ from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.lycoris import LYCORIS_MODULE, check_quantized_base, lycoris_from_network_args
 from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
 from dreamstep.config.options import CaptionAugmentationOptions, EmaOptions, LossOptions, MaskedLossOptions
-from dreamstep.config.schema import SEED_BOUNDS, check_option_groups, option
+from dreamstep.config.schema import SEED_BOUNDS, check_option_groups, option, refuse_unused
 from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
 
@@ -162,6 +162,14 @@ class SDXLLoraConfig(LossOptions, CaptionAugmentationOptions, EmaOptions, Masked
             check_quantized_base(lycoris.dora_wd, self.unet_quantization,
                                  "--fp8_base" if self.fp8_base else f"--base_quantization {self.base_quantization}",
                                  "--network_args dora_wd=True")
+        if self.dataset_config is not None:
+            refuse_unused(self, ("reg_data_dir", "in_json"), "with --dataset_config (sd-scripts ignores it there; "
+                                                             "set the folders in the dataset TOML)")
+        if not self.network_train_unet_only and not self.cache_text_encoder_outputs:
+            raise UserError("--cache_text_encoder_outputs false has no effect while the text encoders train (they "
+                            "encode every step); remove it, or add --network_train_unet_only")
+        if not self.sample_prompts:
+            refuse_unused(self, ("sample_sampler",), "without --sample_prompts")
         if self.network_train_unet_only and self.network_train_text_encoder_only:
             raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
         if self.unet_lr == 0 and self.text_encoder_lr == 0:

@@ -165,6 +165,8 @@ def kohya_datasets(config: Any, command: str) -> list[DatasetConfig]:
     read yet. ``config`` has sd-scripts' data flags (``dataset_config``, ``train_data_dir``, ``resolution`` …)."""
     cli = {k: getattr(config, k) for k in ("resolution", "train_batch_size", "enable_bucket", "min_bucket_reso",
                                            "max_bucket_reso", "bucket_reso_steps", "bucket_no_upscale")}
+    # As in sd-scripts, --caption_extension is the TOML's fallback too (a subset's own value wins).
+    cli["caption_extension"] = config.caption_extension
     if config.dataset_config is not None:
         datasets = load_dataset_config(config.dataset_config, cli={**cli, **config.caption_flags()})
         return masked_datasets(datasets, config.masked_loss, command)
