@@ -12,6 +12,7 @@ from PIL import Image
 from dreamstep.dashboard.dataset_check import check_dataset, summary
 from dreamstep.data.dataset import build_dataset
 from dreamstep.data.dataset_config import load_dataset_config
+from dreamstep.data.holdout import build_split_datasets
 from dreamstep.errors import UserError
 
 CAPTION = "sks dog, red collar, sitting, grass, sunny"
@@ -84,6 +85,21 @@ def test_buckets_subsets_and_regularization(dataset_toml):
     assert buckets[(512, 512)] == (5, 12)  # t0 and t3 (2 repeats each) and the 3 regularization images
     reg_images = [i for i in data["images"] if i["is_reg"]]
     assert {i["caption"] for i in reg_images} == {"a dog"}
+
+
+@pytest.mark.parametrize("trainer", ["sdxl-lora", "flux-lora"])
+def test_the_check_holds_out_what_the_trainer_holds_out(dataset_toml, tmp_path, trainer):
+    """--validation_split: the images held out for the validation loss are not in the epoch the check shows, and the
+    regularization images are balanced against the images left, as the trainer's own split does."""
+    run_config = tmp_path / "run.toml"
+    run_config.write_text("validation_split = 0.25\nseed = 3\n")
+    check = check_dataset(dataset_toml, trainer=trainer, config_toml=run_config)
+    trainer_dataset, held_out = build_split_datasets(load_dataset_config(dataset_toml), seed=3, validation_split=0.25)
+    assert [i.path for i in check.images if i.held_out] == [r.image.path for r in held_out.records]
+    assert sorted(check.dataset.samples) == sorted(trainer_dataset.samples)
+    train, reg = summary(check, epoch=0)["subsets"]
+    assert (train["images"], train["samples"]) == (3, 6)  # 4 images with 2 repeats, one held out
+    assert reg["samples"] == 6  # balanced against the 6 training samples left, as the trainer does
 
 
 def test_every_problem_is_listed_where_the_trainer_stops_at_the_first(tmp_path):

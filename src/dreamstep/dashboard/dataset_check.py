@@ -18,9 +18,16 @@ from dreamstep.dashboard.trainer_data import check_config, folder_flag, trainer_
 from dreamstep.data.buckets import BucketPlanner
 from dreamstep.data.dataset import BucketDataset
 from dreamstep.data.dataset_config import DatasetConfig, SubsetConfig
+from dreamstep.data.holdout import split_records
 from dreamstep.data.images import ImageInfo, inspect_image, list_images
 from dreamstep.data.masks import check_mask, mask_path
-from dreamstep.data.records import ImageRecord, dataset_repeats, folder_caption, subset_entries
+from dreamstep.data.records import (
+    ImageRecord,
+    dataset_repeats,
+    folder_caption,
+    rebalance_regularization,
+    subset_entries,
+)
 from dreamstep.errors import UserError
 
 __all__ = ["CheckedImage", "DatasetCheck", "check_dataset", "check_datasets", "check_trainer_data", "summary"]
@@ -40,6 +47,7 @@ class CheckedImage:
     problems: list[str] = field(default_factory=list)
     record: ImageRecord | None = None
     mask: Path | None = None  # the file --masked_loss reads its mask from (the image itself for alpha masks)
+    held_out: bool = False  # held out for the validation loss (--validation_split or a validation subset)
 
     @property
     def upscaled(self) -> bool:
@@ -91,11 +99,14 @@ def check_trainer_data(trainer: str, config: Any, source: str | None = None) -> 
     configs = trainer_datasets(trainer, config)
     if source is None:
         source = str(config.dataset_config or getattr(config, folder_flag(trainer), None) or configs[0].where)
-    return check_datasets(configs, source, config.seed)
+    return check_datasets(configs, source, config.seed, getattr(config, "validation_split", 0.0))
 
 
-def check_datasets(configs: list[DatasetConfig], source: str, seed: int) -> DatasetCheck:
-    """Check every image of the trainer's ``configs`` (what :func:`trainer_datasets` gives)."""
+def check_datasets(configs: list[DatasetConfig], source: str, seed: int,
+                   validation_split: float = 0.0) -> DatasetCheck:
+    """Check every image of the trainer's ``configs`` (what :func:`trainer_datasets` gives); the images the run
+    holds out for its validation loss (``validation_split``, validation subsets) are drawn as the trainer draws
+    them (:func:`~dreamstep.data.holdout.split_records`) and left out of the epoch."""
     subsets: list[tuple[int, SubsetConfig]] = []
     images: list[CheckedImage] = []
     problems: list[str] = []
@@ -113,12 +124,34 @@ def check_datasets(configs: list[DatasetConfig], source: str, seed: int) -> Data
                    for s, ((subset, found), counts) in enumerate(zip(entries, dataset_repeats(config, entries)))
                    for (path, caption, problem, conditioning), count in zip(found, counts)]
         _inspect_all(checked, BucketPlanner(config.buckets), subsets)
-        groups.append(([i.record for i in checked if i.record is not None], config.batch_size,
-                       config.prior_pairs))
+        records = [i.record for i in checked if i.record is not None]
+        try:
+            training, held = split_records(records, validation_split, seed)
+        except UserError as error:
+            problems.append(str(error))
+            training, held = records, []
+        if held and not config.prior_pairs:
+            training = rebalance_regularization(training)
+        _take_split(checked, training, held)
+        groups.append((training, config.batch_size, config.prior_pairs))
         images += checked
     problems += [f"{i.path}: {p}" for i in images for p in i.problems]
     dataset = BucketDataset(groups, seed) if any(records for records, *_ in groups) else None
     return DatasetCheck(source, configs, subsets, images, problems, dataset, seed)
+
+
+def _take_split(checked: list[CheckedImage], training: list[ImageRecord], held: list[ImageRecord]) -> None:
+    """Mark the held-out images, and give the others the records (and repeats) the epoch is made of."""
+    held_ids = {id(r) for r in held}
+    by_path = {r.image.path: r for r in training}
+    for image in checked:
+        if image.record is None:
+            continue
+        if id(image.record) in held_ids:
+            image.held_out = True
+            continue
+        image.record = by_path.get(image.record.image.path)
+        image.repeats = image.record.num_repeats if image.record is not None else 0
 
 
 def _mask_file(image: Path, conditioning: Path | None, subset: SubsetConfig) -> Path | None:
@@ -203,7 +236,7 @@ def summary(check: DatasetCheck, epoch: int) -> dict[str, Any]:
     captions = check.captions(epoch)
     subsets = []
     for index, (d, subset) in enumerate(check.subsets):
-        members = [i for i in check.images if i.subset == index]
+        members = [i for i in check.images if i.subset == index and not i.held_out]
         subsets.append({"where": subset.where, "dataset": d, "is_reg": subset.is_reg,
                         "num_repeats": subset.num_repeats, "images": len(members),
                         "used": sum(1 for i in members if i.record is not None),
@@ -213,7 +246,8 @@ def summary(check: DatasetCheck, epoch: int) -> dict[str, Any]:
     for d, config in enumerate(check.configs):
         buckets: dict[tuple[int, int], list[int]] = {}
         for n, image in enumerate(check.images):
-            if check.subsets[image.subset][0] == d and image.bucket is not None and image.record is not None:
+            if (check.subsets[image.subset][0] == d and image.bucket is not None and image.record is not None
+                    and not image.held_out):
                 buckets.setdefault(image.bucket, []).append(n)
         datasets.append({
             "where": config.where, "method": config.method, "batch_size": config.batch_size,
@@ -225,7 +259,8 @@ def summary(check: DatasetCheck, epoch: int) -> dict[str, Any]:
                "is_reg": check.subsets[i.subset][1].is_reg,
                "raw_caption": i.caption, "caption": captions.get(n), "repeats": i.repeats,
                "size": list(i.size) if i.size else None, "bucket": list(i.bucket) if i.bucket else None,
-               "problems": i.problems, "used": i.record is not None, "mask": i.mask is not None}
+               "problems": i.problems, "used": i.record is not None and not i.held_out, "held_out": i.held_out,
+               "mask": i.mask is not None}
               for n, i in enumerate(check.images)]
     return {"source": check.source, "epoch": epoch, "seed": check.seed, "datasets": datasets, "subsets": subsets,
             "images": images, "problems": check.problems}
