@@ -13,8 +13,8 @@ import torch
 from dreamstep.cli import main
 from dreamstep.config.memory import parse_bytes
 from dreamstep.models import memory_plan as mp
+from dreamstep.models.family import get_family
 from dreamstep.models.phases import PHASES
-from dreamstep.models.plans import flux_components, sdxl_components
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 from flux_testkit import ROBOT_DIR, ROBOT_PROMPT  # noqa: E402
@@ -25,8 +25,8 @@ def _count(module: torch.nn.Module) -> int:
 
 
 def test_full_size_parameter_counts_on_the_meta_device() -> None:
-    flux = flux_components(None)
-    sdxl = sdxl_components(None)
+    flux = get_family("flux").meta_components(None)
+    sdxl = get_family("sdxl").meta_components(None)
     transformer = flux["transformer"]
     assert round(_count(transformer) / 1e9, 2) == 11.90
     assert round(_count(transformer.transformer_blocks[0]) / 1e6) == 340
@@ -112,7 +112,7 @@ def test_a_plan_no_run_could_train_with_is_one_line(argv: list[str], message: st
 def test_a_model_folder_of_the_other_family_is_named(tiny_sdxl_dir: Path, tmp_path: Path, capsys) -> None:
     assert main(["plan", "flux", "--pretrained_model_name_or_path", str(tiny_sdxl_dir)]) == 2
     assert capsys.readouterr().err == (f"error: --pretrained_model_name_or_path {tiny_sdxl_dir}: a "
-                                       "StableDiffusionXLPipeline folder, not FluxPipeline; plan it with "
+                                       "StableDiffusionXLPipeline folder, not a FLUX.1 pipeline; plan it with "
                                        "'dreamstep plan sdxl'\n")
     (tmp_path / "loose").mkdir()
     assert main(["plan", "sdxl", "--pretrained_model_name_or_path", str(tmp_path / "loose")]) == 2

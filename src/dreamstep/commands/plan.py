@@ -129,8 +129,8 @@ def check_model_folder(source: str, model: str) -> None:
     wanted, owner = _family(model), family_of_pipeline(found)
     if owner is not wanted:
         hint = f"; plan it with 'dreamstep plan {owner.name}'" if owner is not None else ""
-        raise UserError(f"--pretrained_model_name_or_path {source}: a {found} folder, not a {wanted.title} pipeline "
-                        f"({', '.join(wanted.pipeline_classes)}){hint}")
+        raise UserError(f"--pretrained_model_name_or_path {source}: a {found} folder, not a {wanted.title} "
+                        f"pipeline{hint}")
 
 
 def model_source(args: argparse.Namespace) -> tuple[str | None, str]:
