@@ -1,7 +1,8 @@
-"""Options every FLUX trainer shares (flag names as in the diffusers / mindone training scripts).
+"""Options every flow-matching trainer shares, whatever its model family (flag names as in the diffusers / mindone
+training scripts): :class:`TrainingConfig`; and FLUX.1's own on top of them: :class:`FluxTrainingConfig`.
 
-Recipes extend :class:`FluxTrainingConfig` with the option groups of :mod:`dreamstep.config.options` they
-have and their own fields; ``__post_init__`` checks the combinations before any model is loaded.
+Recipes extend one of them with the option groups of :mod:`dreamstep.config.options` they have and their own fields;
+``__post_init__`` checks the combinations before any model is loaded.
 """
 
 from __future__ import annotations
@@ -26,19 +27,14 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
 
 
 @dataclass
-class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, EvaluationOptions):
-    pretrained_model_name_or_path: str = option(
-        help="base FLUX.1 model: a diffusers folder, a hub id, or the transformer file (flux1-dev.safetensors, an "
-             "fp8 copy, a .gguf) with --clip_l, --t5xxl and --ae or --model_config")
+class TrainingConfig(LossOptions, EmaOptions, EvaluationOptions):
+    """What a flow-matching trainer of any family has: the base, the output, the schedule, the optimizer, precision,
+    memory options, caches, checkpoints and validation cadence."""
+
+    pretrained_model_name_or_path: str = option(help="the base model: a diffusers folder or a hub id")
     output_dir: str = option(help="where weights, checkpoints, samples and logs are written")
     revision: Optional[str] = option(None, "hub revision of the base model")
     variant: Optional[str] = option(None, "weight file variant of the base model, e.g. fp16")
-    transformer_single_file: Optional[str] = option(
-        None, "a single-file FLUX transformer (.safetensors, .gguf) to use instead of the folder's transformer")
-    model_config: Optional[str] = option(
-        None, "with a transformer file as the model: a diffusers FLUX folder or hub id with the configs, tokenizers "
-              "and the parts not given as files (default: the file's folder when it holds model_index.json, else "
-              "FLUX.1-dev's or -schnell's published configs, by the file's guidance embedding)")
     seed: int = option(0, "seed for initialisation, data order, noise and timesteps", bounds=SEED_BOUNDS)
     resolution: int = option(512, "training resolution in pixels (images are resized and cropped to it)",
                              bounds="[16, inf)")
@@ -76,9 +72,7 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, Eval
     sigmoid_scale: float = option(1.0, "scale of the normal draw for sigmoid, shift and flux_shift sampling",
                                   bounds="(0, inf)")
     discrete_flow_shift: float = option(3.0, "σ shift of --timestep_sampling shift", bounds="(0, inf)")
-    guidance_scale: float = option(3.5, "guidance value fed to guidance-distilled models (FLUX.1-dev)",
-                                   bounds="[0, inf)")
-    max_sequence_length: int = option(512, "T5 tokens per prompt", bounds="[1, 512]")
+    max_sequence_length: int = option(512, "text-encoder tokens per prompt (FLUX: T5's)", bounds="[1, 512]")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
     cpu_offload_checkpointing: bool = option(False, "keep the block inputs that gradient checkpointing saves in "
                                                     "host memory until backward needs them (small cards; needs "
@@ -87,7 +81,8 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, Eval
         "none", "store the frozen transformer's linear weights in 8 or 4 bits (pip install 'dreamstep[quant]'; "
                 "nf4 needs a CUDA GPU)")
     text_encoder_quantization: Literal["none", "fp8", "int8", "nf4"] = option(
-        "none", "store T5's linear weights in 8 or 4 bits while it encodes the prompts")
+        "none", "store the large text encoder's linear weights (FLUX: T5's) in 8 or 4 bits while it encodes the "
+                "prompts")
     device_memory: Optional[str] = option(None, "memory of the training device for the memory plan, e.g. 12GB "
                                                 "(default: detected on CUDA)")
     dry_run: bool = option(False, "print the memory plan and stop before loading any model")
@@ -147,16 +142,6 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, Eval
             raise UserError(f"--weighting_scheme {self.weighting_scheme} draws σ from the σ table, which "
                             f"--timestep_sampling {self.timestep_sampling} does not use; give one of the two")
 
-    def take_base_file(self, transformer_file: str | None, stored_fp8: bool) -> None:
-        """What the base's transformer file tells (the FLUX family reads it when it resolves the base,
-        :func:`~dreamstep.models.flux.files.base_of`, before anything is written): a transformer stored in fp8
-        trains as the fp8 base it is (sd-scripts' --fp8_base), unless asked otherwise."""
-        if stored_fp8 and self.base_quantization == "none":
-            self.base_quantization = "fp8"
-        file_flag = "--transformer_single_file" if self.transformer_single_file else "--pretrained_model_name_or_path"
-        check_single_file_quantization(self.base_quantization, "--base_quantization", transformer_file, file_flag)
-        check_compile(self.compile, self.base_quantization, "--base_quantization")
-
     def cache_root(self) -> Path:
         """Where the run's latent and text caches live: --cache_dir, or OUTPUT_DIR/cache."""
         return Path(self.cache_dir or Path(self.output_dir) / "cache")
@@ -167,9 +152,6 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, Eval
         return config_to_toml(dataclasses.replace(self, num_train_epochs=num_epochs))
 
     def __post_init__(self) -> None:
-        if self.resolution % 16:
-            raise UserError(f"--resolution must be a multiple of 16 for FLUX's 2x2 latent packing "
-                            f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
         check_quantization(self.base_quantization, "--base_quantization")
         check_compile(self.compile, self.base_quantization, "--base_quantization")
         check_quantization(self.text_encoder_quantization, "--text_encoder_quantization")
@@ -183,3 +165,38 @@ class FluxTrainingConfig(FluxComponentFileOptions, LossOptions, EmaOptions, Eval
                             "that checkpointing keeps; add --gradient_checkpointing")
         self.check_timestep_sampling()
         check_option_groups(self)
+
+
+@dataclass
+class FluxTrainingConfig(FluxComponentFileOptions, TrainingConfig):
+    """FLUX.1's options on top of :class:`TrainingConfig`: the files users of ComfyUI, Forge and sd-scripts have,
+    and the guidance fed to guidance-distilled bases."""
+
+    pretrained_model_name_or_path: str = option(
+        help="base FLUX.1 model: a diffusers folder, a hub id, or the transformer file (flux1-dev.safetensors, an "
+             "fp8 copy, a .gguf) with --clip_l, --t5xxl and --ae or --model_config")
+    transformer_single_file: Optional[str] = option(
+        None, "a single-file FLUX transformer (.safetensors, .gguf) to use instead of the folder's transformer",
+        kw_only=True)
+    model_config: Optional[str] = option(
+        None, "with a transformer file as the model: a diffusers FLUX folder or hub id with the configs, tokenizers "
+              "and the parts not given as files (default: the file's folder when it holds model_index.json, else "
+              "FLUX.1-dev's or -schnell's published configs, by the file's guidance embedding)", kw_only=True)
+    guidance_scale: float = option(3.5, "guidance value fed to guidance-distilled models (FLUX.1-dev)",
+                                   bounds="[0, inf)", kw_only=True)
+
+    def take_base_file(self, transformer_file: str | None, stored_fp8: bool) -> None:
+        """What the base's transformer file tells (the FLUX family reads it when it resolves the base,
+        :func:`~dreamstep.models.flux.files.base_of`, before anything is written): a transformer stored in fp8
+        trains as the fp8 base it is (sd-scripts' --fp8_base), unless asked otherwise."""
+        if stored_fp8 and self.base_quantization == "none":
+            self.base_quantization = "fp8"
+        file_flag = "--transformer_single_file" if self.transformer_single_file else "--pretrained_model_name_or_path"
+        check_single_file_quantization(self.base_quantization, "--base_quantization", transformer_file, file_flag)
+        check_compile(self.compile, self.base_quantization, "--base_quantization")
+
+    def __post_init__(self) -> None:
+        if self.resolution % 16:
+            raise UserError(f"--resolution must be a multiple of 16 for FLUX's 2x2 latent packing "
+                            f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
+        super().__post_init__()
