@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,16 @@ def honour_umask(path: str | Path) -> None:
     files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
     for file in files:
         os.chmod(file, mode)
+
+
+_TEMPORARY = re.compile(r"^\..+\.(\d+)\.tmp$")
+
+
+def temporary_file_owner(path: Path) -> int | None:
+    """The process id in the name of a temporary file :func:`atomic_path` made (``None`` for other names): a
+    process killed while it wrote one (kill -9) leaves it behind."""
+    match = _TEMPORARY.match(path.name)
+    return int(match.group(1)) if match and path.is_file() else None
 
 
 @contextlib.contextmanager

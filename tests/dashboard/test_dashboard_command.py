@@ -76,3 +76,23 @@ def test_the_command_serves_and_warns_about_a_non_loopback_host(tmp_path):
     assert "warning: --host 0.0.0.0 lets other machines open the dashboard" in err
     assert f"note: RUN_DIR {tmp_path / 'pictures'} holds no run yet" in err
     assert f"RUN_DIR {tmp_path / 'runs'} holds" not in err
+
+
+def test_a_restarted_dashboard_listens_on_its_port_at_once_and_a_busy_port_is_one_line(tmp_path, capsys):
+    """Its answers to ``Connection: close`` requests (urllib's) leave connections in TIME_WAIT on its port for a
+    minute; the restart (jobs are built to survive one) must not wait for them."""
+    from dashboard_testkit import DashboardProcess
+
+    (tmp_path / "runs").mkdir()
+    dashboard = DashboardProcess(tmp_path / "runs", [tmp_path])
+    for _ in range(3):
+        dashboard.api("/api/jobs")
+    assert main(["dashboard", str(tmp_path / "runs"), "--port", str(dashboard.port)]) == 2
+    assert (f"\nerror: --host 127.0.0.1 --port {dashboard.port}: cannot listen there (Address already in use); "
+            "pick another --port\n") in capsys.readouterr().err
+    dashboard.close()
+    again = DashboardProcess(tmp_path / "runs", [tmp_path], port=dashboard.port)
+    try:
+        assert again.api("/api/jobs")["jobs"] == []
+    finally:
+        again.close()

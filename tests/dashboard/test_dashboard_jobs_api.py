@@ -319,3 +319,40 @@ def test_a_flux_kohya_plan_and_dataset_check_before_queuing_are_the_trainers(tmp
                  str(data / "kohya"), "--resolution", "64", "--network_dim", "4", "--device_memory", "1GB",
                  "--output_dir", str(tmp_path / "dry"), "--dry_run"]) == 0
     assert answer["plan"]["report"] in capsys.readouterr().out
+
+
+def test_a_killed_jobs_message_says_it_was_killed_not_a_progress_bar_line(tmp_path, tiny_flux_dev_dir):
+    """kill -9 (or the out-of-memory killer) leaves the run no time to say why: the job says what it knows, seen by
+    the dashboard that started it (the exit code) and by one restarted since (the run status still running)."""
+    import signal
+    import time
+
+    from dreamstep.dashboard.jobs import JobRunner
+    from dreamstep.engine.run_folder import read_status
+
+    queue, state, run = JobQueue(tmp_path / "jobs.sqlite"), tmp_path / "state", tmp_path / "run"
+    state.mkdir()
+    options = (f'pretrained_model_name_or_path = "{tiny_flux_dev_dir}"\ninstance_data_dir = "{ROBOT_DIR}"\n'
+               'instance_prompt = "sks robot"\nresolution = 32\nmax_train_steps = 1000\nreport_to = "none"\n'
+               'logging_steps = 1\n')
+    runner = JobRunner(queue, state)
+    job = queue.add("flux-lora", options, str(run))
+    runner.tick()
+    deadline = time.monotonic() + 240
+    while (read_status(run) or {}).get("step", 0) < 2 or "%|" not in runner.log_path(job.id).read_text():
+        assert time.monotonic() < deadline and queue.get(job.id).state == "running", queue.get(job.id)
+        time.sleep(0.05)
+    pid = queue.get(job.id).pid
+    os.kill(pid, signal.SIGKILL)
+    while queue.get(job.id).state == "running":
+        runner.tick()
+    killed = queue.get(job.id)
+    assert (killed.state, killed.exit_code) == ("failed", -signal.SIGKILL)
+    assert killed.message == "the trainer was killed by SIGKILL (kill -9, or the system when it runs out of memory)"
+
+    seen_later = queue.add("flux-lora", options, str(run))
+    queue.update(seen_later.id, state="running", pid=pid)  # as the dashboard that started it left it
+    JobRunner(queue, state).tick()
+    assert queue.get(seen_later.id).message == ("the trainer's process ended without its run recording how: most "
+                                                "likely it was killed (kill -9, or the system when it runs out of "
+                                                "memory)")

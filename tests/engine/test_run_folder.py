@@ -173,8 +173,13 @@ def test_a_save_deletes_only_its_own_leftovers_and_those_of_dead_processes(tmp_p
     for name in (f".checkpoint-1.tmp-{os.getpid()}", f".checkpoint-1.tmp-{dead.pid}",
                  f".checkpoint-1.old-{dead.pid}", f".checkpoint-2.tmp-{live}", ".checkpoint-notes"):
         (tmp_path / name).mkdir()
+    # A run killed (kill -9) while it rewrote its status leaves the temporary file of that atomic write.
+    for name in (f".run_status.json.{dead.pid}.tmp", f".config.toml.{dead.pid}.tmp", f".run_status.json.{live}.tmp",
+                 ".notes.tmp"):
+        (tmp_path / name).write_text("{")
     model = tiny_mlp()
     step = RegressionStep(model, torch.optim.SGD(model.parameters(), lr=0.1))
     save_checkpoint(tmp_path, step, TrainingPosition(global_step=3), model.state_dict())
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".checkpoint-2.tmp-{live}", ".checkpoint-notes",
+                                                          ".notes.tmp", f".run_status.json.{live}.tmp",
                                                           "checkpoint-3"]

@@ -161,3 +161,18 @@ def test_a_gguf_transformer_loads_quantized_through_diffusers(tiny_flux_dev_dir:
     expected, found = reference(**inputs)[0].float(), quantized(**inputs)[0].float()
     # Q8_0 keeps about 2 decimal digits per weight: close to the bf16 model, far closer than the output's scale.
     assert (found - expected).abs().mean() < 0.05 * expected.abs().mean()
+
+
+@pytest.mark.parametrize("damage", ["key-value count", "tensor count", "truncated"])
+def test_a_gguf_with_a_damaged_header_is_one_line(damage: str, tiny_flux_dev_dir: Path,
+                                                  tiny_flux_files: dict[str, Path], tmp_path: Path) -> None:
+    """The magic says GGUF, the header after it is damaged (the gguf reader raised IndexError or KeyError)."""
+    data = _write_gguf(tiny_flux_files["fp32_transformer"], tmp_path / "whole.gguf").read_bytes()
+    # The header: magic, version (u32), tensor count (u64), key-value count (u64).
+    damaged = {"key-value count": data[:16] + (10**6).to_bytes(8, "little") + data[24:],
+               "tensor count": data[:8] + (len(data)).to_bytes(8, "little") + data[16:],
+               "truncated": data[:200]}[damage]
+    (tmp_path / "flux1-Q8_0.gguf").write_bytes(damaged)
+    with pytest.raises(UserError, match=r"^--pretrained_model_name_or_path .*flux1-Q8_0.gguf cannot be read as GGUF "
+                                        r"\(.*\): a truncated or damaged download\? re-download it$"):
+        resolve_base(str(tmp_path / "flux1-Q8_0.gguf"), model_config=str(tiny_flux_dev_dir))

@@ -317,6 +317,19 @@ def test_the_memory_plan_prices_the_condition_tokens(tiny_flux_kontext_dir: Path
     assert not (tmp_path / "out").exists()
 
 
+def test_a_base_that_is_not_kontext_gets_one_warning_naming_the_kontext_base(
+        tiny_flux_dev_dir: Path, tiny_flux_kontext_dir: Path, pairs: tuple[Path, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for base in (tiny_flux_dev_dir, tiny_flux_kontext_dir):
+        assert run_cli("train", "flux-kontext-lora", "--pretrained_model_name_or_path", base, "--output_dir",
+                       tmp_path / "out", "--instance_data_dir", pairs[0], "--conditioning_data_dir", pairs[1], *TRAIN,
+                       "--dry_run") == 0
+        warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+        assert warnings == ([f"warning: --pretrained_model_name_or_path {base} is a FluxPipeline, not FLUX.1 Kontext "
+                             "(FluxKontextPipeline): its LoRA learns editing from scratch; train on "
+                             "black-forest-labs/FLUX.1-Kontext-dev"] if base == tiny_flux_dev_dir else [])
+
+
 def test_a_pair_trains_in_its_aspect_ratio_bucket(tiny_flux_kontext_dir: Path, tmp_path: Path) -> None:
     """Wide pairs in a bucketed TOML: both images of a pair land in the target's bucket, not a square."""
     images, conditioning = write_control_pairs(tmp_path / "pairs", count=2)

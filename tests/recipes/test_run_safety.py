@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import shlex
 import signal
 import subprocess
@@ -37,12 +38,17 @@ class Trainer:
     """``python -m dreamstep ARGS`` in a subprocess of its own process group, its stderr collected as it
     comes. Signals go to the whole group, as Ctrl-C in a terminal and a scheduler's SIGTERM do."""
 
-    def __init__(self, args: list[str]):
+    def __init__(self, args: list[str], stdout: int = subprocess.DEVNULL, stderr: int = subprocess.PIPE,
+                 sigint_ignored: bool = False):
+        """``sigint_ignored``: started as background jobs and some launchers start it, with SIGINT ignored."""
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        self.process = subprocess.Popen([sys.executable, "-m", "dreamstep", *args], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+        self.process = subprocess.Popen([sys.executable, "-m", "dreamstep", *args], stdout=stdout,
+                                        stderr=stderr, text=True, env=env, start_new_session=True,
+                                        preexec_fn=ignore)
         self.stderr = ""
-        threading.Thread(target=self._collect, daemon=True).start()
+        if self.process.stderr is not None:
+            threading.Thread(target=self._collect, daemon=True).start()
 
     def _collect(self) -> None:
         for chunk in iter(lambda: self.process.stderr.read(1), ""):
@@ -126,6 +132,61 @@ def test_an_interrupt_while_loading_leaves_a_folder_the_same_command_accepts(tin
     assert read_status(out)["state"] == "interrupted"
     assert run_cli(*command) == 0
     assert (out / "pytorch_lora_weights.safetensors").is_file() and read_status(out)["state"] == "finished"
+
+
+@pytest.mark.parametrize("trial", [("the start", 0.3, 2.0, True), ("the run status", 0.0, 0.4, False),
+                                   ("the run status", 0.4, 1.5, True)])
+def test_ctrl_c_at_a_random_point_of_the_first_seconds_stops_in_one_message(trial: tuple, tiny_flux_dev_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """While the libraries are imported (a KeyboardInterrupt raised into numpy's import left it half made: a
+    RecursionError traceback), while models load and caches fill, and in the first steps; also in a trainer
+    started with SIGINT ignored. Always one message, exit 130, and a folder the same command accepts."""
+    after, low, high, sigint_ignored = trial
+    delay = random.uniform(low, high)
+    out = tmp_path / "out"
+    command = _flux(tiny_flux_dev_dir, out, "--max_train_steps", "1000", "--checkpointing_steps", "0")
+    trainer = Trainer(command, sigint_ignored=sigint_ignored)
+    if after == "the run status":
+        trainer.wait_for(lambda: (out / "run_status.json").is_file(), "the run status")
+    time.sleep(delay)
+    trainer.send(signal.SIGINT)
+    code = trainer.finish()
+    said = f"SIGINT {delay:.2f} s after {after}: {trainer.stderr[-3000:]}"
+    assert code == 130 and "Traceback" not in trainer.stderr, said
+    last = trainer.stderr.strip().splitlines()[-1]
+    assert last.startswith(("stopped by SIGINT", "  dreamstep train flux-lora --config")), said
+    assert not (out / LOCK_FILE).exists()
+    if list(out.glob("checkpoint-*")):
+        assert read_status(out)["state"] == "interrupted" and "continue with:" in trainer.stderr, said
+    else:
+        check_output_dir(out, overwrite=False, resume=None, resume_request=None,
+                         resume_flag="--resume_from_checkpoint")
+
+
+@pytest.mark.parametrize("closed", ["stdout", "stdout and stderr"])
+def test_ctrl_c_with_a_closed_output_pipe_keeps_the_checkpoint(closed: str, tiny_flux_dev_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """``dreamstep train ... | tee log`` and Ctrl-C: tee ends at once, and every later write to the pipe fails
+    (was: no checkpoint, the run "failed" with "[Errno 32] Broken pipe")."""
+    out = tmp_path / "out"
+    reader, writer = os.pipe()
+    # 2>&1 | tee: the trainer's stderr goes to the same pipe
+    trainer = Trainer(_flux(tiny_flux_dev_dir, out, "--max_train_steps", "1000", "--checkpointing_steps", "0"),
+                      stdout=writer, stderr=writer if closed == "stdout and stderr" else subprocess.PIPE)
+    os.close(writer)
+    trainer.wait_for(lambda: _step(out) >= 2, "step 2")
+    os.close(reader)
+    trainer.send(signal.SIGINT)
+    assert trainer.finish() == 130
+    status = read_status(out)
+    assert status["state"] == "interrupted" and status["checkpoint"] == f"checkpoint-{status['step']}"
+    log = (out / "train.log").read_text()
+    assert f"saved {out / status['checkpoint']}" in log and f"stopped by SIGINT at step {status['step']}" in log
+    if closed == "stdout":
+        command = shlex.split(trainer.stderr.split("continue with:\n")[1].splitlines()[0])
+        assert run_cli(*command[1:], "--max_train_steps", status["step"] + 1) == 0
+        assert read_status(out)["state"] == "finished"
+        assert f"resuming from {out / status['checkpoint']}" in (out / "train.log").read_text()
 
 
 def _no_room_after_the_first_checkpoint(monkeypatch: pytest.MonkeyPatch, out: Path) -> None:

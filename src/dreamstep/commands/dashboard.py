@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import ipaddress
+import os
 import secrets
 import socket
 import sys
@@ -71,8 +72,12 @@ def is_loopback(host: str) -> bool:
 
 
 def _check_port(host: str, port: int) -> None:
+    """Refuse a port another server listens on, as uvicorn's own bind would. Like uvicorn's socket the probe
+    reuses the address (POSIX), so the connections a stopped dashboard left in TIME_WAIT do not refuse a restart."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        if os.name == "posix":  # on Windows SO_REUSEADDR would let the probe share a port in use
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as e:

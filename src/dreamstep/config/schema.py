@@ -146,6 +146,8 @@ def convert_value(value: Any, tp: Any, where: str, *, typed: bool = False) -> An
         example = "true or false" if tp is bool else "a number"
         raise UserError(f"{where}: \"{value}\" is a string; write {example} without quotes")
     origin = typing.get_origin(tp)
+    if _wrong_kind(value, tp):
+        raise UserError(f"{where}: expected {_expected(tp)}, got {_kind(value)}")
     if origin is Literal:
         choices = typing.get_args(tp)
         for choice in choices:
@@ -157,7 +159,7 @@ def convert_value(value: Any, tp: Any, where: str, *, typed: bool = False) -> An
     if origin in (list, tuple):
         (item_tp,) = typing.get_args(tp)[:1] or (str,)
         items = value if isinstance(value, (list, tuple)) else [value]
-        return [convert_value(v, item_tp, where) for v in items]
+        return [convert_value(v, item_tp, where, typed=typed) for v in items]
     if tp is bool:
         return value if isinstance(value, bool) else _parse_bool(value, where)
     if tp in (int, float):
@@ -172,8 +174,6 @@ def convert_value(value: Any, tp: Any, where: str, *, typed: bool = False) -> An
             raise UserError(f"{where}: '{value}' is not a finite number")
         return number
     if tp is str:
-        if isinstance(value, (dict, list)):
-            raise UserError(f"{where}: expected a string, got {type(value).__name__}")
         return str(value)
     if tp is Path:
         return Path(value)
@@ -182,6 +182,37 @@ def convert_value(value: Any, tp: Any, where: str, *, typed: bool = False) -> An
             raise UserError(f"{where}: expected a table")
         return value
     raise TypeError(f"unsupported config type {tp!r} for {where}")
+
+
+_SCALARS = (str, int, float, bool, Path)  # a value that is neither an array nor a table (nor a TOML date)
+
+
+def _wrong_kind(value: Any, tp: Any) -> bool:
+    """A table, an array or a date where the field's type has no place for one (``learning_rate = {}``)."""
+    origin = typing.get_origin(tp)
+    if tp is dict or origin is dict:
+        return False  # a table, checked with the type
+    if origin in (list, tuple):  # an array, or one value as an array of one
+        return not isinstance(value, (list, tuple, *_SCALARS))
+    return not isinstance(value, _SCALARS)
+
+
+def _kind(value: Any) -> str:
+    """What a TOML value is, in TOML's words."""
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    return f"a {type(value).__name__} ({value})"
+
+
+def _expected(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(str(c) for c in typing.get_args(tp))
+    if origin in (list, tuple):
+        return "an array"
+    return {bool: "true or false", int: "an integer", float: "a number"}.get(tp, "a string")
 
 
 def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
@@ -230,15 +261,28 @@ def build_config(cls: type[T], cli: dict[str, Any] | argparse.Namespace | None =
         where = f"{toml_path}: key '{key}'"
         values[key] = convert_value(value, fields[key][1], where, typed=True)
         check_bounds(values[key], fields[key][0].metadata.get("bounds"), where)
+        _check_writable(values[key], where)
     for key, value in cli.items():
         if key in fields:
             values[key] = convert_value(value, fields[key][1], f"--{key}")
             check_bounds(values[key], fields[key][0].metadata.get("bounds"), f"--{key}")
+            _check_writable(values[key], f"--{key}")
     missing = [n for n, (f, _) in fields.items()
                if n not in values and f.default is _MISSING and f.default_factory is _MISSING]
     if missing:
         raise UserError(f"--{missing[0]} is required (on the command line or as a key in --config)")
     return cls(**values)
+
+
+def _check_writable(value: Any, where: str) -> None:
+    """Refuse a value the run's saved settings (config.toml) could not record, before anything starts."""
+    if value is None:
+        return
+    try:
+        toml_value(value)
+    except UnwritableValue as e:
+        raise UserError(f"{where}: {e} (bytes the saved settings cannot record); give UTF-8 text, or rename the "
+                        "file or folder") from None
 
 
 def config_to_toml(config: Any) -> str:
@@ -251,17 +295,58 @@ def config_to_toml(config: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
+class UnwritableValue(ValueError):
+    """A value that TOML cannot hold."""
+
+
 def toml_value(value: Any) -> str:
+    """``value`` as TOML: a string as a basic string escaped as the TOML spec says (quotes, backslashes and
+    every control character; other text as it is, the file being UTF-8). What TOML cannot hold (``None``
+    inside a list or table, a string that is not text: a lone surrogate, which a command-line argument with
+    bytes that are not UTF-8 decodes to) raises :class:`UnwritableValue`."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
-        return repr(value)
+        return repr(value)  # Python's float repr (1e-05, inf, nan) is TOML's float syntax too
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
-    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{text}"'
+        return "{" + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
+    if value is None:
+        raise UnwritableValue("TOML has no empty value")
+    return _toml_string(str(value))
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def toml_key(key: Any) -> str:
+    """A table key: bare when TOML allows it, else quoted."""
+    return key if isinstance(key, str) and _BARE_KEY.fullmatch(key) else _toml_string(str(key))
+
+
+def _toml_string(text: str) -> str:
+    parts = []
+    for char in text:
+        if char in _ESCAPES:
+            parts.append(_ESCAPES[char])
+        elif char < " " or char == "\x7f":
+            parts.append(f"\\u{ord(char):04X}")
+        elif "\ud800" <= char <= "\udfff":
+            raise UnwritableValue(f"'{shown_text(text)}' is not valid UTF-8 text")
+        else:
+            parts.append(char)
+    return '"' + "".join(parts) + '"'
+
+
+def shown_text(text: str) -> str:
+    """``text`` printable whatever it holds: the bytes of a lone surrogate (an argument that was not UTF-8)
+    as ``\\xNN``."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that no byte decodes to (from JSON's \\ud800)
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def refuse_unused(config: Any, names: tuple[str, ...], when: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -249,7 +250,7 @@ class JobRunner:
             state = "finished" if code == 0 else "stopped" if code in (130, 143) else "failed"
         if state == "finished":
             return state, None
-        return state, status.get("message") or _last_error(self.log_path(job.id))
+        return state, status.get("message") or _killed(code, status) or _last_error(self.log_path(job.id))
 
 
 def _is_job_process(job: Job) -> bool:
@@ -263,9 +264,32 @@ def _is_job_process(job: Job) -> bool:
     return b"dreamstep" in arguments and job.output_dir.encode() in arguments
 
 
+def _killed(code: int | None, status: dict[str, Any]) -> str | None:
+    """What ended a trainer that a signal killed (its run had no time to say why): from its exit code, or when the
+    code is unknown (the dashboard restarted since) from its run status, which still says running."""
+    if code is None:
+        return _GONE if status.get("state") == "running" else None
+    if code >= 0:
+        return None
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"the trainer was killed by {name}" + (_BY_KILL if -code == signal.SIGKILL else "")
+
+
+_BY_KILL = " (kill -9, or the system when it runs out of memory)"
+_GONE = "the trainer's process ended without its run recording how: most likely it was killed" + _BY_KILL
+
+
+# A progress bar's line ("train:  33%|###   | 1/3 [00:01<00:02, ...]"): what it says is not why a job ended.
+_PROGRESS_BAR = re.compile(r"\d+%\|.*\|\s*\d+/\S+\s*\[")
+
+
 def _last_error(log: Path) -> str | None:
     with contextlib.suppress(OSError):
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        lines = [line for line in log.read_text(errors="replace").splitlines()
+                 if line.strip() and not _PROGRESS_BAR.search(line)]
         errors = [line for line in lines if line.startswith("error:")]
-        return (errors or lines or [None])[-1]
+        return (errors or lines or ["the trainer ended without a message"])[-1]
     return None

@@ -40,7 +40,7 @@ from dreamstep.engine.disk import DiskFullError, disk_full_message, free_bytes, 
 from dreamstep.engine.sharding import load_optimizer_state, optimizer_state
 from dreamstep.engine.train_step import TrainStep
 from dreamstep.errors import UserError, is_refused_pickle
-from dreamstep.files import honour_umask
+from dreamstep.files import honour_umask, temporary_file_owner
 
 __all__ = [
     "DamagedCheckpointError",
@@ -208,13 +208,19 @@ def _tree_bytes(folder: Path) -> int:
 
 
 def remove_leftovers(output_dir: str | Path) -> list[str]:
-    """Delete hidden folders left by a save or prune of this process, or of a process that has died
-    (never a visible checkpoint, never the temporary folder of a live run); return their names."""
+    """Delete hidden folders left by a save or prune of this process, or of a process that has died, and the
+    temporary files of an atomic write (``.run_status.json.PID.tmp``) of such a process (never a visible
+    checkpoint, never what a live run is writing); return their names."""
     removed = []
     for path in sorted(Path(output_dir).glob(".checkpoint-*")):
         match = _LEFTOVER.match(path.name)
         if match and _gone_or_self(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    for path in sorted(Path(output_dir).glob(".*.tmp")):
+        owner = temporary_file_owner(path)
+        if owner is not None and _gone_or_self(owner):
+            path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
 

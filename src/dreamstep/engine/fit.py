@@ -28,7 +28,7 @@ from dreamstep.engine.checkpoint import (
     save_checkpoint,
 )
 from dreamstep.engine.disk import DiskFullError, disk_full_message, is_disk_full
-from dreamstep.engine.interrupt import RunInterrupted
+from dreamstep.engine.interrupt import GRACEFUL, RunInterrupted
 from dreamstep.engine.logging import TrainingLogger, log_time
 from dreamstep.engine.loop import AnyOf, Every, Hook, TrainingPosition, TrainingResult, run_training
 from dreamstep.engine.metrics import MetricsTable
@@ -133,7 +133,7 @@ def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any,
         scheduled += [Hook(hooks.save_every, save)] if hooks.save is not None else []
         scheduled.append(Hook(hooks.checkpoint_every, checkpoint))
         run.started_at = time.perf_counter()
-        run.signals.graceful = True
+        run.signals.waiting = GRACEFUL
         try:
             if hooks.sample_first and scheduled and resume is None:
                 cadence.samples_due = cadence.scores_due = True
@@ -143,7 +143,7 @@ def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any,
                                   max_skipped_fraction=max_skipped_steps_fraction, on_step=step_done,
                                   progress=run.is_main_process, log_every=logging_steps)
         finally:
-            run.signals.graceful = False
+            run.signals.waiting = None
         run.result = result
         position = result.position
         if result.stopped:
@@ -234,6 +234,8 @@ def _interrupted(run: Run, error: KeyboardInterrupt) -> RunInterrupted:
     """The message and exit code of a run that a signal ended, and its status."""
     what = str(error) or "stopped by SIGINT"
     message = f"{what}; {_continue_hint(run)}"
+    if run.logger is not None:
+        run.logger.note(message)
     run.close("interrupted", message)
     return RunInterrupted(message, getattr(error, "exit_code", run.signals.exit_code))
 

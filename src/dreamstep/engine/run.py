@@ -331,9 +331,9 @@ def _resume_command(command: str, folder: Path, resume_flag: str, num_processes:
 
 
 def say_and_log(run: Run, message: str) -> None:
-    """Print ``message`` once (main process) and note it in the run's ``train.log`` once that is open."""
-    say(message, is_main_process=run.is_main_process)
+    """Note ``message`` in the run's ``train.log`` once that is open, then print it once (main process)."""
     if run.is_main_process and run.logger is not None:
         run.logger.note(message)
     elif run.is_main_process:
         run.preamble.append(message)
+    say(message, is_main_process=run.is_main_process)

@@ -21,6 +21,7 @@ event files, ``checkpoint-N/``, ``cache/`` and ``config.toml``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.engine.ema import validation_weights, weight_average, with_average
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
+from dreamstep.engine.logging import say_before_the_run
 from dreamstep.engine.loop import Every
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.plan import check_optimization, loader_and_plan
@@ -101,6 +103,26 @@ def plan_inputs(config: FluxKontextLoraConfig, dataset_configs: list[DatasetConf
         {"lora_layers": config.lora_layers})
 
 
+KONTEXT_BASE = "black-forest-labs/FLUX.1-Kontext-dev"
+
+
+def _warn_unless_kontext(source: str | None) -> None:
+    """A FLUX.1 base that is not Kontext trains (the architecture is the same) but has never edited an image: the
+    LoRA learns editing from scratch. Say so once; the pipeline class is read from the base's model_index.json (a
+    folder's, or a hub id's copy in the local cache)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        index = Path(source) / "model_index.json"
+        index = index if index.is_file() else Path(try_to_load_from_cache(source, "model_index.json"))
+        pipeline = json.loads(index.read_text(encoding="utf-8")).get("_class_name")
+    except (TypeError, OSError, ValueError):  # no source (files alone), nothing cached, not JSON
+        return
+    if pipeline not in (None, FluxKontextPipeline.__name__):
+        say_before_the_run(f"warning: --pretrained_model_name_or_path {source} is a {pipeline}, not FLUX.1 Kontext "
+                           f"(FluxKontextPipeline): its LoRA learns editing from scratch; train on {KONTEXT_BASE}")
+
+
 def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder, pair and image and the optimizer, before a model loads.
@@ -109,6 +131,7 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
     check_optimization(**config.optimization())
+    _warn_unless_kontext(base_of(config).source)
     datasets = training_datasets(config)
     paired = datasets[0].method == "controlnet"  # every dataset has condition images, or none has
     # Target and condition posteriors cached (a random crop with room to move is encoded every step), the

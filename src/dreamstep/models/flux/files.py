@@ -118,7 +118,7 @@ def _gguf_header(path: Path, flag: str) -> FileHeader:
         raise UserError(f"{flag} {path} is a GGUF file, which needs the gguf package: pip install gguf") from e
     try:
         reader = GGUFReader(str(path))
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, IndexError, KeyError) as e:  # a damaged header: gguf indexes or keys past its data
         raise UserError(f"{flag} {path} cannot be read as GGUF ({e}): a truncated or damaged download? "
                         "re-download it") from e
     # GGUF lists a tensor's dimensions innermost first; torch's order is the reverse.
