@@ -269,6 +269,9 @@ def _memory_cache():
     (("--sample_every_n_steps", "2"), "error: --sample_every_n_steps has no effect without --sample_prompts"),
     (("--gradient_checkpointing", "--cpu_offload_checkpointing", "--blocks_to_swap", "1"),
      "error: --cpu_offload_checkpointing with --blocks_to_swap: sd-scripts takes one of the two"),
+    (("--gradient_checkpointing", "--blocks_to_swap", "2"),
+     "error: --blocks_to_swap 2: sd-scripts swaps N//2 double and 2(N - N//2) single FLUX blocks and keeps two of "
+     "each kind on the device; this FluxTransformer2DModel (1 + 1 blocks) takes 1 to 1"),
 ])
 def test_bad_flags_get_one_line(flags: tuple[str, ...], message: str, tiny_flux_files: dict[str, Path],
                                 tiny_flux_dev_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -81,6 +81,40 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for part in parts if part is not None for m in part.modules() if type(m).__name__ in names]
 
 
+def swapped_blocks(model: nn.Module, blocks_to_swap: int, *, sd_scripts_flux: bool = False,
+                   flag: str = "--blocks_to_swap") -> list[nn.Module]:
+    """The blocks ``--blocks_to_swap N`` keeps in host memory, in execution order (the trainers and the memory plan
+    both ask here): the last N repeated blocks; with ``sd_scripts_flux`` (flux-kohya, whose flag is sd-scripts'),
+    what sd-scripts' FLUX ``enable_block_swap`` swaps: the last N//2 double blocks and the last 2(N - N//2) single
+    blocks (a single block holds about half a double one's weights), keeping at least two of each kind on the
+    device, so N is at most 35 on FLUX.1. A model too small for that (the tiny test model) takes N = 1, with each
+    count cut to the blocks it has."""
+    if not sd_scripts_flux:
+        blocks = repeated_blocks(model)
+        if not 1 <= blocks_to_swap <= len(blocks):
+            raise UserError(f"{flag} {blocks_to_swap}: this {type(model).__name__} has {len(blocks)} blocks; "
+                            f"give 1 to {len(blocks)}")
+        return blocks[len(blocks) - blocks_to_swap:]
+    double, single = list(model.transformer_blocks), list(model.single_transformer_blocks)
+    most = most_blocks_to_swap(model, sd_scripts_flux=True)
+    if not 1 <= blocks_to_swap <= most:
+        raise UserError(f"{flag} {blocks_to_swap}: sd-scripts swaps N//2 double and 2(N - N//2) single FLUX blocks "
+                        f"and keeps two of each kind on the device; this {type(model).__name__} "
+                        f"({len(double)} + {len(single)} blocks) takes 1 to {most}")
+    doubles = min(blocks_to_swap // 2, len(double))
+    singles = min(2 * (blocks_to_swap - blocks_to_swap // 2), len(single))
+    return double[len(double) - doubles:] + single[len(single) - singles:]
+
+
+def most_blocks_to_swap(model: nn.Module, *, sd_scripts_flux: bool = False) -> int:
+    """The largest ``--blocks_to_swap`` the memory plan suggests: every block but one, or sd-scripts' largest."""
+    if not sd_scripts_flux:
+        return len(repeated_blocks(model)) - 1
+    double, single = len(model.transformer_blocks), len(model.single_transformer_blocks)
+    # The largest N with N//2 <= double - 2 and 2(N - N//2) <= single - 2.
+    return max(1, min(2 * (double - 2) + 1, 2 * ((single - 2) // 2)))
+
+
 def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     """Regional compilation: ``torch.compile`` each repeated block's ``forward`` (one graph shared by all
     blocks of a class), not the whole model; return how many blocks were compiled. Hooks such as the
@@ -369,16 +403,11 @@ class BlockSwapper:
     @classmethod
     def for_model(cls, model: nn.Module, blocks_to_swap: int, device: torch.device,
                   place: nn.Module | None = None, flag: str = "--blocks_to_swap",
-                  side_stream: bool | None = None) -> BlockSwapper:
-        """Swap the last ``blocks_to_swap`` repeated blocks of ``model`` (sd-scripts' meaning of the flag);
-        the rest of ``place`` (default: ``model``; give the module that holds it with its adapters when
-        those live outside it) is moved to ``device``."""
-        blocks = repeated_blocks(model)
-        if not 1 <= blocks_to_swap <= len(blocks):
-            raise UserError(f"{flag} {blocks_to_swap}: this {type(model).__name__} has {len(blocks)} blocks; "
-                            f"give 1 to {len(blocks)}")
-        return cls(place if place is not None else model, blocks[len(blocks) - blocks_to_swap:], device,
-                   side_stream)
+                  side_stream: bool | None = None, sd_scripts_flux: bool = False) -> BlockSwapper:
+        """Swap the :func:`swapped_blocks` of ``model``; the rest of ``place`` (default: ``model``; give the module
+        that holds it with its adapters when those live outside it) is moved to ``device``."""
+        blocks = swapped_blocks(model, blocks_to_swap, sd_scripts_flux=sd_scripts_flux, flag=flag)
+        return cls(place if place is not None else model, blocks, device, side_stream)
 
     @property
     def host_bytes(self) -> int:
@@ -497,16 +526,17 @@ def _move_in_place(param: nn.Parameter, value: torch.Tensor) -> None:
 
 
 def prepare_blocks(model: nn.Module, *, blocks_to_swap: int, compile: bool, device: torch.device,
-                   num_processes: int = 1, place: nn.Module | None = None) -> BlockSwapper | None:
-    """Apply ``--blocks_to_swap`` and ``--compile`` to ``model`` once its adapters are in place; return
-    the swapper (``None`` without swapping). With a swapper, ``place`` (default ``model``) is on
-    ``device`` already: pass ``device_placement=False`` for it to ``accelerator.prepare``."""
+                   num_processes: int = 1, place: nn.Module | None = None,
+                   sd_scripts_flux: bool = False) -> BlockSwapper | None:
+    """Apply ``--blocks_to_swap`` (counted as :func:`swapped_blocks` says) and ``--compile`` to ``model`` once its
+    adapters are in place; return the swapper (``None`` without swapping). With a swapper, ``place`` (default
+    ``model``) is on ``device`` already: pass ``device_placement=False`` for it to ``accelerator.prepare``."""
     swapper = None
     if blocks_to_swap:
         if num_processes > 1:
             raise UserError("--blocks_to_swap is for one small card; with several processes give each a card "
                             "that holds the model, or train on one process")
-        swapper = BlockSwapper.for_model(model, blocks_to_swap, device, place)
+        swapper = BlockSwapper.for_model(model, blocks_to_swap, device, place, sd_scripts_flux=sd_scripts_flux)
     if compile:
         compile_blocks(model)
     return swapper

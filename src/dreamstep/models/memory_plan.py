@@ -234,7 +234,8 @@ class PlanOptions:
     device while training; ``validation_images``: validation generates images (the VAE decodes them), not only
     the validation loss; ``image_token_multiplier``: how many images' tokens the FLUX transformer reads per
     sample (2 for a model that reads a condition image's tokens beside the target's); ``t5_trains``: FLUX's T5
-    runs in the loop too (flux-kohya's ``train_t5xxl``)."""
+    runs in the loop too (flux-kohya's ``train_t5xxl``); ``sd_scripts_swap``: ``blocks_to_swap`` counts as
+    sd-scripts' FLUX flag does (flux-kohya; :func:`dreamstep.models.blocks.swapped_blocks`)."""
 
     resolution: int = 1024
     batch_size: int = 1
@@ -246,6 +247,7 @@ class PlanOptions:
     encoders_on_device: bool = False
     t5_trains: bool = False
     blocks_to_swap: int = 0
+    sd_scripts_swap: bool = False
     optimizer: str = "AdamW"
     weight_dtype: torch.dtype = torch.bfloat16
     max_sequence_length: int = 512
@@ -350,10 +352,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
-def swapped_blocks(blocks: list[nn.Module], blocks_to_swap: int) -> tuple[list[nn.Module], list[nn.Module]]:
-    """The last ``blocks_to_swap`` blocks, and of them the two largest: the swapper keeps two on the device at a
-    time (the one running and the one it prefetches)."""
-    swapped = blocks[len(blocks) - blocks_to_swap:] if blocks_to_swap > 0 else []
+def swapped_blocks(base: nn.Module, options: PlanOptions) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The blocks the trainer swaps for ``options`` (:func:`dreamstep.models.blocks.swapped_blocks`), and of them the
+    two largest: the swapper keeps two on the device at a time (the one running and the one it prefetches)."""
+    from dreamstep.models.blocks import swapped_blocks as trainer_swaps
+
+    swapped = (trainer_swaps(base, options.blocks_to_swap, sd_scripts_flux=options.sd_scripts_swap)
+               if options.blocks_to_swap > 0 else [])
     return swapped, sorted(swapped, key=lambda b: sum(p.numel() for p in b.parameters()))[-2:]
 
 
