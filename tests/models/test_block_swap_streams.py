@@ -152,3 +152,16 @@ def test_pinned_memory_is_the_weights_bytes_and_each_original_is_freed_once_copi
     # the originals from the k-th on are alive.
     assert sorted(set(alive), reverse=True) == list(range(len(originals), 0, -1))
     assert all(ref() is None for refs in originals for ref in refs)
+
+
+def test_when_pinning_fails_the_rest_waits_in_pageable_memory_and_training_goes_on(runtime: CudaRuntime) -> None:
+    model = quantized_flux("bf16")
+    needed = host_bytes_for(repeated_blocks(model)[-3:])
+    runtime.pinned_limit = needed // 2
+    with pytest.warns(UserWarning, match=r"pinned host memory ran out \(CUDA error: out of memory\)"):
+        swapper = BlockSwapper.for_model(model, 3, META, side_stream=True)
+    assert 0 < runtime.pinned_bytes <= needed // 2 and swapper.host_bytes == needed  # every byte stored
+    forward_backward(model)
+    sources = [runtime.is_pinned(entry[3]) for entry in runtime.entries("copy")]
+    assert True in sources and False in sources  # blocks came from both kinds of host memory
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -55,6 +55,7 @@ import bisect
 import contextlib
 import itertools
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,7 +147,7 @@ class HostCheckpointing:
         self.host_bytes += tensor.numel() * tensor.element_size()
         if tensor.device.type == "meta":
             return tensor.device, torch.empty((), dtype=tensor.dtype).expand(tensor.shape)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pinned)
+        host = host_empty(tensor.shape, tensor.dtype, pinned=self.pinned)
         host.copy_(tensor, non_blocking=self.pinned)
         return tensor.device, host
 
@@ -160,6 +161,20 @@ class HostCheckpointing:
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with torch.autograd.graph.saved_tensors_hooks(self._to_host, self._to_device):
             return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def host_empty(shape: Sequence[int], dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+    """An empty host tensor, pinned when asked and the pinned allocator gives it; when it refuses (the machine's
+    memory, or the driver's limit on page-locked memory, is spent) an ordinary one, with a warning (shown once, as
+    Python shows a warning). Copies between pageable host memory and the device are staged through the driver:
+    slower and synchronous with the host, but correct with ``non_blocking=True`` as with pinned memory."""
+    if pinned:
+        try:
+            return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+        except RuntimeError as error:
+            warnings.warn(f"pinned host memory ran out ({str(error).splitlines()[0]}); the rest of the swapped "
+                          "blocks and offloaded inputs wait in pageable memory, whose copies are slower", stacklevel=2)
+    return torch.empty(tuple(shape), dtype=dtype)
 
 
 def enable_checkpointing(model: nn.Module, *, offload_to_host: bool, device: torch.device) -> None:
@@ -295,8 +310,7 @@ class _HostStore:
 
     def _chunk(self, index: int) -> torch.Tensor:
         while len(self._chunks) <= index:
-            chunk = torch.empty(self._sizes[len(self._chunks)], dtype=torch.uint8)
-            self._chunks.append(chunk.pin_memory() if self._pinned else chunk)
+            self._chunks.append(host_empty((self._sizes[len(self._chunks)],), torch.uint8, pinned=self._pinned))
         return self._chunks[index]
 
 
