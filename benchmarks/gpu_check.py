@@ -40,6 +40,7 @@ from measure import PeakMemory, timed
 from sdxl_lora import CLIP_G, CLIP_L, dreamstep_step
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
+from dreamstep.config.memory import use_expandable_segments
 from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.lora.kohya_network import NetworkOptions, create_network
 from dreamstep.models import flux, sdxl
@@ -287,6 +288,7 @@ def main() -> None:
                         help="the swap rows' count (default: every block but one, the plan's largest)")
     parser.add_argument("--table", type=Path, default=Path("gpu_check.md"), help="markdown file of the table")
     args = parser.parse_args()
+    use_expandable_segments()  # as the trainers run (dreamstep's CLI sets it before CUDA initialises)
     clock = Clock(args.budget or (40 if args.smoke else 330), first_build=5 if args.smoke else 40)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)

@@ -314,7 +314,7 @@ def test_dry_run_prints_the_plan_from_the_files(tiny_flux_files: dict[str, Path]
 def test_plan_takes_the_component_files(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     files = ("--clip_l", tiny_flux_files["clip_l"], "--t5xxl", tiny_flux_files["t5xxl"], "--ae", tiny_flux_files["ae"],
-             "--model_config", tiny_flux_dev_dir, "--resolution", "64", "--device_memory", "1GB")
+             "--model_config", tiny_flux_dev_dir, "--resolution", "64", "--device_memory", "2GB")
     assert run_cli("plan", "flux", "--pretrained_model_name_or_path", tiny_flux_files["transformer"], *files) == 0
     bf16 = capsys.readouterr().out
     assert run_cli("plan", "flux", "--pretrained_model_name_or_path", tiny_flux_files["fp8_transformer"], *files) == 0
