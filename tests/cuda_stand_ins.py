@@ -51,7 +51,8 @@ class CudaRuntime:
     log: list[tuple] = field(default_factory=list)
     pinned: list[torch.Tensor] = field(default_factory=list)
     on_host_copy: Callable[[], None] | None = None  # called at each copy into pinned memory
-    log_copies: bool = True  # off for a memory measurement: the log would keep every copied storage alive
+    log_copies: bool = True  # off for a memory measurement: the log would keep every storage it names alive
+    # (those copied, and those given to record_stream)
     pinned_limit: int | None = None  # bytes the pinned allocator gives before it fails, as CUDA's does
 
     def __post_init__(self) -> None:
@@ -115,7 +116,8 @@ class CudaRuntime:
 
     def _record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         assert isinstance(stream, Stream), stream
-        self.log.append(("record_stream", storage(tensor), stream))
+        if self.log_copies:
+            self.log.append(("record_stream", storage(tensor), stream))
 
     def _pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         pinned = tensor.clone()
