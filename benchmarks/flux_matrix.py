@@ -29,6 +29,7 @@ import gc
 import itertools
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,7 @@ from dreamstep.diffusion.flow_matching import FlowMatchingObjective
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.models import quantization
-from dreamstep.models.blocks import BlockSwapper, compile_blocks
+from dreamstep.models.blocks import compile_blocks, prepare_blocks
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.precision import freeze
 from dreamstep.models.tiny import build_tiny_flux
@@ -142,10 +143,12 @@ def card_peak(device: torch.device) -> float | None:
 
 
 def inputs(arch: Architecture, resolution: int, batch: int, device: torch.device) -> tuple[dict, torch.Tensor]:
+    """Text embeddings of a batch in the dtype the trainer's caches give them, fp32 (autocast casts them per op; the
+    quantized linears that return their input's dtype then keep an fp32 residual stream), and pixels in the VAE's."""
     pixels = torch.rand(batch, 3, resolution, resolution, device=device, dtype=torch.bfloat16) * 2 - 1
-    embeds = {"prompt_embeds": torch.randn(batch, arch.tokens, arch.t5_dim, device=device, dtype=torch.bfloat16),
-              "pooled": torch.randn(batch, arch.clip_dim, device=device, dtype=torch.bfloat16),
-              "text_ids": flux.text_ids(arch.tokens, device, torch.bfloat16)}
+    embeds = {"prompt_embeds": torch.randn(batch, arch.tokens, arch.t5_dim, device=device),
+              "pooled": torch.randn(batch, arch.clip_dim, device=device),
+              "text_ids": flux.text_ids(arch.tokens, device, torch.float32)}
     return embeds, pixels
 
 
@@ -161,34 +164,60 @@ class Run:
     compile_backend: str
 
 
-def measure_row(row: Row, run: Run) -> tuple[float, float, weakref.ref]:
-    """(s/step, peak MiB, a weak reference to the row's transformer); mode "reference" is the reference loop
-    at the row's size."""
-    device = run.device
-    model = build_transformer(run.arch, run.depth, "cpu" if row.offload else device)
+def build_row_model(row: Row, run: Run, blocks_to_swap: int | None = None,
+                    build_device: torch.device | str | None = None
+                    ) -> tuple[FluxTransformer2DModel, list[torch.nn.Parameter]]:
+    """The row's transformer as the trainer prepares it (quantized, gradient checkpointing, the benchmark's LoRA,
+    ``prepare_blocks``' swapping, compiled blocks as the row says) and its trainable parameters.
+    ``blocks_to_swap``: default every block when the row offloads. It is built on ``build_device`` (default: the
+    host when swapping, else the run's device); the swapper takes the swapped blocks' weights from wherever they
+    are into host memory and moves the rest to the device."""
+    swap = sum(run.depth) if blocks_to_swap is None and row.offload else blocks_to_swap or 0
+    model = build_transformer(run.arch, run.depth, build_device or ("cpu" if swap else run.device))
     quantization.quantize_built_model(model, row.mode if row.mode in ("fp8", "int8", "nf4") else "none")
     model.enable_gradient_checkpointing()
     params = add_benchmark_lora(model)
-    if row.offload:  # every block swapped: the smallest footprint
-        BlockSwapper.for_model(model, sum(run.depth), device)
+    prepare_blocks(model, blocks_to_swap=swap, compile=False, device=run.device)
     if row.compile:
         compile_blocks(model, backend=run.compile_backend)
-    sigmas = FlowMatchEulerDiscreteScheduler(shift=3.0).sigmas[:1000]
-    embeds, pixels = inputs(run.arch, row.resolution, row.batch, device)
+    return model, params
+
+
+def sigmas() -> torch.Tensor:
+    return FlowMatchEulerDiscreteScheduler(shift=3.0).sigmas[:1000]
+
+
+def cached_batch(row: Row, run: Run) -> dict:
+    """A batch of the row's size as the caches give it: the VAE's fp32 posterior of random pixels (encoded once,
+    as caching latents does) and fp32 text embeddings."""
+    embeds, pixels = inputs(run.arch, row.resolution, row.batch, run.device)
+    with torch.no_grad():
+        return {"latent_dist": flux.encode_posterior(run.vae, pixels),
+                "is_reg": torch.zeros(row.batch, dtype=torch.bool, device=run.device), **embeds}
+
+
+def trainer_step(model: FluxTransformer2DModel, params: list[torch.nn.Parameter], batch: dict
+                 ) -> Callable[[], object]:
+    """One call of the trainer's ``FluxLoraStep`` (AdamW, clipping, bf16 autocast) on ``batch``."""
+    step = FluxLoraStep(FluxLoraModel(model), optimizer=build_optimizer("AdamW", params, 1e-4),
+                        accelerator=make_accelerator(mixed_precision="bf16"), max_grad_norm=1.0, sigmas=sigmas(),
+                        objective=FlowMatchingObjective(), guidance_scale=3.5, prior_loss_weight=1.0)
+    return lambda: step(batch)
+
+
+def measure_row(row: Row, run: Run) -> tuple[float, float, weakref.ref]:
+    """(s/step, peak MiB, a weak reference to the row's transformer); mode "reference" is the reference loop
+    at the row's size."""
+    model, params = build_row_model(row, run)
     if row.mode == "reference":
+        embeds, pixels = inputs(run.arch, row.resolution, row.batch, run.device)
         optimizer = torch.optim.AdamW(params, lr=1e-4)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-        seconds, peak = time_steps(lambda: reference_step(model, run.vae, sigmas, optimizer, pixels, embeds, autocast),
-                                   run.steps, run.warmup, device)
+        autocast = torch.autocast(run.device.type, dtype=torch.bfloat16)
+        seconds, peak = time_steps(lambda: reference_step(model, run.vae, sigmas(), optimizer, pixels, embeds,
+                                                          autocast), run.steps, run.warmup, run.device)
     else:
-        step = FluxLoraStep(FluxLoraModel(model), optimizer=build_optimizer("AdamW", params, 1e-4),
-                            accelerator=make_accelerator(mixed_precision="bf16"), max_grad_norm=1.0, sigmas=sigmas,
-                            objective=FlowMatchingObjective(),
-                            guidance_scale=3.5, prior_loss_weight=1.0)
-        with torch.no_grad():
-            batch = {"latent_dist": flux.encode_posterior(run.vae, pixels).to(torch.bfloat16),
-                     "is_reg": torch.zeros(row.batch, dtype=torch.bool, device=device), **embeds}
-        seconds, peak = time_steps(lambda: step(batch), run.steps, run.warmup, device)
+        seconds, peak = time_steps(trainer_step(model, params, cached_batch(row, run)), run.steps, run.warmup,
+                                   run.device)
     return seconds, peak, weakref.ref(model)
 
 

@@ -11,7 +11,8 @@ import torch
 
 
 class PeakMemory:
-    """Peak memory of a block: CUDA allocator peak on a GPU, else the process's peak RSS (Linux)."""
+    """Peak memory of a block: CUDA allocator peak on a GPU, else the process's peak RSS (Linux). On a GPU also
+    ``reserved_mib``: the most the caching allocator held from the driver meanwhile (what the card must have)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -28,8 +29,9 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             self.peak_mib = torch.cuda.max_memory_allocated() / 2**20
+            self.reserved_mib = torch.cuda.max_memory_reserved() / 2**20
         else:
-            self.peak_mib = process_status_mib("VmHWM")
+            self.peak_mib = self.reserved_mib = process_status_mib("VmHWM")
 
 
 def process_status_mib(field: str) -> float:

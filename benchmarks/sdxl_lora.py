@@ -25,6 +25,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from dreamstep.data import TensorCache
 from dreamstep.diffusion import noise_prediction as noise_math
+from dreamstep.diffusion.losses import LossFunction
 from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.lora.kohya_network import NetworkOptions, create_network
@@ -85,18 +86,21 @@ def reference_step(pipe, network, scheduler, optimizer, pixels, captions, time_i
     optimizer.zero_grad(set_to_none=True)
 
 
-def dreamstep_step(pipe, network, scheduler, mixed_precision: str) -> SDXLLoraStep:
-    """The recipe's step over the cached conditioning, with the seed's loss options."""
+def dreamstep_step(unet, network, scheduler, mixed_precision: str, pipe=None) -> SDXLLoraStep:
+    """The recipe's step over the cached conditioning, with the seed's loss options (and the recipe's defaults for
+    the options the seed did not have: L2 loss, no debiased estimation or input perturbation). ``pipe`` encodes
+    captions; without it the batches must bring their embeddings."""
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state()
     accelerator = make_accelerator(mixed_precision=mixed_precision)
     optimizer = build_optimizer("AdamW", network.parameters(), 1e-4, betas=(0.9, 0.98), weight_decay=0.05)
-    model = SDXLLoraModel(pipe.unet, network, pipe).train()
+    model = SDXLLoraModel(unet, network, pipe).train()
     return SDXLLoraStep(model, optimizer=optimizer, accelerator=accelerator, max_grad_norm=1.0,
                         noise_scheduler=scheduler, v_prediction=False, min_snr_gamma=5.0, noise_offset=0.0357,
                         adaptive_noise_scale=0.00357, multires_iterations=None, multires_discount=0.3,
-                        timestep_range=(0, 1000), prior_loss_weight=1.0)
+                        timestep_range=(0, 1000), prior_loss_weight=1.0, loss=LossFunction(),
+                        debiased_estimation_loss=False, ip_noise_gamma=None, ip_noise_gamma_random_strength=False)
 
 
 def count_flops(step: Callable[[], None]) -> float:
@@ -153,14 +157,14 @@ def main() -> None:
         def ours(step: SDXLLoraStep) -> Callable[[], None]:
             return lambda: step(conditioner(cached))
 
-        step = dreamstep_step(pipe, network, scheduler, "no")
+        step = dreamstep_step(pipe.unet, network, scheduler, "no", pipe)
         rows.append(("dreamstep, seed flags (cached, fp32, checkpointing)",
                      *time_steps(ours(step), args.steps, args.warmup, device)))
         pipe.unet.disable_gradient_checkpointing()
         precision = "bf16" if device.type == "cuda" else "no"  # CPUs without bf16 units are slower in bf16
         if precision == "bf16":
             pipe.unet.to(torch.bfloat16)
-        step = dreamstep_step(pipe, network, scheduler, precision)
+        step = dreamstep_step(pipe.unet, network, scheduler, precision, pipe)
         rows.append((f"dreamstep, recommended (cached, {'bf16' if precision == 'bf16' else 'fp32'}, "
                      "no checkpointing)", *time_steps(ours(step), args.steps, args.warmup, device)))
         flops = count_flops(ours(step)) if args.size == "full" and device.type == "cuda" else None

@@ -51,7 +51,9 @@ class CudaRuntime:
     log: list[tuple] = field(default_factory=list)
     pinned: list[torch.Tensor] = field(default_factory=list)
     on_host_copy: Callable[[], None] | None = None  # called at each copy into pinned memory
-    log_copies: bool = True  # off for a memory measurement: the log would keep every copied storage alive
+    log_copies: bool = True  # off for a memory measurement: the log would keep every storage it names alive
+    # (those copied, and those given to record_stream)
+    pinned_limit: int | None = None  # bytes the pinned allocator gives before it fails, as CUDA's does
 
     def __post_init__(self) -> None:
         self.compute = Stream("compute")
@@ -75,7 +77,7 @@ class CudaRuntime:
             # Allocated outside any dispatch mode: a measurement of device memory never sees host memory.
             with torch.utils._python_dispatch._disable_current_modes():
                 pinned = original_empty(*args, **kwargs)
-            self.pinned.append(pinned)
+            self._take_pinned(pinned)
             return pinned
 
         monkeypatch.setattr(torch, "empty", empty)
@@ -114,12 +116,19 @@ class CudaRuntime:
 
     def _record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         assert isinstance(stream, Stream), stream
-        self.log.append(("record_stream", storage(tensor), stream))
+        if self.log_copies:
+            self.log.append(("record_stream", storage(tensor), stream))
 
     def _pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         pinned = tensor.clone()
-        self.pinned.append(pinned)
+        self._take_pinned(pinned)
         return pinned
+
+    def _take_pinned(self, pinned: torch.Tensor) -> None:
+        if self.pinned_limit is not None and self.pinned_bytes + (1 << (pinned.nbytes - 1).bit_length()) > \
+                self.pinned_limit:
+            raise RuntimeError("CUDA error: out of memory")  # what cudaHostAlloc's failure raises
+        self.pinned.append(pinned)
 
     def _log_copy(self, destination: torch.Tensor, source: torch.Tensor, non_blocking: bool) -> None:
         if not self.log_copies:

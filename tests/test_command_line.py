@@ -121,3 +121,22 @@ def test_eval_takes_the_trainers_names_for_its_metrics(tmp_path, capsys):
     toml.write_text('eval_metrics = ["clip_t"]\neval_best_by = "dino"\n')
     assert main([*argv, "--config", str(toml)]) == 2
     assert "error: --best_by dino: not among --metrics (clip_t)" in capsys.readouterr().err
+
+
+def test_commands_give_the_cuda_allocator_expandable_segments_unless_the_user_configured_it(monkeypatch, capsys):
+    """Set before the command runs, so before anything initialises CUDA; a setting of the user's stays."""
+    import os
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert main(["plan", "flux", "--device_memory", "lots"]) == 2  # any command: this one stops at its flag
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert main(["plan", "flux", "--device_memory", "lots"]) == 2
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    assert main(["plan", "flux", "--device_memory", "lots"]) == 2
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    assert capsys.readouterr().err.count("error: --device_memory 'lots' is not a memory size") == 3

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dreamstep.command_end import command_failed
+from dreamstep.config.memory import use_expandable_segments
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.notices import hide_known_notices, hide_transformers_progress_bars
 
@@ -235,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         hint = did_you_mean(typed, names) or did_you_mean(argv[0], names)
         print(f"error: unknown command '{typed}'{hint}; run 'dreamstep --help' for the list", file=sys.stderr)
         return 2
+    use_expandable_segments()  # before any command initialises CUDA
     from dreamstep.closed_output import output_that_may_close
     from dreamstep.engine.interrupt import command_signals
 

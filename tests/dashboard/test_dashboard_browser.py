@@ -240,8 +240,8 @@ def test_a_run_created_from_the_form_is_watched_stopped_resumed_and_the_next_job
         check = _wait(browser, lambda d: (c := _panel(d, "dataset-check"))["state"] == "ready" and c, "the data")
         assert "6 images, 6 used" in check["text"] and "crop 32x32: 6 images" in check["text"]
         assert "robot_0.png: a photo of sks robot" in check["text"]
-        _fill(browser, {"device_memory": "1GB"})
-        _wait(browser, lambda d: _panel(d, "plan")["fits"] == "true", "the plan to follow the form: fits in 1GB")
+        _fill(browser, {"device_memory": "2GB"})
+        _wait(browser, lambda d: _panel(d, "plan")["fits"] == "true", "the plan to follow the form: fits in 2GB")
         _fill(browser, {"resolution": "48"})
         _wait(browser, lambda d: "crop 48x48: 6 images" in _panel(d, "dataset-check")["text"], "the check at 48 px")
         _fill(browser, {"resolution": "32", "learning_rate": "fast"})

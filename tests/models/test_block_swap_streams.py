@@ -152,3 +152,39 @@ def test_pinned_memory_is_the_weights_bytes_and_each_original_is_freed_once_copi
     # the originals from the k-th on are alive.
     assert sorted(set(alive), reverse=True) == list(range(len(originals), 0, -1))
     assert all(ref() is None for refs in originals for ref in refs)
+
+
+def test_when_pinning_fails_the_rest_waits_in_pageable_memory_and_training_goes_on(runtime: CudaRuntime) -> None:
+    model = quantized_flux("bf16")
+    needed = host_bytes_for(repeated_blocks(model)[-3:])
+    runtime.pinned_limit = needed // 2
+    with pytest.warns(UserWarning, match=r"pinned host memory ran out \(CUDA error: out of memory\)"):
+        swapper = BlockSwapper.for_model(model, 3, META, side_stream=True)
+    assert 0 < runtime.pinned_bytes <= needed // 2 and swapper.host_bytes == needed  # every byte stored
+    forward_backward(model)
+    sources = [runtime.is_pinned(entry[3]) for entry in runtime.entries("copy")]
+    assert True in sources and False in sources  # blocks came from both kinds of host memory
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_step_holds_at_most_two_swapped_blocks_on_the_device(mode: str, runtime: CudaRuntime) -> None:
+    """Gradient checkpointing keeps nothing of a block for backward but its input, so a swapped block's device
+    buffer dies when the swapper lets it go, whatever the base: the one running and the one prefetched are alive,
+    in forward and in backward's recomputation alike (not every block run so far, until backward reaches it)."""
+    runtime.log_copies = False
+    model = quantized_flux(mode)
+    swapper = BlockSwapper.for_model(model, 4, META, side_stream=True)
+    buffers: list[weakref.ref] = []  # every device buffer a block ran on
+    alive: list[int] = []  # at each block run, how many of them are alive
+
+    def count(block: torch.nn.Module, args: object) -> None:
+        _, _, weight = frozen(block)[0]
+        buffers.append(weakref.ref(storage(inner_tensors(weight)[0])))
+        alive.append(sum(ref() is not None for ref in buffers))
+
+    for block in swapper.blocks:
+        block.register_forward_pre_hook(count)  # after the swapper's: the block is on the device
+    forward_backward(model)
+    assert len(alive) == 8  # 4 blocks in forward, 4 recomputed in backward
+    assert max(alive) <= 2, alive

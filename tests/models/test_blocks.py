@@ -11,7 +11,7 @@ from diffusers import FluxTransformer2DModel
 
 from dreamstep.errors import UserError
 from dreamstep.lora.inject import add_lora
-from dreamstep.models.blocks import BlockSwapper, compile_blocks, repeated_blocks
+from dreamstep.models.blocks import BlockSwapper, compile_blocks, repeated_blocks, swapped_blocks
 from dreamstep.models.flux.lora_targets import flux_lora_targets
 from dreamstep.models.precision import cast_trainable_params_to_fp32, freeze
 from dreamstep.models.quantization import quantize_built_model
@@ -122,6 +122,25 @@ def test_a_swapped_out_block_cannot_run_by_accident() -> None:
 def test_blocks_to_swap_beyond_the_model_is_one_clear_error() -> None:
     with pytest.raises(UserError, match="--blocks_to_swap 5: the model has 4 blocks; choose 0 to 4"):
         BlockSwapper.for_model(small_flux(), 5, CPU)
+
+
+@pytest.mark.parametrize(("blocks_to_swap", "double", "single", "params"), [
+    (8, 4, 8, 2.49e9), (16, 8, 16, 4.98e9), (28, 14, 28, 8.72e9), (35, 17, 36, 10.87e9)])
+def test_flux_kohya_swaps_the_blocks_sd_scripts_swaps(blocks_to_swap: int, double: int, single: int,
+                                                      params: float) -> None:
+    """sd-scripts' library/flux_models.py (enable_block_swap): N//2 double blocks and 2(N - N//2) single blocks,
+    the last of each kind; 8, 16 and 28 are its documented low-memory settings, 35 its largest."""
+    from dreamstep.models import memory_plan as mp
+    from dreamstep.models.published_configs import FLUX_DEV_TRANSFORMER
+
+    model = mp.build_on_meta(FluxTransformer2DModel, FLUX_DEV_TRANSFORMER)
+    swapped = swapped_blocks(model, blocks_to_swap, sd_scripts_flux=True)
+    assert swapped == [*model.transformer_blocks[19 - double:], *model.single_transformer_blocks[38 - single:]]
+    assert sum(p.numel() for block in swapped for p in block.parameters()) == pytest.approx(params, rel=0.002)
+    assert len(swapped_blocks(model, blocks_to_swap)) == blocks_to_swap  # the other trainers: the last N blocks
+    with pytest.raises(UserError, match="--blocks_to_swap 36: sd-scripts swaps N//2 double and 2[(]N - N//2[)] "
+                                        "single FLUX blocks .* takes 1 to 35"):
+        swapped_blocks(model, 36, sd_scripts_flux=True)
 
 
 def test_regional_compilation_gives_the_eager_losses() -> None:

@@ -138,3 +138,39 @@ def test_swapped_blocks_give_backward_the_weights_they_ran_with(checkpointing: b
     assert resident.keys() == swapped.keys()
     for name in resident:
         assert torch.equal(swapped[name], resident[name]), name
+
+
+def _saved_bytes_of_a_forward(unet: torch.nn.Module) -> tuple[int, int]:
+    """Bytes autograd saves for backward (parameters aside) in one bf16 forward of the UNet on inputs that need
+    gradients, and the weight elements of the quantized linears that ran on such inputs."""
+    config = unet.config
+    saved, grad_inputs = [], []
+
+    def count(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.nn.Parameter):
+            saved.append(tensor.untyped_storage().nbytes())
+        return tensor
+
+    pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+    bf16 = {"dtype": torch.bfloat16}
+    with _watching_quantized_linears(unet, grad_inputs), torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        unet(torch.randn(1, config.in_channels, 8, 8, **bf16, requires_grad=True), torch.tensor([500]),
+             encoder_hidden_states=torch.randn(1, 77, config.cross_attention_dim, **bf16),
+             added_cond_kwargs={"text_embeds": torch.randn(1, pooled, **bf16), "time_ids": torch.randn(1, 6, **bf16)})
+    return sum(saved), sum(grad_inputs)
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_the_sdxl_loader_keeps_only_quantized_weights_for_backward(mode: str, tiny_sdxl_dir: Path) -> None:
+    """As for FLUX: sdxl-lora's UNet keeps no dequantized copy of its quantized weights for backward."""
+    from diffusers import UNet2DConditionModel
+
+    ours, quantized = _saved_bytes_of_a_forward(
+        loading.load_sdxl_unet(str(tiny_sdxl_dir), weight_dtype=torch.bfloat16, unet_quantization=mode))
+    plain, _ = _saved_bytes_of_a_forward(UNet2DConditionModel.from_pretrained(
+        tiny_sdxl_dir, subfolder="unet", torch_dtype=torch.bfloat16,
+        quantization_config=quantization.diffusers_config(mode, torch.bfloat16)))
+    assert quantized > 0
+    # Without the loader's forward, the quantized linears that dequantize to bf16 keep that copy for backward
+    # (at these widths torchao does so for some shapes only: the difference, not 2 bytes per element).
+    assert ours < plain, (plain, ours)

@@ -269,6 +269,9 @@ def _memory_cache():
     (("--sample_every_n_steps", "2"), "error: --sample_every_n_steps has no effect without --sample_prompts"),
     (("--gradient_checkpointing", "--cpu_offload_checkpointing", "--blocks_to_swap", "1"),
      "error: --cpu_offload_checkpointing with --blocks_to_swap: sd-scripts takes one of the two"),
+    (("--gradient_checkpointing", "--blocks_to_swap", "2"),
+     "error: --blocks_to_swap 2: sd-scripts swaps N//2 double and 2(N - N//2) single FLUX blocks and keeps two of "
+     "each kind on the device; this FluxTransformer2DModel (1 + 1 blocks) takes 1 to 1"),
 ])
 def test_bad_flags_get_one_line(flags: tuple[str, ...], message: str, tiny_flux_files: dict[str, Path],
                                 tiny_flux_dev_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -311,7 +314,7 @@ def test_dry_run_prints_the_plan_from_the_files(tiny_flux_files: dict[str, Path]
 def test_plan_takes_the_component_files(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     files = ("--clip_l", tiny_flux_files["clip_l"], "--t5xxl", tiny_flux_files["t5xxl"], "--ae", tiny_flux_files["ae"],
-             "--model_config", tiny_flux_dev_dir, "--resolution", "64", "--device_memory", "1GB")
+             "--model_config", tiny_flux_dev_dir, "--resolution", "64", "--device_memory", "2GB")
     assert run_cli("plan", "flux", "--pretrained_model_name_or_path", tiny_flux_files["transformer"], *files) == 0
     bf16 = capsys.readouterr().out
     assert run_cli("plan", "flux", "--pretrained_model_name_or_path", tiny_flux_files["fp8_transformer"], *files) == 0

@@ -153,7 +153,6 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     check_arguments(args)
     source, base_quantization = model_source(args)
     from dreamstep.models import memory_plan as mp
-    from dreamstep.models.family import check_blocks_to_swap
     from dreamstep.models.memory_plan import PlanOptions
     from dreamstep.models.plans import Estimator, plan_report
 
@@ -169,7 +168,6 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
                           validation_images=not args.no_validation_images,
                           image_token_multiplier=MODELS[args.model][1])
     estimator = Estimator(MODELS[args.model][0], source, args.rank, lora_layers=args.lora_layers)
-    check_blocks_to_swap(args.blocks_to_swap, len(estimator.blocks))
     print(plan_report(estimator, options, device_memory))
     if base_quantization == "nf4":
         import torch

@@ -4,6 +4,7 @@ base or T5 (``--base_quantization``), and memory sizes (``--device_memory 12GB``
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 
 from dreamstep.errors import UserError
@@ -65,3 +66,12 @@ def check_compile(compile_blocks: bool, mode: str, flag: str) -> None:
     if compile_blocks and mode in ("int8", "fp8"):
         raise UserError(f"--compile cannot compile blocks with {flag} {mode} weights (torch.compile refuses torchao's "
                         f"weight tensors there); drop --compile, or train on a bf16 or nf4 base")
+
+
+def use_expandable_segments() -> None:
+    """Let PyTorch's CUDA allocator grow its segments in place (``expandable_segments``) unless the user configured
+    the allocator (``PYTORCH_CUDA_ALLOC_CONF``, or torch's newer ``PYTORCH_ALLOC_CONF``): block swapping and the
+    phases free and allocate large buffers all run long, which fixed-size segments fragment, so the allocator
+    reserves well past what is allocated. Takes effect only when set before CUDA initialises."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"

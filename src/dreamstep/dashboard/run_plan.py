@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from dreamstep.config.memory import parse_bytes
 from dreamstep.dashboard.job_requests import trainer_recipe
-from dreamstep.models.family import check_blocks_to_swap
 
 if TYPE_CHECKING:
     from dreamstep.models.plans import RunPlan
@@ -57,7 +56,6 @@ def job_plan(trainer: str, config: Any, check: Any) -> dict[str, Any]:
     memory, card = _card(config.device_memory)
     with _LOCK:
         estimator = _estimator(run_plan)
-        check_blocks_to_swap(options.blocks_to_swap, len(estimator.blocks))
         plan = estimator(options)
         fits = None if memory is None else mp.fits(plan, memory)
         found = options_that_fit(estimator, options, memory) if fits is False else []

@@ -149,7 +149,25 @@ def make_accelerator(**kwargs: Any) -> Any:
     from accelerate.utils import GradScalerKwargs
 
     handlers = [h for h in kwargs.pop("kwargs_handlers", []) if not isinstance(h, GradScalerKwargs)]
-    return Accelerator(kwargs_handlers=[*handlers, GradScalerKwargs(enabled=False)], **kwargs)
+    accelerator = Accelerator(kwargs_handlers=[*handlers, GradScalerKwargs(enabled=False)], **kwargs)
+    prepare_model = accelerator.prepare_model
+
+    def prepare_model_without_frozen(model: torch.nn.Module, *args: Any, **options: Any) -> Any:
+        ignore_frozen_parameters_in_ddp(model)
+        return prepare_model(model, *args, **options)
+
+    accelerator.prepare_model = prepare_model_without_frozen  # what accelerator.prepare calls for each model
+    return accelerator
+
+
+def ignore_frozen_parameters_in_ddp(model: torch.nn.Module) -> None:
+    """Keep DDP away from the parameters that get no gradient (the frozen base): it would broadcast each from the
+    first process when it wraps the model, which every process loaded alike anyway (24 GB for a bf16 FLUX.1), and
+    which torchao's quantized weights cannot do (int8: no ``aten.view``; fp8: an assertion)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    frozen = [name for name, param in model.named_parameters() if not param.requires_grad]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
 
 
 class TrainStep(abc.ABC):

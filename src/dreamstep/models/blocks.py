@@ -55,6 +55,7 @@ import bisect
 import contextlib
 import itertools
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,38 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     if all(hasattr(model, part) for part in ("down_blocks", "mid_block", "up_blocks")):
         parts = [model.down_blocks, model.mid_block, model.up_blocks]  # registration order puts mid last
     return [m for part in parts if part is not None for m in part.modules() if type(m).__name__ in names]
+
+
+def swapped_blocks(model: nn.Module, blocks_to_swap: int, *, sd_scripts_flux: bool = False,
+                   flag: str = "--blocks_to_swap") -> list[nn.Module]:
+    """The blocks ``--blocks_to_swap N`` keeps in host memory, in execution order (the trainers and the memory plan
+    both ask here): the last N repeated blocks; with ``sd_scripts_flux`` (flux-kohya, whose flag is sd-scripts'),
+    what sd-scripts' FLUX ``enable_block_swap`` swaps: the last N//2 double blocks and the last 2(N - N//2) single
+    blocks (a single block holds about half a double one's weights), keeping at least two of each kind on the
+    device, so N is at most 35 on FLUX.1. A model too small for that (the tiny test model) takes N = 1, with each
+    count cut to the blocks it has."""
+    if not sd_scripts_flux:
+        blocks = repeated_blocks(model)
+        check_blocks_to_swap(blocks_to_swap, len(blocks), flag)
+        return blocks[len(blocks) - blocks_to_swap:] if blocks_to_swap else []
+    double, single = list(model.transformer_blocks), list(model.single_transformer_blocks)
+    most = most_blocks_to_swap(model, sd_scripts_flux=True)
+    if not 1 <= blocks_to_swap <= most:
+        raise UserError(f"{flag} {blocks_to_swap}: sd-scripts swaps N//2 double and 2(N - N//2) single FLUX blocks "
+                        f"and keeps two of each kind on the device; this {type(model).__name__} "
+                        f"({len(double)} + {len(single)} blocks) takes 1 to {most}")
+    doubles = min(blocks_to_swap // 2, len(double))
+    singles = min(2 * (blocks_to_swap - blocks_to_swap // 2), len(single))
+    return double[len(double) - doubles:] + single[len(single) - singles:]
+
+
+def most_blocks_to_swap(model: nn.Module, *, sd_scripts_flux: bool = False) -> int:
+    """The largest ``--blocks_to_swap`` the memory plan suggests: every block but one, or sd-scripts' largest."""
+    if not sd_scripts_flux:
+        return len(repeated_blocks(model)) - 1
+    double, single = len(model.transformer_blocks), len(model.single_transformer_blocks)
+    # The largest N with N//2 <= double - 2 and 2(N - N//2) <= single - 2.
+    return max(1, min(2 * (double - 2) + 1, 2 * ((single - 2) // 2)))
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
@@ -113,7 +146,7 @@ class HostCheckpointing:
         self.host_bytes += tensor.numel() * tensor.element_size()
         if tensor.device.type == "meta":
             return tensor.device, torch.empty((), dtype=tensor.dtype).expand(tensor.shape)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pinned)
+        host = host_empty(tensor.shape, tensor.dtype, pinned=self.pinned)
         host.copy_(tensor, non_blocking=self.pinned)
         return tensor.device, host
 
@@ -127,6 +160,20 @@ class HostCheckpointing:
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with torch.autograd.graph.saved_tensors_hooks(self._to_host, self._to_device):
             return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def host_empty(shape: Sequence[int], dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+    """An empty host tensor, pinned when asked and the pinned allocator gives it; when it refuses (the machine's
+    memory, or the driver's limit on page-locked memory, is spent) an ordinary one, with a warning (shown once, as
+    Python shows a warning). Copies between pageable host memory and the device are staged through the driver:
+    slower and synchronous with the host, but correct with ``non_blocking=True`` as with pinned memory."""
+    if pinned:
+        try:
+            return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+        except RuntimeError as error:
+            warnings.warn(f"pinned host memory ran out ({str(error).splitlines()[0]}); the rest of the swapped "
+                          "blocks and offloaded inputs wait in pageable memory, whose copies are slower", stacklevel=2)
+    return torch.empty(tuple(shape), dtype=dtype)
 
 
 def enable_checkpointing(model: nn.Module, *, offload_to_host: bool, device: torch.device) -> None:
@@ -262,8 +309,7 @@ class _HostStore:
 
     def _chunk(self, index: int) -> torch.Tensor:
         while len(self._chunks) <= index:
-            chunk = torch.empty(self._sizes[len(self._chunks)], dtype=torch.uint8)
-            self._chunks.append(chunk.pin_memory() if self._pinned else chunk)
+            self._chunks.append(host_empty((self._sizes[len(self._chunks)],), torch.uint8, pinned=self._pinned))
         return self._chunks[index]
 
 
@@ -370,14 +416,11 @@ class BlockSwapper:
     @classmethod
     def for_model(cls, model: nn.Module, blocks_to_swap: int, device: torch.device,
                   place: nn.Module | None = None, flag: str = "--blocks_to_swap",
-                  side_stream: bool | None = None) -> BlockSwapper:
-        """Swap the last ``blocks_to_swap`` repeated blocks of ``model`` (sd-scripts' meaning of the flag);
-        the rest of ``place`` (default: ``model``; give the module that holds it with its adapters when
-        those live outside it) is moved to ``device``."""
-        blocks = repeated_blocks(model)
-        check_blocks_to_swap(blocks_to_swap, len(blocks), flag)
-        return cls(place if place is not None else model, blocks[len(blocks) - blocks_to_swap:], device,
-                   side_stream)
+                  side_stream: bool | None = None, sd_scripts_flux: bool = False) -> BlockSwapper:
+        """Swap the :func:`swapped_blocks` of ``model``; the rest of ``place`` (default: ``model``; give the module
+        that holds it with its adapters when those live outside it) is moved to ``device``."""
+        blocks = swapped_blocks(model, blocks_to_swap, sd_scripts_flux=sd_scripts_flux, flag=flag)
+        return cls(place if place is not None else model, blocks, device, side_stream)
 
     @property
     def host_bytes(self) -> int:
@@ -496,16 +539,17 @@ def _move_in_place(param: nn.Parameter, value: torch.Tensor) -> None:
 
 
 def prepare_blocks(model: nn.Module, *, blocks_to_swap: int, compile: bool, device: torch.device,
-                   num_processes: int = 1, place: nn.Module | None = None) -> BlockSwapper | None:
-    """Apply ``--blocks_to_swap`` and ``--compile`` to ``model`` once its adapters are in place; return
-    the swapper (``None`` without swapping). With a swapper, ``place`` (default ``model``) is on
-    ``device`` already: pass ``device_placement=False`` for it to ``accelerator.prepare``."""
+                   num_processes: int = 1, place: nn.Module | None = None,
+                   sd_scripts_flux: bool = False) -> BlockSwapper | None:
+    """Apply ``--blocks_to_swap`` (counted as :func:`swapped_blocks` says) and ``--compile`` to ``model`` once its
+    adapters are in place; return the swapper (``None`` without swapping). With a swapper, ``place`` (default
+    ``model``) is on ``device`` already: pass ``device_placement=False`` for it to ``accelerator.prepare``."""
     swapper = None
     if blocks_to_swap:
         if num_processes > 1:
             raise UserError("--blocks_to_swap is for one small card; with several processes give each a card "
                             "that holds the model, or train on one process")
-        swapper = BlockSwapper.for_model(model, blocks_to_swap, device, place)
+        swapper = BlockSwapper.for_model(model, blocks_to_swap, device, place, sd_scripts_flux=sd_scripts_flux)
     if compile:
         compile_blocks(model)
     return swapper

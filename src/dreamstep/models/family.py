@@ -11,7 +11,6 @@ When each member is used, and its shapes in and out:
 - facts (``name`` ... ``mindspore_port``): read by the CLI, ``lora info``/``convert``, ``plan`` and the dashboard.
 - :meth:`ModelFamily.lora_keys`: converting and checking LoRA files (:mod:`dreamstep.lora.convert`).
 - :meth:`ModelFamily.lora_targets`: building a LoRA on the denoiser, in a trainer and in its memory plan.
-- :meth:`ModelFamily.swap_blocks`: ``--blocks_to_swap`` (trainer and plan), counted by :func:`check_blocks_to_swap`.
 - :meth:`ModelFamily.meta_components`, :meth:`ModelFamily.training_pass`, :meth:`ModelFamily.loop_text_encoders`:
   the memory plan (:mod:`dreamstep.models.plans`), on the meta device.
 - :meth:`ModelFamily.released_components`: full-size weight shapes (``lora info``, the ComfyUI key checks).
@@ -81,10 +80,6 @@ class ModelFamily(Protocol):
     def lora_targets(self, denoiser: nn.Module, layers: Sequence[str]) -> list[str]:
         """The full module names a LoRA adapts in ``denoiser``, from one preset name or module-name suffixes (a
         trainer's ``--lora_layers``); a suffix that matches nothing is a UserError."""
-
-    def swap_blocks(self, denoiser: nn.Module) -> list[nn.Module]:
-        """The denoiser's repeated blocks in the order they run: what ``--blocks_to_swap`` moves to host memory,
-        counted from the end."""
 
     def meta_components(self, folder: Path | None) -> dict[str, nn.Module]:
         """Every component of :attr:`component_labels` built on the meta device from ``folder``'s configs (or the
@@ -170,7 +165,9 @@ def guess_family(names: Sequence[str]) -> tuple[str | None, str | None]:
 
 
 def check_blocks_to_swap(blocks_to_swap: int, block_count: int, flag: str = "--blocks_to_swap") -> None:
-    """The one rule for ``--blocks_to_swap`` (trainers, ``plan`` and the dashboard): 0 (none) up to every one of
-    the model's ``block_count`` repeated blocks (the swapper brings each to the device while it runs)."""
+    """The one rule for ``--blocks_to_swap``: 0 (none) up to every one of the model's ``block_count`` repeated blocks
+    (diffusers' ``_repeated_blocks``; the swapper brings each to the device while it runs). The trainers and the
+    memory plan (so ``plan`` and the dashboard) swap through :func:`dreamstep.models.blocks.swapped_blocks`, which
+    applies it (flux-kohya counts as sd-scripts does)."""
     if not 0 <= blocks_to_swap <= block_count:
         raise UserError(f"{flag} {blocks_to_swap}: the model has {block_count} blocks; choose 0 to {block_count}")

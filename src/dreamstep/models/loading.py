@@ -393,9 +393,11 @@ def load_sdxl_unet(path_or_id: str | Path, *, revision: str | None = None, varia
     as ``unet_quantization`` says; in host memory, or with an unswapped 4-bit base on the GPU
     (:func:`host_placement`)."""
     name = _folder_or_hub_id(path_or_id, SDXLComponents, "StableDiffusionXLPipeline")
-    return _from_pretrained(UNet2DConditionModel, name, subfolder="unet", revision=revision, variant=variant,
+    unet = _from_pretrained(UNet2DConditionModel, name, subfolder="unet", revision=revision, variant=variant,
                             quantization_config=quantization.diffusers_config(unet_quantization, weight_dtype),
                             **{_DTYPE_KWARG: weight_dtype}, **host_placement(unet_quantization, on_host))
+    quantization.keep_only_quantized_weights(unet)
+    return unet
 
 
 def component_identity(source: str | Path, subfolder: str, *, revision: str | None = None,

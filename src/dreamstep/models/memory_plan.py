@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -40,8 +41,13 @@ from dreamstep.models import quantization
 # nf4-packed: the 4-bit values alone, without the fp32 absmax per 64 values that stays with the quantization state.
 _BYTES_PER_LINEAR_WEIGHT = {"none": None, "fp8": 1.0, "int8": 1.0, "nf4": 0.5 + 4 / 64, "nf4-packed": 0.5}
 # Bytes of optimizer state per trainable parameter (the fp32 gradients are counted by the training pass).
-# What a CUDA run needs beyond the tensors (context, cuBLAS workspace, allocator slack), kept free.
-HEADROOM_FRACTION = 0.08
+# Kept free beside the plan's tensors: cuBLAS and attention workspaces, the allocator's rounding and fragmentation
+# (with expandable segments, config.memory.use_expandable_segments, little), and the CUDA context when the card's
+# memory is given rather than read from the driver.
+RESERVE_BYTES = GIB
+# Kept free beside the plan's host lines: the system, and this process's own (Python, torch and the libraries'
+# code, the data loader).
+HOST_RESERVE_BYTES = 4 * GIB
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -234,7 +240,8 @@ class PlanOptions:
     device while training; ``validation_images``: validation generates images (the VAE decodes them), not only
     the validation loss; ``image_token_multiplier``: how many images' tokens the FLUX transformer reads per
     sample (2 for a model that reads a condition image's tokens beside the target's); ``t5_trains``: FLUX's T5
-    runs in the loop too (flux-kohya's ``train_t5xxl``)."""
+    runs in the loop too (flux-kohya's ``train_t5xxl``); ``sd_scripts_swap``: ``blocks_to_swap`` counts as
+    sd-scripts' FLUX flag does (flux-kohya; :func:`dreamstep.models.blocks.swapped_blocks`)."""
 
     resolution: int = 1024
     batch_size: int = 1
@@ -246,6 +253,7 @@ class PlanOptions:
     encoders_on_device: bool = False
     t5_trains: bool = False
     blocks_to_swap: int = 0
+    sd_scripts_swap: bool = False
     optimizer: str = "AdamW"
     weight_dtype: torch.dtype = torch.bfloat16
     max_sequence_length: int = 512
@@ -350,10 +358,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
-def swapped_blocks(blocks: list[nn.Module], blocks_to_swap: int) -> tuple[list[nn.Module], list[nn.Module]]:
-    """The last ``blocks_to_swap`` blocks, and of them the two largest: the swapper keeps two on the device at a
-    time (the one running and the one it prefetches)."""
-    swapped = blocks[len(blocks) - blocks_to_swap:] if blocks_to_swap > 0 else []
+def swapped_blocks(base: nn.Module, options: PlanOptions) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The blocks the trainer swaps for ``options`` (:func:`dreamstep.models.blocks.swapped_blocks`), and of them the
+    two largest: the swapper keeps two on the device at a time (the one running and the one it prefetches)."""
+    from dreamstep.models.blocks import swapped_blocks as trainer_swaps
+
+    swapped = (trainer_swaps(base, options.blocks_to_swap, sd_scripts_flux=options.sd_scripts_swap)
+               if options.blocks_to_swap > 0 else [])
     return swapped, sorted(swapped, key=lambda b: sum(p.numel() for p in b.parameters()))[-2:]
 
 
@@ -369,8 +380,10 @@ def _row(line: Line) -> str:
     return f"    {line.what:<60} {params:>7} {line.precision:>5} {_size(line.nbytes)}"
 
 
-def format_plan(plan: MemoryPlan, device_memory: int | None, measured: int | None = None) -> str:
-    """The plan phase by phase (device, then host memory), the peaks, and the verdict for ``device_memory``."""
+def format_plan(plan: MemoryPlan, device_memory: int | None, measured: int | None = None,
+                host_memory: int | None = None) -> str:
+    """The plan phase by phase (device, then host memory), the peaks, and the verdicts for ``device_memory`` and
+    ``host_memory`` (default: this machine's)."""
     rows = ["memory plan: estimated peak memory of each phase"]
     for phase in plan.phases:
         rows.append(f"  {phase.name}: on the device")
@@ -387,20 +400,40 @@ def format_plan(plan: MemoryPlan, device_memory: int | None, measured: int | Non
         rows.append(f"  measured peak {_size(measured).strip()}")
     if device_memory is not None:
         verdict = "fits" if fits(plan, device_memory) else "does NOT fit"
-        rows.append(f"  device memory {device_memory / GIB:.1f} GiB, {HEADROOM_FRACTION:.0%} kept free "
-                    f"for the CUDA context and allocator: {verdict}")
+        rows.append(f"  device memory {device_memory / GIB:.1f} GiB free, {RESERVE_BYTES / GIB:.0f} GiB kept for "
+                    f"workspaces and fragmentation ({usable(device_memory) / GIB:.1f} GiB usable): {verdict}")
+    host_memory = host_memory if host_memory is not None else detected_host_memory()
+    if host_memory is not None:
+        enough = plan.host_total <= host_memory - HOST_RESERVE_BYTES
+        rows.append(f"  host memory {host_memory / GIB:.1f} GiB, {HOST_RESERVE_BYTES / GIB:.0f} GiB kept for the "
+                    f"system and this process: {'enough' if enough else 'NOT enough'}"
+                    + ("" if enough else " (fewer --blocks_to_swap, or quantized encoders, hold less there)"))
     return "\n".join(rows)
 
 
+def detected_host_memory() -> int | None:
+    """This machine's physical memory, or ``None`` where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def detected_device_memory() -> int | None:
-    """Total memory of the current CUDA device, or ``None`` without one."""
+    """The free memory of the current CUDA device, as the driver reports it once this process's CUDA context exists
+    (a display, other processes and the context itself are already out), or ``None`` without one."""
     if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return torch.cuda.mem_get_info(torch.cuda.current_device())[0]
     return None
 
 
+def usable(device_memory: int) -> int:
+    """What the plan's tensors may take of ``device_memory`` (free memory, or the card's as the user gives it)."""
+    return device_memory - RESERVE_BYTES
+
+
 def fits(plan: MemoryPlan, device_memory: int) -> bool:
-    return plan.total <= device_memory * (1 - HEADROOM_FRACTION)
+    return plan.total <= usable(device_memory)
 
 
 # The resolutions tried, downwards, when no memory option alone brings a run under the card (a multiple of 64, which

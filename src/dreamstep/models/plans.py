@@ -16,7 +16,7 @@ from torch import nn
 from dreamstep.config.memory import OPTIMIZER_STATE_BYTES, parse_bytes
 from dreamstep.engine.logging import say_before_the_run
 from dreamstep.models import memory_plan as mp
-from dreamstep.models.blocks import HostCheckpointing
+from dreamstep.models.blocks import HostCheckpointing, most_blocks_to_swap
 from dreamstep.models.family import get_family
 from dreamstep.models.memory_plan import Line, MemoryPlan, Phase, PlanOptions
 from dreamstep.models.phases import PHASES, loop_encoders, resident_components
@@ -86,7 +86,6 @@ class Estimator:
             for param in self.trainable.parameters():  # trainable weights are fp32 (models/precision.py)
                 if param.requires_grad:
                     param.data = param.data.float()
-        self.blocks = self.family.swap_blocks(self.base)
 
     def _quantized(self, mode: str) -> dict[nn.Parameter, str]:
         if mode == "none":
@@ -158,7 +157,7 @@ class Estimator:
             return device, []
         quant = options.base_quantization
         dtype_bytes = torch.finfo(options.weight_dtype).bits // 8
-        swapped, resident = mp.swapped_blocks(self.blocks, options.blocks_to_swap)
+        swapped, resident = mp.swapped_blocks(self.base, options)
 
         def size(blocks: list[nn.Module]) -> int:
             # nf4's absmax is kept with the block's quantization state on the device.
@@ -242,7 +241,8 @@ def plan_report(estimator: Estimator, options: PlanOptions, device_memory: int |
 
 def options_that_fit(estimator: Estimator, options: PlanOptions, device_memory: int) -> list[tuple[str, MemoryPlan]]:
     """:func:`~dreamstep.models.memory_plan.options_that_fit` for ``estimator``'s model on this machine."""
-    return mp.options_that_fit(estimator, options, device_memory, max_blocks=len(estimator.blocks) - 1,
+    return mp.options_that_fit(estimator, options, device_memory,
+                               max_blocks=most_blocks_to_swap(estimator.base, sd_scripts_flux=options.sd_scripts_swap),
                                cuda=torch.cuda.is_available(),
                                has_long_text_encoder=estimator.family.long_text_encoder is not None,
                                can_offload_checkpointing=estimator.family.long_text_encoder is not None)

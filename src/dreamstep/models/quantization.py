@@ -30,6 +30,8 @@ backward and dequantizes it again there.
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,6 +119,7 @@ def quantize_built_model(model: torch.nn.Module, mode: str, double_quant: bool =
                     if child.bias is not None:
                         layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
                     setattr(parent, name, layer.to(child.weight.device))
+        keep_only_quantized_weights(model)
     elif mode != "none":
         raise ValueError(f"unknown quantization mode {mode!r}")
 
@@ -139,37 +142,50 @@ def quantize_single_file_model(model: nn.Module, mode: str, compute_dtype: torch
 
 
 class FrozenWeightLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` for a weight and bias that get no gradient; backward keeps ``weight``
-    as it is stored (quantized) and computes ``grad_x`` from its dequantized values."""
+    """``F.linear(x, weight, bias)`` (or ``compute(x)``, the layer's own forward, when given) for a weight and bias
+    that get no gradient; backward keeps ``weight`` as it is stored (quantized) through ``save_for_backward``, where
+    gradient checkpointing and block swapping can let it go, and computes ``grad_x`` from its dequantized values."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                compute: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         ctx.save_for_backward(weight)
         ctx.input_dtype = x.dtype
+        if compute is not None:
+            return compute(x)
         return torch.nn.functional.linear(x, weight, bias)  # the layer's own op, under the caller's autocast
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (weight,) = ctx.saved_tensors
         values = dequantized(weight)
-        return (grad_output.to(values.dtype) @ values).to(ctx.input_dtype), None, None
+        return (grad_output.to(values.dtype) @ values).to(ctx.input_dtype), None, None, None
 
 
 def _linear_keeping_the_stored_weight(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # The module's weight at call time: block swapping puts a new weight object in place for each run.
     weight, bias = module.weight, module.bias
+    own_forward = type(module).forward  # bitsandbytes' Linear4bit: its 4-bit matmul; torchao's: F.linear
     if weight.requires_grad or (bias is not None and bias.requires_grad):
-        return torch.nn.functional.linear(x, weight, bias)
-    return FrozenWeightLinear.apply(x, weight, bias)
+        return own_forward(module, x)
+    return FrozenWeightLinear.apply(x, weight, bias, functools.partial(own_forward, module))
+
+
+def _is_4bit(weight: torch.Tensor) -> bool:
+    bnb = sys.modules.get("bitsandbytes")  # without it imported, no Params4bit exists
+    return bnb is not None and isinstance(weight, bnb.nn.Params4bit)
 
 
 def keep_only_quantized_weights(model: nn.Module) -> int:
-    """Give every linear of ``model`` whose weight is a torchao tensor a forward whose backward keeps only the
-    quantized weight (not a dequantized copy); return how many. peft's LoRA layers call their base layer, so
-    LoRA added later goes through it too."""
+    """Give every linear of ``model`` whose weight is a torchao tensor or a bitsandbytes 4-bit one a forward whose
+    backward keeps only the quantized weight; return how many. A torchao linear's own autograd would keep a
+    dequantized copy; bitsandbytes' 4-bit matmul keeps its weight and quantization state as attributes of its
+    autograd node, out of gradient checkpointing's reach, so every swapped block's device buffer would stay alive
+    until backward reached it. peft's LoRA layers call their base layer, so LoRA added later goes through it too."""
     from torchao.utils import TorchAOBaseTensor
 
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and isinstance(m.weight, TorchAOBaseTensor)]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)
+               and (isinstance(m.weight, TorchAOBaseTensor) or _is_4bit(m.weight))]
     for linear in linears:
         linear.forward = functools.partial(_linear_keeping_the_stored_weight, linear)
     return len(linears)

@@ -208,7 +208,8 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
     base.transformer.train()
     model = FluxKohyaModel(base.transformer, network, clip, t5)
     swapper = prepare_blocks(base.transformer, blocks_to_swap=config.blocks_to_swap, compile=False,
-                             device=run.device, num_processes=run.accelerator.num_processes, place=model)
+                             device=run.device, num_processes=run.accelerator.num_processes, place=model,
+                             sd_scripts_flux=True)
 
     # 5. Step: the optimizer over the network (transformer and CLIP groups, LoRA+), schedule, clipping.
     optimizer = build_optimizer(

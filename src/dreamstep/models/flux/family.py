@@ -43,11 +43,6 @@ class FluxFamily:
 
         return flux_lora_targets(denoiser, layers or ["attention"])
 
-    def swap_blocks(self, denoiser: nn.Module) -> list[nn.Module]:
-        from dreamstep.models.blocks import repeated_blocks
-
-        return repeated_blocks(denoiser)
-
     def meta_components(self, folder: Path | None) -> dict[str, nn.Module]:
         from dreamstep.models.flux.meta import meta_components
 

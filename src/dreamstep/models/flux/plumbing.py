@@ -393,7 +393,7 @@ def kohya_plan_options(config: Any, datasets: list[DatasetConfig], *, encoders_o
                        gradient_checkpointing=config.gradient_checkpointing,
                        cpu_offload_checkpointing=config.cpu_offload_checkpointing,
                        base_quantization=config.base_quantization, encoders_on_device=encoders_on_device,
-                       t5_trains=config.train_t5, blocks_to_swap=config.blocks_to_swap,
+                       t5_trains=config.train_t5, blocks_to_swap=config.blocks_to_swap, sd_scripts_swap=True,
                        optimizer=config.optimizer_type,
                        weight_dtype=weight_dtype_for(config.mixed_precision),
                        max_sequence_length=max_sequence_length, validation_images=validation_images)

@@ -47,11 +47,6 @@ class SdxlFamily:
         # sd-scripts' networks.lora adapts every linear layer of the UNet's transformer blocks.
         return [name for name, m in denoiser.named_modules() if isinstance(m, nn.Linear) and ".attentions." in name]
 
-    def swap_blocks(self, denoiser: nn.Module) -> list[nn.Module]:
-        from dreamstep.models.blocks import repeated_blocks
-
-        return repeated_blocks(denoiser)
-
     def meta_components(self, folder: Path | None) -> dict[str, nn.Module]:
         from dreamstep.models.sdxl.meta import meta_components
 
