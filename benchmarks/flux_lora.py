@@ -44,8 +44,8 @@ from dreamstep.lora.inject import add_lora
 from dreamstep.models import parking
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.flux.lora_targets import flux_lora_targets
+from dreamstep.models.flux.tiny import build_tiny_flux
 from dreamstep.models.precision import cast_trainable_params_to_fp32, freeze
-from dreamstep.models.tiny import build_tiny_flux
 from dreamstep.models.vae import sample_latents
 from dreamstep.recipes.flux_lora import FluxLoraModel, FluxLoraStep
 

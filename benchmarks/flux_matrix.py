@@ -43,8 +43,8 @@ from dreamstep.engine.train_step import make_accelerator
 from dreamstep.models import quantization
 from dreamstep.models.blocks import compile_blocks, prepare_blocks
 from dreamstep.models.flux import plumbing as flux
+from dreamstep.models.flux.tiny import build_tiny_flux
 from dreamstep.models.precision import freeze
-from dreamstep.models.tiny import build_tiny_flux
 from dreamstep.recipes.flux_lora import FluxLoraModel, FluxLoraStep
 
 FULL_DEPTH = (19, 38)

@@ -48,7 +48,7 @@ from dreamstep.models import memory_plan as mp
 from dreamstep.models.plans import Estimator
 from dreamstep.models.precision import freeze
 from dreamstep.models.published_configs import SDXL_UNET
-from dreamstep.models.tiny import build_tiny_sdxl
+from dreamstep.models.sdxl.tiny import build_tiny_sdxl
 
 RANK = 16
 SMOKE_RESOLUTION = {512: 32, 1024: 64}

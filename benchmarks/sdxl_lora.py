@@ -33,7 +33,8 @@ from dreamstep.models.precision import freeze
 from dreamstep.models.published_configs import SDXL_UNET
 from dreamstep.models.sdxl import plumbing as sdxl
 from dreamstep.models.sdxl.plumbing import SDXLLoraModel
-from dreamstep.models.tiny import build_clip_tokenizer, build_tiny_sdxl
+from dreamstep.models.sdxl.tiny import build_tiny_sdxl
+from dreamstep.models.tiny import build_clip_tokenizer
 from dreamstep.recipes.sdxl_lora import SDXLLoraStep
 
 # stabilityai/stable-diffusion-xl-base-1.0: vae/, text_encoder/ (CLIP-L), text_encoder_2/ (OpenCLIP bigG).

@@ -20,12 +20,9 @@ from dreamstep.notices import hide_known_notices
 
 hide_known_notices()
 
-from dreamstep.models.tiny import (  # noqa: E402  (after the notices are hidden)
-    SINGLE_FILE_NAME,
-    build_tiny_flux,
-    write_flux_component_files,
-    write_tiny_model,
-)
+from dreamstep.models.flux.tiny import build_tiny_flux, write_flux_component_files  # noqa: E402 (after the notices)
+from dreamstep.models.sdxl.tiny import SINGLE_FILE_NAME  # noqa: E402
+from dreamstep.models.tiny import write_tiny_model  # noqa: E402
 
 # Two cores on the CI machine, shared by two pytest-xdist workers: one thread each avoids oversubscription
 # (tiny models gain nothing from intra-op threads). A fixed count also keeps float results reproducible.

@@ -109,7 +109,7 @@ def test_a_dropped_caption_trains_on_the_cached_empty_embedding(tmp_path: Path) 
     from dreamstep.data.sources import bucket_spec, dreambooth_from_flags, with_caption_flags
     from dreamstep.models import parking
     from dreamstep.models.flux import plumbing as flux
-    from dreamstep.models.tiny import build_tiny_flux
+    from dreamstep.models.flux.tiny import build_tiny_flux
 
     pipe = build_tiny_flux(seed=0)
     config = with_caption_flags(dreambooth_from_flags(_images(tmp_path / "img"), None, caption_extension=".txt",

@@ -105,7 +105,7 @@ def test_unreadable_entry_is_a_miss_and_is_rewritten(tmp_path: Path):
 
 def test_non_finite_latents_stop_at_encode_time_naming_the_image_and_the_fix(tmp_path: Path):
     from dreamstep.models.sdxl.plumbing import SDXLConditioner
-    from dreamstep.models.tiny import build_tiny_sdxl
+    from dreamstep.models.sdxl.tiny import build_tiny_sdxl
 
     folder = tmp_path / "imgs"
     write_gradient(folder / "a.png", (64, 64))

@@ -12,7 +12,7 @@ from dreamstep.diffusion.noise_prediction import (
     snr,
     training_scheduler,
 )
-from dreamstep.models.tiny import build_tiny_sdxl
+from dreamstep.models.sdxl.tiny import build_tiny_sdxl
 
 SDXL_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
                   "beta_schedule": "scaled_linear", "prediction_type": "epsilon", "steps_offset": 1}

@@ -6,8 +6,9 @@ import pytest
 from lora_testkit import inference_mode
 
 from dreamstep.lora.formats import model_keys, pipeline_configs
+from dreamstep.models.flux.tiny import build_tiny_flux
 from dreamstep.models.lora_keys import ModelKeys
-from dreamstep.models.tiny import build_tiny_flux, build_tiny_sdxl
+from dreamstep.models.sdxl.tiny import build_tiny_sdxl
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from dreamstep.lora.convert import (
 )
 from dreamstep.lora.io import write_lora_file
 from dreamstep.lora.layouts import diffusers_adapter_metadata
-from dreamstep.models.tiny import build_tiny_flux
+from dreamstep.models.flux.tiny import build_tiny_flux
 
 PROMPT = "a photo of sks robot"
 

@@ -15,7 +15,7 @@ from dreamstep.lora.convert import (
 )
 from dreamstep.lora.io import write_lora_file
 from dreamstep.lora.layouts import diffusers_adapter_metadata
-from dreamstep.models.tiny import build_tiny_sdxl
+from dreamstep.models.sdxl.tiny import build_tiny_sdxl
 
 PROMPT = "a photo of sks robot"
 

@@ -16,8 +16,8 @@ from dreamstep.config.flux_network_args import FluxNetworkOptions
 from dreamstep.errors import UserError
 from dreamstep.lora.kohya_flux_network import create_flux_network
 from dreamstep.models.flux.lora_keys import FLUX_DOUBLE_BLOCK, FLUX_SINGLE_BLOCK
+from dreamstep.models.flux.tiny import build_tiny_flux
 from dreamstep.models.published_configs import CLIP_L_TEXT, T5_XXL_ENCODER
-from dreamstep.models.tiny import build_tiny_flux
 
 
 @pytest.fixture(scope="module")

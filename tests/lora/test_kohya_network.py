@@ -19,7 +19,7 @@ from dreamstep.lora.kohya_network import (
     parse_network_args,
     weight_hashes,
 )
-from dreamstep.models.tiny import build_tiny_sdxl
+from dreamstep.models.sdxl.tiny import build_tiny_sdxl
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 import torch
 
 from dreamstep.models.flux import plumbing as flux
-from dreamstep.models.tiny import build_tiny_flux
+from dreamstep.models.flux.tiny import build_tiny_flux
 
 
 def test_training_sigmas_survive_a_pipeline_call():

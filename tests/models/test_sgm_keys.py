@@ -12,7 +12,7 @@ from dreamstep.models.sdxl.sgm_keys import (
     unet_key_map,
     unet_module_map,
 )
-from dreamstep.models.tiny import build_tiny_sdxl
+from dreamstep.models.sdxl.tiny import build_tiny_sdxl
 
 
 @pytest.fixture(scope="module")

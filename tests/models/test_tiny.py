@@ -12,13 +12,9 @@ from diffusers import FluxPipeline, StableDiffusionXLPipeline
 
 from dreamstep.cli import main
 from dreamstep.errors import UserError
-from dreamstep.models.tiny import (
-    SINGLE_FILE_NAME,
-    build_tiny_flux,
-    build_tiny_sdxl,
-    param_count,
-    write_tiny_model,
-)
+from dreamstep.models.flux.tiny import build_tiny_flux
+from dreamstep.models.sdxl.tiny import SINGLE_FILE_NAME, build_tiny_sdxl
+from dreamstep.models.tiny import param_count, write_tiny_model
 
 PROMPT = "a photo of sks dog"
 
@@ -123,9 +119,13 @@ def test_cli_writes_a_loadable_folder_and_refuses_to_overwrite(
 
 
 def test_options_that_do_not_apply_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="--single-file applies to flux and sdxl"):
+    with pytest.raises(UserError, match="--single_file: flux-kontext has no single files of its own; use it with "
+                                         "flux"):
         write_tiny_model("flux-kontext", tmp_path / "a", single_file=True)
-    with pytest.raises(UserError, match="--guidance-embeds applies to flux only"):
+    with pytest.raises(UserError, match="--guidance_embeds applies to flux only"):
         write_tiny_model("sdxl", tmp_path / "b", guidance_embeds=True)
+    with pytest.raises(UserError, match="--guidance_embeds: flux-kontext is guidance-distilled already"):
+        write_tiny_model("flux-kontext", tmp_path / "d", guidance_embeds=True)
     with pytest.raises(UserError, match="unknown architecture 'sd3'"):
         write_tiny_model("sd3", tmp_path / "c")
+    assert not any((tmp_path / name).exists() for name in "abcd")

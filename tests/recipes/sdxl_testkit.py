@@ -16,7 +16,7 @@ from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.generation.loras import LoraSpec, apply_loras
 from dreamstep.lora.kohya_network import NetworkOptions, create_network
 from dreamstep.models.sdxl import plumbing as sdxl
-from dreamstep.models.tiny import build_tiny_sdxl
+from dreamstep.models.sdxl.tiny import build_tiny_sdxl
 
 CAPTIONS = ("a red dog", "a blue cat", "a red cat", "a blue dog")
 

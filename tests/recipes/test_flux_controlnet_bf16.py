@@ -10,7 +10,7 @@ import torch
 
 from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW, stochastic_round_to_bf16, trainable_state_bytes
 from dreamstep.models.flux import controlnet as cn
-from dreamstep.models.tiny import build_tiny_flux
+from dreamstep.models.flux.tiny import build_tiny_flux
 
 
 def test_rounding_picks_a_neighbour_and_is_unbiased() -> None:

@@ -21,7 +21,7 @@ from dreamstep.engine.optim import build_optimizer
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.lora.kohya_flux_network import create_flux_network
 from dreamstep.models.flux import plumbing as flux
-from dreamstep.models.tiny import build_tiny_flux
+from dreamstep.models.flux.tiny import build_tiny_flux
 from dreamstep.models.vae import posterior_mean
 from dreamstep.recipes.flux_kohya import FluxKohyaModel, FluxKohyaStep, sd_scripts_sigmas
 

@@ -15,8 +15,8 @@ from dreamstep.engine.train_step import make_accelerator
 from dreamstep.lora.inject import add_lora
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.flux.lora_targets import flux_lora_targets
+from dreamstep.models.flux.tiny import build_tiny_flux_kontext
 from dreamstep.models.precision import cast_trainable_params_to_fp32
-from dreamstep.models.tiny import build_tiny_flux_kontext
 from dreamstep.models.vae import encode_posterior
 from dreamstep.recipes.flux_kontext_lora import FluxKontextStep
 

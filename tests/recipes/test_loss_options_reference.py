@@ -16,7 +16,7 @@ from dreamstep.engine.train_step import make_accelerator
 from dreamstep.lora.inject import add_lora
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.flux.lora_targets import flux_lora_targets
-from dreamstep.models.tiny import build_tiny_flux
+from dreamstep.models.flux.tiny import build_tiny_flux
 from dreamstep.recipes.flux_lora import FluxLoraModel, FluxLoraStep
 
 BATCH, HEIGHT, WIDTH = 2, 8, 4  # latents (B, 16, 8, 4): 4·2 = 8 packed tokens
@@ -173,7 +173,7 @@ def test_loss_types_change_the_gradient_as_their_formulas_say(transformer: torch
 
 @pytest.fixture(scope="module")
 def tiny_sdxl():
-    from dreamstep.models.tiny import build_tiny_sdxl
+    from dreamstep.models.sdxl.tiny import build_tiny_sdxl
 
     return build_tiny_sdxl(seed=0)
 

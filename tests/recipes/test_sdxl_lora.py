@@ -15,7 +15,7 @@ from safetensors import safe_open
 from sdxl_testkit import run_cli, write_method
 
 from dreamstep.lora.kohya_network import NetworkOptions, create_network
-from dreamstep.models.tiny import build_tiny_sdxl
+from dreamstep.models.sdxl.tiny import build_tiny_sdxl
 from dreamstep.png_text import read_parameters
 
 # The seed's command with `python sdxl_train_network.py` replaced, as the seed writes it; only the paths

@@ -8,7 +8,8 @@ import argparse
 import time
 from pathlib import Path
 
-from dreamstep.config.choices import TINY_ARCHS, TINY_SDXL_SINGLE_FILE
+from dreamstep.config.choices import TINY_SDXL_SINGLE_FILE
+from dreamstep.models.family import families
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
@@ -17,7 +18,8 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
                           "StableDiffusionXLPipeline.from_pretrained(OUT). 'evaluators' writes tiny "
                           "DINO and CLIP models for --eval_metrics; 'captioners' tiny captioners for "
                           "'dreamstep caption --model'.")
-    parser.add_argument("arch", choices=(*TINY_ARCHS, "evaluators", "captioners"),
+    variants = tuple(v for family in families().values() for v in family.tiny_variants)
+    parser.add_argument("arch", choices=(*variants, "evaluators", "captioners"),
                         help="which architecture to write; 'evaluators' writes OUT/dino and OUT/clip, tiny "
                              "stand-ins for the --dino_model and --clip_model of --eval_metrics; 'captioners' "
                              "writes OUT/florence2, OUT/blip, OUT/qwen2_5_vl, OUT/llava and OUT/wd14")

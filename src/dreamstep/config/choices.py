@@ -1,7 +1,6 @@
 """Names that a command's parser offers and the library behind it checks, kept here, torch-free, so that
 ``--help`` and a bad value answer before torch or diffusers are imported."""
 
-TINY_ARCHS = ("flux", "flux-kontext", "sdxl")
 TINY_SDXL_SINGLE_FILE = "tiny_sdxl.safetensors"
 LORA_LAYOUTS = ("kohya", "diffusers", "mindspore")
 DTYPE_NAMES = ("fp32", "fp16", "bf16")

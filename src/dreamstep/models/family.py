@@ -14,6 +14,8 @@ When each member is used, and its shapes in and out:
 - :meth:`ModelFamily.meta_components`, :meth:`ModelFamily.training_pass`, :meth:`ModelFamily.loop_text_encoders`:
   the memory plan (:mod:`dreamstep.models.plans`), on the meta device.
 - :meth:`ModelFamily.released_components`: full-size weight shapes (``lora info``, the ComfyUI key checks).
+- :attr:`ModelFamily.tiny_variants`, :meth:`ModelFamily.build_tiny`, :meth:`ModelFamily.write_single_files`:
+  ``tiny-model`` (:func:`dreamstep.models.tiny.write_tiny_model`).
 
 See ``docs/adding-a-family.md`` for the files a new family writes.
 """
@@ -31,6 +33,7 @@ from dreamstep.errors import UserError, did_you_mean
 
 if TYPE_CHECKING:
     import torch
+    from diffusers import DiffusionPipeline
     from torch import nn
 
     from dreamstep.models.lora_keys import ModelKeys
@@ -104,6 +107,21 @@ class ModelFamily(Protocol):
 
     def released_configs(self) -> dict[str, dict[str, Any]]:
         """The released model's configs of the denoiser and text encoders."""
+
+    tiny_variants: tuple[str, ...]
+    """The architectures ``tiny-model`` writes for this family (``flux``, ``flux-kontext``)."""
+
+    def build_tiny(self, variant: str, *, seed: int, guidance_embeds: bool) -> DiffusionPipeline:
+        """A tiny random pipeline of ``variant`` (every block type of the real model, a few dozen channels wide) that
+        the family's diffusers pipeline class loads; ``guidance_embeds``: the guidance-distilled kind, where the
+        family has one (a UserError where it has not)."""
+
+    def check_single_files(self, variant: str) -> None:
+        """Refuse ``tiny-model --single_file`` for a variant whose users have no single files."""
+
+    def write_single_files(self, pipe: DiffusionPipeline, out_dir: Path) -> None:
+        """Beside a tiny pipeline folder, the single files the family's users have (ComfyUI's, sd-scripts'), so the
+        single-file loading paths run in tests."""
 
 
 @cache

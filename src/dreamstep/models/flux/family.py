@@ -6,8 +6,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dreamstep.errors import UserError
+
 if TYPE_CHECKING:
     import torch
+    from diffusers import DiffusionPipeline
     from torch import nn
 
     from dreamstep.models.lora_keys import ModelKeys
@@ -71,6 +74,27 @@ class FluxFamily:
 
         return {"transformer": published.FLUX_DEV_TRANSFORMER, "text_encoder": published.CLIP_L_TEXT,
                 "text_encoder_2": published.T5_XXL_ENCODER}
+
+
+    tiny_variants = ("flux", "flux-kontext")
+
+    def build_tiny(self, variant: str, *, seed: int, guidance_embeds: bool) -> DiffusionPipeline:
+        from dreamstep.models.flux.tiny import build_tiny_flux, build_tiny_flux_kontext
+
+        if variant == "flux-kontext":
+            if guidance_embeds:
+                raise UserError("--guidance_embeds: flux-kontext is guidance-distilled already; remove it")
+            return build_tiny_flux_kontext(seed=seed)
+        return build_tiny_flux(seed=seed, guidance_embeds=guidance_embeds)
+
+    def check_single_files(self, variant: str) -> None:
+        if variant != "flux":
+            raise UserError(f"--single_file: {variant} has no single files of its own; use it with flux")
+
+    def write_single_files(self, pipe: DiffusionPipeline, out_dir: Path) -> None:
+        from dreamstep.models.flux.tiny import write_flux_component_files
+
+        write_flux_component_files(pipe, out_dir)
 
 
 FAMILY = FluxFamily()

@@ -10,6 +10,7 @@ from dreamstep.errors import UserError
 
 if TYPE_CHECKING:
     import torch
+    from diffusers import DiffusionPipeline
     from torch import nn
 
     from dreamstep.models.lora_keys import ModelKeys
@@ -72,6 +73,25 @@ class SdxlFamily:
 
         return {"unet": published.SDXL_UNET, "text_encoder": published.CLIP_L_TEXT,
                 "text_encoder_2": published.OPENCLIP_BIGG_TEXT}
+
+
+    tiny_variants = ("sdxl",)
+
+    def build_tiny(self, variant: str, *, seed: int, guidance_embeds: bool) -> DiffusionPipeline:
+        from dreamstep.models.sdxl.tiny import build_tiny_sdxl
+
+        if guidance_embeds:
+            raise UserError("--guidance_embeds applies to flux only; remove it for sdxl")
+        return build_tiny_sdxl(seed=seed)
+
+    def check_single_files(self, variant: str) -> None:
+        pass  # the SGM-layout checkpoint, as sd_xl_base_1.0.safetensors
+
+    def write_single_files(self, pipe: DiffusionPipeline, out_dir: Path) -> None:
+        from dreamstep.models.sdxl.sgm_keys import save_sdxl_single_file
+        from dreamstep.models.sdxl.tiny import SINGLE_FILE_NAME
+
+        save_sdxl_single_file(pipe, out_dir / SINGLE_FILE_NAME)
 
 
 FAMILY = SdxlFamily()
