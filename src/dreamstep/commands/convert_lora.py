@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from dreamstep.config.choices import DTYPE_NAMES, LORA_LAYOUTS
+from dreamstep.models.family import families
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
@@ -18,7 +19,7 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("--to", required=True, choices=LORA_LAYOUTS,
                         help="target layout: kohya (sd-scripts, ComfyUI, A1111), diffusers (PEFT, "
                              "load_lora_weights), mindspore (the mindone port, SDXL only)")
-    parser.add_argument("--model", choices=("flux", "sdxl"),
+    parser.add_argument("--model", choices=tuple(families()),
                         help="the model the LoRA is for; needed only when its keys do not tell "
                              "(a LoRA on text encoders only)")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, help="cast the LoRA weights (alpha stays exact)")

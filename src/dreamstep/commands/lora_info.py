@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 
+from dreamstep.models.family import families
+
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
     parser.add_argument("file", help="LoRA file (.safetensors, torch .ckpt/.pt, MindSpore .ckpt), a checkpoint-N "
                                      "folder of a LoRA run, or a run folder (its final LoRA)")
-    parser.add_argument("--model", choices=("flux", "sdxl"), help="the model, when the keys do not tell")
+    parser.add_argument("--model", choices=tuple(families()), help="the model family, when the keys do not tell")
     parser.add_argument("--base", metavar="DIR",
                         help="diffusers pipeline folder to check the modules and shapes against (default: "
                              "the released FLUX.1-dev / SDXL base 1.0, built without weights)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import sys
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -14,9 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dreamstep.models.family import families, get_family
+from dreamstep.models.family import get_family
 
-RELEASED_SHAPES_FILE = Path(__file__).with_name("released_shapes.json.gz")
+# Beside each family's package: models/<family>/released_shapes.json.gz.
+RELEASED_SHAPES_NAME = "released_shapes.json.gz"
 
 # transformers >= 5 builds CLIPTextModel without its 'text_model.' level; LoRA files name it either way.
 _FLAT_CLIP = re.compile(r"^(text_encoder(?:_2)?)\.encoder\.layers\.")
@@ -41,11 +43,11 @@ def weight_shapes(model: str, configs: Mapping[str, Mapping] | None = None) -> d
 
 @lru_cache(maxsize=2)
 def _released_shapes(model: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """From the table shipped beside this module: building FLUX.1-dev with T5-XXL on the meta device takes
+    """From the table shipped in the family's package: building FLUX.1-dev with T5-XXL on the meta device takes
     seconds, and ``lora info`` should answer in less. ``tests/models`` checks the table against the build;
     :func:`write_released_shapes` makes it again."""
-    with gzip.open(RELEASED_SHAPES_FILE, "rt", encoding="utf-8") as f:
-        table = json.load(f)[model]
+    with gzip.open(released_shapes_file(model), "rt", encoding="utf-8") as f:
+        table = json.load(f)
     return tuple((name, tuple(shape)) for name, shape in table.items())
 
 
@@ -55,9 +57,14 @@ def built_released_shapes(model: str) -> dict[str, tuple[int, ...]]:
     return _shapes(found.released_components(found.released_configs()))
 
 
-def write_released_shapes(path: Path = RELEASED_SHAPES_FILE) -> None:
-    table = {model: built_released_shapes(model) for model in families()}
-    path.write_bytes(gzip.compress(json.dumps(table, separators=(",", ":")).encode(), mtime=0))
+def released_shapes_file(model: str) -> Path:
+    """Where family ``model`` ships its released model's layer shapes."""
+    return Path(sys.modules[type(get_family(model)).__module__].__file__).with_name(RELEASED_SHAPES_NAME)
+
+
+def write_released_shapes(model: str) -> None:
+    table = built_released_shapes(model)
+    released_shapes_file(model).write_bytes(gzip.compress(json.dumps(table, separators=(",", ":")).encode(), mtime=0))
 
 
 def _shapes(components: Mapping[str, nn.Module]) -> dict[str, tuple[int, ...]]:
