@@ -9,16 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dreamstep.config.memory import OPTIMIZER_STATE_BYTES, QUANTIZATION_MODES, parse_bytes
 from dreamstep.errors import UserError
+from dreamstep.models.family import all_variants, family_of_pipeline, variant_family
 
-if TYPE_CHECKING:
-    from dreamstep.models.family import ModelFamily
-
-# What `plan MODEL` plans: a LoRA of this family, with the condition image's tokens beside the target's times this.
-MODELS = {"flux": ("flux", 1), "flux-kontext": ("flux", 2), "sdxl": ("sdxl", 1)}
 MAX_T5_TOKENS = 512  # FLUX.1-dev's T5 reads at most 512 tokens
 
 
@@ -27,7 +22,8 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
                           "(encode images, encode text, load, train, validate) before loading anything "
                           "(full-size published configs, or a local model folder's), and say which options fit "
                           "the card.")
-    parser.add_argument("model", choices=tuple(MODELS), help="FLUX.1 LoRA, FLUX.1 Kontext LoRA or SDXL LoRA")
+    parser.add_argument("model", choices=all_variants(), help="the model variant whose LoRA run is planned (a family's "
+                                                              "variant, as tiny-model names it)")
     parser.add_argument("--pretrained_model_name_or_path", default=None,
                         help="a local model folder to read the configs from (default: FLUX.1-dev / SDXL base 1.0), "
                              "or a FLUX transformer file (flux1-dev.safetensors, an fp8 copy, a .gguf)")
@@ -59,7 +55,7 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse what no run could train with, each in one line naming the flag, before anything is built."""
-    family = _family(args.model)
+    family = variant_family(args.model)
     step = family.resolution_step
     if args.resolution < step or args.resolution % step:
         raise UserError(f"--resolution {args.resolution}: give a positive multiple of {step} "
@@ -91,18 +87,12 @@ def check_arguments(args: argparse.Namespace) -> None:
 _FILE_FLAGS = ("clip_l", "t5xxl", "ae", "model_config")
 
 
-def _family(model: str) -> ModelFamily:
-    from dreamstep.models.family import get_family
-
-    return get_family(MODELS[model][0])
-
-
 def _flux_files(args: argparse.Namespace) -> bool:
     """Whether the FLUX base is given as component files (checked by resolve_base, as the trainers check them)."""
     from dreamstep.models.flux.files import is_component_file
 
     model = args.pretrained_model_name_or_path
-    return _family(args.model).name == "flux" and model is not None and (
+    return variant_family(args.model).name == "flux" and model is not None and (
         is_component_file(model) or any(getattr(args, flag) is not None for flag in _FILE_FLAGS))
 
 
@@ -124,9 +114,7 @@ def check_model_folder(source: str, model: str) -> None:
         found = json.loads(index.read_text()).get("_class_name", "?")
     except ValueError:
         raise UserError(f"{index}: not valid JSON") from None
-    from dreamstep.models.family import family_of_pipeline
-
-    wanted, owner = _family(model), family_of_pipeline(found)
+    wanted, owner = variant_family(model), family_of_pipeline(found)
     if owner is not wanted:
         hint = f"; plan it with 'dreamstep plan {owner.name}'" if owner is not None else ""
         raise UserError(f"--pretrained_model_name_or_path {source}: a {found} folder, not a {wanted.title} "
@@ -166,8 +154,8 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
                           encoders_on_device=args.encoders_on_device, blocks_to_swap=args.blocks_to_swap,
                           optimizer=args.optimizer, max_sequence_length=args.max_sequence_length,
                           validation_images=not args.no_validation_images,
-                          image_token_multiplier=MODELS[args.model][1])
-    estimator = Estimator(MODELS[args.model][0], source, args.rank, lora_layers=args.lora_layers)
+                          image_token_multiplier=variant_family(args.model).variants[args.model])
+    estimator = Estimator(variant_family(args.model).name, source, args.rank, lora_layers=args.lora_layers)
     print(plan_report(estimator, options, device_memory))
     if base_quantization == "nf4":
         import torch

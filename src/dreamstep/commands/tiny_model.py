@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from dreamstep.config.choices import TINY_SDXL_SINGLE_FILE
-from dreamstep.models.family import families
+from dreamstep.models.family import all_variants
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
@@ -18,8 +18,7 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
                           "StableDiffusionXLPipeline.from_pretrained(OUT). 'evaluators' writes tiny "
                           "DINO and CLIP models for --eval_metrics; 'captioners' tiny captioners for "
                           "'dreamstep caption --model'.")
-    variants = tuple(v for family in families().values() for v in family.tiny_variants)
-    parser.add_argument("arch", choices=(*variants, "evaluators", "captioners"),
+    parser.add_argument("arch", choices=(*all_variants(), "evaluators", "captioners"),
                         help="which architecture to write; 'evaluators' writes OUT/dino and OUT/clip, tiny "
                              "stand-ins for the --dino_model and --clip_model of --eval_metrics; 'captioners' "
                              "writes OUT/florence2, OUT/blip, OUT/qwen2_5_vl, OUT/llava and OUT/wd14")

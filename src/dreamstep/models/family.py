@@ -14,8 +14,8 @@ When each member is used, and its shapes in and out:
 - :meth:`ModelFamily.meta_components`, :meth:`ModelFamily.training_pass`, :meth:`ModelFamily.loop_text_encoders`:
   the memory plan (:mod:`dreamstep.models.plans`), on the meta device.
 - :meth:`ModelFamily.released_components`: full-size weight shapes (``lora info``, the ComfyUI key checks).
-- :attr:`ModelFamily.tiny_variants`, :meth:`ModelFamily.build_tiny`, :meth:`ModelFamily.write_single_files`:
-  ``tiny-model`` (:func:`dreamstep.models.tiny.write_tiny_model`).
+- :attr:`ModelFamily.variants`: the names ``tiny-model`` and ``plan`` take; :meth:`ModelFamily.build_tiny`,
+  :meth:`ModelFamily.write_single_files`: ``tiny-model`` (:func:`dreamstep.models.tiny.write_tiny_model`).
 
 See ``docs/adding-a-family.md`` for the files a new family writes.
 """
@@ -108,8 +108,10 @@ class ModelFamily(Protocol):
     def released_configs(self) -> dict[str, dict[str, Any]]:
         """The released model's configs of the denoiser and text encoders."""
 
-    tiny_variants: tuple[str, ...]
-    """The architectures ``tiny-model`` writes for this family (``flux``, ``flux-kontext``)."""
+    variants: Mapping[str, int]
+    """The model variants users name (``tiny-model flux-kontext``, ``plan flux-kontext``), each with the images whose
+    latent tokens the denoiser reads per sample: 1, or 2 for an edit model that reads its reference image's tokens
+    beside the target's."""
 
     def build_tiny(self, variant: str, *, seed: int, guidance_embeds: bool) -> DiffusionPipeline:
         """A tiny random pipeline of ``variant`` (every block type of the real model, a few dozen channels wide) that
@@ -180,6 +182,16 @@ def guess_family(names: Sequence[str]) -> tuple[str | None, str | None]:
             if hint in name:
                 return model, name
     return None, None
+
+
+def variant_family(variant: str) -> ModelFamily | None:
+    """The family that has the model variant ``variant`` (``flux-kontext``: FLUX.1)."""
+    return next((f for f in families().values() if variant in f.variants), None)
+
+
+def all_variants() -> tuple[str, ...]:
+    """Every family's variants, for a command's choices."""
+    return tuple(variant for found in families().values() for variant in found.variants)
 
 
 def check_blocks_to_swap(blocks_to_swap: int, block_count: int, flag: str = "--blocks_to_swap") -> None:

@@ -45,7 +45,7 @@ from transformers import (
 
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.files import honour_umask
-from dreamstep.models.family import families
+from dreamstep.models.family import all_variants, variant_family
 
 # Words whose BPE merges are in the tiny CLIP vocabulary and whose pieces are in the T5 vocabulary,
 # so typical test prompts tokenize into a few tokens instead of one token per byte.
@@ -168,13 +168,13 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> None:
 
 def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, guidance_embeds: bool = False,
                      single_file: bool = False, overwrite: bool = False) -> Path:
-    """Write a tiny pipeline folder of ``arch`` (one of a family's ``tiny_variants``: "flux", "flux-kontext",
+    """Write a tiny pipeline folder of ``arch`` (one of a family's ``variants``: "flux", "flux-kontext",
     "sdxl", ...) and return its path; with ``single_file`` also the single files users of that family have (the
     family's ``write_single_files``). ``guidance_embeds``: a guidance-distilled variant, where the family has one."""
-    family = next((f for f in families().values() if arch in f.tiny_variants), None)
+    family = variant_family(arch)
     if family is None:
-        raise UserError(f"unknown architecture '{arch}'{did_you_mean(arch, tiny_variants())}; choose one of "
-                        f"{', '.join(tiny_variants())}")
+        raise UserError(f"unknown architecture '{arch}'{did_you_mean(arch, all_variants())}; choose one of "
+                        f"{', '.join(all_variants())}")
     out_dir = Path(out_dir)
     if single_file:
         family.check_single_files(arch)
@@ -188,11 +188,6 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, guidance_emb
     if single_file:
         family.write_single_files(pipe, out_dir)
     return out_dir
-
-
-def tiny_variants() -> tuple[str, ...]:
-    """Every architecture ``tiny-model`` writes, by family."""
-    return tuple(variant for family in families().values() for variant in family.tiny_variants)
 
 
 def param_count(pipe: DiffusionPipeline) -> dict[str, int]:

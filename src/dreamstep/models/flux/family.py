@@ -76,7 +76,7 @@ class FluxFamily:
                 "text_encoder_2": published.T5_XXL_ENCODER}
 
 
-    tiny_variants = ("flux", "flux-kontext")
+    variants = {"flux": 1, "flux-kontext": 2}  # Kontext reads the reference image's tokens beside the target's
 
     def build_tiny(self, variant: str, *, seed: int, guidance_embeds: bool) -> DiffusionPipeline:
         from dreamstep.models.flux.tiny import build_tiny_flux, build_tiny_flux_kontext

@@ -75,7 +75,7 @@ class SdxlFamily:
                 "text_encoder_2": published.OPENCLIP_BIGG_TEXT}
 
 
-    tiny_variants = ("sdxl",)
+    variants = {"sdxl": 1}
 
     def build_tiny(self, variant: str, *, seed: int, guidance_embeds: bool) -> DiffusionPipeline:
         from dreamstep.models.sdxl.tiny import build_tiny_sdxl
