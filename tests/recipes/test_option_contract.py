@@ -22,7 +22,11 @@ from dreamstep.errors import UserError
 
 TRAINERS = [key[1] for key in COMMANDS if key[0] == "train"]
 # sd-scripts flags kept so its command lines run as written, whose behaviour is dreamstep's in any case.
-SAME_EITHER_WAY = {("flux-kohya", "sdpa"): "FLUX's attention is PyTorch's scaled-dot-product attention"}
+SAME_EITHER_WAY = {
+    ("flux-kohya", "sdpa"): "FLUX's attention is PyTorch's scaled-dot-product attention",
+    ("flux-kohya", "persistent_data_loader_workers"): "sd-scripts' documented command gives it without workers, "
+                                                      "where sd-scripts ignores it too",
+}
 # Reads that only copy or describe every field (config.toml, dataclasses.replace) are not uses.
 _NOT_USES = ("dreamstep/config/schema.py", "/dataclasses.py")
 

@@ -274,8 +274,6 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
         if self.dataset_config is not None:
             refuse_unused(self, ("reg_data_dir", "in_json"), "with --dataset_config (sd-scripts ignores it there; "
                                                              "set the folders in the dataset TOML)")
-        if not self.max_data_loader_n_workers:
-            refuse_unused(self, ("persistent_data_loader_workers",), "without --max_data_loader_n_workers")
         check_option_groups(self)
         if self.seed is None:
             self.seed = random.randrange(2**31)
