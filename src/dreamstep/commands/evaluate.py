@@ -41,7 +41,7 @@ from dreamstep.evaluation.candidates import Candidate, find_candidates
 from dreamstep.evaluation.control import mean_edge_agreement
 from dreamstep.evaluation.fidelity import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, FidelityScorer
 from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, remove_loras
-from dreamstep.generation.pipelines import build_pipeline, choose_dtype, load_flux_controlnet
+from dreamstep.generation.pipelines import build_pipeline, check_model, choose_dtype, load_flux_controlnet
 from dreamstep.models import controlnet as cn
 from dreamstep.models import flux
 from dreamstep.models.flux_files import resolve_base
@@ -199,6 +199,7 @@ def evaluate(config: EvalConfig, model_type: str) -> dict[str, Any]:
         raise UserError("eval flux-kontext scores edits: give --image (the images the prompts edit)")
     if model_type != "flux-kontext" and config.image:
         raise UserError("--image is the image FLUX.1 Kontext edits; use eval flux-kontext, or remove it")
+    check_model(model_type, config.model, config.model_config)
     if model_type != "sdxl" and config.component_files():
         resolve_base(config.model, model_config=config.model_config, **config.component_files())  # files checked
     with tempfile.TemporaryDirectory(prefix="dreamstep-eval-") as work_dir:  # checkpoints written as LoRA files

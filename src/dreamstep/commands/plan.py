@@ -112,6 +112,9 @@ def check_model_folder(source: str, model: str) -> None:
         other = next((m for m, name in PIPELINES.items() if name == found), None)
         hint = f"; plan it with 'dreamstep plan {other}'" if other else ""
         raise UserError(f"--pretrained_model_name_or_path {source}: a {found} folder, not {PIPELINES[model]}{hint}")
+    from dreamstep.models.loading import check_pipeline_source  # torch: not imported for --help
+
+    check_pipeline_source(source, "sdxl" if model == "sdxl" else "flux")  # the parts' configs readable
 
 
 def model_source(args: argparse.Namespace) -> tuple[str | None, str]:

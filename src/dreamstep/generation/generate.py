@@ -33,7 +33,7 @@ from dreamstep.errors import UserError
 from dreamstep.evaluation.candidates import lora_file_for
 from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, parse_lora_spec
 from dreamstep.generation.outputs import next_index, save_png
-from dreamstep.generation.pipelines import build_pipeline, choose_dtype, default_size
+from dreamstep.generation.pipelines import build_pipeline, check_model, choose_dtype, default_size
 from dreamstep.models.flux import FLUX_DEV_SAMPLING
 from dreamstep.models.kontext import edit_size
 from dreamstep.models.precision import choose_device
@@ -150,6 +150,7 @@ def generate_images(config: GenerateConfig) -> list[Path]:
     control image, output folder) is checked before the model loads, and nothing is written before."""
     model_type = config.model_type
     prompts = read_prompts(config)
+    check_model(model_type, config.model, config.model_config)
     loras = [parse_lora_spec(text) for text in config.lora]
     with tempfile.TemporaryDirectory(prefix="dreamstep-lora-") as work_dir:  # LoRAs of flux-lora checkpoints
         files = [dataclasses.replace(spec, path=lora_file_for(spec.path, Path(work_dir), "--lora")) for spec in loras]

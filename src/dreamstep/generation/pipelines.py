@@ -20,7 +20,7 @@ from diffusers import (
 
 from dreamstep.errors import UserError, refusing_pickled_code
 from dreamstep.models.flux_files import FILE_SUFFIXES, resolve_base
-from dreamstep.models.loading import CHECKPOINT_SUFFIXES, load_flux, load_sdxl
+from dreamstep.models.loading import CHECKPOINT_SUFFIXES, check_pipeline_source, load_flux, load_sdxl
 from dreamstep.models.precision import dtype_named
 
 # Where a single-file --model takes its other components and configs when --model_config is not given.
@@ -102,6 +102,16 @@ def keep_vae_fp32(pipe: Any) -> None:
                  torch.float32)
     if getattr(pipe, "controlnet", None) is not None:
         _cast_inputs(pipe.controlnet, half)
+
+
+def check_model(model_type: str, model: str, model_config: str | None) -> None:
+    """One line naming --model or --model_config when the base model is not there, before anything loads (FLUX
+    component files are checked where they are read)."""
+    arch = "sdxl" if model_type == "sdxl" else "flux"
+    if arch == "sdxl" or not is_single_file(model):
+        check_pipeline_source(model, arch, "--model")
+    if model_config is not None and is_single_file(model):  # else build_pipeline refuses it
+        check_pipeline_source(model_config, arch, "--model_config")
 
 
 def build_pipeline(model_type: str, model: str, *, model_config: str | None, dtype: torch.dtype,

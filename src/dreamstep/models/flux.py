@@ -19,7 +19,7 @@ from dreamstep.errors import UserError
 from dreamstep.files import atomic_path
 from dreamstep.models import parking
 from dreamstep.models.flux_files import FLAGS, FluxFiles, config_folder, read_header
-from dreamstep.models.loading import component_identity, load_flux, load_flux_transformer
+from dreamstep.models.loading import check_pipeline_source, component_identity, load_flux, load_flux_transformer
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.parking import ParkedModules
 from dreamstep.models.phases import ENCODERS
@@ -325,6 +325,8 @@ def transformer_config(config: Any) -> dict[str, Any]:
     from diffusers import FluxTransformer2DModel
 
     base = config.flux_base()
+    if base.source is not None:
+        check_pipeline_source(base.source, "flux", "--model_config" if config.model_config else FLAGS["transformer"])
     header = read_header(base.files.transformer, FLAGS["transformer"]) if base.files.transformer else None
     with config_folder(base.source, header) as configs:
         found = FluxTransformer2DModel.load_config(configs, subfolder="transformer",
