@@ -30,6 +30,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
+from dreamstep.config.choices import CHECKPOINT_WEIGHTS_HELP
 from dreamstep.config.evaluation import CONTROL_METRICS, FIDELITY_METRICS
 from dreamstep.config.options import FluxComponentFileOptions
 from dreamstep.config.schema import add_arguments, build_config, load_toml, option
@@ -55,6 +56,7 @@ class EvalConfig(FluxComponentFileOptions):
     model: str = option(help="the base model the LoRAs or ControlNets were trained on (folder, hub id or file)")
     weights: list[str] = option(help="LoRA files, checkpoint-N folders, ControlNet folders or run folders")
     output_dir: str = option(help="where scores.csv, scores.json, the plots and the samples are written")
+    checkpoint_weights: Literal["auto", "ema", "raw"] = option("auto", CHECKPOINT_WEIGHTS_HELP)
     prompt: list[str] = option([], "prompts to generate (repeat or list several)")
     from_file: str | None = option(None, "text file with one prompt per line, instead of --prompt")
     instance_data_dir: str | None = option(None, "the subject's images (needed for dino and clip_i)")
@@ -203,7 +205,7 @@ def evaluate(config: EvalConfig, model_type: str) -> dict[str, Any]:
     if model_type != "sdxl" and config.component_files():
         resolve_base(config.model, model_config=config.model_config, **config.component_files())  # files checked
     with tempfile.TemporaryDirectory(prefix="dreamstep-eval-") as work_dir:  # checkpoints written as LoRA files
-        candidates = find_candidates(config.weights, Path(work_dir))
+        candidates = find_candidates(config.weights, Path(work_dir), config.checkpoint_weights)
         for candidate in candidates:
             if candidate.kind == "lora":
                 check_lora(candidate.path, _lora_model(model_type))

@@ -153,7 +153,8 @@ def generate_images(config: GenerateConfig) -> list[Path]:
     check_model(model_type, config.model, config.model_config)
     loras = [parse_lora_spec(text) for text in config.lora]
     with tempfile.TemporaryDirectory(prefix="dreamstep-lora-") as work_dir:  # LoRAs of flux-lora checkpoints
-        files = [dataclasses.replace(spec, path=lora_file_for(spec.path, Path(work_dir), "--lora")) for spec in loras]
+        files = [dataclasses.replace(spec, path=lora_file_for(spec.path, Path(work_dir), "--lora",
+                                                                  config.checkpoint_weights)) for spec in loras]
         for spec in files:
             check_lora(spec.path, config.lora_model)
         control = _control_image(config)
