@@ -27,13 +27,12 @@ from typing import Any, Literal
 
 import torch
 from PIL import Image
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from dreamstep.config.choices import CHECKPOINT_WEIGHTS_HELP
 from dreamstep.config.evaluation import CONTROL_METRICS, FIDELITY_METRICS
 from dreamstep.config.options import FluxComponentFileOptions
-from dreamstep.config.schema import add_arguments, build_config, load_toml, option
+from dreamstep.config.schema import add_arguments, build_config, option
 from dreamstep.data.images import list_images, load_rgb
 from dreamstep.engine.logging import save_image_grid
 from dreamstep.engine.metrics import MetricsTable, draw_metrics, higher_is_better
@@ -42,8 +41,13 @@ from dreamstep.evaluation.candidates import Candidate, find_candidates
 from dreamstep.evaluation.control import mean_edge_agreement
 from dreamstep.evaluation.fidelity import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, FidelityScorer
 from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, remove_loras
-from dreamstep.generation.pipelines import build_pipeline, check_model, choose_dtype, load_flux_controlnet
-from dreamstep.models import controlnet as cn
+from dreamstep.generation.pipelines import (
+    build_pipeline,
+    check_model,
+    choose_dtype,
+    controlnet_from_checkpoint,
+    load_flux_controlnet,
+)
 from dreamstep.models import flux
 from dreamstep.models.flux_files import resolve_base
 from dreamstep.models.precision import choose_device
@@ -177,11 +181,7 @@ class Generator:
     def _controlnet(self, candidate: Candidate) -> torch.nn.Module:
         if candidate.kind == "controlnet":
             return load_flux_controlnet(str(candidate.path), self.dtype).to(self.device)
-        run = load_toml(candidate.config_dir / "config.toml")
-        model = cn.build_from_transformer(self.pipe.transformer, run.get("num_double_layers", 4),
-                                          run.get("num_single_layers", 4))
-        model.load_state_dict(load_file(str(candidate.path)))
-        return model.to(self.device, self.dtype)
+        return controlnet_from_checkpoint(candidate, self.pipe.transformer, self.dtype).to(self.device)
 
 
 def _model_type(key: tuple[str, ...]) -> str:

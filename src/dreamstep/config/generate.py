@@ -83,7 +83,8 @@ class FluxGenerateConfig(FluxComponentFileOptions, GenerateConfig):
 
     true_cfg_scale: float = option(1.0, "classifier-free guidance with --negative_prompt when > 1 "
                                         "(two transformer passes per step)", bounds="[1, inf)")
-    controlnet: str | None = option(None, "FLUX ControlNet folder (config.json + weights)")
+    controlnet: str | None = option(None, "FLUX ControlNet folder (config.json + weights), or a checkpoint-N "
+                                           "folder of a flux-controlnet run")
     control_image: str | None = option(None, "the ControlNet's conditioning image")
     controlnet_conditioning_scale: float = option(1.0, "strength of the ControlNet's residuals", bounds="[0, inf)")
 

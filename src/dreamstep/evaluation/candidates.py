@@ -180,6 +180,19 @@ def lora_file_for(path: Path, work_dir: Path, flag: str, ema: str = "auto") -> P
                     "run, or a LoRA run's folder")
 
 
+def controlnet_source(text: str, work_dir: Path, ema: str = "auto") -> str | Candidate:
+    """What ``--controlnet text`` names: a ``checkpoint-N`` folder of a flux-controlnet run as its candidate (its
+    weights, written into ``work_dir`` when ``ema`` picks from an EMA, and its run), else ``text`` (a folder in the
+    ``save_pretrained`` layout)."""
+    path = Path(text).expanduser()
+    if not (path.is_dir() and _CHECKPOINT.match(path.name) and (path / WEIGHTS_FILE).is_file()):
+        return text
+    candidate = _checkpoint(path, work_dir, ema)
+    if candidate.kind != "controlnet-checkpoint":
+        raise UserError(f"--controlnet {text}: a checkpoint of a LoRA run, not of a ControlNet; give it to --lora")
+    return candidate
+
+
 def _final_loras(folder: Path) -> list[Path]:
     """A run folder's own LoRA files (a Kohya copy of the diffusers file left out: the same weights)."""
     return [f for f in sorted(folder.glob("*.safetensors"))
