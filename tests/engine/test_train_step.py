@@ -286,6 +286,32 @@ def test_the_step_scales_a_bare_loss_and_reports_it_unscaled():
     assert model.weight.tolist() == [[0.5, 0.5]]  # the gradient (1, 1) unscaled before SGD's step of 0.5
 
 
+class SeedSpellingStep(TrainStep):
+    """mindone's contract: forward scales its loss itself and returns the scaled loss."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pred = self.model(x)
+        return self.scale_loss(torch.nn.functional.mse_loss(pred, y)), pred
+
+
+@pytest.mark.parametrize("step_class", [RegressionStep, SeedSpellingStep])
+def test_both_spellings_of_forward_scale_once_and_match_one_large_batch(step_class: type[TrainStep]) -> None:
+    """SGD (a double scale would shrink the update by N, which AdamW hides); a static scale on top. The second
+    epoch has a short last group (5 micro-batches in groups of 2, 2, 1)."""
+    n, micro = 2, regression_batches(5, batch_size=2)
+    model, ref = tiny_mlp(), tiny_mlp()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = step_class(model, opt, loss_scaler=StaticLossScaler(2.0**8), gradient_accumulation_steps=n,
+                      length_of_dataloader=5)
+    groups = [micro[0:2], micro[2:4], micro[4:5]]
+    for group in groups:
+        for batch in group:
+            loss, _ = step(*batch)
+        (ref_loss,) = reference_train(ref, ref_opt, [group])
+        assert max_param_diff(model, ref) < 1e-10
+        assert loss.item() == pytest.approx(ref_loss, abs=1e-12)
+
+
 def test_constructor_rejects_accumulation_without_length_and_bad_values():
     model = tiny_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -7,9 +7,16 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from diffusers import FluxControlNetModel, FluxTransformer2DModel
 from flux_testkit import run_cli
+from PIL import Image
 from test_flux_controlnet import make_pairs
+
+from dreamstep.evaluation.candidates import controlnet_source
+from dreamstep.generation.pipelines import controlnet_from_checkpoint
 
 PROMPT = "a red square"
 
@@ -53,3 +60,20 @@ def test_eval_scores_controlnet_checkpoints_and_folder(run: Path, tiny_flux_dev_
     assert rows["out/checkpoint-2"]["edge"] == pytest.approx(rows["out"]["edge"])
     assert rows["out/checkpoint-2"]["clip_t"] == pytest.approx(rows["out"]["clip_t"])
     assert summary["best_by"] == "edge" and (out / "edge.png").is_file()
+
+
+def test_generate_takes_the_last_checkpoint_as_the_saved_controlnet(run: Path, tiny_flux_dev_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    images = []
+    for name, controlnet in (("checkpoint", run / "checkpoint-2"), ("folder", run)):
+        assert run_cli("generate", "flux", "--model", tiny_flux_dev_dir, "--controlnet", controlnet, "--control_image",
+                       run.parent / "conditioning" / "pair_0.png", "--prompt", PROMPT, "--steps", "1", "--seed", "3",
+                       "--width", "32", "--height", "32", "--output_dir", tmp_path / name) == 0
+        (image,) = (tmp_path / name).glob("*.png")
+        images.append(np.asarray(Image.open(image)))
+    assert np.array_equal(*images)
+    transformer = FluxTransformer2DModel.from_pretrained(tiny_flux_dev_dir, subfolder="transformer")
+    built = controlnet_from_checkpoint(controlnet_source(str(run / "checkpoint-2"), tmp_path), transformer,
+                                       torch.float32).state_dict()
+    saved = FluxControlNetModel.from_pretrained(run).state_dict()
+    assert built.keys() == saved.keys() and all(torch.equal(built[k], saved[k]) for k in saved)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -18,6 +19,17 @@ from sdxl_testkit import write_method
 
 def _resolved(out: Path) -> dict:
     return tomllib.loads((out / "config.toml").read_text())
+
+
+def _same(a: Path, b: Path) -> bool:
+    first, second = load_file(a), load_file(b)
+    return first.keys() == second.keys() and all(torch.equal(first[k].float(), second[k].float()) for k in first)
+
+
+def _checkpoint_as_lora(checkpoint: Path, out: Path, layout: str, *choice: str) -> Path:
+    """``convert lora`` of a checkpoint-N folder (``choice``: --checkpoint_weights and its value, or nothing)."""
+    assert run_cli("convert", "lora", checkpoint, out, "--to", layout, *choice) == 0
+    return out
 
 
 def test_flux_lora_trains_with_sd_scripts_sampling_huber_loss_and_caption_dropout(tiny_flux_dir: Path,
@@ -41,12 +53,17 @@ def test_sdxl_lora_trains_with_smooth_l1_debiased_loss_input_perturbation_and_sh
                    write_method(tmp_path, "class_tokens"), "--output_dir", out, "--max_train_steps", "2",
                    "--log_with", "none", "--loss_type", "smooth_l1", "--debiased_estimation_loss",
                    "--ip_noise_gamma", "0.1", "--shuffle_caption", "--caption_dropout_rate", "0.5",
-                   "--ema_decay", "0.5", "--learning_rate", "1e-2") == 0
+                   "--ema_decay", "0.5", "--learning_rate", "1e-2", "--save_every_n_steps", "1", "--save_state") == 0
     resolved = _resolved(out)
     assert (resolved["loss_type"], resolved["debiased_estimation_loss"], resolved["ip_noise_gamma"],
             resolved["shuffle_caption"], resolved["ema_decay"]) == ("smooth_l1", True, 0.1, True, 0.5)
     raw, ema = load_file(out / "last.safetensors"), load_file(out / "last_ema.safetensors")
     assert raw.keys() == ema.keys() and any(not torch.equal(raw[k], ema[k]) for k in raw)
+    # The last checkpoint holds both: the EMA by default (the run validated with it), the raw weights when asked.
+    last = out / "checkpoint-2"
+    assert _same(_checkpoint_as_lora(last, tmp_path / "auto.safetensors", "kohya"), out / "last_ema.safetensors")
+    assert _same(_checkpoint_as_lora(last, tmp_path / "raw.safetensors", "kohya", "--checkpoint_weights", "raw"),
+                 out / "last.safetensors")
 
 
 def _flux_lora(tiny_flux_dir: Path, out: Path, steps: int, *extra: object) -> int:
@@ -70,6 +87,28 @@ def test_flux_lora_ema_file_is_saved_beside_the_raw_one_and_resume_continues_it_
     ema = load_file(straight / "pytorch_lora_weights_ema.safetensors")
     assert any(not torch.equal(raw[k], ema[k]) for k in raw)
     assert any(k.startswith("ema.") for k in load_file(split / "checkpoint-2" / "trainable_weights.safetensors"))
+
+
+def test_a_checkpoint_kept_with_an_ema_goes_wherever_a_lora_goes(tiny_flux_dir: Path, tiny_evaluators: dict[str, Path],
+                                                               tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    assert _flux_lora(tiny_flux_dir, run, 4, "--ema_validation", "false") == 0
+    last = run / "checkpoint-4"
+    # The run validated with its raw weights, so those are the default; the EMA when asked.
+    assert _same(_checkpoint_as_lora(last, tmp_path / "auto.safetensors", "diffusers"),
+                 run / "pytorch_lora_weights.safetensors")
+    assert _same(_checkpoint_as_lora(last, tmp_path / "ema.safetensors", "diffusers", "--checkpoint_weights", "ema"),
+                 run / "pytorch_lora_weights_ema.safetensors")
+    capsys.readouterr()
+    assert run_cli("lora", "info", last, "--checkpoint_weights", "ema") == 0
+    assert "format:    diffusers-flux" in capsys.readouterr().out
+    assert run_cli("generate", "flux", "--model", tiny_flux_dir, "--lora", run / "checkpoint-2", "--prompt", "a",
+                   "--steps", "1", "--width", "32", "--height", "32", "--output_dir", tmp_path / "images") == 0
+    assert run_cli("eval", "flux", "--model", tiny_flux_dir, "--weights", run, "--checkpoint_weights", "ema",
+                   "--prompt", "a", "--metrics", "clip_t", "--clip_model", tiny_evaluators["clip"], "--steps", "1",
+                   "--resolution", "32", "--output_dir", tmp_path / "eval") == 0
+    labels = [row["label"] for row in json.loads((tmp_path / "eval" / "scores.json").read_text())["candidates"]]
+    assert labels[1:3] == ["run/checkpoint-2 (ema)", "run/checkpoint-4 (ema)"]
 
 
 def test_flux_controlnet_saves_its_ema_as_a_controlnet_that_diffusers_loads(tiny_flux_dir: Path,

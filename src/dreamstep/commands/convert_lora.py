@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from dreamstep.config.choices import DTYPE_NAMES, LORA_LAYOUTS
+from dreamstep.config.choices import CHECKPOINT_WEIGHTS, CHECKPOINT_WEIGHTS_HELP, DTYPE_NAMES, LORA_LAYOUTS
 from dreamstep.models.family import families
 
 
@@ -27,6 +27,8 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
                         help="diffusers pipeline folder of the base model, to check the LoRA against its "
                              "size (default: the released FLUX.1 / SDXL base 1.0)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    parser.add_argument("--checkpoint_weights", choices=CHECKPOINT_WEIGHTS, default="auto",
+                        help=CHECKPOINT_WEIGHTS_HELP)
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
 
     configs = folder_configs(args.base) if args.base else None
     with tempfile.TemporaryDirectory(prefix="dreamstep-lora-") as work_dir:
-        source = lora_file_for(Path(args.input).expanduser(), Path(work_dir), "convert lora")
+        source = lora_file_for(Path(args.input).expanduser(), Path(work_dir), "convert lora",
+                               args.checkpoint_weights)
         done = convert_lora(source, args.output, args.to, model=args.model, dtype=args.dtype,
                             configs=configs, overwrite=args.overwrite)
     print(f"{args.input}: {done.source.format} ({done.source.container}) -> {args.output}: "

@@ -27,12 +27,12 @@ from typing import Any, Literal
 
 import torch
 from PIL import Image
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
+from dreamstep.config.choices import CHECKPOINT_WEIGHTS_HELP
 from dreamstep.config.evaluation import CONTROL_METRICS, FIDELITY_METRICS
 from dreamstep.config.options import FluxComponentFileOptions
-from dreamstep.config.schema import add_arguments, build_config, load_toml, option
+from dreamstep.config.schema import add_arguments, build_config, option
 from dreamstep.data.images import list_images, load_rgb
 from dreamstep.engine.logging import save_image_grid
 from dreamstep.engine.metrics import MetricsTable, draw_metrics, higher_is_better
@@ -41,8 +41,13 @@ from dreamstep.evaluation.candidates import Candidate, find_candidates
 from dreamstep.evaluation.control import mean_edge_agreement
 from dreamstep.evaluation.fidelity import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, FidelityScorer
 from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, remove_loras
-from dreamstep.generation.pipelines import build_pipeline, choose_dtype, load_flux_controlnet
-from dreamstep.models.flux import controlnet as cn
+from dreamstep.generation.pipelines import (
+    build_pipeline,
+    check_model,
+    choose_dtype,
+    controlnet_from_checkpoint,
+    load_flux_controlnet,
+)
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.flux.files import resolve_base
 from dreamstep.models.precision import choose_device
@@ -55,6 +60,7 @@ class EvalConfig(FluxComponentFileOptions):
     model: str = option(help="the base model the LoRAs or ControlNets were trained on (folder, hub id or file)")
     weights: list[str] = option(help="LoRA files, checkpoint-N folders, ControlNet folders or run folders")
     output_dir: str = option(help="where scores.csv, scores.json, the plots and the samples are written")
+    checkpoint_weights: Literal["auto", "ema", "raw"] = option("auto", CHECKPOINT_WEIGHTS_HELP)
     prompt: list[str] = option([], "prompts to generate (repeat or list several)")
     from_file: str | None = option(None, "text file with one prompt per line, instead of --prompt")
     instance_data_dir: str | None = option(None, "the subject's images (needed for dino and clip_i)")
@@ -175,11 +181,7 @@ class Generator:
     def _controlnet(self, candidate: Candidate) -> torch.nn.Module:
         if candidate.kind == "controlnet":
             return load_flux_controlnet(str(candidate.path), self.dtype).to(self.device)
-        run = load_toml(candidate.config_dir / "config.toml")
-        model = cn.build_from_transformer(self.pipe.transformer, run.get("num_double_layers", 4),
-                                          run.get("num_single_layers", 4))
-        model.load_state_dict(load_file(str(candidate.path)))
-        return model.to(self.device, self.dtype)
+        return controlnet_from_checkpoint(candidate, self.pipe.transformer, self.dtype).to(self.device)
 
 
 def _model_type(key: tuple[str, ...]) -> str:
@@ -199,10 +201,11 @@ def evaluate(config: EvalConfig, model_type: str) -> dict[str, Any]:
         raise UserError("eval flux-kontext scores edits: give --image (the images the prompts edit)")
     if model_type != "flux-kontext" and config.image:
         raise UserError("--image is the image FLUX.1 Kontext edits; use eval flux-kontext, or remove it")
+    check_model(model_type, config.model, config.model_config)
     if model_type != "sdxl" and config.component_files():
         resolve_base(config.model, model_config=config.model_config, **config.component_files())  # files checked
     with tempfile.TemporaryDirectory(prefix="dreamstep-eval-") as work_dir:  # checkpoints written as LoRA files
-        candidates = find_candidates(config.weights, Path(work_dir))
+        candidates = find_candidates(config.weights, Path(work_dir), config.checkpoint_weights)
         for candidate in candidates:
             if candidate.kind == "lora":
                 check_lora(candidate.path, _lora_model(model_type))

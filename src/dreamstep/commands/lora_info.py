@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from dreamstep.config.choices import CHECKPOINT_WEIGHTS, CHECKPOINT_WEIGHTS_HELP
 from dreamstep.models.family import families
 
 
@@ -16,6 +17,8 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("--base", metavar="DIR",
                         help="diffusers pipeline folder to check the modules and shapes against (default: "
                              "the released FLUX.1-dev / SDXL base 1.0, built without weights)")
+    parser.add_argument("--checkpoint_weights", choices=CHECKPOINT_WEIGHTS, default="auto",
+                        help=CHECKPOINT_WEIGHTS_HELP)
 
 
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
@@ -27,7 +30,7 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
 
     given = Path(args.file).expanduser()
     with tempfile.TemporaryDirectory(prefix="dreamstep-lora-") as work_dir:
-        file = lora_file_for(given, Path(work_dir), "lora info")
+        file = lora_file_for(given, Path(work_dir), "lora info", args.checkpoint_weights)
         if file != given:
             print(f"from:      {given}")
         print(describe(str(file), args.model, args.base))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from dreamstep.config.choices import CHECKPOINT_WEIGHTS_HELP
 from dreamstep.config.options import FluxComponentFileOptions
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.errors import UserError
@@ -31,6 +32,7 @@ class GenerateConfig:
     negative_prompt: str | None = option(None, "what to steer away from")
     lora: list[str] = option([], "LoRA file, optionally FILE:WEIGHT (default weight 1); repeat the flag "
                                  "or list several; Kohya, diffusers/PEFT and MindSpore .ckpt files load")
+    checkpoint_weights: Literal["auto", "ema", "raw"] = option("auto", CHECKPOINT_WEIGHTS_HELP)
     merge: bool = option(False, "fold the LoRAs into the model weights (faster sampling) instead of "
                                 "applying them as adapters")
     steps: int | None = option(None, "sampling steps (default: SDXL 50; FLUX 28, or 4 for a model "
@@ -81,7 +83,8 @@ class FluxGenerateConfig(FluxComponentFileOptions, GenerateConfig):
 
     true_cfg_scale: float = option(1.0, "classifier-free guidance with --negative_prompt when > 1 "
                                         "(two transformer passes per step)", bounds="[1, inf)")
-    controlnet: str | None = option(None, "FLUX ControlNet folder (config.json + weights)")
+    controlnet: str | None = option(None, "FLUX ControlNet folder (config.json + weights), or a checkpoint-N "
+                                           "folder of a flux-controlnet run")
     control_image: str | None = option(None, "the ControlNet's conditioning image")
     controlnet_conditioning_scale: float = option(1.0, "strength of the ControlNet's residuals", bounds="[0, inf)")
 

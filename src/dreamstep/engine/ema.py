@@ -13,7 +13,7 @@ exactly, and :meth:`WeightAverage.swapped_in` lends it to the model for samples,
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -74,6 +74,37 @@ class WeightAverage:
         for (name, _), shadow in zip(self.named, self.average.shadow_params):
             shadow.copy_(state[f"{EMA_PREFIX}{name}"])
         self.average.optimization_step = int(state[f"{EMA_PREFIX}{_EMA_STEPS}"])
+
+
+def has_average(keys: Iterable[str]) -> bool:
+    """Whether a checkpoint's weights (their keys) hold an EMA beside them (a run with --ema_decay)."""
+    return f"{EMA_PREFIX}{_EMA_STEPS}" in keys
+
+
+def chosen_weights(state: dict[str, torch.Tensor], average: bool) -> dict[str, torch.Tensor]:
+    """A checkpoint's trained weights without the EMA kept beside them, or (``average``) the EMA in their place."""
+    weights = {k: v for k, v in state.items() if not k.startswith(EMA_PREFIX)}
+    if not average:
+        return weights
+    for key, value in state.items():
+        if not key.startswith(EMA_PREFIX) or key == f"{EMA_PREFIX}{_EMA_STEPS}":
+            continue
+        name = _weight_key(key.removeprefix(EMA_PREFIX), weights)
+        if name is None:
+            raise UserError(f"the EMA weight '{key}' has no trained weight of that name in the checkpoint; use "
+                            "its raw weights")
+        weights[name] = value.to(weights[name].dtype)
+    return weights
+
+
+def _weight_key(parameter: str, weights: dict[str, torch.Tensor]) -> str | None:
+    """The saved weight's key of the parameter named ``parameter``: the average is keyed by the parameter names of
+    the module that trains, which may spell peft's adapter name (``lora_A.default.weight``) or hold the saved
+    names under a container's own (``loras.<key>``)."""
+    name = parameter.replace(".default.", ".")
+    while name not in weights and "." in name:
+        name = name.split(".", 1)[1]
+    return name if name in weights else None
 
 
 def _average_dtype(weight: torch.Tensor) -> torch.dtype:

@@ -2,6 +2,8 @@
 ``TrainOneStepCell``.
 
 A subclass writes only ``forward(*batch)`` and returns the micro-batch's mean loss, or ``(loss, *extras)``.
+A ``forward`` written to mindone's contract, which calls ``self.scale_loss(loss)`` itself and returns the scaled
+loss, works as written: the step does not scale what such a ``forward`` returns a second time.
 Calling the step then runs, per micro-batch::
 
     forward -> scale its loss (:meth:`TrainStep.scale_loss`)
@@ -216,11 +218,13 @@ class TrainStep(abc.ABC):
         self._skip_count: torch.Tensor | int = 0  # skipped updates, summed on the device
         self._group_loss_sum: torch.Tensor | None = None  # sum of unscaled micro-batch losses, shape ()
         self._group_count = 0
+        self._scaled_in_forward = False  # forward called scale_loss itself (mindone's contract)
         self.optimizer.zero_grad(set_to_none=True)
 
     @abc.abstractmethod
     def forward(self, *batch: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Compute the mean loss of one micro-batch; return it, or ``(loss, *extras)``. The step scales it."""
+        """Compute the mean loss of one micro-batch; return it, or ``(loss, *extras)``. The step scales it, unless
+        ``forward`` returns ``self.scale_loss(loss)`` (mindone's spelling)."""
 
     def validation_loss_at(self, batch: Any, latents: torch.Tensor, noise: torch.Tensor,
                            fraction: float) -> torch.Tensor:
@@ -274,11 +278,12 @@ class TrainStep(abc.ABC):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Divide by the group's real size (mean over the group) and multiply by the loss scale (the step
-        does this to what ``forward`` returns).
+        does this to what ``forward`` returns, unless ``forward`` called it).
 
         The loss is first widened to float32 (float64 stays): a half-precision loss times 2**16 would
         overflow before backward, turning every report into inf instead of letting the scaler back off.
         """
+        self._scaled_in_forward = True
         loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         loss = loss / self.group_size if self.group_size != 1 else loss
         return self.loss_scaler.scale(loss) if self.loss_scaler is not None else loss
@@ -324,11 +329,12 @@ class TrainStep(abc.ABC):
         self._skip_count = int(state["num_skipped"])
 
     def _forward_checked(self, batch: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
-        """``forward``'s outputs, its loss scaled."""
+        """``forward``'s outputs, its loss scaled (by ``forward`` itself when it called :meth:`scale_loss`)."""
+        self._scaled_in_forward = False
         with self.autocast():
             outputs = self.forward(*batch)
         loss, *extras = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
-        return (self.scale_loss(loss), *extras)
+        return (loss if self._scaled_in_forward else self.scale_loss(loss), *extras)
 
     def _backward(self, scaled_loss: torch.Tensor) -> None:
         if self.accelerator is not None:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from dreamstep.config.schema import load_toml
 from dreamstep.engine.checkpoint import WEIGHTS_FILE, check_weights_file, list_checkpoints
+from dreamstep.engine.ema import chosen_weights, has_average
 from dreamstep.errors import UserError
 from dreamstep.files import atomic_path
 from dreamstep.lora.io import read_lora_file, sniff_container
@@ -56,25 +57,52 @@ def _lora_step(path: Path) -> int | None:
         if steps and steps.isdigit():
             return int(steps)
     final = _run_config(path.parent).get("max_train_steps")
-    return int(final) if isinstance(final, int) and path.stem in ("pytorch_lora_weights", "last") else None
+    finals = ("pytorch_lora_weights", "last", "pytorch_lora_weights_ema", "last_ema")
+    return int(final) if isinstance(final, int) and path.stem in finals else None
 
 
-def _checkpoint(folder: Path, work_dir: Path) -> Candidate:
+def _checkpoint(folder: Path, work_dir: Path, ema: str) -> Candidate:
     step = int(_CHECKPOINT.match(folder.name).group(1))
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         raise UserError(f"{folder}: no {WEIGHTS_FILE}; give a checkpoint folder that a dreamstep trainer wrote")
     check_weights_file(folder)
     config = _run_config(folder.parent)
-    label = f"{folder.parent.name}/{folder.name}"
+    name = f"{folder.parent.name}_{folder.name}"
+    weights, kept = _checkpoint_weights(folder, config, ema, work_dir / f"{name}_weights.safetensors")
+    label = f"{folder.parent.name}/{folder.name}" + (f" ({kept})" if kept else "")
     if "num_double_layers" in config or "controlnet_weights_dtype" in config:
-        return Candidate(label, weights, "controlnet-checkpoint", step, folder.parent)
+        return Candidate(label, weights, "controlnet-checkpoint", step, folder.parent, source=folder)
     if config.get("lora_type", "lora") != "lora":  # flux-lora's LyCORIS network: its state dict is the file
-        return Candidate(label, weights, "lora", step)
+        return Candidate(label, weights, "lora", step, source=folder)
     if "rank" in config:  # flux-lora: peft-named LoRA weights, alpha in the run's config
-        converted = flux_checkpoint_as_lora(weights, config, work_dir / f"{label.replace('/', '_')}.safetensors")
+        converted = flux_checkpoint_as_lora(weights, config, work_dir / f"{name}.safetensors")
         return Candidate(label, converted, "lora", step, source=folder)
-    return Candidate(label, weights, "lora", step)  # sdxl-lora: the network state dict is a Kohya LoRA
+    # sdxl-lora: the network state dict is a Kohya LoRA
+    return Candidate(label, weights, "lora", step, source=folder)
+
+
+def _checkpoint_weights(folder: Path, config: dict, ema: str, out: Path) -> tuple[Path, str | None]:
+    """The checkpoint's weights file, and for a run that kept an EMA beside its weights (--ema_decay) a copy of the
+    ones ``ema`` chooses, with which they are: "ema", "raw", or for "auto" the EMA when the run validated with it
+    (--ema_validation, the default), so that the best step the run named is the one read."""
+    weights = folder / WEIGHTS_FILE
+    with safe_open(str(weights), "pt") as f:
+        kept_average = has_average(f.keys())
+    if not kept_average:
+        if ema == "ema":
+            raise UserError(f"{folder}: the run kept no EMA (it trained without --ema_decay); remove "
+                            "--checkpoint_weights ema")
+        return weights, None
+    average = ema == "ema" or (ema == "auto" and config.get("ema_validation", True) is not False)
+    try:
+        state = chosen_weights(load_file(str(weights)), average)
+    except UserError as e:
+        raise UserError(f"{folder}: {e}") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        save_file(state, str(tmp))
+    return out, "ema" if average else "raw"
 
 
 def flux_checkpoint_as_lora(weights: Path, config: dict, out: Path) -> Path:
@@ -95,8 +123,8 @@ def _controlnet_folder(folder: Path) -> Candidate:
     return Candidate(folder.name, folder, "controlnet", final if isinstance(final, int) else None)
 
 
-def _run_folder(folder: Path, work_dir: Path) -> list[Candidate]:
-    found = [_checkpoint(c, work_dir) for c in list_checkpoints(folder)]
+def _run_folder(folder: Path, work_dir: Path, ema: str) -> list[Candidate]:
+    found = [_checkpoint(c, work_dir, ema) for c in list_checkpoints(folder)]
     if (folder / CONTROLNET_WEIGHTS).is_file():
         found.append(_controlnet_folder(folder))
     for file in _final_loras(folder):
@@ -106,9 +134,9 @@ def _run_folder(folder: Path, work_dir: Path) -> list[Candidate]:
     return found
 
 
-def find_candidates(paths: list[str], work_dir: Path) -> list[Candidate]:
+def find_candidates(paths: list[str], work_dir: Path, ema: str = "auto") -> list[Candidate]:
     """Every path as candidates, in the order given (a run folder adds its checkpoints, then its finals).
-    Converted checkpoint files go to ``work_dir``."""
+    Converted checkpoint files go to ``work_dir``; ``ema``: which weights of checkpoints kept with an EMA."""
     found: list[Candidate] = []
     for text in paths:
         path = Path(text).expanduser()
@@ -121,9 +149,9 @@ def find_candidates(paths: list[str], work_dir: Path) -> list[Candidate]:
             read_lora_file(path)  # a damaged file is one error line now, not after the base model loads
             found.append(Candidate(path.name, path, "lora", _lora_step(path)))
         elif _CHECKPOINT.match(path.name):
-            found.append(_checkpoint(path, work_dir))
+            found.append(_checkpoint(path, work_dir, ema))
         elif (path / "config.toml").is_file():
-            found += _run_folder(path, work_dir)
+            found += _run_folder(path, work_dir, ema)
         elif (path / CONTROLNET_WEIGHTS).is_file():
             found.append(_controlnet_folder(path))
         else:
@@ -132,14 +160,15 @@ def find_candidates(paths: list[str], work_dir: Path) -> list[Candidate]:
 
 
 
-def lora_file_for(path: Path, work_dir: Path, flag: str) -> Path:
+def lora_file_for(path: Path, work_dir: Path, flag: str, ema: str = "auto") -> Path:
     """The LoRA file behind ``path`` for a command that reads one LoRA (``flag`` names its argument): a
     file as it is; a ``checkpoint-N`` folder's LoRA (a flux-lora checkpoint written as a LoRA file into
-    ``work_dir``); a run folder's final LoRA file. A folder with no LoRA is one error naming it."""
+    ``work_dir``; ``ema``: which weights of one kept with an EMA); a run folder's final LoRA file. A folder with
+    no LoRA is one error naming it."""
     if not path.is_dir():
         return path
     if _CHECKPOINT.match(path.name):
-        candidate = _checkpoint(path, work_dir)
+        candidate = _checkpoint(path, work_dir, ema)
         if candidate.kind == "lora":
             return candidate.path
     elif (path / "config.toml").is_file():
@@ -149,6 +178,19 @@ def lora_file_for(path: Path, work_dir: Path, flag: str) -> Path:
             return finals[0]
     raise UserError(f"{flag} {path}: a folder without a LoRA; give a LoRA file, a checkpoint-N folder of a LoRA "
                     "run, or a LoRA run's folder")
+
+
+def controlnet_source(text: str, work_dir: Path, ema: str = "auto") -> str | Candidate:
+    """What ``--controlnet text`` names: a ``checkpoint-N`` folder of a flux-controlnet run as its candidate (its
+    weights, written into ``work_dir`` when ``ema`` picks from an EMA, and its run), else ``text`` (a folder in the
+    ``save_pretrained`` layout)."""
+    path = Path(text).expanduser()
+    if not (path.is_dir() and _CHECKPOINT.match(path.name) and (path / WEIGHTS_FILE).is_file()):
+        return text
+    candidate = _checkpoint(path, work_dir, ema)
+    if candidate.kind != "controlnet-checkpoint":
+        raise UserError(f"--controlnet {text}: a checkpoint of a LoRA run, not of a ControlNet; give it to --lora")
+    return candidate
 
 
 def _final_loras(folder: Path) -> list[Path]:

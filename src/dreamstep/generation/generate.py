@@ -30,10 +30,10 @@ from dreamstep.config.generate import FluxGenerateConfig, FluxKontextGenerateCon
 from dreamstep.config.options import FluxComponentFileOptions
 from dreamstep.data.images import load_rgb
 from dreamstep.errors import UserError
-from dreamstep.evaluation.candidates import lora_file_for
+from dreamstep.evaluation.candidates import controlnet_source, lora_file_for
 from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, parse_lora_spec
 from dreamstep.generation.outputs import next_index, save_png
-from dreamstep.generation.pipelines import build_pipeline, choose_dtype, default_size
+from dreamstep.generation.pipelines import build_pipeline, check_model, choose_dtype, default_size
 from dreamstep.models.flux.kontext import edit_size
 from dreamstep.models.flux.plumbing import FLUX_DEV_SAMPLING
 from dreamstep.models.precision import choose_device
@@ -150,19 +150,24 @@ def generate_images(config: GenerateConfig) -> list[Path]:
     control image, output folder) is checked before the model loads, and nothing is written before."""
     model_type = config.model_type
     prompts = read_prompts(config)
+    check_model(model_type, config.model, config.model_config)
     loras = [parse_lora_spec(text) for text in config.lora]
     with tempfile.TemporaryDirectory(prefix="dreamstep-lora-") as work_dir:  # LoRAs of flux-lora checkpoints
-        files = [dataclasses.replace(spec, path=lora_file_for(spec.path, Path(work_dir), "--lora")) for spec in loras]
+        files = [dataclasses.replace(spec, path=lora_file_for(spec.path, Path(work_dir), "--lora",
+                                                                  config.checkpoint_weights)) for spec in loras]
         for spec in files:
             check_lora(spec.path, config.lora_model)
         control = _control_image(config)
+        controlnet = getattr(config, "controlnet", None)
+        if controlnet is not None:  # a checkpoint-N of a ControlNet run, or a save_pretrained folder
+            controlnet = controlnet_source(controlnet, Path(work_dir), config.checkpoint_weights)
         output_dir = _output_dir(config)
         device = choose_device(config.device)
         dtype = choose_dtype(config.dtype, device)
         parts = config.component_files() if isinstance(config, FluxComponentFileOptions) else None
         pipe = build_pipeline(model_type, config.model, model_config=config.model_config, dtype=dtype,
                               component_files=parts, device=device, no_half_vae=config.no_half_vae,
-                              controlnet=getattr(config, "controlnet", None), cpu_offload=config.cpu_offload)
+                              controlnet=controlnet, cpu_offload=config.cpu_offload)
         apply_loras(pipe, files, config.lora_model, config.merge)
     settings = resolve_settings(config, model_type, pipe, control)
     kwargs = _pipeline_kwargs(config, model_type, settings, control)

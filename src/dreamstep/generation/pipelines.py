@@ -17,10 +17,14 @@ from diffusers import (
     FluxPipeline,
     StableDiffusionXLPipeline,
 )
+from safetensors.torch import load_file
 
+from dreamstep.config.schema import load_toml
 from dreamstep.errors import UserError, refusing_pickled_code
+from dreamstep.evaluation.candidates import Candidate
+from dreamstep.models.flux import controlnet as cn
 from dreamstep.models.flux.files import FILE_SUFFIXES, resolve_base
-from dreamstep.models.loading import CHECKPOINT_SUFFIXES, load_flux, load_sdxl
+from dreamstep.models.loading import CHECKPOINT_SUFFIXES, check_pipeline_source, load_flux, load_sdxl
 from dreamstep.models.precision import dtype_named
 
 # Where a single-file --model takes its other components and configs when --model_config is not given.
@@ -44,7 +48,8 @@ def is_single_file(model: str) -> bool:
 
 
 def _flux_pipeline(model_type: str, model: str, model_config: str | None, dtype: torch.dtype,
-                   controlnet: str | None, component_files: dict[str, str]) -> FluxPipeline | FluxKontextPipeline:
+                   controlnet: str | Candidate | None,
+                   component_files: dict[str, str]) -> FluxPipeline | FluxKontextPipeline:
     beside = (Path(model).expanduser().parent / "model_index.json").is_file()
     if is_single_file(model) and model_config is None and not beside and len(component_files) < 3:
         model_config = DEFAULT_BASES[model_type]  # the parts no file gives, from the hub (or its cache)
@@ -55,6 +60,9 @@ def _flux_pipeline(model_type: str, model: str, model_config: str | None, dtype:
         return FluxKontextPipeline(**parts)
     if controlnet is None:
         return FluxPipeline(**parts)
+    if isinstance(controlnet, Candidate):
+        return FluxControlNetPipeline(**parts, controlnet=controlnet_from_checkpoint(controlnet, parts["transformer"],
+                                                                                     dtype))
     return FluxControlNetPipeline(**parts, controlnet=load_flux_controlnet(controlnet, dtype))
 
 
@@ -69,6 +77,16 @@ def load_flux_controlnet(folder: str, dtype: torch.dtype) -> FluxControlNetModel
             return FluxControlNetModel.from_pretrained(str(path)).to(dtype)
     except (OSError, ValueError) as e:
         raise UserError(f"--controlnet {folder}: could not load the ControlNet ({e})") from e
+
+
+def controlnet_from_checkpoint(checkpoint: Candidate, transformer: torch.nn.Module,
+                               dtype: torch.dtype) -> FluxControlNetModel:
+    """The ControlNet of a flux-controlnet run's ``checkpoint-N``: built from the base transformer as the run built
+    it (its config.toml's block counts), with the checkpoint's weights."""
+    run = load_toml(checkpoint.config_dir / "config.toml")
+    model = cn.build_from_transformer(transformer, run.get("num_double_layers", 4), run.get("num_single_layers", 4))
+    model.load_state_dict(load_file(str(checkpoint.path)))
+    return model.to(dtype)
 
 
 def _sdxl_pipeline(model: str, model_config: str | None, dtype: torch.dtype) -> StableDiffusionXLPipeline:
@@ -104,8 +122,18 @@ def keep_vae_fp32(pipe: Any) -> None:
         _cast_inputs(pipe.controlnet, half)
 
 
+def check_model(model_type: str, model: str, model_config: str | None) -> None:
+    """One line naming --model or --model_config when the base model is not there, before anything loads (FLUX
+    component files are checked where they are read)."""
+    arch = "sdxl" if model_type == "sdxl" else "flux"
+    if arch == "sdxl" or not is_single_file(model):
+        check_pipeline_source(model, arch, "--model")
+    if model_config is not None and is_single_file(model):  # else build_pipeline refuses it
+        check_pipeline_source(model_config, arch, "--model_config")
+
+
 def build_pipeline(model_type: str, model: str, *, model_config: str | None, dtype: torch.dtype,
-                   device: torch.device, no_half_vae: bool = False, controlnet: str | None = None,
+                   device: torch.device, no_half_vae: bool = False, controlnet: str | Candidate | None = None,
                    cpu_offload: bool = False, component_files: dict[str, str] | None = None) -> Any:
     """The pipeline for ``model_type`` ('flux', 'flux-kontext' or 'sdxl') on ``device`` in ``dtype``;
     ``no_half_vae`` keeps the VAE in fp32 (SDXL's VAE overflows in fp16); ``cpu_offload`` moves each model to the

@@ -63,7 +63,7 @@ def detect_layout(keys: list[str], source: str) -> str:
         if layout is None:
             raise UserError(f"{source}: key '{key}' is not a LoRA key in any layout dreamstep reads (Kohya "
                             f"'lora_unet_….lora_down.weight', diffusers '<component>.….lora_A.weight', "
-                            f"MindSpore 'lora_unet.….lora_down.weight'; LoHa, LoKr and DoRA are not supported)")
+                            f"MindSpore 'lora_unet.….lora_down.weight', or a LyCORIS file)")
         layouts.setdefault(layout, key)
     if len(layouts) > 1:
         (a, ka), (b, kb) = list(layouts.items())[:2]

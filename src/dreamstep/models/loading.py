@@ -26,6 +26,7 @@ from diffusers import (
 from diffusers.loaders.single_file_utils import load_single_file_checkpoint
 from diffusers.utils import deprecation_utils
 from huggingface_hub import constants as hf_constants
+from huggingface_hub import try_to_load_from_cache
 from safetensors import SafetensorError, safe_open
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
@@ -84,7 +85,7 @@ def _check_pipeline_folder(folder: Path, cls: type, pipeline: str) -> None:
     if not index_path.is_file():
         raise UserError(f"{folder} is not a diffusers pipeline folder (no model_index.json); give "
                         f"the folder that holds model_index.json, or a hub id")
-    index = json.loads(index_path.read_text(encoding="utf-8"))
+    index = _json_file(index_path)
     missing = [name for name in cls.__dataclass_fields__
                if not isinstance(index.get(name), list) or index[name][0] is None]
     if missing:
@@ -95,6 +96,19 @@ def _check_pipeline_folder(folder: Path, cls: type, pipeline: str) -> None:
     if absent:
         raise UserError(f"{folder} is incomplete: no {', '.join(s + '/' for s in absent)} folder "
                         "listed in model_index.json; copy or download the whole pipeline folder")
+    for name in cls.__dataclass_fields__:
+        for config in sorted((folder / name).glob("*config.json")):
+            _json_file(config)
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:
+        raise UserError(f"{path} is not a readable JSON file ({e}); re-download or repair it") from e
+    if not isinstance(found, dict):
+        raise UserError(f"{path} holds a JSON {type(found).__name__}, not an object; re-download or repair it")
+    return found
 
 
 def _folder_or_hub_id(source: str | Path, cls: type, pipeline: str) -> str:
@@ -112,15 +126,25 @@ def _folder_or_hub_id(source: str | Path, cls: type, pipeline: str) -> str:
                     "Hugging Face hub id such as 'owner/model'")
 
 
-def check_pipeline_source(source: str | Path, arch: str) -> None:
-    """Fail with one line, before anything loads, when ``source`` is neither a complete diffusers folder of
-    ``arch`` ("flux" or "sdxl"), a single-file SDXL checkpoint, nor a hub id."""
-    if arch == "sdxl" and (Path(source).expanduser().is_file() or str(source).endswith(CHECKPOINT_SUFFIXES)):
-        _check_checkpoint_file(Path(source).expanduser(), "SDXL checkpoint")
-        return
-    cls, pipeline = ((FluxComponents, "FluxPipeline") if arch == "flux"
-                     else (SDXLComponents, "StableDiffusionXLPipeline"))
-    _folder_or_hub_id(source, cls, pipeline)
+def check_pipeline_source(source: str | Path, arch: str, flag: str = "--pretrained_model_name_or_path") -> None:
+    """Fail with one line naming ``flag``, before anything loads, when ``source`` is neither a complete diffusers
+    folder of ``arch`` ("flux" or "sdxl"), a single-file SDXL checkpoint, nor a hub id (in the local cache when
+    HF_HUB_OFFLINE is set)."""
+    try:
+        if arch == "sdxl" and is_single_file(source):
+            file = _check_checkpoint_file(source, "SDXL checkpoint")
+            if file.suffix == ".safetensors":
+                _check_sdxl_safetensors(file)
+            return
+        cls, pipeline = ((FluxComponents, "FluxPipeline") if arch == "flux"
+                         else (SDXLComponents, "StableDiffusionXLPipeline"))
+        name = _folder_or_hub_id(source, cls, pipeline)
+        if not Path(name).expanduser().is_dir() and hf_constants.HF_HUB_OFFLINE and not isinstance(
+                try_to_load_from_cache(name, "model_index.json"), str):
+            raise UserError(f"'{name}' is a hub id, not a local folder, and it is not in the Hugging Face cache while "
+                            "HF_HUB_OFFLINE is set; give a local folder, or unset HF_HUB_OFFLINE to download it")
+    except UserError as e:
+        raise UserError(f"{flag}: {e}") from None
 
 
 def _load_error(source: str, error: Exception) -> UserError:

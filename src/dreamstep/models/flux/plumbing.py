@@ -20,7 +20,7 @@ from dreamstep.models import parking
 from dreamstep.models.family import check_blocks_to_swap
 from dreamstep.models.flux.family import FAMILY as FLUX
 from dreamstep.models.flux.files import FLAGS, FluxFiles, base_of, config_folder, read_header
-from dreamstep.models.loading import component_identity, load_flux, load_flux_transformer
+from dreamstep.models.loading import check_pipeline_source, component_identity, load_flux, load_flux_transformer
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.parking import ParkedModules
 from dreamstep.models.phases import ENCODERS
@@ -326,6 +326,8 @@ def transformer_config(config: Any) -> dict[str, Any]:
     from diffusers import FluxTransformer2DModel
 
     base = base_of(config)
+    if base.source is not None:
+        check_pipeline_source(base.source, "flux", "--model_config" if config.model_config else FLAGS["transformer"])
     header = read_header(base.files.transformer, FLAGS["transformer"]) if base.files.transformer else None
     with config_folder(base.source, header) as configs:
         found = FluxTransformer2DModel.load_config(configs, subfolder="transformer",
