@@ -79,9 +79,11 @@ def test_a_signal_saves_the_step_and_the_printed_command_continues_exactly(sig: 
                                                                            tiny_flux_dev_dir: Path,
                                                                            tmp_path: Path) -> None:
     out = tmp_path / "out"
-    # Data-loading workers get the signal too, and must leave the stopping to the trainer.
+    # Data-loading workers get the signal too, and must leave the stopping to the trainer. The prompt's newline,
+    # quotes and backslash must reach config.toml so that the printed command reads it back.
+    prompt = ("--instance_prompt", 'a photo of "sks" robot\non the moon \\ C:\\new')
     trainer = Trainer(_flux(tiny_flux_dev_dir, out, "--max_train_steps", "1000", "--checkpointing_steps", "0",
-                            "--dataloader_num_workers", "1"))
+                            "--dataloader_num_workers", "1", *prompt))
     trainer.wait_for(lambda: _step(out) >= 2, "step 2")
     trainer.send(sig)
     assert trainer.finish() == 128 + sig
@@ -97,7 +99,7 @@ def test_a_signal_saves_the_step_and_the_printed_command_continues_exactly(sig: 
     assert run_cli(*command[1:], "--max_train_steps", step + 1) == 0
     assert read_status(out)["state"] == "finished"
     if sig == signal.SIGINT:  # the step the signal cut short ends as it would have in an uninterrupted run
-        assert run_cli(*_flux(tiny_flux_dev_dir, tmp_path / "straight", "--max_train_steps", step + 1)) == 0
+        assert run_cli(*_flux(tiny_flux_dev_dir, tmp_path / "straight", "--max_train_steps", step + 1, *prompt)) == 0
         resumed = load_file(out / "pytorch_lora_weights.safetensors")
         straight = load_file(tmp_path / "straight" / "pytorch_lora_weights.safetensors")
         for key in straight:

@@ -84,11 +84,16 @@ def _create_network(config: SDXLLoraConfig, base: Any,
 
 def check_network_weights(config: SDXLLoraConfig, options: NetworkOptions | LycorisOptions) -> None:
     """--network_weights against the network the flags build over the base's configs on the meta device, before
-    anything is written (a LyCORIS file's alphas, which the meta device cannot hold, are checked when it loads)."""
-    if config.network_weights is not None:
-        folder = model_folder(sdxl.config_source(config.pretrained_model_name_or_path, config.model_config))
-        _create_network(config, SimpleNamespace(**sdxl_components(folder)), options).check_weights(
-            config.network_weights)
+    anything is written. What the meta device cannot hold is checked when the file loads: a LyCORIS file's alphas,
+    and a DoRA network (its magnitudes start from the base weights)."""
+    if config.network_weights is None:
+        return
+    folder = model_folder(sdxl.config_source(config.pretrained_model_name_or_path, config.model_config))
+    try:
+        network = _create_network(config, SimpleNamespace(**sdxl_components(folder)), options)
+    except NotImplementedError:  # "Cannot copy out of meta tensor"
+        return
+    network.check_weights(config.network_weights)
 
 
 def build_network(config: SDXLLoraConfig, base: Any,
