@@ -323,3 +323,29 @@ def test_an_abort_that_a_library_turns_into_its_own_error_still_ends_as_the_sign
     monkeypatch.setattr(cli, "_run", loading)
     assert cli.main(["plan"]) == 128 + signal.SIGTERM
     assert "stopped by SIGTERM at once; nothing was trained yet" in capsys.readouterr().err
+
+
+def test_a_signal_while_libraries_import_waits_for_the_import_and_more_signals_never_cut_the_cleanup() -> None:
+    """Handlers of a command (in process: the same object a trainer runs with). A first signal in a held block lets
+    the block end (an import cut in the middle leaves a library half made) and then stops; once stopping at once,
+    signals pressed again do not interrupt the cleanup that follows."""
+    from dreamstep.engine.interrupt import RunInterrupted, StopSignals
+
+    signals = StopSignals()
+    signals.install()
+    try:
+        finished = False
+        with pytest.raises(RunInterrupted, match="^stopped by SIGINT before the run started$"):
+            with signals.held("stopping once the libraries have loaded"):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler has run, and returned
+                finished = True
+        assert finished
+        cleaned_up = False
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        cleaned_up = True
+        assert cleaned_up and signals.exit_code == 130
+    finally:
+        signals.uninstall()
