@@ -237,37 +237,47 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command '{typed}'{hint}; run 'dreamstep --help' for the list", file=sys.stderr)
         return 2
     use_expandable_segments()  # before any command initialises CUDA
+    guards = _command_guards(key)
+    try:
+        _run_to_end(key, COMMANDS[key], argv[len(key):])
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        from dreamstep.engine.interrupt import take_abort
+
+        take_abort()
+        # A trainer's message says what was saved and the command that continues the run.
+        print(str(e) or "interrupted", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
+    except Exception as e:
+        from dreamstep.engine.disk import is_disk_full
+        from dreamstep.engine.interrupt import take_abort
+
+        abort = take_abort()
+        if abort is not None:  # a library turned the signal's abort into an error of its own
+            print(str(abort), file=sys.stderr)
+            return abort.exit_code
+        if not is_disk_full(e):
+            raise
+        print(f"error: the disk is full ({str(e).splitlines()[0]}); free some space and run again", file=sys.stderr)
+        return 2
+    finally:
+        guards.close()
+    return 0
+
+
+def _command_guards(key: tuple[str, ...]) -> contextlib.ExitStack:
+    """Entered for the whole command, its error messages included: a trainer stops cleanly on a signal from its
+    first line on, and no command fails because the reader of its output went away."""
     from dreamstep.closed_output import output_that_may_close
     from dreamstep.engine.interrupt import command_signals
 
-    # A trainer stops cleanly on a signal from its first line on; no command fails because its output's reader left.
-    with output_that_may_close(), command_signals() if key[0] == "train" else contextlib.nullcontext():
-        try:
-            _run_to_end(key, COMMANDS[key], argv[len(key):])
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt as e:
-            from dreamstep.engine.interrupt import take_abort
-
-            take_abort()
-            # A trainer's message says what was saved and the command that continues the run.
-            print(str(e) or "interrupted", file=sys.stderr)
-            return getattr(e, "exit_code", 130)
-        except Exception as e:
-            from dreamstep.engine.disk import is_disk_full
-            from dreamstep.engine.interrupt import take_abort
-
-            abort = take_abort()
-            if abort is not None:  # a library turned the signal's abort into an error of its own
-                print(str(abort), file=sys.stderr)
-                return abort.exit_code
-            if not is_disk_full(e):
-                raise
-            print(f"error: the disk is full ({str(e).splitlines()[0]}); free some space and run again",
-                  file=sys.stderr)
-            return 2
-    return 0
+    guards = contextlib.ExitStack()
+    guards.enter_context(output_that_may_close())
+    if key[0] == "train":
+        guards.enter_context(command_signals())
+    return guards
 
 
 if __name__ == "__main__":

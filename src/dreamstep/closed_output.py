@@ -65,5 +65,6 @@ def output_that_may_close() -> Iterator[None]:
         yield
     finally:
         for stream in (sys.stdout, sys.stderr):
-            stream.flush()  # what is left, before the streams without the guard are flushed at exit
+            if stream is not None:
+                stream.flush()  # what is left, before the streams without the guard are flushed at exit
         sys.stdout, sys.stderr = saved

@@ -74,6 +74,18 @@ def test_a_valid_job_is_queued_with_its_toml_and_paths_resolved_inside_the_roots
     assert _post(f"{url}/api/jobs", _job(), AUTH)[0] == 400  # the same output folder is taken
 
 
+def test_a_job_whose_prompts_hold_newlines_and_quotes_queues_a_toml_that_reads_back(server):
+    """The form's text areas take newlines; the job's TOML is what its trainer reads (was: queued, then failed)."""
+    import tomllib
+
+    url, training = server
+    prompt = 'a photo of "sks" robot\non the moon \\ 月\ttab\x01'
+    status, body = _post(f"{url}/api/jobs", _job(instance_prompt=prompt, validation_prompt=prompt + "\r\n"), AUTH)
+    assert status == 201, body
+    saved = tomllib.loads(body["job"]["config_toml"])
+    assert (saved["instance_prompt"], saved["validation_prompt"]) == (prompt, prompt + "\r\n")
+
+
 @pytest.mark.parametrize("headers, expected", [
     ({}, 403),
     ({"X-Dreamstep-Token": "wrong"}, 403),

@@ -47,7 +47,7 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 
 def test_parquet_becomes_a_finetune_dataset(tmp_path: Path, capsys) -> None:
     _dataset(5).to_parquet(tmp_path / "train.parquet")
-    out = tmp_path / "out"
+    out = tmp_path / 'out "🐱" \\ set'  # its path is written into the dataset TOML
     assert _run(tmp_path / "train.parquet", out, "--resolution", "256") == 0
     assert f"wrote 5 images to {out}" in capsys.readouterr().out
     names = ["000000.png", "000001.png", "000002.jpg", "000003.png", "000004.png"]

@@ -79,9 +79,11 @@ def test_a_signal_saves_the_step_and_the_printed_command_continues_exactly(sig: 
                                                                            tiny_flux_dev_dir: Path,
                                                                            tmp_path: Path) -> None:
     out = tmp_path / "out"
-    # Data-loading workers get the signal too, and must leave the stopping to the trainer.
+    # Data-loading workers get the signal too, and must leave the stopping to the trainer. The prompt's newline,
+    # quotes and backslash must reach config.toml so that the printed command reads it back.
+    prompt = ("--instance_prompt", 'a photo of "sks" robot\non the moon \\ C:\\new')
     trainer = Trainer(_flux(tiny_flux_dev_dir, out, "--max_train_steps", "1000", "--checkpointing_steps", "0",
-                            "--dataloader_num_workers", "1"))
+                            "--dataloader_num_workers", "1", *prompt))
     trainer.wait_for(lambda: _step(out) >= 2, "step 2")
     trainer.send(sig)
     assert trainer.finish() == 128 + sig
@@ -97,7 +99,7 @@ def test_a_signal_saves_the_step_and_the_printed_command_continues_exactly(sig: 
     assert run_cli(*command[1:], "--max_train_steps", step + 1) == 0
     assert read_status(out)["state"] == "finished"
     if sig == signal.SIGINT:  # the step the signal cut short ends as it would have in an uninterrupted run
-        assert run_cli(*_flux(tiny_flux_dev_dir, tmp_path / "straight", "--max_train_steps", step + 1)) == 0
+        assert run_cli(*_flux(tiny_flux_dev_dir, tmp_path / "straight", "--max_train_steps", step + 1, *prompt)) == 0
         resumed = load_file(out / "pytorch_lora_weights.safetensors")
         straight = load_file(tmp_path / "straight" / "pytorch_lora_weights.safetensors")
         for key in straight:
@@ -321,3 +323,29 @@ def test_an_abort_that_a_library_turns_into_its_own_error_still_ends_as_the_sign
     monkeypatch.setattr(cli, "_run", loading)
     assert cli.main(["plan"]) == 128 + signal.SIGTERM
     assert "stopped by SIGTERM at once; nothing was trained yet" in capsys.readouterr().err
+
+
+def test_a_signal_while_libraries_import_waits_for_the_import_and_more_signals_never_cut_the_cleanup() -> None:
+    """Handlers of a command (in process: the same object a trainer runs with). A first signal in a held block lets
+    the block end (an import cut in the middle leaves a library half made) and then stops; once stopping at once,
+    signals pressed again do not interrupt the cleanup that follows."""
+    from dreamstep.engine.interrupt import RunInterrupted, StopSignals
+
+    signals = StopSignals()
+    signals.install()
+    try:
+        finished = False
+        with pytest.raises(RunInterrupted, match="^stopped by SIGINT before the run started$"):
+            with signals.held("stopping once the libraries have loaded"):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler has run, and returned
+                finished = True
+        assert finished
+        cleaned_up = False
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        cleaned_up = True
+        assert cleaned_up and signals.exit_code == 130
+    finally:
+        signals.uninstall()

@@ -162,6 +162,22 @@ def test_network_weights_continue_from_a_file(features_run: Path, tiny_sdxl_dir:
         torch.testing.assert_close(b.get_tensor(key), a.get_tensor(key), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("flags, refusal", [
+    (("--network_dim", "8"), "has shape (4, 32), the network needs (8, 32); use the file's --network_dim / conv_dim"),
+    (("--network_args", "conv_dim=4", "conv_alpha=2", "--network_train_unet_only"),
+     "tensors do not belong to this network (first: 'lora_te1_"),
+])
+def test_network_weights_that_do_not_fit_are_refused_before_anything_is_written(
+        flags: tuple[str, ...], refusal: str, features_run: Path, tmp_path: Path, capsys) -> None:
+    shutil.copy(features_run / "config.toml", tmp_path / "base.toml")
+    out = tmp_path / "more"
+    assert run_cli("train", "sdxl-lora", "--config", tmp_path / "base.toml", "--output_dir", out, "--network_weights",
+                   features_run / "last.safetensors", "--sample_prompts", "none", "--log_with", "none", *flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --network_weights {features_run / 'last.safetensors'}: ") and refusal in err, err
+    assert err.count("\n") == 1 and not out.exists()  # no cache/, no run status
+
+
 def test_the_dashboard_captions_the_runs_samples_and_checks_its_lora_against_its_own_base(
         features_run: Path, tiny_sdxl_single_file: Path, tmp_path: Path) -> None:
     """The labelled grids and the sd-scripts sample files show their prompts (not "(prompt unknown)"); the LoRA

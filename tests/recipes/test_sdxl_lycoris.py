@@ -58,6 +58,11 @@ def test_each_type_lowers_the_loss_and_continues_from_its_file(kind: str, tiny_s
     continued = load_file(more / "last.safetensors")
     for key, value in trained.items():
         torch.testing.assert_close(continued[key], value, atol=1e-6, rtol=0, msg=key)
+    if kind in ("loha", "locon"):  # the rank shapes their tensors: another one is refused before anything is written
+        refused = tmp_path / "refused"
+        assert run_cli(*_base(tiny_sdxl_dir, toml, kind), "--output_dir", refused, "--network_dim", "8",
+                       "--network_weights", out / "last.safetensors") == 2
+        assert not refused.exists()
 
 
 @pytest.mark.parametrize("kind", ["lokr", "dora"])  # LoKr's alpha buffers; DoRA's trained magnitudes

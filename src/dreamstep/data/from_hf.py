@@ -23,6 +23,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 from tqdm.auto import tqdm
 
+from dreamstep.config.schema import toml_value
 from dreamstep.data.images import IMAGE_EXTENSIONS, to_rgb
 from dreamstep.errors import UserError, did_you_mean
 from dreamstep.files import write_bytes_atomic
@@ -286,8 +287,8 @@ def write_dataset_toml(output_dir: Path, resolution: int) -> Path:
     text = (f"# Written by 'dreamstep dataset from-hf': images in this folder, captions in {METADATA_NAME}.\n"
             f"[general]\nresolution = {resolution}\nenable_bucket = true\nmin_bucket_reso = {low}\n"
             f"max_bucket_reso = {high}\nbucket_reso_steps = {steps}\n\n"
-            f"[[datasets]]\n\n[[datasets.subsets]]\nimage_dir = {json.dumps(str(folder))}\n"
-            f"metadata_file = {json.dumps(str(folder / METADATA_NAME))}\n")
+            f"[[datasets]]\n\n[[datasets.subsets]]\nimage_dir = {toml_value(str(folder))}\n"
+            f"metadata_file = {toml_value(str(folder / METADATA_NAME))}\n")
     path = output_dir / TOML_NAME
     write_bytes_atomic(path, text.encode("utf-8"))
     return path

@@ -215,6 +215,13 @@ class LoRANetwork(nn.Module):
 
     def load_weights(self, path: str | Path) -> None:
         """Continue from a saved network file (--network_weights): every tensor must fit this network."""
+        tensors = self.check_weights(path)
+        own = self.state_dict()
+        self.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()}, strict=False)
+
+    def check_weights(self, path: str | Path) -> dict[str, torch.Tensor]:
+        """The tensors of a saved network file, each checked to be one of this network's, in its shape (the
+        network may be on the meta device: a check before anything loads)."""
         file = read_lora_file(path)
         own = self.state_dict()
         unknown = [k for k in file.tensors if k not in own]
@@ -226,7 +233,7 @@ class LoRANetwork(nn.Module):
             if value.shape != own[key].shape:
                 raise UserError(f"--network_weights {path}: '{key}' has shape {tuple(value.shape)}, the network "
                                 f"needs {tuple(own[key].shape)}; use the file's --network_dim / conv_dim")
-        self.load_state_dict({k: v.to(own[k].dtype) for k, v in file.tensors.items()}, strict=False)
+        return file.tensors
 
     def save_weights(self, path: str | Path, dtype: torch.dtype | None, metadata: Mapping[str, str]) -> Path:
         """Write ``path`` (.safetensors with ``metadata`` and its hashes, or a torch .ckpt/.pt) atomically."""

@@ -180,6 +180,13 @@ class LycorisNetwork(nn.Module):
 
     def load_weights(self, path: str | Path, flag: str = "--network_weights") -> None:
         """Continue from a saved file: every tensor must belong to this network, with its shape and alpha."""
+        tensors = self.check_weights(path, flag)
+        own = self.state_dict()
+        self.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()}, strict=False)
+
+    def check_weights(self, path: str | Path, flag: str = "--network_weights") -> dict[str, torch.Tensor]:
+        """The tensors of a saved file, each checked to be one of this network's, in its shape, with its alpha
+        (not on the meta device, which holds no values: a check of names and shapes before anything loads)."""
         file = read_lora_file(path)
         own = self.state_dict()
         for key, value in file.tensors.items():
@@ -189,10 +196,10 @@ class LycorisNetwork(nn.Module):
             if value.shape != own[key].shape:
                 raise UserError(f"{flag} {path}: '{key}' has shape {tuple(value.shape)}, the network needs "
                                 f"{tuple(own[key].shape)}; use the file's rank, factor and options")
-            if key.endswith(".alpha") and float(value) != float(own[key]):
+            if key.endswith(".alpha") and not own[key].is_meta and float(value) != float(own[key]):
                 raise UserError(f"{flag} {path}: '{key}' is {float(value):g}, the network's alpha is "
                                 f"{float(own[key]):g}; use the file's alpha")
-        self.load_state_dict({k: v.to(own[k].dtype) for k, v in file.tensors.items()}, strict=False)
+        return file.tensors
 
     def save_weights(self, path: str | Path, dtype: torch.dtype | None, metadata: Mapping[str, str]) -> Path:
         """Write ``path`` (.safetensors with ``metadata``, or a torch .ckpt/.pt) atomically."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -67,6 +68,7 @@ from dreamstep.lora.kohya_network import (
 from dreamstep.lora.lycoris_network import LycorisNetwork, create_sdxl_network
 from dreamstep.models import parking
 from dreamstep.models.blocks import prepare_blocks
+from dreamstep.models.memory_plan import model_folder
 from dreamstep.models.plans import RunPlan, print_run_plan
 from dreamstep.models.precision import dtype_named, weight_dtype_for
 from dreamstep.models.sdxl import plumbing as sdxl
@@ -75,13 +77,32 @@ from dreamstep.models.vae import sample_latents
 
 # ------------------------------------------------------------------------------------------- builders
 
+def _create_network(config: SDXLLoraConfig, base: Any,
+                    options: NetworkOptions | LycorisOptions) -> LoRANetwork | LycorisNetwork:
+    create = create_sdxl_network if isinstance(options, LycorisOptions) else create_network
+    return create(base.unet, {"text_encoder": base.text_encoder, "text_encoder_2": base.text_encoder_2},
+                  options, train_unet=not config.network_train_text_encoder_only,
+                  train_text_encoder=not config.network_train_unet_only)
+
+
+def check_network_weights(config: SDXLLoraConfig, options: NetworkOptions | LycorisOptions) -> None:
+    """--network_weights against the network the flags build over the base's configs on the meta device, before
+    anything is written. What the meta device cannot hold is checked when the file loads: a LyCORIS file's alphas,
+    and a DoRA network (its magnitudes start from the base weights)."""
+    if config.network_weights is None:
+        return
+    folder = model_folder(sdxl.config_source(config.pretrained_model_name_or_path, config.model_config))
+    try:
+        network = _create_network(config, SimpleNamespace(**SDXL.meta_components(folder)), options)
+    except NotImplementedError:  # "Cannot copy out of meta tensor"
+        return
+    network.check_weights(config.network_weights)
+
+
 def build_network(config: SDXLLoraConfig, base: Any,
                   options: NetworkOptions | LycorisOptions) -> LoRANetwork | LycorisNetwork:
     """The Kohya or LyCORIS network, its trainable dtype set (fp32, or half with --full_fp16/--full_bf16)."""
-    create = create_sdxl_network if isinstance(options, LycorisOptions) else create_network
-    network = create(base.unet, {"text_encoder": base.text_encoder, "text_encoder_2": base.text_encoder_2},
-                     options, train_unet=not config.network_train_text_encoder_only,
-                     train_text_encoder=not config.network_train_unet_only)
+    network = _create_network(config, base, options)
     if config.network_weights is not None:
         network.load_weights(config.network_weights)
     half = config.full_fp16 or config.full_bf16
@@ -197,6 +218,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
     from_flags = lycoris_from_network_args if config.network_module == LYCORIS_MODULE else NetworkOptions.from_flags
     options, network_args = from_flags(config.network_dim, config.network_alpha, config.network_dropout,
                                        config.network_args)
+    check_network_weights(config, options)
     prompts = (sdxl.read_sample_prompts(config.sample_prompts, datasets[0].buckets.resolution)
                if config.sample_prompts else None)
     train_text = not config.network_train_unet_only
