@@ -37,6 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dreamstep.config.memory import GIB
 from dreamstep.models import quantization
+from dreamstep.models.blocks import swapped_blocks as blocks_the_trainer_swaps
 
 # nf4-packed: the 4-bit values alone, without the fp32 absmax per 64 values that stays with the quantization state.
 _BYTES_PER_LINEAR_WEIGHT = {"none": None, "fp8": 1.0, "int8": 1.0, "nf4": 0.5 + 4 / 64, "nf4-packed": 0.5}
@@ -361,9 +362,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def swapped_blocks(base: nn.Module, options: PlanOptions) -> tuple[list[nn.Module], list[nn.Module]]:
     """The blocks the trainer swaps for ``options`` (:func:`dreamstep.models.blocks.swapped_blocks`), and of them the
     two largest: the swapper keeps two on the device at a time (the one running and the one it prefetches)."""
-    from dreamstep.models.blocks import swapped_blocks as trainer_swaps
-
-    swapped = (trainer_swaps(base, options.blocks_to_swap, sd_scripts_flux=options.sd_scripts_swap)
+    swapped = (blocks_the_trainer_swaps(base, options.blocks_to_swap, sd_scripts_flux=options.sd_scripts_swap)
                if options.blocks_to_swap > 0 else [])
     return swapped, sorted(swapped, key=lambda b: sum(p.numel() for p in b.parameters()))[-2:]
 
@@ -400,7 +399,7 @@ def format_plan(plan: MemoryPlan, device_memory: int | None, measured: int | Non
         rows.append(f"  measured peak {_size(measured).strip()}")
     if device_memory is not None:
         verdict = "fits" if fits(plan, device_memory) else "does NOT fit"
-        rows.append(f"  device memory {device_memory / GIB:.1f} GiB free, {RESERVE_BYTES / GIB:.0f} GiB kept for "
+        rows.append(f"  device memory {device_memory / GIB:.1f} GiB, {RESERVE_BYTES / GIB:.0f} GiB kept for "
                     f"workspaces and fragmentation ({usable(device_memory) / GIB:.1f} GiB usable): {verdict}")
     host_memory = host_memory if host_memory is not None else detected_host_memory()
     if host_memory is not None:
