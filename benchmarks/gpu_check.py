@@ -43,11 +43,12 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 from dreamstep.config.memory import use_expandable_segments
 from dreamstep.diffusion import noise_prediction as noise_math
 from dreamstep.lora.kohya_network import NetworkOptions, create_network
-from dreamstep.models import flux, sdxl
 from dreamstep.models import memory_plan as mp
+from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.plans import Estimator
 from dreamstep.models.precision import freeze
 from dreamstep.models.published_configs import SDXL_UNET
+from dreamstep.models.sdxl import plumbing as sdxl
 from dreamstep.models.sdxl.tiny import build_tiny_sdxl
 
 RANK = 16
