@@ -28,7 +28,8 @@ from measure import PeakMemory, process_status_mib
 from peft import LoraConfig, inject_adapter_in_model
 
 from dreamstep.models import memory_plan as mp
-from dreamstep.models.plans import Estimator, _flux_step
+from dreamstep.models.flux.meta import training_pass
+from dreamstep.models.plans import Estimator
 from dreamstep.models.published_configs import FLUX_DEV_TRANSFORMER
 from dreamstep.models.quantization import diffusers_config, keep_only_quantized_weights
 
@@ -52,7 +53,7 @@ def measured_peaks(folder: Path, mode: str, resolution: int, batch: int, text_to
         model.enable_gradient_checkpointing()
     model.train()
     with torch.device(device):
-        step = _flux_step(model, resolution, batch, text_tokens)  # fp32 inputs under autocast, as the trainer's
+        step = training_pass(model, resolution=resolution, batch=batch, text_tokens=text_tokens)  # fp32 inputs
         with torch.autocast(device.type, dtype=torch.bfloat16):
             step().backward()  # a first step loads kernels and thread pools; the second is measured
         _release_cached(device)

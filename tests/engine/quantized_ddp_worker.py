@@ -12,7 +12,8 @@ import torch
 from diffusers import FluxTransformer2DModel
 
 from dreamstep.engine.train_step import make_accelerator
-from dreamstep.lora.inject import add_lora, flux_lora_targets
+from dreamstep.lora.inject import add_lora
+from dreamstep.models.flux.lora_targets import flux_lora_targets
 from dreamstep.models.precision import cast_trainable_params_to_fp32, freeze
 from dreamstep.models.quantization import quantize_built_model
 
