@@ -134,6 +134,28 @@ def test_bad_requests_change_nothing(server, dataset, tmp_path):
     assert (dataset / "a.txt").read_text() == "a red square\n"
 
 
+@pytest.mark.parametrize(("route", "raw", "field"), [
+    ("captions", b"[" * 100_000 + b"]" * 100_000, "body"),
+    ("captions", b"[1]", "body"),
+    ("captions", b'{"path": "a.png", "caption": {"a": 1}}', "caption"),
+    ("captions", b'{"path": ["a.png"], "caption": "x"}', "path"),
+    ("captions", b'{"path": "a.png", "caption": "a \\ud800 square"}', "caption"),
+    ("captions/missing", b'{"captioner": ["wd14"]}', "captioner"),
+    ("captions/missing", b'{"captioner": {"a": 1}}', "captioner"),
+    ("captions/missing", b'{"captioner": "wd14", "model": {"a": 1}}', "model"),
+    ("captions/missing", b'{"captioner": "wd14", "prefix": "\\udc80"}', "prefix"),
+])
+def test_malformed_caption_requests_are_a_4xx_naming_the_field(server, dataset, route, raw, field):
+    url, editing = server
+    request = urllib.request.Request(f"{url}/api/dataset/{route}", data=raw, method="POST",
+                                     headers={"Content-Type": "application/json", **AUTH})
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(request, timeout=30)
+    assert 400 <= answer.value.code < 500 and json.loads(answer.value.read())["field"] == field
+    assert editing.process is None and sorted(p.name for p in dataset.iterdir()) == ["a.png", "a.txt", "b.png",
+                                                                                    "c.png"]
+
+
 def test_the_button_captions_the_images_without_one_in_its_own_process(server, dataset, tmp_path):
     url, editing = server
     status, body = _call(f"{url}/api/dataset/captions/missing",

@@ -121,6 +121,55 @@ def test_bad_fields_are_refused_with_the_field_named(server, change, field):
     assert training.queue.all() == []
 
 
+def _post_raw(url: str, raw: bytes) -> tuple[int, dict | str]:
+    request = urllib.request.Request(url, data=raw, method="POST",
+                                     headers={"Content-Type": "application/json", **AUTH})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        text = e.read().decode()
+        return e.code, json.loads(text) if text.startswith("{") else text
+
+
+_JOB = json.dumps(_job())[:-1]  # a valid job's JSON without its closing brace, for raw bodies
+
+
+@pytest.mark.parametrize(("raw", "field"), [
+    (b"[" * 100_000 + b"]" * 100_000, "body"),
+    (b'{"a": ' * 5_000 + b"1" + b"}" * 5_000, "body"),
+    (b"[1, 2]", "body"),
+    (b'{"trainer": "flux-lora", "output_root": 0, "name": "a", "options": [1]}', "options"),
+    (_JOB.encode() + b', "trainer": {"a": 1}}', "trainer"),
+    (_JOB.encode() + b', "name": ["a"]}', "name"),
+    (_JOB.encode() + b', "name": "' + b"a" * 300 + b'"}', "name"),
+    (_JOB.encode() + b', "output_root": 18446744073709551616}', "output_root"),
+    (b'{"trainer": "flux-lora", "output_root": 0, "name": "a", "options": {"instance_prompt": "\\ud800"}}',
+     "instance_prompt"),
+    (b'{"trainer": "flux-lora", "output_root": 0, "name": "\\udfff"}', "name"),
+    (b'{"trainer": "flux-lora", "output_root": 0, "name": "a", "options": {"resolution": {"a": 1}}}', "resolution"),
+    (b'{"trainer": "flux-lora", "output_root": 0, "name": "a", "options": {"instance_prompt": ["a", 1]}}',
+     "instance_prompt"),
+])
+def test_malformed_bodies_are_a_4xx_naming_the_field_on_every_route(server, raw, field):
+    url, training = server
+    for route in ("jobs", "jobs/check", "jobs/dataset", "jobs/plan"):
+        status, answer = _post_raw(f"{url}/api/{route}", raw)
+        assert 400 <= status < 500 and isinstance(answer, dict), (route, status, answer)
+        assert answer["field"] == field and answer["error"], (route, answer)
+    assert training.queue.all() == []
+
+
+@pytest.mark.parametrize("job_id", [2**63, 2**64, 10**30])
+def test_job_ids_beyond_64_bits_are_no_such_job(server, job_id):
+    url, _ = server
+    for path in (f"jobs/{job_id}", f"jobs/{job_id}/log"):
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(f"{url}/api/{path}", timeout=30)
+        assert answer.value.code == 404 and json.loads(answer.value.read())["field"] == "job_id"
+    assert _post_raw(f"{url}/api/jobs/{job_id}/stop", b"{}") == (404, {"error": "no such job", "field": "job_id"})
+
+
 def test_a_symlink_out_of_a_root_is_refused(server, roots, tmp_path):
     url, training = server
     os.symlink("/etc", roots[0] / "etc-link")
