@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -181,6 +182,31 @@ def test_a_symlink_out_of_a_root_is_refused(server, roots, tmp_path):
     assert training.queue.all() == []
 
 
+def test_the_dataset_check_and_plan_read_nothing_outside_the_roots_however_named(tmp_path, tiny_flux_dev_dir):
+    """A dataset TOML inside a root that points outside, and a symlinked image inside an allowed folder."""
+    from PIL import Image
+
+    data, outside, runs = tmp_path / "data", tmp_path / "outside", tmp_path / "runs"
+    for folder in (data / "linked", outside, runs):
+        folder.mkdir(parents=True)
+    for folder in (data / "linked", outside):
+        Image.new("RGB", (32, 32), "red").save(folder / "inside.png" if folder != outside else folder / "x.png")
+    (outside / "x.txt").write_text("a secret caption\n")
+    os.symlink(outside / "x.png", data / "linked" / "link.png")
+    (data / "d.toml").write_text(f"[[datasets]]\nresolution = 32\n[[datasets.subsets]]\nimage_dir = "
+                                 f"'{outside.as_posix()}'\ncaption_extension = '.txt'\n")
+    training = Training([runs], [data, tiny_flux_dev_dir.parent], runs / ".dreamstep-jobs", TOKEN, max_running=0)
+    model = {"pretrained_model_name_or_path": tiny_flux_dev_dir.name}
+    with serve(create_app([runs], training=training, local_hosts=True)) as url:
+        for options, named in (({"dataset_config": "d.toml"}, str(outside)),
+                               ({"instance_data_dir": "linked", "instance_prompt": "sks"}, "link.png")):
+            body = {"trainer": "flux-lora", "output_root": 0, "name": "a", "options": {**model, **options}}
+            for route in ("dataset", "plan"):
+                status, answer = _post(f"{url}/api/jobs/{route}", body, AUTH)
+                assert status == 400 and named in answer["error"] and "outside" in answer["error"], answer
+                assert "secret" not in json.dumps(answer)
+
+
 def test_only_the_job_routes_take_a_post(server):
     url, _ = server
     assert _post(f"{url}/api/runs", {}, AUTH)[0] == 405
@@ -307,7 +333,7 @@ def test_an_sdxl_lora_plan_before_queuing_is_the_one_its_dry_run_prints(tmp_path
 
     data = tmp_path / "data"
     (data / "kohya").mkdir(parents=True)
-    os.symlink(ROBOT_DIR, data / "kohya" / "2_sks robot")
+    shutil.copytree(ROBOT_DIR, data / "kohya" / "2_sks robot")  # a link out of the roots would be refused
     runs = tmp_path / "runs"
     runs.mkdir()
     training = Training([runs], [tiny_sdxl_dir.parent, data], runs / ".dreamstep-jobs", TOKEN, max_running=0)
@@ -347,7 +373,7 @@ def test_a_flux_kohya_plan_and_dataset_check_before_queuing_are_the_trainers(tmp
 
     data = tmp_path / "data"
     (data / "kohya").mkdir(parents=True)
-    os.symlink(ROBOT_DIR, data / "kohya" / "2_sks robot")
+    shutil.copytree(ROBOT_DIR, data / "kohya" / "2_sks robot")  # a link out of the roots would be refused
     runs = tmp_path / "runs"
     runs.mkdir()
     files = {"pretrained_model_name_or_path": tiny_flux_files["transformer"], "clip_l": tiny_flux_files["clip_l"],

@@ -116,7 +116,8 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
             if not body.get("name"):
                 body = {**body, "name": PREVIEW_NAME}
             job_request = check_job_request(body, training.output_roots, training.data_roots)
-            check = await run_in_threadpool(check_trainer_data, job_request.trainer, job_request.config)
+            check = await run_in_threadpool(check_trainer_data, job_request.trainer, job_request.config, None,
+                                            training.output_roots + training.data_roots)
             if request.url.path.endswith("/dataset"):
                 return JSONResponse({"dataset": summary(check, 0)})
             plan = await run_in_threadpool(job_plan, job_request.trainer, job_request.config, check)
