@@ -299,6 +299,30 @@ def test_bad_sample_prompts_and_files_get_one_line(line: str, message: str, tiny
     assert len(err) == 1 and err[0].startswith("error: --ae ") and "CLIP" in err[0], err
 
 
+@pytest.mark.parametrize(("content", "message"), [
+    (b"a robot --s 0\n", "prompts.txt:1: --s 0 is out of range; give at least 1"),
+    (b"a robot --w -512\n", "prompts.txt:1: --w -512 is out of range; give at least 8"),
+    (b"a robot --s -3\n", "prompts.txt:1: --s -3 is out of range"),
+    (b"a robot --l nan\n", "prompts.txt:1: --l nan is out of range"),
+    (b"a robot --g inf\n", "prompts.txt:1: --g inf is out of range"),
+    (b"a robot --d -1\n", "prompts.txt:1: --d -1 is out of range; give 0 to 2**64 - 1"),
+    (b"--w 512 --h 512\n", "prompts.txt:1: the line has no prompt before its options"),
+    ("a robot\n".encode("utf-16"), "prompts.txt: not UTF-8 text"),
+    (b"a r\xf6bot\n", "prompts.txt: not UTF-8 text"),
+])
+def test_sample_prompt_files_are_checked_at_the_door(content: bytes, message: str, tiny_flux_files: dict[str, Path],
+                                                     tiny_flux_dev_dir: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(content)
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                   _dataset(tmp_path), "--output_dir", out, "--sample_prompts", prompts) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists()
+
+
 def test_dry_run_prints_the_plan_from_the_files(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path,
                                                 tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
