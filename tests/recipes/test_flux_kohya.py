@@ -269,6 +269,15 @@ def _memory_cache():
     (("--sample_every_n_steps", "2"), "error: --sample_every_n_steps has no effect without --sample_prompts"),
     (("--gradient_checkpointing", "--cpu_offload_checkpointing", "--blocks_to_swap", "1"),
      "error: --cpu_offload_checkpointing with --blocks_to_swap: sd-scripts takes one of the two"),
+    (("--network_args", "single_dim=4", "single_dim=8"), "error: --network_args: 'single_dim' is given twice"),
+    (("--network_args", "train_double_block_indices="), "error: --network_args train_double_block_indices=: give "
+                                                         "all, none, or block indices"),
+    (("--network_args", "train_blocks=single", "train_double_block_indices=0"),
+     "error: --network_args train_double_block_indices selects double blocks, but train_blocks=single trains none"),
+    (("--network_args", "txt_mlp_dim=-2"), "error: --network_args txt_mlp_dim=-2: a rank is 0 or more"),
+    # The block counts come from the transformer's config, read before anything is cached or written.
+    (("--network_args", "train_single_block_indices=5"),
+     "error: --network_args train_single_block_indices=5: '5' is outside blocks 0-"),
 ])
 def test_bad_flags_get_one_line(flags: tuple[str, ...], message: str, tiny_flux_files: dict[str, Path],
                                 tiny_flux_dev_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

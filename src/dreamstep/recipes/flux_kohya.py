@@ -122,7 +122,9 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
                                                           config.network_dropout, config.network_args)
     prompts = read_flux_sample_prompts(config.sample_prompts) if config.sample_prompts else None
     base_files = config.flux_base()
-    guidance_embeds = flux.transformer_config(config)["guidance_embeds"]  # also checks --blocks_to_swap
+    transformer_config = flux.transformer_config(config)  # also checks --blocks_to_swap
+    options.check_blocks(transformer_config["num_layers"], transformer_config["num_single_layers"])
+    guidance_embeds = transformer_config["guidance_embeds"]
     max_sequence_length = config.max_sequence_length(guidance_embeds)
     latent_cache, text_cache = flux.training_caches(
         config.cache_root(), base_files.source, revision=None, variant=None, mixed_precision=config.mixed_precision,
