@@ -13,7 +13,7 @@ import torch
 from diffusers import FluxPipeline
 from flux_testkit import ROBOT_DIR, run_cli
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from dreamstep.config.flux_network_args import FluxNetworkOptions
 from dreamstep.lora.kohya_flux_network import create_flux_network
@@ -330,6 +330,23 @@ def test_sample_prompt_files_are_checked_at_the_door(content: bytes, message: st
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not out.exists()
+
+
+def test_an_unreadable_or_sdxl_network_weights_file_is_refused_before_anything_is_written(
+        tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    junk = tmp_path / "junk.safetensors"
+    junk.write_text("not a LoRA")
+    sdxl = tmp_path / "sdxl.safetensors"
+    save_file({"lora_unet_input_blocks_4_1_proj_in.lora_down.weight": torch.zeros(4, 8),
+               "lora_unet_input_blocks_4_1_proj_in.lora_up.weight": torch.zeros(8, 4)}, str(sdxl))
+    out, dataset = tmp_path / "out", _dataset(tmp_path)
+    for weights, said in ((junk, "not a LoRA file"), (sdxl, "looks made for SDXL")):
+        assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                       dataset, "--output_dir", out, "--network_weights", weights) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --network_weights: {weights}") and said in err[0], err
+        assert not out.exists()
 
 
 def test_dry_run_prints_the_plan_from_the_files(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path,
