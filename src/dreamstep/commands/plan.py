@@ -74,6 +74,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     given = [flag for flag in _FILE_FLAGS if getattr(args, flag) is not None]
     if args.model == "sdxl" and given:
         raise UserError(f"--{given[0]} is a FLUX component flag; remove it for sdxl")
+    if args.model == "sdxl" and args.text_encoder_quantization != "none":  # train sdxl-lora has no such option
+        raise UserError("--text_encoder_quantization applies to FLUX's T5 encoder; sdxl-lora keeps its CLIP encoders "
+                        "unquantized, so remove it for sdxl")
+    if args.model == "sdxl" and args.cpu_offload_checkpointing:
+        raise UserError("--cpu_offload_checkpointing is a FLUX trainers' option; remove it for sdxl")
     if args.pretrained_model_name_or_path is not None and not _flux_files(args):
         check_model_folder(args.pretrained_model_name_or_path, args.model)
 
