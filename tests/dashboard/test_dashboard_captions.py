@@ -72,6 +72,15 @@ def test_each_image_is_listed_with_its_caption_file(server, dataset):
     assert body["job"]["running"] is False and "wd14" in body["captioners"]
 
 
+def test_an_image_without_a_caption_file_says_so_beside_the_text_it_trains_with(dataset):
+    recheck = functools.partial(check_dataset, dataset, 64, instance_prompt="a sks square")
+    with serve(create_app([], dataset=str(dataset), recheck=recheck, captions=CaptionEditing(TOKEN, []),
+                          local_hosts=True)) as url:
+        listed = {Path(im["path"]).name: im for im in _call(f"{url}/api/dataset/captions")[1]["images"]}
+    assert (listed["a.png"]["caption"], listed["a.png"]["has_file"]) == ("a red square", True)
+    assert (listed["b.png"]["caption"], listed["b.png"]["has_file"]) == ("a sks square", False)
+
+
 def test_an_edit_writes_the_caption_file_and_the_check_reads_it(server, dataset):
     url, _ = server
     status, body = _call(f"{url}/api/dataset/captions", {"path": str(dataset / "b.png"),

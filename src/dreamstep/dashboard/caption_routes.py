@@ -143,8 +143,11 @@ def caption_routes(editing: CaptionEditing, state: Any) -> list[Route]:
         images = []
         for number, image in enumerate(check.images if check is not None else []):
             target = caption_file(check, number)
+            # "caption" is what the trainer reads, which for an image without its own file is e.g. the instance
+            # prompt: "has_file" tells the two apart.
             images.append({"number": number, "path": str(image.path), "name": image.path.name,
                            "caption": image.caption, "file": str(target) if isinstance(target, Path) else None,
+                           "has_file": isinstance(target, Path) and target.is_file(),
                            "not_editable": target if isinstance(target, str) else None})
         return JSONResponse({"images": images, "captioners": list(CAPTIONERS), "job": job_state()})
 
