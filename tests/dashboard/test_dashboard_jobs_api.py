@@ -171,6 +171,13 @@ def test_job_ids_beyond_64_bits_are_no_such_job(server, job_id):
     assert _post_raw(f"{url}/api/jobs/{job_id}/stop", b"{}") == (404, {"error": "no such job", "field": "job_id"})
 
 
+def test_a_job_log_shows_each_progress_bar_at_its_last_state():
+    from dreamstep.dashboard.job_routes import log_lines
+
+    written = "loading\nsteps:  10%|#  | 1/10\rsteps:  50%|##### | 5/10\rsteps: 100%|##########| 10/10\r\n\ndone\n"
+    assert log_lines(written) == ["loading", "steps: 100%|##########| 10/10", "", "done"]
+
+
 def test_a_symlink_out_of_a_root_is_refused(server, roots, tmp_path):
     url, training = server
     os.symlink("/etc", roots[0] / "etc-link")

@@ -36,6 +36,7 @@ from starlette.routing import Route
 from dreamstep.captioning.targets import one_line
 from dreamstep.config.caption import CAPTIONERS
 from dreamstep.dashboard.job_requests import FieldError, json_object
+from dreamstep.dashboard.job_routes import log_lines
 from dreamstep.files import write_text_atomic
 
 __all__ = ["CaptionEditing", "caption_routes"]
@@ -134,7 +135,7 @@ def caption_routes(editing: CaptionEditing, state: Any) -> list[Route]:
             with state.lock:
                 state.rescan()  # the new caption files change what the trainer will read
             editing.rescanned = True
-        log = editing.log_path.read_bytes()[-_LOG_TAIL:].decode("utf-8", errors="replace").splitlines() \
+        log = log_lines(editing.log_path.read_bytes()[-_LOG_TAIL:].decode("utf-8", errors="replace")) \
             if editing.log_dir is not None and editing.log_path.is_file() else []
         return {"running": code is None, "returncode": code, "command": editing.command, "log": log}
 

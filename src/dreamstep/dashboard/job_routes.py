@@ -37,7 +37,7 @@ from dreamstep.dashboard.runs import RunIndex
 from dreamstep.engine.run_folder import read_status
 from dreamstep.errors import UserError
 
-__all__ = ["Training", "job_routes"]
+__all__ = ["Training", "job_routes", "log_lines"]
 
 _LOG_TAIL = 64 * 1024
 PREVIEW_NAME = "preview"  # the run name a preview is checked with when the form has none yet
@@ -159,7 +159,7 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
         path = runner.log_path(job_id)
         with open(path, "rb") as f:
             f.seek(max(0, path.stat().st_size - _LOG_TAIL))
-            return JSONResponse({"log": f.read().decode("utf-8", errors="replace").splitlines()})
+            return JSONResponse({"log": log_lines(f.read().decode("utf-8", errors="replace"))})
 
     def action(request: Request) -> Response:
         job_id, name = _job_id(request), request.path_params["action"]
@@ -197,6 +197,15 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
 
 async def new_run_page(request: Request) -> Response:
     return FileResponse(Path(__file__).parent / "static" / "new.html")
+
+
+def log_lines(text: str) -> list[str]:
+    """A process's output as the terminal shows it: a progress bar redraws its line with carriage returns, so each
+    line is its last state, not one line per redraw."""
+    lines = text.split("\n")
+    if lines and not lines[-1].strip("\r"):
+        lines.pop()  # the end of the last line
+    return [next((part for part in reversed(line.split("\r")) if part), "") for line in lines]
 
 
 def _job_id(request: Request) -> int | None:
