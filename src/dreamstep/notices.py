@@ -60,7 +60,8 @@ def hide_known_notices() -> None:
     for name, fragments in KNOWN_NOTICES.items():
         logging.getLogger(name).addFilter(HideMessages(*fragments))
     for message in KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=re.escape(message))
+        # warnings matches the start of a message; a fragment may stand anywhere in it
+        warnings.filterwarnings("ignore", message=".*" + re.escape(message))
 
 
 def hide_transformers_progress_bars() -> None:

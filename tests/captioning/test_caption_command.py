@@ -161,12 +161,31 @@ def test_a_model_of_another_kind_is_refused(tiny_captioners, tmp_path, capsys):
     assert "a 'blip' model, not a florence2 captioner" in capsys.readouterr().err
 
 
+def test_a_model_folder_without_captioner_is_used_as_the_kind_it_is(tiny_captioners, tmp_path, capsys):
+    from dreamstep.config.caption import detected_captioner
+
+    kinds = {name: detected_captioner(str(tiny_captioners / name)) for name in
+             ("florence2", "blip", "qwen2_5_vl", "llava", "wd14")}
+    assert kinds == {"florence2": "florence2", "blip": "blip", "qwen2_5_vl": "qwen-vl", "llava": "llava",
+                     "wd14": "wd14"}
+    assert detected_captioner("owner/some-captioner") is None and detected_captioner(str(tmp_path)) is None
+    images = _pictures(tmp_path / "data")
+    assert _caption(tmp_path / "data", "--model", tiny_captioners / "wd14") == 0
+    assert all(set(t.strip() for t in i.with_suffix(".txt").read_text().split(",")) <= TAG_NAMES for i in images)
+    # An explicit --captioner still has to match, in one line (a tagger folder has no transformers config).
+    assert _caption(tmp_path / "data", "--captioner", "florence2", "--model", tiny_captioners / "wd14",
+                    "--overwrite") == 2
+    assert capsys.readouterr().err.endswith("not a transformers florence2 model (no config.json with a model type "
+                                            "there); give one like the default, or pick the matching --captioner\n")
+
+
 def test_bad_flags_answer_before_anything_loads(tmp_path, capsys):
     assert _caption(tmp_path, "--overwrite", "--append") == 2
     assert _caption(tmp_path, "--captioner", "blip", "--prompt", "describe") == 2
     assert _caption(tmp_path / "missing") == 2
     err = capsys.readouterr().err
-    assert "contradict" in err and "--prompt is used by --captioner qwen-vl only" in err and "no such folder" in err
+    assert "contradict" in err and "--prompt is used by --captioner qwen-vl or llava only" in err
+    assert "no such folder" in err
 
 
 def test_an_instruction_model_answers_the_prompt(tiny_captioners, tmp_path):

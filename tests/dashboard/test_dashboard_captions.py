@@ -72,6 +72,15 @@ def test_each_image_is_listed_with_its_caption_file(server, dataset):
     assert body["job"]["running"] is False and "wd14" in body["captioners"]
 
 
+def test_an_image_without_a_caption_file_says_so_beside_the_text_it_trains_with(dataset):
+    recheck = functools.partial(check_dataset, dataset, 64, instance_prompt="a sks square")
+    with serve(create_app([], dataset=str(dataset), recheck=recheck, captions=CaptionEditing(TOKEN, []),
+                          local_hosts=True)) as url:
+        listed = {Path(im["path"]).name: im for im in _call(f"{url}/api/dataset/captions")[1]["images"]}
+    assert (listed["a.png"]["caption"], listed["a.png"]["has_file"]) == ("a red square", True)
+    assert (listed["b.png"]["caption"], listed["b.png"]["has_file"]) == ("a sks square", False)
+
+
 def test_an_edit_writes_the_caption_file_and_the_check_reads_it(server, dataset):
     url, _ = server
     status, body = _call(f"{url}/api/dataset/captions", {"path": str(dataset / "b.png"),
@@ -132,6 +141,28 @@ def test_bad_requests_change_nothing(server, dataset, tmp_path):
     status, body = _call(f"{url}/api/dataset/captions/missing", {"captioner": "wd14", "model": str(tmp_path)}, AUTH)
     assert status == 403 and "RUN_DIR" in body["error"]
     assert (dataset / "a.txt").read_text() == "a red square\n"
+
+
+@pytest.mark.parametrize(("route", "raw", "field"), [
+    ("captions", b"[" * 100_000 + b"]" * 100_000, "body"),
+    ("captions", b"[1]", "body"),
+    ("captions", b'{"path": "a.png", "caption": {"a": 1}}', "caption"),
+    ("captions", b'{"path": ["a.png"], "caption": "x"}', "path"),
+    ("captions", b'{"path": "a.png", "caption": "a \\ud800 square"}', "caption"),
+    ("captions/missing", b'{"captioner": ["wd14"]}', "captioner"),
+    ("captions/missing", b'{"captioner": {"a": 1}}', "captioner"),
+    ("captions/missing", b'{"captioner": "wd14", "model": {"a": 1}}', "model"),
+    ("captions/missing", b'{"captioner": "wd14", "prefix": "\\udc80"}', "prefix"),
+])
+def test_malformed_caption_requests_are_a_4xx_naming_the_field(server, dataset, route, raw, field):
+    url, editing = server
+    request = urllib.request.Request(f"{url}/api/dataset/{route}", data=raw, method="POST",
+                                     headers={"Content-Type": "application/json", **AUTH})
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(request, timeout=30)
+    assert 400 <= answer.value.code < 500 and json.loads(answer.value.read())["field"] == field
+    assert editing.process is None and sorted(p.name for p in dataset.iterdir()) == ["a.png", "a.txt", "b.png",
+                                                                                    "c.png"]
 
 
 def test_the_button_captions_the_images_without_one_in_its_own_process(server, dataset, tmp_path):

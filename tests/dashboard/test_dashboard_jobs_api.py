@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -133,6 +134,62 @@ def test_bad_fields_are_refused_with_the_field_named(server, change, field):
     assert training.queue.all() == []
 
 
+def _post_raw(url: str, raw: bytes) -> tuple[int, dict | str]:
+    request = urllib.request.Request(url, data=raw, method="POST",
+                                     headers={"Content-Type": "application/json", **AUTH})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        text = e.read().decode()
+        return e.code, json.loads(text) if text.startswith("{") else text
+
+
+_JOB = json.dumps(_job())[:-1]  # a valid job's JSON without its closing brace, for raw bodies
+
+
+@pytest.mark.parametrize(("raw", "field"), [
+    (b"[" * 100_000 + b"]" * 100_000, "body"),
+    (b'{"a": ' * 5_000 + b"1" + b"}" * 5_000, "body"),
+    (b"[1, 2]", "body"),
+    (b'{"trainer": "flux-lora", "output_root": 0, "name": "a", "options": [1]}', "options"),
+    (_JOB.encode() + b', "trainer": {"a": 1}}', "trainer"),
+    (_JOB.encode() + b', "name": ["a"]}', "name"),
+    (_JOB.encode() + b', "name": "' + b"a" * 300 + b'"}', "name"),
+    (_JOB.encode() + b', "output_root": 18446744073709551616}', "output_root"),
+    (b'{"trainer": "flux-lora", "output_root": 0, "name": "a", "options": {"instance_prompt": "\\ud800"}}',
+     "instance_prompt"),
+    (b'{"trainer": "flux-lora", "output_root": 0, "name": "\\udfff"}', "name"),
+    (b'{"trainer": "flux-lora", "output_root": 0, "name": "a", "options": {"resolution": {"a": 1}}}', "resolution"),
+    (b'{"trainer": "flux-lora", "output_root": 0, "name": "a", "options": {"instance_prompt": ["a", 1]}}',
+     "instance_prompt"),
+])
+def test_malformed_bodies_are_a_4xx_naming_the_field_on_every_route(server, raw, field):
+    url, training = server
+    for route in ("jobs", "jobs/check", "jobs/dataset", "jobs/plan"):
+        status, answer = _post_raw(f"{url}/api/{route}", raw)
+        assert 400 <= status < 500 and isinstance(answer, dict), (route, status, answer)
+        assert answer["field"] == field and answer["error"], (route, answer)
+    assert training.queue.all() == []
+
+
+@pytest.mark.parametrize("job_id", [2**63, 2**64, 10**30])
+def test_job_ids_beyond_64_bits_are_no_such_job(server, job_id):
+    url, _ = server
+    for path in (f"jobs/{job_id}", f"jobs/{job_id}/log"):
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(f"{url}/api/{path}", timeout=30)
+        assert answer.value.code == 404 and json.loads(answer.value.read())["field"] == "job_id"
+    assert _post_raw(f"{url}/api/jobs/{job_id}/stop", b"{}") == (404, {"error": "no such job", "field": "job_id"})
+
+
+def test_a_job_log_shows_each_progress_bar_at_its_last_state():
+    from dreamstep.dashboard.job_routes import log_lines
+
+    written = "loading\nsteps:  10%|#  | 1/10\rsteps:  50%|##### | 5/10\rsteps: 100%|##########| 10/10\r\n\ndone\n"
+    assert log_lines(written) == ["loading", "steps: 100%|##########| 10/10", "", "done"]
+
+
 def test_a_symlink_out_of_a_root_is_refused(server, roots, tmp_path):
     url, training = server
     os.symlink("/etc", roots[0] / "etc-link")
@@ -142,6 +199,31 @@ def test_a_symlink_out_of_a_root_is_refused(server, roots, tmp_path):
     status, answer = _post(f"{url}/api/jobs", _job(logging_dir="etc-link/logs"), AUTH)
     assert status == 400 and answer["field"] == "logging_dir"
     assert training.queue.all() == []
+
+
+def test_the_dataset_check_and_plan_read_nothing_outside_the_roots_however_named(tmp_path, tiny_flux_dev_dir):
+    """A dataset TOML inside a root that points outside, and a symlinked image inside an allowed folder."""
+    from PIL import Image
+
+    data, outside, runs = tmp_path / "data", tmp_path / "outside", tmp_path / "runs"
+    for folder in (data / "linked", outside, runs):
+        folder.mkdir(parents=True)
+    for folder in (data / "linked", outside):
+        Image.new("RGB", (32, 32), "red").save(folder / "inside.png" if folder != outside else folder / "x.png")
+    (outside / "x.txt").write_text("a secret caption\n")
+    os.symlink(outside / "x.png", data / "linked" / "link.png")
+    (data / "d.toml").write_text(f"[[datasets]]\nresolution = 32\n[[datasets.subsets]]\nimage_dir = "
+                                 f"'{outside.as_posix()}'\ncaption_extension = '.txt'\n")
+    training = Training([runs], [data, tiny_flux_dev_dir.parent], runs / ".dreamstep-jobs", TOKEN, max_running=0)
+    model = {"pretrained_model_name_or_path": tiny_flux_dev_dir.name}
+    with serve(create_app([runs], training=training, local_hosts=True)) as url:
+        for options, named in (({"dataset_config": "d.toml"}, str(outside)),
+                               ({"instance_data_dir": "linked", "instance_prompt": "sks"}, "link.png")):
+            body = {"trainer": "flux-lora", "output_root": 0, "name": "a", "options": {**model, **options}}
+            for route in ("dataset", "plan"):
+                status, answer = _post(f"{url}/api/jobs/{route}", body, AUTH)
+                assert status == 400 and named in answer["error"] and "outside" in answer["error"], answer
+                assert "secret" not in json.dumps(answer)
 
 
 def test_only_the_job_routes_take_a_post(server):
@@ -270,7 +352,7 @@ def test_an_sdxl_lora_plan_before_queuing_is_the_one_its_dry_run_prints(tmp_path
 
     data = tmp_path / "data"
     (data / "kohya").mkdir(parents=True)
-    os.symlink(ROBOT_DIR, data / "kohya" / "2_sks robot")
+    shutil.copytree(ROBOT_DIR, data / "kohya" / "2_sks robot")  # a link out of the roots would be refused
     runs = tmp_path / "runs"
     runs.mkdir()
     training = Training([runs], [tiny_sdxl_dir.parent, data], runs / ".dreamstep-jobs", TOKEN, max_running=0)
@@ -310,7 +392,7 @@ def test_a_flux_kohya_plan_and_dataset_check_before_queuing_are_the_trainers(tmp
 
     data = tmp_path / "data"
     (data / "kohya").mkdir(parents=True)
-    os.symlink(ROBOT_DIR, data / "kohya" / "2_sks robot")
+    shutil.copytree(ROBOT_DIR, data / "kohya" / "2_sks robot")  # a link out of the roots would be refused
     runs = tmp_path / "runs"
     runs.mkdir()
     files = {"pretrained_model_name_or_path": tiny_flux_files["transformer"], "clip_l": tiny_flux_files["clip_l"],

@@ -68,6 +68,9 @@ def test_sdxl_single_file_gives_the_folder_image(tiny_sdxl_dir: Path, tiny_sdxl_
     from_folder = generate("sdxl", tiny_sdxl_dir, tmp_path / "folder")
     from_file = generate("sdxl", tiny_sdxl_single_file, tmp_path / "file", "--model_config", tiny_sdxl_dir)
     np.testing.assert_allclose(from_file, from_folder, atol=2)
+    # Offline without --model_config: the configs of the folder the file lies in, as train sdxl-lora reads them.
+    beside = generate("sdxl", tiny_sdxl_single_file, tmp_path / "beside")
+    np.testing.assert_allclose(beside, from_folder, atol=2)
 
 
 def test_flux_controlnet(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:

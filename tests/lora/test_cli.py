@@ -176,11 +176,18 @@ def test_a_pickle_named_safetensors_gets_one_line(command, kind, tmp_path, tiny_
     assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "images").exists()
 
 
-def test_convert_into_a_missing_folder_names_it(tmp_path, capsys):
-    line = _error(capsys, "convert", "lora", _kohya_flux(tmp_path / "in.safetensors"),
-                  tmp_path / "no" / "such" / "out.safetensors", "--to", "diffusers")
-    assert line == f"error: {tmp_path / 'no' / 'such' / 'out.safetensors'}: the folder {tmp_path / 'no' / 'such'} " \
-                   "does not exist; create it or choose another output path"
+def test_convert_makes_a_missing_output_folder_but_not_for_a_refused_file(tmp_path, capsys):
+    source = _kohya_flux(tmp_path / "in.safetensors")
+    code, _, _ = _run(capsys, "convert", "lora", source, tmp_path / "no" / "such" / "out.safetensors", "--to",
+                      "diffusers")
+    assert code == 0 and (tmp_path / "no" / "such" / "out.safetensors").is_file()
+    (tmp_path / "junk.safetensors").write_text("not a LoRA")
+    _error(capsys, "convert", "lora", tmp_path / "junk.safetensors", tmp_path / "new" / "out.safetensors", "--to",
+           "diffusers")
+    assert not (tmp_path / "new").exists()
+    line = _error(capsys, "convert", "lora", source, source / "out.safetensors", "--to", "diffusers")
+    assert line == f"error: {source / 'out.safetensors'}: {source} is not a folder (a file is in its path); choose " \
+                   "another output path"
 
 
 def test_a_conversion_that_fuses_or_splits_modules_says_why_the_count_changed(capsys, tmp_path):

@@ -54,3 +54,16 @@ def test_sdxl_caption_encoding_hides_the_cut_notice_that_the_pipeline_gives(tiny
     pipeline_notices.messages.clear()
     sdxl.encode_prompts(pipeline, [LONG_CAPTION])
     assert pipeline_notices.messages == []
+
+
+def test_diffusers_fluxposembed_deprecation_is_hidden_on_controlnet_commands() -> None:
+    """FluxControlNetModel builds diffusers' deprecated FluxPosEmbed: its FutureWarning starts with the class name,
+    not with the fragment we hide, so the fragment must be found anywhere in the message."""
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.simplefilter('always'); from dreamstep.notices import hide_known_notices; "
+            "hide_known_notices(); from diffusers.models.embeddings import FluxPosEmbed; "
+            "FluxPosEmbed(theta=10000, axes_dim=[2, 2, 4]); warnings.warn('another notice', FutureWarning)")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stderr
+    assert "FluxPosEmbed" not in err and "another notice" in err, err

@@ -128,6 +128,16 @@ def test_a_plan_no_run_could_train_with_is_one_line(argv: list[str], message: st
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--text_encoder_quantization", "int8"], "--text_encoder_quantization applies to FLUX's T5 encoder"),
+    (["--cpu_offload_checkpointing"], "--cpu_offload_checkpointing is a FLUX trainers' option"),
+])
+def test_an_sdxl_plan_refuses_options_sdxl_lora_does_not_have(argv: list[str], message: str, capsys) -> None:
+    assert main(["plan", "sdxl", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {message}")
+
+
 def test_a_model_folder_of_the_other_family_is_named(tiny_sdxl_dir: Path, tmp_path: Path, capsys) -> None:
     assert main(["plan", "flux", "--pretrained_model_name_or_path", str(tiny_sdxl_dir)]) == 2
     assert capsys.readouterr().err == (f"error: --pretrained_model_name_or_path {tiny_sdxl_dir}: a "

@@ -304,7 +304,7 @@ def _broken_copy(pairs: Path, tmp_path: Path, case: str) -> Path:
 
 @pytest.mark.parametrize("case", ["missing_partner", "corrupt_target", "corrupt_control", "bf16_without_bf16",
                                   "validation_mismatch", "missing_validation_image", "dreambooth_toml",
-                                  "too_many_layers", "too_many_layers_dry_run"])
+                                  "too_many_layers", "too_many_layers_dry_run", "too_many_of_both"])
 def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_dir: Path, pairs: Path, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     data = _broken_copy(pairs, tmp_path, case)
@@ -322,6 +322,9 @@ def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_dir: P
         "too_many_layers": (["--num_double_layers", "3"], "--num_double_layers"),
         # --dry_run plans only what the run would train: the plan of a ControlNet the base cannot hold is refused
         "too_many_layers_dry_run": (["--num_double_layers", "3", "--dry_run"], "--num_double_layers"),
+        "too_many_of_both": (["--num_double_layers", "3", "--num_single_layers", "9"],
+                             "--num_double_layers 3: the base transformer has 1 such blocks; choose 0 to 1; "
+                             "--num_single_layers 9: the base transformer has 1 such blocks; choose 0 to 1"),
     }[case]
     out = tmp_path / "out"
     args = _train_args(tiny_flux_dir, data, out, "--max_train_steps", "1", *extra)

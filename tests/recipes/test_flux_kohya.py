@@ -13,7 +13,7 @@ import torch
 from diffusers import FluxPipeline
 from flux_testkit import ROBOT_DIR, run_cli
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from dreamstep.config.flux_network_args import FluxNetworkOptions
 from dreamstep.lora.kohya_flux_network import create_flux_network
@@ -272,6 +272,15 @@ def _memory_cache():
     (("--gradient_checkpointing", "--blocks_to_swap", "2"),
      "error: --blocks_to_swap 2: sd-scripts swaps N//2 double and 2(N - N//2) single FLUX blocks and keeps two of "
      "each kind on the device; this FluxTransformer2DModel (1 + 1 blocks) takes 1 to 1"),
+    (("--network_args", "single_dim=4", "single_dim=8"), "error: --network_args: 'single_dim' is given twice"),
+    (("--network_args", "train_double_block_indices="), "error: --network_args train_double_block_indices=: give "
+                                                         "all, none, or block indices"),
+    (("--network_args", "train_blocks=single", "train_double_block_indices=0"),
+     "error: --network_args train_double_block_indices selects double blocks, but train_blocks=single trains none"),
+    (("--network_args", "txt_mlp_dim=-2"), "error: --network_args txt_mlp_dim=-2: a rank is 0 or more"),
+    # The block counts come from the transformer's config, read before anything is cached or written.
+    (("--network_args", "train_single_block_indices=5"),
+     "error: --network_args train_single_block_indices=5: '5' is outside blocks 0-"),
 ])
 def test_bad_flags_get_one_line(flags: tuple[str, ...], message: str, tiny_flux_files: dict[str, Path],
                                 tiny_flux_dev_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -300,6 +309,47 @@ def test_bad_sample_prompts_and_files_get_one_line(line: str, message: str, tiny
     assert run_cli(*args, "--ae", tiny_flux_files["clip_l"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --ae ") and "CLIP" in err[0], err
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"a robot --s 0\n", "prompts.txt:1: --s 0 is out of range; give at least 1"),
+    (b"a robot --w -512\n", "prompts.txt:1: --w -512 is out of range; give at least 8"),
+    (b"a robot --s -3\n", "prompts.txt:1: --s -3 is out of range"),
+    (b"a robot --l nan\n", "prompts.txt:1: --l nan is out of range"),
+    (b"a robot --g inf\n", "prompts.txt:1: --g inf is out of range"),
+    (b"a robot --d -1\n", "prompts.txt:1: --d -1 is out of range; give 0 to 2**64 - 1"),
+    (b"--w 512 --h 512\n", "prompts.txt:1: the line has no prompt before its options"),
+    ("a robot\n".encode("utf-16"), "prompts.txt: not UTF-8 text"),
+    (b"a r\xf6bot\n", "prompts.txt: not UTF-8 text"),
+])
+def test_sample_prompt_files_are_checked_at_the_door(content: bytes, message: str, tiny_flux_files: dict[str, Path],
+                                                     tiny_flux_dev_dir: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(content)
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                   _dataset(tmp_path), "--output_dir", out, "--sample_prompts", prompts) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists()
+
+
+def test_an_unreadable_or_sdxl_network_weights_file_is_refused_before_anything_is_written(
+        tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    junk = tmp_path / "junk.safetensors"
+    junk.write_text("not a LoRA")
+    sdxl = tmp_path / "sdxl.safetensors"
+    save_file({"lora_unet_input_blocks_4_1_proj_in.lora_down.weight": torch.zeros(4, 8),
+               "lora_unet_input_blocks_4_1_proj_in.lora_up.weight": torch.zeros(8, 4)}, str(sdxl))
+    out, dataset = tmp_path / "out", _dataset(tmp_path)
+    for weights, said in ((junk, "not a LoRA file"), (sdxl, "looks made for SDXL")):
+        assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                       dataset, "--output_dir", out, "--network_weights", weights) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --network_weights: {weights}") and said in err[0], err
+        assert not out.exists()
 
 
 def test_dry_run_prints_the_plan_from_the_files(tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path,

@@ -346,3 +346,23 @@ def test_a_pair_trains_in_its_aspect_ratio_bucket(tiny_flux_kontext_dir: Path, t
     shapes = {tuple(load_file(p)["latents"].shape) for p in (out / "cache" / "latents").rglob("*.safetensors")}
     (shape,) = shapes  # targets and conditions alike
     assert shape[2] > shape[1]  # wider than tall, as the pairs
+
+
+def test_a_before_identical_to_its_after_is_named_and_a_1x1_before_is_refused(
+        tiny_flux_kontext_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    images, conditioning = write_control_pairs(tmp_path / "pairs", count=2)
+    (conditioning / "0.png").write_bytes((images / "0.png").read_bytes())
+    args = ("train", "flux-kontext-lora", "--pretrained_model_name_or_path", tiny_flux_kontext_dir,
+            "--instance_data_dir", images, "--conditioning_data_dir", conditioning, *TRAIN, "--max_train_steps", "1")
+    assert run_cli(*args, "--output_dir", tmp_path / "dry", "--dry_run") == 0
+    named = [r.getMessage() for r in caplog.records if "teaches no change" in r.getMessage()]
+    assert named == [f"{conditioning / '0.png'}: the same image as 0.png, its pair; the pair teaches no change "
+                     "(an edit or a control)"]
+    Image.new("RGB", (1, 1)).save(conditioning / "1.png")
+    capsys.readouterr()
+    assert run_cli(*args, "--output_dir", tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {conditioning / '1.png'}: conditioning image is 1x1, smaller than 16 pixels") and \
+        err.count("\n") == 1
+    assert not (tmp_path / "out").exists()

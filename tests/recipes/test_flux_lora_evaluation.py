@@ -213,4 +213,14 @@ def test_eval_refuses_another_models_lora_and_a_dino_model_as_clip_before_writin
                    "--clip_model", tiny_evaluators["dino"]) == 2
     assert capsys.readouterr().err == (f"error: --clip_model {tiny_evaluators['dino']}: a 'vit' model, not the "
                                        "'clip' model this metric needs; give one like openai/clip-vit-base-patch32\n")
+    # A folder that is no transformers model at all (a diffusers pipeline), in eval and in training.
+    assert run_cli(*base, "--weights", trained / "checkpoint-3", "--metrics", "dino", "--instance_data_dir",
+                   ROBOT_DIR, "--dino_model", tiny_flux_dev_dir) == 2
+    assert capsys.readouterr().err == (f"error: --dino_model {tiny_flux_dev_dir}: not a transformers VIT model (no "
+                                       "config.json with a model type there); give one like facebook/dino-vits16\n")
+    assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir, "--instance_data_dir",
+                   ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--output_dir", out, "--validation_prompt", "a",
+                   "--eval_metrics", "clip_t", "--clip_model", tiny_flux_dev_dir) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --clip_model {tiny_flux_dev_dir}: not a transformers CLIP") and err.count("\n") == 1
     assert not out.exists()

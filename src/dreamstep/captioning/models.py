@@ -37,7 +37,7 @@ def load_transformers_captioner(config: CaptionConfig) -> Captioner:
     UserError line."""
     device = choose_device(config.device)
     dtype = pick_dtype(config.dtype, device)
-    builders = {"florence2": _florence2, "blip": _blip, "qwen-vl": _instruction_model}
+    builders = {"florence2": _florence2, "blip": _blip, "qwen-vl": _instruction_model, "llava": _instruction_model}
     caption = builders[config.captioner](config, device, dtype)
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
     return Captioner(config.captioner, caption, device=str(device), dtype=names[dtype])
@@ -70,7 +70,12 @@ def _check_model_type(config: CaptionConfig, expected: tuple[str, ...]) -> None:
     """A model of another kind would load half-initialised and caption nonsense: refuse it by its config."""
     from transformers import AutoConfig
 
-    found = _from_pretrained(AutoConfig, config).model_type
+    try:
+        found = _from_pretrained(AutoConfig, config).model_type
+    except ValueError:  # no config.json with a model type: a WD14 tagger's folder, a diffusers model, ...
+        raise UserError(f"--model {config.model_id}: not a transformers {config.captioner} model (no config.json "
+                        "with a model type there); give one like the default, or pick the matching --captioner") \
+            from None
     if found not in expected:
         raise UserError(f"--model {config.model_id}: a '{found}' model, not a {config.captioner} captioner "
                         f"({' or '.join(expected)}); give one like the default, or pick the matching --captioner")

@@ -80,6 +80,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.text_encoder_quantization != "none" and family.long_text_encoder is None:
         raise UserError(f"--text_encoder_quantization: {family.title}'s text encoders are never quantized (only "
                         f"FLUX's T5 is); remove it for {args.model}")
+    if args.cpu_offload_checkpointing and family.long_text_encoder is None:  # only the FLUX trainers have it
+        raise UserError(f"--cpu_offload_checkpointing is a FLUX trainers' option; remove it for {args.model}")
     if args.pretrained_model_name_or_path is not None and not _flux_files(args):
         check_model_folder(args.pretrained_model_name_or_path, args.model)
 

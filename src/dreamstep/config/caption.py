@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -9,10 +10,12 @@ from typing import Literal, Optional
 from dreamstep.config.schema import normalize_extension, option
 from dreamstep.errors import UserError
 
-CAPTIONERS = ("florence2", "qwen-vl", "blip", "wd14")
+CAPTIONERS = ("florence2", "qwen-vl", "llava", "blip", "wd14")
+INSTRUCTION_CAPTIONERS = ("qwen-vl", "llava")  # prompted through their chat template (--prompt)
 DEFAULT_MODELS = {
     "florence2": "florence-community/Florence-2-large",
     "qwen-vl": "Qwen/Qwen2.5-VL-3B-Instruct",
+    "llava": "llava-hf/llava-1.5-7b-hf",
     "blip": "Salesforce/blip-image-captioning-large",
     "wd14": "SmilingWolf/wd-swinv2-tagger-v3",
 }
@@ -28,14 +31,14 @@ FLORENCE_TASKS = {"caption": "<CAPTION>", "detailed_caption": "<DETAILED_CAPTION
 class CaptionConfig:
     source: Path = option(help="an image folder (or a folder of sd-scripts' <repeats>_<name> folders), or a "
                                "dataset TOML: every subset's image_dir is captioned with its caption_extension")
-    captioner: Literal["florence2", "qwen-vl", "blip", "wd14"] = option(
-        "florence2", "florence2: detailed sentences, fast; qwen-vl: an instruction model that follows --prompt "
-                     "(natural sentences, the FLUX style); blip: short captions, fastest; wd14: booru tags for "
-                     "anime SDXL models")
+    captioner: Optional[Literal["florence2", "qwen-vl", "llava", "blip", "wd14"]] = option(
+        None, "florence2: detailed sentences, fast; qwen-vl (or llava): an instruction model that follows --prompt "
+              "(natural sentences, the FLUX style); blip: short captions, fastest; wd14: booru tags for anime SDXL "
+              "models (default: the kind of a local --model folder, else florence2)")
     model: Optional[str] = option(
         None, "hub id or local folder of the captioner (default: " +
               "; ".join(f"{k}: {v}" for k, v in DEFAULT_MODELS.items()) + ")")
-    prompt: Optional[str] = option(None, "qwen-vl: what to ask the model (default: one detailed paragraph "
+    prompt: Optional[str] = option(None, "qwen-vl, llava: what to ask the model (default: one detailed paragraph "
                                          "of plain sentences)")
     florence_task: Literal["caption", "detailed_caption", "more_detailed_caption"] = option(
         "detailed_caption", "florence2: how long a caption")
@@ -64,8 +67,11 @@ class CaptionConfig:
         if self.overwrite and self.append:
             raise UserError("--overwrite and --append contradict each other: --overwrite replaces an existing "
                             "caption, --append keeps it and adds to it; give one")
-        if self.prompt is not None and self.captioner != "qwen-vl":
-            raise UserError(f"--prompt is used by --captioner qwen-vl only (this is {self.captioner}); remove it")
+        if self.captioner is None:
+            self.captioner = detected_captioner(self.model) or "florence2"
+        if self.prompt is not None and self.captioner not in INSTRUCTION_CAPTIONERS:
+            raise UserError(f"--prompt is used by --captioner qwen-vl or llava only (this is {self.captioner}); "
+                            "remove it")
         if self.prompt is not None and not self.prompt.strip():
             raise UserError("--prompt is empty; give the question to ask, or leave the flag out")
         self.caption_extension = normalize_extension(self.caption_extension)
@@ -81,3 +87,23 @@ class CaptionConfig:
     @property
     def question(self) -> str:
         return self.prompt or DEFAULT_PROMPT
+
+
+# config.json model types of the captioners, for a --model folder given without --captioner.
+_KINDS = {"florence2": "florence2", "blip": "blip", "qwen2_vl": "qwen-vl", "qwen2_5_vl": "qwen-vl",
+          "llava": "llava", "llava_next": "llava"}
+
+
+def detected_captioner(model: str | None) -> str | None:
+    """The captioner a local ``--model`` folder is: a WD14 tagger (model.onnx and selected_tags.csv), else by its
+    config.json's model type; ``None`` for a hub id or a folder that does not tell."""
+    folder = Path(model).expanduser() if model is not None else None
+    if folder is None or not folder.is_dir():
+        return None
+    if (folder / "model.onnx").is_file() and (folder / "selected_tags.csv").is_file():
+        return "wd14"
+    try:
+        found = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return _KINDS.get(found.get("model_type")) if isinstance(found, dict) else None

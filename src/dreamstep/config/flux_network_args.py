@@ -56,7 +56,12 @@ class FluxNetworkOptions:
     def from_flags(cls, dim: int, alpha: float, dropout: float | None, network_args: Iterable[str]
                    ) -> tuple[FluxNetworkOptions, dict[str, str]]:
         """--network_dim/alpha/dropout and --network_args as checked options, and the args as given."""
+        network_args = list(network_args)
         args = parse_key_values(network_args, "--network_args", "train_blocks=single split_qkv=True")
+        keys = [item.partition("=")[0].strip() for item in network_args]
+        twice = next((key for key in keys if keys.count(key) > 1), None)
+        if twice is not None:
+            raise UserError(f"--network_args: '{twice}' is given twice; keep one")
         for key in args:
             if key in UNSUPPORTED:
                 raise UserError(f"--network_args: '{key}' ({UNSUPPORTED[key]}) is an sd-scripts option dreamstep "
@@ -75,12 +80,17 @@ class FluxNetworkOptions:
         if train_blocks not in ("all", "single", "double"):
             raise UserError(f"--network_args train_blocks={train_blocks}: use all, single or double")
         type_dims = {key: _number(args, key, int) for key in TYPE_DIM_KEYS if key in args}
-        if any(d < 0 for d in type_dims.values()):
-            raise UserError("--network_args: a *_dim is a rank, 0 or more (0 leaves those modules out)")
+        negative = next((key for key, d in type_dims.items() if d < 0), None)
+        if negative is not None:
+            raise UserError(f"--network_args {negative}={type_dims[negative]}: a rank is 0 or more (0 leaves those "
+                            "modules out)")
         in_dims = _in_dims(args["in_dims"]) if "in_dims" in args else None
-        for key in ("train_double_block_indices", "train_single_block_indices"):
+        for key, kind in (("train_double_block_indices", "double"), ("train_single_block_indices", "single")):
             if key in args:
                 block_ranges(args[key], key)  # the block counts are checked with the model
+                if train_blocks not in ("all", kind):
+                    raise UserError(f"--network_args {key} selects {kind} blocks, but train_blocks={train_blocks} "
+                                    f"trains none; remove it, or set train_blocks=all or {kind}")
         plus = floats.get("loraplus_lr_ratio")
         options = cls(dim=dim, alpha=alpha, dropout=dropout, rank_dropout=floats.get("rank_dropout"),
                       module_dropout=floats.get("module_dropout"), train_blocks=train_blocks,
@@ -91,6 +101,13 @@ class FluxNetworkOptions:
                       loraplus_unet=floats.get("loraplus_unet_lr_ratio", plus),
                       loraplus_text_encoder=floats.get("loraplus_text_encoder_lr_ratio", plus))
         return options, args
+
+    def check_blocks(self, num_double: int, num_single: int) -> None:
+        """The block selections against the transformer's block counts (read from its config before it loads)."""
+        for text, count, key in ((self.double_blocks, num_double, "train_double_block_indices"),
+                                 (self.single_blocks, num_single, "train_single_block_indices")):
+            if text is not None:
+                block_selection(text, count, key)
 
     def rank_of(self, name: str) -> int:
         """The rank of the block module sd-scripts names ``name`` (0: no LoRA there), by the per-type ranks."""
@@ -103,7 +120,9 @@ class FluxNetworkOptions:
 def block_ranges(text: str, key: str) -> list[tuple[int, int]] | None:
     """sd-scripts' block selection as (first, last) ranges: "0-3,7" -> [(0, 3), (7, 7)]; ``None`` for "all"."""
     text = text.strip()
-    if text in ("all", "none", ""):
+    if not text:
+        raise UserError(f"--network_args {key}=: give all, none, or block indices such as 0-3,7")
+    if text in ("all", "none"):
         return None if text == "all" else []
     ranges = []
     for part in text.split(","):

@@ -16,7 +16,6 @@ hub id or a folder inside the dashboard's RUN_DIRs or --data_roots.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -36,6 +35,8 @@ from starlette.routing import Route
 
 from dreamstep.captioning.targets import one_line
 from dreamstep.config.caption import CAPTIONERS
+from dreamstep.dashboard.job_requests import FieldError, json_object
+from dreamstep.dashboard.job_routes import log_lines
 from dreamstep.files import write_text_atomic
 
 __all__ = ["CaptionEditing", "caption_routes"]
@@ -47,11 +48,12 @@ _LOG_TAIL = 32 * 1024
 
 
 class Refused(ValueError):
-    """A request that changes nothing; ``status`` is the HTTP answer."""
+    """A request that changes nothing; ``status`` is the HTTP answer, ``field`` the key of the body that is wrong."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, field: str | None = None):
         super().__init__(message)
         self.status = status
+        self.field = field
 
 
 @dataclass
@@ -89,12 +91,12 @@ def caption_file(check: Any, number: int) -> Path | str:
 def _checked_target(check: Any, number: int) -> Path:
     target = caption_file(check, number)
     if isinstance(target, str):
-        raise Refused(target, 409)
+        raise Refused(target, 409, "path")
     folder = check.subsets[check.images[number].subset][1].image_dir
     if Path(os.path.realpath(target.parent)) != Path(os.path.realpath(folder)) or target.name.startswith("."):
-        raise Refused("the caption file would lie outside the dataset's folders", 403)
+        raise Refused("the caption file would lie outside the dataset's folders", 403, "path")
     if target.is_symlink():
-        raise Refused(f"{target.name} is a link; the dashboard writes only plain files in the dataset", 403)
+        raise Refused(f"{target.name} is a link; the dashboard writes only plain files in the dataset", 403, "path")
     return target
 
 
@@ -102,26 +104,23 @@ def _model(value: Any, roots: list[Path]) -> str | None:
     if value in (None, ""):
         return None
     if not isinstance(value, str):
-        raise Refused("model must be a hub id or a folder")
+        raise Refused("model must be a hub id or a folder", field="model")
     path = Path(value).expanduser()
     if path.is_absolute() or path.exists():
         real = Path(os.path.realpath(path))
         if not any(real == r or r in real.parents for r in (Path(os.path.realpath(root)) for root in roots)):
-            raise Refused("a model folder must lie inside a RUN_DIR or a --data_root of this dashboard", 403)
+            raise Refused("a model folder must lie inside a RUN_DIR or a --data_root of this dashboard", 403, "model")
         return str(real)
     if not _HUB_ID.fullmatch(value):
-        raise Refused(f"model '{value}' is neither a folder nor a hub id such as owner/name")
+        raise Refused(f"model '{value}' is neither a folder nor a hub id such as owner/name", field="model")
     return value
 
 
 async def _body(request: Request) -> dict[str, Any]:
     try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
-        raise Refused("the body is not JSON") from None
-    if not isinstance(body, dict):
-        raise Refused("the body must be a JSON object")
-    return body
+        return json_object(await request.body())
+    except FieldError as e:
+        raise Refused(str(e), field=e.field) from None
 
 
 def caption_routes(editing: CaptionEditing, state: Any) -> list[Route]:
@@ -136,7 +135,7 @@ def caption_routes(editing: CaptionEditing, state: Any) -> list[Route]:
             with state.lock:
                 state.rescan()  # the new caption files change what the trainer will read
             editing.rescanned = True
-        log = editing.log_path.read_bytes()[-_LOG_TAIL:].decode("utf-8", errors="replace").splitlines() \
+        log = log_lines(editing.log_path.read_bytes()[-_LOG_TAIL:].decode("utf-8", errors="replace")) \
             if editing.log_dir is not None and editing.log_path.is_file() else []
         return {"running": code is None, "returncode": code, "command": editing.command, "log": log}
 
@@ -145,23 +144,26 @@ def caption_routes(editing: CaptionEditing, state: Any) -> list[Route]:
         images = []
         for number, image in enumerate(check.images if check is not None else []):
             target = caption_file(check, number)
+            # "caption" is what the trainer reads, which for an image without its own file is e.g. the instance
+            # prompt: "has_file" tells the two apart.
             images.append({"number": number, "path": str(image.path), "name": image.path.name,
                            "caption": image.caption, "file": str(target) if isinstance(target, Path) else None,
+                           "has_file": isinstance(target, Path) and target.is_file(),
                            "not_editable": target if isinstance(target, str) else None})
         return JSONResponse({"images": images, "captioners": list(CAPTIONERS), "job": job_state()})
 
     def write(body: dict[str, Any]) -> Response:
         caption = body.get("caption")
         if not isinstance(caption, str) or not one_line(caption):
-            raise Refused("caption must be a non-empty text")
+            raise Refused("caption must be a non-empty text", field="caption")
         if len(caption) > MAX_CAPTION:
-            raise Refused(f"caption is longer than {MAX_CAPTION} characters")
+            raise Refused(f"caption is longer than {MAX_CAPTION} characters", field="caption")
         with state.lock:
             check = state.check
             paths = {str(image.path): n for n, image in enumerate(check.images)} if check is not None else {}
             number = paths.get(body.get("path")) if isinstance(body.get("path"), str) else None
             if number is None:
-                raise Refused("not an image of this dataset", 404)
+                raise Refused("not an image of this dataset", 404, "path")
             target = _checked_target(check, number)
             write_text_atomic(target, one_line(caption) + "\n")
             state.rescan()  # a new caption can bring an image into training
@@ -171,21 +173,21 @@ def caption_routes(editing: CaptionEditing, state: Any) -> list[Route]:
         try:
             return await run_in_threadpool(write, await _body(request))
         except Refused as e:
-            return JSONResponse({"error": str(e)}, e.status)
+            return JSONResponse({"error": str(e), "field": e.field}, e.status)
 
     async def caption_missing(request: Request) -> Response:
         try:
             body = await _body(request)
             captioner = body.get("captioner", "florence2")
-            if captioner not in CAPTIONERS:
-                raise Refused(f"captioner must be one of {', '.join(CAPTIONERS)}")
+            if not isinstance(captioner, str) or captioner not in CAPTIONERS:
+                raise Refused(f"captioner must be one of {', '.join(CAPTIONERS)}", field="captioner")
             model = _model(body.get("model"), editing.model_roots)
             prefix = body.get("prefix") or ""
             if not isinstance(prefix, str) or len(prefix) > MAX_PREFIX or any(ord(c) < 32 for c in prefix):
-                raise Refused(f"prefix must be one line of at most {MAX_PREFIX} characters")
+                raise Refused(f"prefix must be one line of at most {MAX_PREFIX} characters", field="prefix")
             with editing.lock:
                 if editing.process is not None and editing.process.poll() is None:
-                    raise Refused("a captioning job is running; wait for it to finish", 409)
+                    raise Refused("a captioning job is running; wait for it to finish", 409, "captioner")
                 # Values as --flag=value, so none can be read as another flag.
                 command = [sys.executable, "-m", "dreamstep", "caption", str(state.source), f"--captioner={captioner}"]
                 command += [f"--model={model}"] if model else []
@@ -195,7 +197,7 @@ def caption_routes(editing: CaptionEditing, state: Any) -> list[Route]:
                                                        stdin=subprocess.DEVNULL, start_new_session=True)
                 editing.command, editing.rescanned = command, False
         except Refused as e:
-            return JSONResponse({"error": str(e)}, e.status)
+            return JSONResponse({"error": str(e), "field": e.field}, e.status)
         return JSONResponse({"job": job_state()}, 202)
 
     def job(request: Request) -> Response:

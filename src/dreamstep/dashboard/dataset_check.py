@@ -9,6 +9,7 @@ trainer stops at the first problem, while the check collects every problem and k
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,20 +94,24 @@ def check_dataset(source: str | Path | None = None, resolution: int | None = Non
     return check_trainer_data(trainer, config, str(source) if source is not None else None)
 
 
-def check_trainer_data(trainer: str, config: Any, source: str | None = None) -> DatasetCheck:
+def check_trainer_data(trainer: str, config: Any, source: str | None = None,
+                       roots: list[Path] | None = None) -> DatasetCheck:
     """Check the data of ``config`` (the config dataclass of ``train TRAINER``) with that trainer's data code;
-    ``source`` names it on the page (default: its dataset TOML or image folder)."""
+    ``source`` names it on the page (default: its dataset TOML or image folder). With ``roots`` (the folders a
+    server may read) every folder and image the data names, however it is reached (a dataset TOML, a metadata
+    table, a symlink), must lie inside one of them; it is refused before any image is read."""
     configs = trainer_datasets(trainer, config)
     if source is None:
         source = str(config.dataset_config or getattr(config, folder_flag(trainer), None) or configs[0].where)
-    return check_datasets(configs, source, config.seed, getattr(config, "validation_split", 0.0))
+    return check_datasets(configs, source, config.seed, roots, getattr(config, "validation_split", 0.0))
 
 
-def check_datasets(configs: list[DatasetConfig], source: str, seed: int,
+def check_datasets(configs: list[DatasetConfig], source: str, seed: int, roots: list[Path] | None = None,
                    validation_split: float = 0.0) -> DatasetCheck:
-    """Check every image of the trainer's ``configs`` (what :func:`trainer_datasets` gives); the images the run
-    holds out for its validation loss (``validation_split``, validation subsets) are drawn as the trainer draws
-    them (:func:`~dreamstep.data.holdout.split_records`) and left out of the epoch."""
+    """Check every image of the trainer's ``configs`` (what :func:`trainer_datasets` gives); ``roots``: see
+    :func:`check_trainer_data`. The images the run holds out for its validation loss (``validation_split``,
+    validation subsets) are drawn as the trainer draws them (:func:`~dreamstep.data.holdout.split_records`) and
+    left out of the epoch."""
     subsets: list[tuple[int, SubsetConfig]] = []
     images: list[CheckedImage] = []
     problems: list[str] = []
@@ -116,7 +121,13 @@ def check_datasets(configs: list[DatasetConfig], source: str, seed: int,
         entries = []
         for subset in config.subsets:
             subsets.append((d, subset))
+            if roots is not None:
+                _refuse_outside(roots, subset.where, subset.image_dir, subset.conditioning_data_dir,
+                                subset.metadata_file)
             found, subset_problems = _entries(subset, config.method)
+            if roots is not None:
+                for path, _, _, conditioning in found:
+                    _refuse_outside(roots, subset.where, path, conditioning)
             problems += subset_problems
             entries.append((subset, found))
         checked = [CheckedImage(path, first + s, caption, count, problems=[problem] if problem else [],
@@ -152,6 +163,15 @@ def _take_split(checked: list[CheckedImage], training: list[ImageRecord], held: 
             continue
         image.record = by_path.get(image.record.image.path)
         image.repeats = image.record.num_repeats if image.record is not None else 0
+
+
+def _refuse_outside(roots: list[Path], where: str, *paths: Path | None) -> None:
+    real_roots = [Path(os.path.realpath(root)) for root in roots]
+    for path in paths:
+        real = Path(os.path.realpath(path)) if path is not None else None
+        if real is not None and not any(real == root or root in real.parents for root in real_roots):
+            raise UserError(f"{where}: {path} lies outside the folders this dashboard serves"
+                            f"{' (through a symlink)' if real != Path(os.path.abspath(path)) else ''}; refused")
 
 
 def _mask_file(image: Path, conditioning: Path | None, subset: SubsetConfig) -> Path | None:

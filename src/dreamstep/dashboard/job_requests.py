@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import re
 import sys
@@ -27,8 +28,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["FieldError", "JobRequest", "check_job_request", "form_fields", "named_field", "options_from_toml",
-           "trainer_options"]
+__all__ = ["FieldError", "JobRequest", "check_job_request", "form_fields", "json_object", "named_field",
+           "options_from_toml", "trainer_options"]
 
 # Set by the dashboard itself: the output folder from the request's root and name, the resume by Resume.
 SET_BY_DASHBOARD = ("output_dir", "resume_from_checkpoint", "resume", "config")
@@ -59,6 +60,41 @@ class JobRequest:
     output_dir: Path
     config_toml: str
     config: Any
+
+
+MAX_NAME = 100  # a run's folder name (file systems allow 255 bytes; the name is also shown in lists)
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request's body as a JSON object, or :class:`FieldError` (``body``, or the key whose text is not
+    writable): not JSON, nested deeper than the parser goes, not an object, or a lone surrogate (``\\ud800``),
+    which no file or process argument can hold."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise FieldError("body", "the body is not JSON (or is nested too deeply)") from None
+    if not isinstance(body, dict):
+        raise FieldError("body", "the body must be a JSON object")
+    pending: list[tuple[str, Any]] = [("body", body)]
+    while pending:  # not recursive: the parser allows deeper nesting than Python's stack
+        field, value = pending.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                name = key if field in ("body", "options") else field  # a top-level key or an option
+                _unicode(key, name)
+                pending.append((name, item))
+        elif isinstance(value, list):
+            pending.extend((field, item) for item in value)
+        elif isinstance(value, str):
+            _unicode(value, field)
+    return body
+
+
+def _unicode(text: str, field: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FieldError(field, f"{field}: the text holds a lone surrogate (not valid Unicode)") from None
 
 
 def trainer_options(trainer: str) -> type:
@@ -127,9 +163,9 @@ def _output_dir(root_index: Any, name: Any, roots: list[Path]) -> Path:
     if not isinstance(root_index, int) or not 0 <= root_index < len(roots):
         raise FieldError("output_root", f"output_root must be a number from 0 to {len(roots) - 1} "
                                         "(the run folders the dashboard was started with)")
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*", name):
-        raise FieldError("name", "the run's name must be one folder name of letters, digits, '_', '-' and '.', "
-                                 "not starting with '.'; it is made inside the output root")
+    if not isinstance(name, str) or not re.fullmatch(rf"[A-Za-z0-9][\w.-]{{0,{MAX_NAME - 1}}}", name):
+        raise FieldError("name", f"the run's name must be one folder name of at most {MAX_NAME} letters, digits, "
+                                 "'_', '-' and '.', not starting with '.'; it is made inside the output root")
     return _inside([roots[root_index]], name, "name", must_exist=False)
 
 

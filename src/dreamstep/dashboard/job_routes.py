@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from dreamstep.dashboard.job_requests import (
     FieldError,
     check_job_request,
     form_fields,
+    json_object,
     named_field,
     options_from_toml,
 )
@@ -37,7 +37,7 @@ from dreamstep.dashboard.runs import RunIndex
 from dreamstep.engine.run_folder import read_status
 from dreamstep.errors import UserError
 
-__all__ = ["Training", "job_routes"]
+__all__ = ["Training", "job_routes", "log_lines"]
 
 _LOG_TAIL = 64 * 1024
 PREVIEW_NAME = "preview"  # the run name a preview is checked with when the form has none yet
@@ -99,7 +99,7 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
     async def check(request: Request) -> Response:
         """What a job would run (its TOML and command), or the field that is wrong; queues nothing."""
         try:
-            job_request = check_job_request(json.loads(await request.body()), training.output_roots,
+            job_request = check_job_request(json_object(await request.body()), training.output_roots,
                                             training.data_roots)
         except ValueError as e:
             return JSONResponse({"error": str(e), "field": getattr(e, "field", None)}, 400)
@@ -110,24 +110,28 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
     async def preview(request: Request) -> Response:
         """The dataset check (``/api/jobs/dataset``) or the memory plan (``/api/jobs/plan``) of what a job would
         run, by its trainer's own code, without loading a model; queues nothing. The run's name may be left out."""
+        body: dict[str, Any] = {}
         try:
-            body = json.loads(await request.body())
-            if isinstance(body, dict) and not body.get("name"):
+            body = json_object(await request.body())
+            if not body.get("name"):
                 body = {**body, "name": PREVIEW_NAME}
             job_request = check_job_request(body, training.output_roots, training.data_roots)
-            check = await run_in_threadpool(check_trainer_data, job_request.trainer, job_request.config)
+            check = await run_in_threadpool(check_trainer_data, job_request.trainer, job_request.config, None,
+                                            training.output_roots + training.data_roots)
             if request.url.path.endswith("/dataset"):
                 return JSONResponse({"dataset": summary(check, 0)})
             plan = await run_in_threadpool(job_plan, job_request.trainer, job_request.config, check)
         except (UserError, OSError) as e:  # the trainer's own refusal; a model file or folder that cannot be read
-            return JSONResponse({"error": str(e), "field": named_field(str(e), set(body.get("options", {})))}, 400)
+            options = body.get("options")
+            return JSONResponse({"error": str(e), "field": named_field(str(e), set(options) if isinstance(options, dict)
+                                                                       else set())}, 400)
         except ValueError as e:
             return JSONResponse({"error": str(e), "field": getattr(e, "field", None)}, 400)
         return JSONResponse({"plan": plan})
 
     async def from_toml(request: Request) -> Response:
         try:
-            body = json.loads(await request.body())
+            body = json_object(await request.body())
             options = options_from_toml(str(body.get("trainer", "")), str(body.get("toml", "")),
                                         training.output_roots + training.data_roots)
         except ValueError as e:
@@ -136,7 +140,7 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
 
     async def create(request: Request) -> Response:
         try:
-            body = json.loads(await request.body())
+            body = json_object(await request.body())
             job_request = check_job_request(body, training.output_roots, training.data_roots)
             job = queue.add(job_request.trainer, job_request.config_toml, str(job_request.output_dir))
         except ValueError as e:  # bad JSON, FieldError, JobError
@@ -145,29 +149,33 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
         return JSONResponse({"job": shown(queue.get(job.id))}, 201)
 
     def one(request: Request) -> Response:
-        job = queue.get(_job_id(request))
+        job = queue.get(_job_id(request)) if _job_id(request) is not None else None
         return JSONResponse({"job": shown(job)}) if job else _no_such_job()
 
     def log(request: Request) -> Response:
-        path = runner.log_path(_job_id(request))
-        if queue.get(_job_id(request)) is None or not path.is_file():
+        job_id = _job_id(request)
+        if job_id is None or queue.get(job_id) is None or not runner.log_path(job_id).is_file():
             return _no_such_job()
+        path = runner.log_path(job_id)
         with open(path, "rb") as f:
             f.seek(max(0, path.stat().st_size - _LOG_TAIL))
-            return JSONResponse({"log": f.read().decode("utf-8", errors="replace").splitlines()})
+            return JSONResponse({"log": log_lines(f.read().decode("utf-8", errors="replace"))})
 
     def action(request: Request) -> Response:
         job_id, name = _job_id(request), request.path_params["action"]
         actions = {"stop": runner.stop, "sample": runner.sample_now, "resume": queue.requeue_for_resume,
                    "cancel": queue.cancel, "up": lambda i: queue.move(i, -1), "down": lambda i: queue.move(i, 1)}
         if name not in actions:
-            return JSONResponse({"error": f"no action '{name}'; use one of {', '.join(actions)}"}, 404)
+            return JSONResponse({"error": f"no action '{name}'; use one of {', '.join(actions)}", "field": "action"},
+                                404)
+        if job_id is None:
+            return _no_such_job()
         try:
             actions[name](job_id)
         except LookupError:
             return _no_such_job()
         except JobError as e:
-            return JSONResponse({"error": str(e)}, 409)
+            return JSONResponse({"error": str(e), "field": "job_id"}, 409)
         runner.tick()
         return JSONResponse({"job": shown(queue.get(job_id))})
 
@@ -191,9 +199,20 @@ async def new_run_page(request: Request) -> Response:
     return FileResponse(Path(__file__).parent / "static" / "new.html")
 
 
-def _job_id(request: Request) -> int:
-    return request.path_params["job_id"]
+def log_lines(text: str) -> list[str]:
+    """A process's output as the terminal shows it: a progress bar redraws its line with carriage returns, so each
+    line is its last state, not one line per redraw."""
+    lines = text.split("\n")
+    if lines and not lines[-1].strip("\r"):
+        lines.pop()  # the end of the last line
+    return [next((part for part in reversed(line.split("\r")) if part), "") for line in lines]
+
+
+def _job_id(request: Request) -> int | None:
+    """The job id of the path; ``None`` beyond SQLite's 64-bit integers (no job has such an id)."""
+    job_id = request.path_params["job_id"]
+    return job_id if job_id < 2**63 else None
 
 
 def _no_such_job() -> Response:
-    return JSONResponse({"error": "no such job"}, 404)
+    return JSONResponse({"error": "no such job", "field": "job_id"}, 404)

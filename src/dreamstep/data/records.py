@@ -212,8 +212,19 @@ def _pair_with_conditioning(entries: list[_Entry], subset: SubsetConfig) -> list
     return paired
 
 
+# The smallest side a conditioning image may have: one FLUX latent patch (2x2 latents of 8 pixels).
+MIN_CONDITIONING_SIDE = 16
+
+
 def _check_partner(image: ImageInfo, conditioning: ImageInfo) -> None:
     (w, h), (cw, ch) = image.size, conditioning.size
+    if min(cw, ch) < MIN_CONDITIONING_SIDE:
+        raise UserError(f"{conditioning.path}: conditioning image is {cw}x{ch}, smaller than "
+                        f"{MIN_CONDITIONING_SIDE} pixels a side, so it holds nothing to condition on; give the full "
+                        "image of the pair")
+    if conditioning.sha256 == image.sha256:
+        log.warning("%s: the same image as %s, its pair; the pair teaches no change (an edit or a control)",
+                    conditioning.path, image.path.name)
     if abs(w / h - cw / ch) > 0.01 * (w / h):
         raise UserError(f"{conditioning.path}: conditioning image is {cw}x{ch} but {image.path.name} is {w}x{h}; "
                         "a pair must have the same aspect ratio")

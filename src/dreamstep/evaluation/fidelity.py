@@ -39,7 +39,11 @@ def _load(loader: Any, model_id: str, flag: str, model_type: str | None = None, 
         if model_type is not None:
             from transformers import AutoConfig
 
-            found = AutoConfig.from_pretrained(model_id).model_type
+            try:
+                found = AutoConfig.from_pretrained(model_id).model_type
+            except ValueError:  # a folder of something else: a diffusers pipeline, images, a config without a type
+                raise UserError(f"{flag} {model_id}: not a transformers {model_type.upper()} model (no config.json "
+                                f"with a model type there); give one like {DEFAULT_MODELS[model_type]}") from None
             if found != model_type:
                 raise UserError(f"{flag} {model_id}: a '{found}' model, not the '{model_type}' model this metric "
                                 f"needs; give one like {DEFAULT_MODELS[model_type]}")

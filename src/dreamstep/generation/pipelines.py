@@ -26,6 +26,7 @@ from dreamstep.models.flux import controlnet as cn
 from dreamstep.models.flux.files import FILE_SUFFIXES, resolve_base
 from dreamstep.models.loading import CHECKPOINT_SUFFIXES, check_pipeline_source, load_flux, load_sdxl
 from dreamstep.models.precision import dtype_named
+from dreamstep.models.sdxl.plumbing import config_source
 
 # Where a single-file --model takes its other components and configs when --model_config is not given.
 DEFAULT_BASES = {"flux": "black-forest-labs/FLUX.1-dev", "flux-kontext": "black-forest-labs/FLUX.1-Kontext-dev",
@@ -90,7 +91,12 @@ def controlnet_from_checkpoint(checkpoint: Candidate, transformer: torch.nn.Modu
 
 
 def _sdxl_pipeline(model: str, model_config: str | None, dtype: torch.dtype) -> StableDiffusionXLPipeline:
-    config = (model_config or DEFAULT_BASES["sdxl"]) if is_single_file(model) else None
+    # A single file's configs: --model_config, or its own folder when that holds model_index.json (as the trainer
+    # reads it), else SDXL base 1.0's from the hub (or its cache).
+    config = None
+    if is_single_file(model):
+        beside = (Path(model).expanduser().parent / "model_index.json").is_file()
+        config = config_source(model, model_config) if model_config or beside else DEFAULT_BASES["sdxl"]
     components = load_sdxl(model, config=config, weight_dtype=dtype)
     pipe = StableDiffusionXLPipeline(**vars(components), add_watermarker=False)
     # sd-scripts' sdxl_minimal_inference.py samples with Euler.

@@ -285,6 +285,7 @@ def convert_lycoris(src: Path, dst: Path, to: str, model: str | None, configs: M
     tensors, metadata = converted
     if cast_to is not None:
         tensors = {k: v.to(cast_to) for k, v in tensors.items()}
+    dst.parent.mkdir(parents=True, exist_ok=True)  # a missing output folder is made, once the file converts
     write_lora_file(dst, tensors, {**metadata, "dreamstep_converted_from": f"lycoris-{lycoris.model}"},
                     container_for(dst))
     return Converted(lycoris, f"diffusers-{lycoris.model}", container_for(dst), len(lycoris.modules), [])
@@ -313,8 +314,8 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
         raise UserError(f"{dst} exists; choose another output path or pass --overwrite")
     if dst.resolve() == src.resolve():
         raise UserError(f"{dst}: the output must not be the input file")
-    if not dst.parent.is_dir():
-        raise UserError(f"{dst}: the folder {dst.parent} does not exist; create it or choose another output path")
+    if any(folder.exists() and not folder.is_dir() for folder in (dst.parent, *dst.parent.parents)):
+        raise UserError(f"{dst}: {dst.parent} is not a folder (a file is in its path); choose another output path")
     container = "mindspore" if to == "mindspore" else container_for(dst)
     if to == "mindspore" and dst.suffix.lower() != ".ckpt":
         raise UserError(f"{dst}: a MindSpore checkpoint must end in .ckpt")
@@ -354,5 +355,6 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
     if container == "safetensors":
         carried = {k: v for k, v in lora.metadata.items() if k not in (formats.ADAPTER_METADATA_KEY, "format")}
         metadata = {**carried, **metadata, "dreamstep_converted_from": lora.format}
+    dst.parent.mkdir(parents=True, exist_ok=True)
     write_lora_file(dst, tensors, metadata, container)
     return Converted(lora, f"{to}-{keys.model}", container, len(out), notes)

@@ -5,6 +5,7 @@ training starts."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,6 +40,9 @@ FLUX_OPTIONS = ("n", "w", "h", "s", "d", "l", "g")
 def parse_prompt_line(line: str, where: str, defaults: dict[str, Any], allowed: tuple[str, ...]) -> SamplePrompt:
     """Parse one prompt line; ``defaults`` are the trainer's values of the options a line leaves out."""
     parts = line.split(" --")
+    if not parts[0].strip() or parts[0].lstrip().startswith("--"):
+        raise UserError(f"{where}: the line has no prompt before its options; write the prompt first, e.g. "
+                        "'a cat --w 1024 --s 30'")
     sample = replace(SamplePrompt(prompt=parts[0].strip()), **defaults)
     for part in parts[1:]:
         match = re.match(r"(\w+)\s*(.*)$", part.strip(), re.DOTALL)
@@ -48,20 +52,37 @@ def parse_prompt_line(line: str, where: str, defaults: dict[str, Any], allowed: 
             raise UserError(f"{where}: unknown prompt option '--{name}'{did_you_mean(name, allowed)}; use {listed}")
         attribute, kind = OPTIONS[match.group(1)]
         try:
-            setattr(sample, attribute, kind(match.group(2).strip()))
+            value = kind(match.group(2).strip())
         except ValueError:
             raise UserError(f"{where}: --{match.group(1)} '{match.group(2).strip()}' is not a number") from None
+        _check_range(match.group(1), value, where)
+        setattr(sample, attribute, value)
     if sample.width % 8 or sample.height % 8:
         raise UserError(f"{where}: --w and --h must be multiples of 8 (got {sample.width}x{sample.height})")
     return sample
 
 
+# The least each numeric option may be (the seed also below 2**64, as torch takes it).
+_LEAST = {"w": 8, "h": 8, "s": 1, "l": 0.0, "g": 0.0, "d": 0}
+
+
+def _check_range(option: str, value: Any, where: str) -> None:
+    if option not in _LEAST:
+        return
+    if not math.isfinite(value) or value < _LEAST[option] or (option == "d" and value >= 2**64):
+        least = "0 to 2**64 - 1" if option == "d" else f"at least {_LEAST[option]}, a finite number"
+        raise UserError(f"{where}: --{option} {value} is out of range; give {least}")
+
+
 def read_prompt_lines(path: str) -> list[tuple[str, str]]:
     """(where, line) of each prompt line of a file (``where``: file:line, for errors)."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
     except OSError as e:
         raise UserError(f"--sample_prompts {path}: cannot read it ({e.strerror}); check the path") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--sample_prompts {path}: not UTF-8 text (a UTF-16 or other encoding?); save it as "
+                        "UTF-8") from None
     found = [(f"{path}:{i}", line) for i, line in enumerate(lines, 1)
              if line.strip() and not line.lstrip().startswith("#")]
     if not found:

@@ -49,6 +49,8 @@ from dreamstep.engine.optim import build_lr_scheduler, build_optimizer, parse_op
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
+from dreamstep.errors import UserError
+from dreamstep.lora.convert import read_lora
 from dreamstep.lora.kohya_files import (
     FLUX_BASE_MODEL_VERSION,
     FLUX_SS_FLAG_KEYS,
@@ -128,6 +130,14 @@ def plan_inputs(config: FluxKohyaConfig, dataset_configs: list[DatasetConfig], e
         {"lora_layers": ["all-linear"]})  # networks.lora_flux adapts every Linear of the blocks
 
 
+def _check_network_weights(path: str) -> None:
+    """``--network_weights`` read as a FLUX.1 Kohya LoRA (its fit to the network is checked when that is built)."""
+    try:
+        read_lora(path, FLUX.name)
+    except UserError as e:
+        raise UserError(f"--network_weights: {e}") from None
+
+
 def train(config: FluxKohyaConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, key, folder, image, prompt line and the optimizer, before a model loads.
@@ -143,8 +153,12 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
     options, network_args = FluxNetworkOptions.from_flags(config.network_dim, config.network_alpha,
                                                           config.network_dropout, config.network_args)
     prompts = read_flux_sample_prompts(config.sample_prompts) if config.sample_prompts else None
+    if config.network_weights is not None:  # a damaged file or another model's LoRA, before the cache is made
+        _check_network_weights(config.network_weights)
     base_files = base_of(config)
-    guidance_embeds = flux.transformer_config(config)["guidance_embeds"]  # also checks --blocks_to_swap
+    transformer_config = flux.transformer_config(config)  # also checks --blocks_to_swap
+    options.check_blocks(transformer_config["num_layers"], transformer_config["num_single_layers"])
+    guidance_embeds = transformer_config["guidance_embeds"]
     max_sequence_length = config.max_sequence_length(guidance_embeds)
     latent_cache, text_cache = flux.training_caches(
         config.cache_root(), base_files.source, revision=None, variant=None, mixed_precision=config.mixed_precision,

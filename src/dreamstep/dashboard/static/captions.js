@@ -16,8 +16,11 @@ async function call(method, path, body) {
 }
 
 function imageCard(im) {
-  const box = el("textarea", { "aria-label": `caption of ${im.name}`, placeholder: "no caption yet" });
-  box.value = im.caption || "";
+  // Without its own caption file an image trains with another text (e.g. the instance prompt): shown, not filled in.
+  const own = !im.file || im.has_file;
+  const box = el("textarea", { "aria-label": `caption of ${im.name}`,
+    placeholder: im.caption && !own ? `no caption file; trains as "${im.caption}"` : "no caption yet" });
+  box.value = own ? im.caption || "" : "";
   const note = el("span", { class: "muted" });
   const save = el("button", { type: "button", disabled: im.file ? null : "disabled" }, "Save");
   save.addEventListener("click", async () => {
@@ -27,7 +30,7 @@ function imageCard(im) {
       box.value = done.caption; note.className = "saved"; note.textContent = "saved";
     } catch (e) { note.className = "error"; note.textContent = String(e.message || e); }
   });
-  return el("figure", { class: `caption-edit${im.caption ? "" : " missing"}`, "data-path": im.path },
+  return el("figure", { class: `caption-edit${im.caption && own ? "" : " missing"}`, "data-path": im.path },
     el("img", { src: `/api/dataset/image/${im.number}`, loading: "lazy", alt: im.name }),
     el("figcaption", {}, el("b", { text: im.name }),
       im.file ? box : el("div", { class: "warn", text: im.not_editable }),
@@ -54,8 +57,9 @@ function showJob(job) {
 
 async function load() {
   const data = await call("GET", "/api/dataset/captions");
-  const missing = data.images.filter((im) => !im.caption).length;
-  document.getElementById("caption-count").textContent = `Images: ${data.images.length}, ${missing} without a caption`;
+  const missing = data.images.filter((im) => (im.file && !im.has_file) || !im.caption).length;
+  document.getElementById("caption-count").textContent =
+    `Images: ${data.images.length}, ${missing} without a caption file`;
   document.getElementById("caption-grid").replaceChildren(...data.images.map(imageCard));
   const select = document.getElementById("captioner");
   if (!select.options.length) { select.replaceChildren(...data.captioners.map((c) => el("option", { value: c, text: c }))); }

@@ -38,11 +38,12 @@ _SHARED_KEYS = ("in_channels", "attention_head_dim", "num_attention_heads", "joi
 def check_layers(num_double_layers: int, num_single_layers: int, transformer_config: Any) -> None:
     """Refuse block counts the base transformer (its config: ``num_layers``, ``num_single_layers``) cannot give."""
     have = (transformer_config["num_layers"], transformer_config["num_single_layers"])
-    for flag, wanted, available in (("--num_double_layers", num_double_layers, have[0]),
-                                    ("--num_single_layers", num_single_layers, have[1])):
-        if not 0 <= wanted <= available:
-            raise UserError(f"{flag} {wanted}: the base transformer has {available} such blocks; "
-                            f"choose 0 to {available}")
+    wrong = [f"{flag} {wanted}: the base transformer has {available} such blocks; choose 0 to {available}"
+             for flag, wanted, available in (("--num_double_layers", num_double_layers, have[0]),
+                                             ("--num_single_layers", num_single_layers, have[1]))
+             if not 0 <= wanted <= available]
+    if wrong:  # both at once, not one per run
+        raise UserError("; ".join(wrong))
     if num_double_layers + num_single_layers == 0:
         raise UserError("--num_double_layers and --num_single_layers are both 0; the ControlNet needs a block")
 
