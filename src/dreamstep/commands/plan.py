@@ -78,8 +78,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     if given and family.name != "flux":
         raise UserError(f"--{given[0]} is a FLUX component flag; remove it for {args.model}")
     if args.text_encoder_quantization != "none" and family.long_text_encoder is None:
-        raise UserError(f"--text_encoder_quantization: {family.title}'s text encoders are never quantized (only "
-                        f"FLUX's T5 is); remove it for {args.model}")
+        raise UserError(f"--text_encoder_quantization applies to FLUX's T5 encoder; {family.title}'s trainer keeps "
+                        f"its text encoders unquantized, so remove it for {args.model}")
     if args.cpu_offload_checkpointing and family.long_text_encoder is None:  # only the FLUX trainers have it
         raise UserError(f"--cpu_offload_checkpointing is a FLUX trainers' option; remove it for {args.model}")
     if args.pretrained_model_name_or_path is not None and not _flux_files(args):
