@@ -2,7 +2,7 @@
 
 A family is a package under ``dreamstep/models/`` whose ``family`` module defines ``FAMILY``, an object with the
 members of :class:`ModelFamily`. Nothing in ``engine/``, ``data/``, ``lora/`` or the dashboard names a family: they
-ask the registry (:func:`family`, :func:`family_of_pipeline`, :func:`guess_family`) and call these members. The
+ask the registry (:func:`get_family`, :func:`family_of_pipeline`, :func:`guess_family`, :func:`variant_family`) and call these members. The
 ``family`` module imports neither torch nor diffusers at import time (the registry reads every family's facts for
 ``--help`` and for telling a LoRA file's model), so its methods import what they build.
 
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
     from dreamstep.models.lora_keys import ModelKeys
 
-__all__ = ["ModelFamily", "check_blocks_to_swap", "families", "family_of_pipeline", "get_family", "guess_family"]
+__all__ = ["ModelFamily", "all_variants", "check_blocks_to_swap", "families", "family_of_pipeline", "get_family",
+           "guess_family", "model_title", "variant_family"]
 
 
 @runtime_checkable
@@ -51,8 +52,6 @@ class ModelFamily(Protocol):
     """Its name in sentences: ``FLUX.1``."""
     released_name: str
     """The released model planned and shape-checked when no model folder is given: ``FLUX.1-dev``."""
-    default_base: str
-    """That model's hub id, for the parts a single file does not hold."""
     pipeline_classes: tuple[str, ...]
     """The diffusers pipeline classes (``model_index.json``'s ``_class_name``) of this family's model folders."""
     denoiser: str

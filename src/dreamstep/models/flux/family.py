@@ -20,7 +20,6 @@ class FluxFamily:
     name = "flux"
     title = "FLUX.1"
     released_name = "FLUX.1-dev"
-    default_base = "black-forest-labs/FLUX.1-dev"
     pipeline_classes = ("FluxPipeline", "FluxKontextPipeline", "FluxControlNetPipeline", "FluxImg2ImgPipeline",
                         "FluxInpaintPipeline", "FluxFillPipeline")
     denoiser = "transformer"

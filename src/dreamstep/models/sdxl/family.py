@@ -20,7 +20,6 @@ class SdxlFamily:
     name = "sdxl"
     title = "SDXL"
     released_name = "SDXL base 1.0"
-    default_base = "stabilityai/stable-diffusion-xl-base-1.0"
     pipeline_classes = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline",
                         "StableDiffusionXLInpaintPipeline")
     denoiser = "unet"
