@@ -2,9 +2,9 @@
 
 A family is a package under ``dreamstep/models/`` whose ``family`` module defines ``FAMILY``, an object with the
 members of :class:`ModelFamily`. Nothing in ``engine/``, ``data/``, ``lora/`` or the dashboard names a family: they
-ask the registry (:func:`get_family`, :func:`family_of_pipeline`, :func:`guess_family`, :func:`variant_family`) and call these members. The
-``family`` module imports neither torch nor diffusers at import time (the registry reads every family's facts for
-``--help`` and for telling a LoRA file's model), so its methods import what they build.
+ask the registry (:func:`get_family`, :func:`family_of_pipeline`, :func:`guess_family`, :func:`variant_family`) and
+call these members. The ``family`` module imports neither torch nor diffusers at import time (the registry reads
+every family's facts for ``--help`` and for telling a LoRA file's model), so its methods import what they build.
 
 When each member is used, and its shapes in and out:
 
