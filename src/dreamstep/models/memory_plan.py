@@ -347,6 +347,12 @@ def load_config(folder: Path | None, subfolder: str, fallback: dict[str, Any]) -
     return fallback
 
 
+def components_on_meta(folder: Path | None, parts: dict[str, tuple[type, dict[str, Any]]]) -> dict[str, nn.Module]:
+    """A family's components on the meta device: ``parts`` maps each pipeline component to its class and the
+    published config used when ``folder`` has none of its own (:func:`load_config`)."""
+    return {name: build_on_meta(cls, load_config(folder, name, fallback)) for name, (cls, fallback) in parts.items()}
+
+
 def model_folder(source: str | None) -> Path | None:
     """The local model folder whose configs the plan reads, or ``None`` (a hub id: published configs)."""
     if source is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -19,15 +18,12 @@ def meta_components(folder: Path | None) -> dict[str, nn.Module]:
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel
 
-    def config(sub: str, fallback: dict[str, Any]) -> dict[str, Any]:
-        return mp.load_config(folder, sub, fallback)
-
-    return {
-        "transformer": mp.build_on_meta(FluxTransformer2DModel, config("transformer", published.FLUX_DEV_TRANSFORMER)),
-        "text_encoder_2": mp.build_on_meta(T5EncoderModel, config("text_encoder_2", published.T5_XXL_ENCODER)),
-        "text_encoder": mp.build_on_meta(CLIPTextModel, config("text_encoder", published.CLIP_L_TEXT)),
-        "vae": mp.build_on_meta(AutoencoderKL, config("vae", published.FLUX_VAE)),
-    }
+    return mp.components_on_meta(folder, {
+        "transformer": (FluxTransformer2DModel, published.FLUX_DEV_TRANSFORMER),
+        "text_encoder_2": (T5EncoderModel, published.T5_XXL_ENCODER),
+        "text_encoder": (CLIPTextModel, published.CLIP_L_TEXT),
+        "vae": (AutoencoderKL, published.FLUX_VAE),
+    })
 
 
 def training_pass(transformer: nn.Module, *, resolution: int, batch: int, text_tokens: int, train: bool = True,

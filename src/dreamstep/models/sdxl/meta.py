@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -21,16 +20,12 @@ def meta_components(folder: Path | None) -> dict[str, nn.Module]:
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    def config(sub: str, fallback: dict[str, Any]) -> dict[str, Any]:
-        return mp.load_config(folder, sub, fallback)
-
-    return {
-        "unet": mp.build_on_meta(UNet2DConditionModel, config("unet", published.SDXL_UNET)),
-        "text_encoder": mp.build_on_meta(CLIPTextModel, config("text_encoder", published.CLIP_L_TEXT)),
-        "text_encoder_2": mp.build_on_meta(CLIPTextModelWithProjection,
-                                           config("text_encoder_2", published.OPENCLIP_BIGG_TEXT)),
-        "vae": mp.build_on_meta(AutoencoderKL, config("vae", published.SDXL_VAE)),
-    }
+    return mp.components_on_meta(folder, {
+        "unet": (UNet2DConditionModel, published.SDXL_UNET),
+        "text_encoder": (CLIPTextModel, published.CLIP_L_TEXT),
+        "text_encoder_2": (CLIPTextModelWithProjection, published.OPENCLIP_BIGG_TEXT),
+        "vae": (AutoencoderKL, published.SDXL_VAE),
+    })
 
 
 def training_pass(unet: nn.Module, *, resolution: int, batch: int, train: bool = True
