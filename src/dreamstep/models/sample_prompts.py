@@ -9,9 +9,13 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dreamstep.errors import UserError, did_you_mean
+from dreamstep.png_text import JSON_KEY, png_info
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 @dataclass
@@ -88,3 +92,15 @@ def read_prompt_lines(path: str) -> list[tuple[str, str]]:
     if not found:
         raise UserError(f"--sample_prompts {path}: no prompts in the file")
     return found
+
+
+def save_samples(images: list[Image.Image], folder: Path, name: str, global_step: int) -> list[Path]:
+    """Write a trainer's sample images as sd-scripts names them (``<name>_<step>_<index>.png``), each carrying its
+    parameters and the step in its PNG text; return the paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, image in enumerate(images):
+        path = folder / f"{name}_{global_step:06d}_{i:02d}.png"
+        image.save(path, pnginfo=png_info({**image.info[JSON_KEY], "step": global_step}))
+        paths.append(path)
+    return paths

@@ -18,8 +18,14 @@ from PIL import Image
 from dreamstep.errors import UserError
 from dreamstep.models.flux.plumbing import FluxConditioner, joint_attention_mask, t5_embeddings, without_text_encoders
 from dreamstep.models.parking import ParkedModules
-from dreamstep.models.sample_prompts import FLUX_OPTIONS, SamplePrompt, parse_prompt_line, read_prompt_lines
-from dreamstep.png_text import JSON_KEY, png_info, sample_parameters
+from dreamstep.models.sample_prompts import (
+    FLUX_OPTIONS,
+    SamplePrompt,
+    parse_prompt_line,
+    read_prompt_lines,
+    save_samples,
+)
+from dreamstep.png_text import JSON_KEY, sample_parameters
 
 # sd-scripts' FLUX sampling defaults of a line's options.
 FLUX_SAMPLE_DEFAULTS = {"width": 512, "height": 512, "steps": 20, "scale": 1.0, "guidance": 3.5}
@@ -71,11 +77,7 @@ class FluxSampleWriter:
         finally:
             for module, mode in zip(modules, modes):
                 module.train(mode)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for i, image in enumerate(images):
-            path = self.folder / f"{self.name}_{global_step:06d}_{i:02d}.png"
-            image.save(path, pnginfo=png_info({**image.info[JSON_KEY], "step": global_step}))
-            self.written.append(path)
+        self.written += save_samples(images, self.folder, self.name, global_step)
         return images
 
     @torch.no_grad()

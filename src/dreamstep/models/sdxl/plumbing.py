@@ -31,11 +31,17 @@ from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.parking import ParkedModules
 from dreamstep.models.phases import ENCODERS
 from dreamstep.models.precision import freeze, weight_dtype_for
-from dreamstep.models.sample_prompts import SDXL_OPTIONS, SamplePrompt, parse_prompt_line, read_prompt_lines
+from dreamstep.models.sample_prompts import (
+    SDXL_OPTIONS,
+    SamplePrompt,
+    parse_prompt_line,
+    read_prompt_lines,
+    save_samples,
+)
 from dreamstep.models.sdxl.family import FAMILY as SDXL
 from dreamstep.models.vae import encode_posterior
 from dreamstep.notices import CAPTION_CUT, hidden
-from dreamstep.png_text import JSON_KEY, png_info, sample_parameters
+from dreamstep.png_text import JSON_KEY, sample_parameters
 
 # sd-scripts' --sample_sampler names -> diffusers schedulers.
 SAMPLERS = {
@@ -349,11 +355,7 @@ class SampleWriter:
                                           seed=self.seed, v_prediction=self.v_prediction, embeddings=self.embeddings)
         finally:
             self.network.train()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for i, image in enumerate(images):
-            path = self.folder / f"{self.name}_{global_step:06d}_{i:02d}.png"
-            image.save(path, pnginfo=png_info({**image.info[JSON_KEY], "step": global_step}))
-            self.written.append(path)
+        self.written += save_samples(images, self.folder, self.name, global_step)
         return images
 
 
