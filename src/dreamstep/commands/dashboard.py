@@ -9,7 +9,6 @@ Listens on 127.0.0.1 unless --host says otherwise.
 from __future__ import annotations
 
 import argparse
-import importlib
 import ipaddress
 import os
 import secrets
@@ -172,8 +171,10 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     url = f"http://{shown_host}:{args.port}/" + (f"?token={token}" if token else "")
     # The LoRA reports (and the new-run page's memory plans) need torch, diffusers and peft; importing them takes
     # seconds, so start now, not on the first page that shows a LoRA file or a plan.
+    from dreamstep.dashboard.heavy import import_heavy
+
     modules = ("dreamstep.lora.info",) + (("dreamstep.models.plans",) if training is not None else ())
-    threading.Thread(target=lambda: [importlib.import_module(m) for m in modules], daemon=True).start()
+    threading.Thread(target=lambda: [import_heavy(m) for m in modules], daemon=True).start()
     mode = "training allowed" if training is not None else "caption editing" if captions else "read-only"
     print(f"dashboard: {url}  ({mode}; Ctrl-C stops it, not its jobs)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

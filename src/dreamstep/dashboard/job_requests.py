@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dreamstep.config.schema import build_config, toml_value
+from dreamstep.dashboard.heavy import import_heavy
 from dreamstep.errors import UserError
 
 if sys.version_info >= (3, 11):
@@ -116,7 +117,7 @@ def trainer_recipe(trainer: str) -> Any:
     from dreamstep.cli import COMMANDS
 
     trainer_options(trainer)  # an unknown trainer is a FieldError naming the known ones
-    return importlib.import_module(COMMANDS[("train", trainer)].runner.partition(":")[0])
+    return import_heavy(COMMANDS[("train", trainer)].runner.partition(":")[0])
 
 
 def check_job_request(body: Any, output_roots: list[Path], data_roots: list[Path]) -> JobRequest:

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from dreamstep.config.memory import parse_bytes
+from dreamstep.dashboard.heavy import import_heavy
 from dreamstep.dashboard.job_requests import trainer_recipe
 
 if TYPE_CHECKING:
@@ -48,9 +49,8 @@ def job_plan(trainer: str, config: Any, check: Any) -> dict[str, Any]:
     """The plan of a job as JSON (``check``: the dataset check of its data): the trainer's plan text, the peaks,
     the card and whether it fits, and the changes that would make it fit. A mistake in the options raises the
     trainer's UserError."""
-    from dreamstep.models import memory_plan as mp
-    from dreamstep.models.plans import options_that_fit
-
+    mp = import_heavy("dreamstep.models.memory_plan")
+    options_that_fit = import_heavy("dreamstep.models.plans").options_that_fit
     run_plan = plan_inputs(trainer, config, check)
     options, source = run_plan.options, run_plan.source
     memory, card = _card(config.device_memory)

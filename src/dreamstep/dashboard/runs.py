@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamstep.config.schema import load_toml
+from dreamstep.dashboard.heavy import import_heavy
 from dreamstep.dashboard.run_base import run_base
 from dreamstep.dashboard.scalars import TEXT_LOG, RunScalars, decimate, find_event_files
 from dreamstep.errors import UserError
@@ -377,9 +378,7 @@ def _diffusers_model_class(folder: Path) -> str | None:
 
 
 def _lora_info(path: Path, base: str | None) -> str:
-    from dreamstep.lora.info import describe
-
-    return describe(str(path), base=base)
+    return import_heavy("dreamstep.lora.info").describe(str(path), base=base)
 
 
 def _read_metrics(path: Path) -> dict[str, Any]:
