@@ -1,11 +1,11 @@
-"""``dreamstep eval flux|flux-kontext|sdxl``: which checkpoint to keep, in numbers.
+"""``dreamstep eval VARIANT`` (``flux``, ``flux-kontext``, ``sdxl``, ...): which checkpoint to keep, in numbers.
 
 Scores any set of LoRA files, ``checkpoint-N`` folders, FLUX ControlNet folders and whole run folders (each
 expanded into its checkpoints and final weights), plus the base model alone as the baseline (step 0), on
 the same prompts with the same seeds: DINO and CLIP-I against the subject's images (``--instance_data_dir``),
 CLIP-T against the prompts with the identifier taken out, and for ControlNets the edge agreement with
-``--control_image``; for FLUX.1 Kontext LoRAs each prompt edits its ``--image`` (score the edits against the
-"after" images with ``--instance_data_dir``). Works on what every trainer writes.
+``--control_image``; for the LoRAs of an edit model (FLUX.1 Kontext) each prompt edits its ``--image`` (score
+the edits against the "after" images with ``--instance_data_dir``). Works on what every trainer writes.
 
 Writes into ``--output_dir``: ``scores.csv`` and ``scores.json`` (one row per candidate: label, path, step,
 scores; the JSON also names the best candidate per metric), ``<metric>.png`` (the metric over training
@@ -41,15 +41,10 @@ from dreamstep.evaluation.candidates import Candidate, find_candidates
 from dreamstep.evaluation.control import mean_edge_agreement
 from dreamstep.evaluation.fidelity import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL, FidelityScorer
 from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, remove_loras
-from dreamstep.generation.pipelines import (
-    build_pipeline,
-    check_model,
-    choose_dtype,
-    controlnet_from_checkpoint,
-    load_flux_controlnet,
-)
+from dreamstep.generation.pipelines import build_pipeline, check_model, choose_dtype, default_size
+from dreamstep.models.family import variant_family
+from dreamstep.models.flux import generation as flux_generation
 from dreamstep.models.flux import plumbing as flux
-from dreamstep.models.flux.files import resolve_base
 from dreamstep.models.precision import choose_device
 
 BASELINE = "base model"
@@ -65,7 +60,8 @@ class EvalConfig(FluxComponentFileOptions):
     from_file: str | None = option(None, "text file with one prompt per line, instead of --prompt")
     instance_data_dir: str | None = option(None, "the subject's images (needed for dino and clip_i)")
     control_image: list[str] = option([], "ControlNet control images: one, or one per prompt")
-    image: list[str] = option([], "eval flux-kontext: the images the prompts edit: one, or one per prompt")
+    image: list[str] = option([], "edit models (eval flux-kontext): the images the prompts edit: one, or one per "
+                                  "prompt")
     metrics: list[str] = option(["dino", "clip_i", "clip_t"], "dino, clip_i, clip_t; edge for ControlNets",
                                 aliases=("eval_metrics",))
     best_by: str | None = option(None, "metric that names the best candidate (default: the first --metrics)",
@@ -73,8 +69,9 @@ class EvalConfig(FluxComponentFileOptions):
     identifier: str | None = option("sks", "identifier token taken out of prompts for clip_t ('none': keep)")
     num_images: int = option(4, "images per prompt, seeds --seed, --seed + 1, ...")
     seed: int = option(0, "seed of each prompt's first image")
-    steps: int | None = option(None, "sampling steps (default: FLUX 28, SDXL 30)")
-    guidance_scale: float | None = option(None, "guidance (default: FLUX 3.5, SDXL 7)")
+    steps: int | None = option(None, "sampling steps (default: the model's, as generate: FLUX.1-dev 28, SDXL 50)")
+    guidance_scale: float | None = option(None, "guidance (default: the model's, as generate: FLUX.1-dev 3.5, "
+                                                "SDXL 7)")
     resolution: int | None = option(None, "image side in pixels (default: the model's native size)")
     model_config: str | None = option(None, "for a single-file --model: the folder or hub id with its configs (and "
                                             "the FLUX parts not given by --clip_l, --t5xxl, --ae)")
@@ -143,23 +140,23 @@ class Generator:
         self.config, self.model_type = config, model_type
         self.device = choose_device(config.device)
         self.dtype = choose_dtype(config.dtype, self.device)
+        self.family = variant_family(model_type)
         self.pipe = build_pipeline(model_type, config.model, model_config=config.model_config, dtype=self.dtype,
                                    component_files=config.component_files(), device=self.device)
-        distilled = model_type != "sdxl" and self.pipe.transformer.config.guidance_embeds
-        defaults = (28, 3.5 if distilled else 0.0) if model_type != "sdxl" else (30, 7.0)
-        self.steps = config.steps or defaults[0]
-        self.guidance = config.guidance_scale if config.guidance_scale is not None else defaults[1]
-        self.size = config.resolution or self.pipe.default_sample_size * self.pipe.vae_scale_factor
+        defaults = self.family.sampling_defaults(model_type, self.pipe, [])
+        self.steps = config.steps or defaults["steps"]
+        self.guidance = config.guidance_scale if config.guidance_scale is not None else defaults["guidance_scale"]
+        self.size = config.resolution or default_size(self.pipe)
 
     def images(self, candidate: Candidate | None, prompts: list[str], controls: list[Image.Image | None]
                ) -> list[Image.Image]:
         """``controls``: ControlNet control images, or the images Kontext edits."""
         pipe = self.pipe
-        with_control = self.model_type == "flux-kontext" or (candidate is not None and candidate.kind != "lora")
+        with_control = _edits(self.model_type) or (candidate is not None and candidate.kind != "lora")
         if candidate is not None and candidate.kind == "lora":
-            apply_loras(self.pipe, [LoraSpec(candidate.path)], _lora_model(self.model_type), merge=False)
+            apply_loras(self.pipe, [LoraSpec(candidate.path)], self.family.name, merge=False)
         elif candidate is not None:
-            pipe = flux.assemble_pipeline(SimpleNamespace(**self.pipe.components), self._controlnet(candidate))
+            pipe = self._with_controlnet(candidate)
         try:
             return [image for prompt, control in zip(prompts, controls)
                     for image in self._generate(pipe, prompt, control if with_control else None)]
@@ -168,9 +165,8 @@ class Generator:
                 remove_loras(self.pipe)
 
     def _generate(self, pipe: Any, prompt: str, control: Image.Image | None) -> list[Image.Image]:
-        extra = {"control_image": control} if control is not None else {}
-        if self.model_type == "flux-kontext":  # the edit keeps the size asked for, not 1024² of area
-            extra = {"image": control, "max_area": self.size * self.size, "_auto_resize": False}
+        extra = self.family.image_inputs(self.model_type, [control] if control is not None else [], self.size,
+                                         self.size)
         out = []
         for i in range(self.config.num_images):
             generator = torch.Generator("cpu").manual_seed(self.config.seed + i)
@@ -178,37 +174,43 @@ class Generator:
                             height=self.size, width=self.size, generator=generator, **extra).images[0])
         return out
 
-    def _controlnet(self, candidate: Candidate) -> torch.nn.Module:
+    def _with_controlnet(self, candidate: Candidate) -> Any:
+        """The base pipeline's components (no copies) with the candidate FLUX ControlNet: a folder, or a
+        flux-controlnet run's checkpoint."""
         if candidate.kind == "controlnet":
-            return load_flux_controlnet(str(candidate.path), self.dtype).to(self.device)
-        return controlnet_from_checkpoint(candidate, self.pipe.transformer, self.dtype).to(self.device)
+            controlnet = flux_generation.load_controlnet(str(candidate.path), self.dtype)
+        else:
+            controlnet = flux_generation.controlnet_from_checkpoint(candidate.path, candidate.config_dir,
+                                                                    self.pipe.transformer, self.dtype)
+        return flux.assemble_pipeline(SimpleNamespace(**self.pipe.components), controlnet.to(self.device))
 
 
 def _model_type(key: tuple[str, ...]) -> str:
     return key[-1]
 
 
-def _lora_model(model_type: str) -> str:
-    """The model whose LoRA formats a candidate is read in: Kontext LoRAs are FLUX LoRAs."""
-    return "sdxl" if model_type == "sdxl" else "flux"
+def _edits(model_type: str) -> bool:
+    """Whether the variant edits an input image (its denoiser reads the input's tokens beside the target's)."""
+    return variant_family(model_type).variants[model_type] > 1
 
 
 def evaluate(config: EvalConfig, model_type: str) -> dict[str, Any]:
     """Score the baseline and every candidate; write the tables, plots and samples; return the JSON summary.
     Every candidate is read first, so a damaged file or another model's LoRA is one line before anything
     loads or is written."""
-    if model_type == "flux-kontext" and not config.image:
-        raise UserError("eval flux-kontext scores edits: give --image (the images the prompts edit)")
-    if model_type != "flux-kontext" and config.image:
-        raise UserError("--image is the image FLUX.1 Kontext edits; use eval flux-kontext, or remove it")
-    check_model(model_type, config.model, config.model_config)
-    if model_type != "sdxl" and config.component_files():
-        resolve_base(config.model, model_config=config.model_config, **config.component_files())  # files checked
+    family = variant_family(model_type)
+    edit_variants = [v for v in family.variants if _edits(v)]
+    if _edits(model_type) and not config.image:
+        raise UserError(f"eval {model_type} scores edits: give --image (the images the prompts edit)")
+    if not _edits(model_type) and config.image:
+        use = f"use eval {' or eval '.join(edit_variants)}, or remove it" if edit_variants else "remove it"
+        raise UserError(f"--image is the image an edit model edits; {model_type} generates from the prompt: {use}")
+    check_model(model_type, config.model, config.model_config, config.component_files())
     with tempfile.TemporaryDirectory(prefix="dreamstep-eval-") as work_dir:  # checkpoints written as LoRA files
         candidates = find_candidates(config.weights, Path(work_dir), config.checkpoint_weights)
         for candidate in candidates:
             if candidate.kind == "lora":
-                check_lora(candidate.path, _lora_model(model_type))
+                check_lora(candidate.path, family.name)
         return _score(config, model_type, candidates)
 
 
