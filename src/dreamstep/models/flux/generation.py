@@ -22,6 +22,8 @@ from dreamstep.models.loading import check_model_config, check_pipeline_source, 
 
 # Where a single-file --model takes its other components and configs when --model_config is not given.
 DEFAULT_BASES = {"flux": "black-forest-labs/FLUX.1-dev", "flux-kontext": "black-forest-labs/FLUX.1-Kontext-dev"}
+# The variant whose pipeline takes a ControlNet (dreamstep's ControlNets are FLUX.1's).
+CONTROLNET_VARIANT = "flux"
 # A model without guidance embedding (FLUX.1-schnell) is distilled to a few steps and no guidance.
 UNGUIDED_SAMPLING = {"steps": 4, "guidance_scale": 0.0}
 
