@@ -173,7 +173,7 @@ def sample_parameters(image: Image.Image) -> list[dict[str, Any]]:
 LAYOUT_KEY = "dreamstep_layout"
 # Labels need room: a cell narrower than this (a 64 px sample) is widened with white space, never overlapped (the
 # results inside a composite wrap to their own width instead).
-_LABEL_WIDTH = 150
+LABEL_WIDTH = 150
 
 
 def _wrapped(text: str, width: int, font: Any) -> list[str]:
@@ -225,7 +225,7 @@ def save_image_grid(images: Sequence[Image.Image], path: str | Path, columns: in
     labelled = any(sample_parameters(im) for im in images)
     cell_w = max(im.width for im in images)
     if labelled:
-        cell_w = max(cell_w, _LABEL_WIDTH)
+        cell_w = max(cell_w, LABEL_WIDTH)
     labels = [_cell_labels(im, step, cell_w, font) for im in images]
     lines_per_cell = [max((len(lines) for _, lines in cell), default=0) for cell in labels]
     band = max(lines_per_cell) * _LINE_HEIGHT + 4 if labelled else 0
