@@ -61,7 +61,8 @@ def check_source(source: str, flag: str = "--pretrained_model_name_or_path") -> 
             hint = f" (a {other.title} model: train it with 'dreamstep train {other.name}-lora')" if other else ""
             raise UserError(f"{flag} {source}: holds a {found}{hint}, not Z-Image; give a ZImagePipeline folder "
                             f"such as {configs.BASE_ID}")
-        missing = [p for p in ("transformer", "text_encoder", "tokenizer", "vae", "scheduler") if not (path / p).is_dir()]
+        parts = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler")
+        missing = [part for part in parts if not (path / part).is_dir()]
         if missing:
             raise UserError(f"{flag} {source}: incomplete Z-Image folder, no {', '.join(missing)}/; copy or download "
                             "the whole pipeline folder")
