@@ -33,6 +33,9 @@ class ZImageFamily:
     lycoris_readers = "ComfyUI"
     mindspore_port = False
     variants = {"z-image": 1}
+    commands = {("train", "z-image-lora"): (
+        "Z-Image LoRA (diffusers' train_dreambooth_lora_z_image.py flags; samples with --validation_model Turbo)",
+        "dreamstep.recipes.z_image_lora:train", "dreamstep.config.z_image_lora:ZImageLoraConfig")}
 
     def lora_keys(self, configs: Mapping[str, Mapping] | None) -> ModelKeys:
         from dreamstep.models.z_image.lora_keys import keys_from_configs
