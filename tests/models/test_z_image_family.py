@@ -44,14 +44,17 @@ def test_key_tables_name_every_adapted_layer_of_the_released_model() -> None:
     shapes = weight_shapes("z-image")
     assert shapes == built_released_shapes("z-image")  # the shipped table is the meta-device build's
     keys = family.lora_keys(None)
-    named = {m for entry in keys.maps for m in entry.diffusers}
+    named = {m for entry in keys.maps for m in entry.diffusers if not m.startswith(COMFYUI_PREFIX)}
+    assert {m for entry in keys.maps for m in entry.diffusers} - named == {COMFYUI_PREFIX + m.removeprefix(
+        "transformer.") for m in named if m.startswith("transformer.")}  # ComfyUI's names of the same modules
     assert named <= set(shapes), sorted(named - set(shapes))[:3]
     # Every Linear of every block has a row: 30 main + 2 noise refiner blocks with modulation, 2 context refiners
     # without; q, k, v fused in the released layout.
     blocks = [n for n in shapes if n.startswith(("transformer.layers.", "transformer.noise_refiner.",
                                                   "transformer.context_refiner."))]
     assert set(blocks) <= named
-    assert len([e for e in keys.maps if e.kohya.endswith("attention_qkv")]) == 34
+    assert len({e.kohya for e in keys.maps if e.kohya.endswith("attention_qkv")}) == 34
+    assert keys.by_kohya["lora_unet_layers_0_attention_qkv"].diffusers[0] == "transformer.layers.0.attention.to_q"
     assert shapes["transformer.layers.0.attention.to_q"] == (configs.TRANSFORMER["dim"],) * 2
 
 

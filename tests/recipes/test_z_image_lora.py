@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,8 @@ from PIL import Image
 from safetensors.torch import load_file
 from z_image_testkit import ROBOT_DIR, ROBOT_PROMPT, fixed_noise_loss, load_images, run_train
 
+from dreamstep.cli import main
+from dreamstep.lora.convert import load_lora_as_diffusers
 from dreamstep.models.tiny import write_tiny_model
 from dreamstep.png_text import read_parameters
 
@@ -38,7 +42,7 @@ def trained(tiny_z_image_dir: Path, tiny_turbo_dir: Path, tmp_path_factory: pyte
                      "--lora_layers", "all-linear", "--rank", "8", "--lora_alpha", "4", "--learning_rate", "5e-3",
                      "--max_train_steps", "120", "--validation_prompt", ROBOT_PROMPT, "--num_validation_images", "2",
                      "--validation_inference_steps", "2", "--validation_steps", "60",
-                     "--validation_model", tiny_turbo_dir)
+                     "--validation_model", tiny_turbo_dir, "--save_kohya_format")
     assert code == 0
     return out
 
@@ -73,6 +77,50 @@ def test_both_layouts_load_in_diffusers_and_give_the_same_output(trained: Path, 
         outputs.append(_image(pipe))
     assert np.abs(outputs[0] - base).mean() > 1.0  # the trained LoRA changes the picture
     np.testing.assert_allclose(outputs[1], outputs[0], atol=1.0)  # the ComfyUI file is the same LoRA
+
+
+def test_kohya_file_has_the_released_names_and_the_same_deltas(trained: Path) -> None:
+    kohya = load_file(trained / "pytorch_lora_weights_kohya.safetensors")
+    assert "lora_unet_layers_0_attention_qkv.lora_down.weight" in kohya
+    assert "lora_unet_context_refiner_0_attention_out.lora_up.weight" in kohya
+    assert not any("to_q" in key for key in kohya)
+    back, _ = load_lora_as_diffusers(trained / "pytorch_lora_weights_kohya.safetensors", "z-image")
+    original = load_file(trained / "pytorch_lora_weights.safetensors")
+    for module in ("layers.1.attention.to_k", "noise_refiner.0.feed_forward.w3", "layers.0.adaLN_modulation.0"):
+        key = f"transformer.{module}"
+        delta = original[f"{key}.lora_B.weight"] @ original[f"{key}.lora_A.weight"]
+        torch.testing.assert_close(back[f"{key}.lora_B.weight"] @ back[f"{key}.lora_A.weight"], delta)
+
+
+def test_generate_with_the_lora_changes_the_image(trained: Path, tiny_z_image_dir: Path, tmp_path: Path) -> None:
+    args = ("--model", tiny_z_image_dir, "--prompt", ROBOT_PROMPT, "--steps", "2", "--width", "32", "--height", "32",
+            "--seed", "1")
+    assert main(["generate", "z-image", *map(str, args), "--output_dir", str(tmp_path / "base")]) == 0
+    assert main(["generate", "z-image", *map(str, args), "--output_dir", str(tmp_path / "lora"),
+                 "--lora", str(trained / "pytorch_lora_weights_comfyui.safetensors")]) == 0
+    text, params = read_parameters(tmp_path / "lora" / "00000-1.png")
+    assert params["model_type"] == "z-image" and "CFG scale: 4" in text  # the base's default guidance
+    base, lora = (np.asarray(Image.open(tmp_path / d / "00000-1.png"), float) for d in ("base", "lora"))
+    assert np.abs(base - lora).mean() > 1.0
+
+
+def test_turbo_generates_with_its_own_defaults(tiny_turbo_dir: Path, tmp_path: Path) -> None:
+    assert main(["generate", "z-image", "--model", str(tiny_turbo_dir), "--prompt", ROBOT_PROMPT, "--width", "32",
+                 "--height", "32", "--seed", "0", "--output_dir", str(tmp_path)]) == 0
+    text, params = read_parameters(tmp_path / "00000-0.png")
+    assert "Steps: 9" in text and "CFG scale: 0" in text
+
+
+def test_eval_scores_the_lora_against_the_base(trained: Path, tiny_z_image_dir: Path,
+                                               tiny_evaluators: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    assert main(["eval", "z-image", "--model", str(tiny_z_image_dir), "--weights",
+                 str(trained / "pytorch_lora_weights.safetensors"), "--prompt", ROBOT_PROMPT, "--instance_data_dir",
+                 str(ROBOT_DIR), "--metrics", "clip_i,clip_t", "--output_dir", str(out), "--num_images", "1",
+                 "--steps", "2", "--resolution", "32", "--clip_model", str(tiny_evaluators["clip"])]) == 0
+    rows = {r["label"]: r for r in json.loads((out / "scores.json").read_text())["candidates"]}
+    assert set(rows) == {"base model", "pytorch_lora_weights.safetensors"}
+    assert rows["base model"]["clip_t"] != rows["pytorch_lora_weights.safetensors"]["clip_t"]
 
 
 def test_validation_samples_are_drawn_by_the_validation_model(trained: Path, tiny_turbo_dir: Path) -> None:

@@ -10,7 +10,6 @@ from diffusers import ZImagePipeline
 
 from dreamstep import cli
 from dreamstep.diffusion import flow_matching as fm
-from dreamstep.models.family import get_family
 from dreamstep.models.vae import encode_posterior
 from dreamstep.models.z_image import plumbing
 from dreamstep.models.z_image.step import caption_features, z_image_velocity
@@ -20,12 +19,19 @@ ROBOT_PROMPT = "a photo of sks robot"
 
 
 def run_train(*args: object) -> int:
-    """``dreamstep train z-image-lora *args`` in-process (the command from the family's table until the CLI reads
-    it there)."""
-    key = ("train", "z-image-lora")
-    if key not in cli.COMMANDS:
-        cli.COMMANDS[key] = cli.Command(*get_family("z-image").commands[key])
+    """``dreamstep train z-image-lora *args`` in-process."""
     return cli.main(["train", "z-image-lora", *(str(a) for a in args)])
+
+
+def smallest_run(trainer: str, root: Path) -> dict[str, str]:
+    """The options of a one-step run of ``train z-image-lora`` on the tiny Z-Image (built under ``root``), for the
+    option-contract test."""
+    from dreamstep.models.tiny import write_tiny_model
+
+    model = write_tiny_model("z-image", root / "tiny-z-image", seed=0)
+    return {"pretrained_model_name_or_path": str(model), "output_dir": str(root / "out"), "max_train_steps": "1",
+            "resolution": "32", "report_to": "none", "checkpointing_steps": "0",
+            "instance_data_dir": str(ROBOT_DIR), "instance_prompt": ROBOT_PROMPT}
 
 
 @torch.no_grad()

@@ -12,7 +12,9 @@ plan; an EMA of the LoRA weights; resumable checkpoints; validation samples, dra
 
 Outputs in --output_dir: ``pytorch_lora_weights.safetensors`` (diffusers layout, what
 ``ZImagePipeline.load_lora_weights`` reads), ``pytorch_lora_weights_comfyui.safetensors`` (ComfyUI's layout:
-``diffusion_model.`` + the module names its Z-Image loader maps, which diffusers reads too), with --ema_decay
+``diffusion_model.`` + the module names its Z-Image loader maps, which diffusers reads too), with
+--save_kohya_format ``pytorch_lora_weights_kohya.safetensors`` (``lora_unet_`` + the released checkpoint's module
+names, q, k and v fused into ``attention_qkv``), with --ema_decay
 ``pytorch_lora_weights_ema.safetensors``, ``samples/``, ``loss_curve.png``, TensorBoard event files,
 ``checkpoint-N/``, ``cache/`` and ``config.toml``.
 """
@@ -48,6 +50,7 @@ from dreamstep.engine.summary import print_run_summary
 from dreamstep.errors import UserError
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.files import honour_umask
+from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import TrainableState, add_lora, save_flux_lora
 from dreamstep.lora.io import write_lora_file
 from dreamstep.models import parking
@@ -69,6 +72,7 @@ FOLDER_FLAG = "instance_data_dir"  # the flag an image folder is read from (the 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 COMFYUI_WEIGHT_NAME = "pytorch_lora_weights_comfyui.safetensors"
 EMA_WEIGHT_NAME = "pytorch_lora_weights_ema.safetensors"
+KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"  # the released layout's names, q, k, v fused
 
 
 def training_datasets(config: ZImageLoraConfig) -> list[DatasetConfig]:
@@ -233,6 +237,10 @@ def train(config: ZImageLoraConfig) -> FinishedRun | None:
         written["LoRA (diffusers)"] = save_flux_lora(config.output_dir, transformer, weight_name=LORA_WEIGHT_NAME)
         written["LoRA (ComfyUI)"] = save_comfyui_lora(written["LoRA (diffusers)"],
                                                       Path(config.output_dir) / COMFYUI_WEIGHT_NAME)
+        if config.save_kohya_format:
+            kohya_path = Path(config.output_dir) / KOHYA_WEIGHT_NAME
+            convert_lora(written["LoRA (diffusers)"], kohya_path, to="kohya", model=FAMILY.name, overwrite=True)
+            written["LoRA (Kohya)"] = kohya_path
         if ema is not None:
             with ema.swapped_in():
                 written["LoRA (EMA)"] = save_flux_lora(config.output_dir, transformer, weight_name=EMA_WEIGHT_NAME)

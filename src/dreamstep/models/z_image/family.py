@@ -11,6 +11,7 @@ from dreamstep.errors import UserError
 if TYPE_CHECKING:
     import torch
     from diffusers import DiffusionPipeline
+    from PIL import Image
     from torch import nn
 
     from dreamstep.models.lora_keys import ModelKeys
@@ -33,9 +34,16 @@ class ZImageFamily:
     lycoris_readers = "ComfyUI"
     mindspore_port = False
     variants = {"z-image": 1}
-    commands = {("train", "z-image-lora"): (
-        "Z-Image LoRA (diffusers' train_dreambooth_lora_z_image.py flags; samples with --validation_model Turbo)",
-        "dreamstep.recipes.z_image_lora:train", "dreamstep.config.z_image_lora:ZImageLoraConfig")}
+    commands = {
+        ("train", "z-image-lora"): (
+            "Z-Image LoRA (diffusers' train_dreambooth_lora_z_image.py flags; samples with --validation_model Turbo)",
+            "dreamstep.recipes.z_image_lora:train", "dreamstep.config.z_image_lora:ZImageLoraConfig"),
+        ("generate", "z-image"): ("generate images with Z-Image or Z-Image Turbo (+ LoRAs)",
+                                  "dreamstep.commands.generate:run",
+                                  "dreamstep.config.z_image_generate:ZImageGenerateConfig"),
+        ("eval", "z-image"): ("score Z-Image LoRAs / checkpoints against the base model",
+                              "dreamstep.commands.evaluate", None),
+    }
 
     def lora_keys(self, configs: Mapping[str, Mapping] | None) -> ModelKeys:
         from dreamstep.models.z_image.lora_keys import keys_from_configs
@@ -72,6 +80,31 @@ class ZImageFamily:
         from dreamstep.models.z_image import configs
 
         return {"transformer": dict(configs.TRANSFORMER), "text_encoder": dict(configs.TEXT_ENCODER)}
+
+    def check_generation_model(self, variant: str, model: str, model_config: str | None,
+                               component_files: Mapping[str, str]) -> None:
+        from dreamstep.models.z_image.generation import check_model
+
+        if model_config is not None:
+            raise UserError("--model_config: Z-Image loads from its diffusers folder or hub id alone; remove it")
+        check_model(model)
+
+    def generation_pipeline(self, variant: str, model: str, *, model_config: str | None, dtype: torch.dtype,
+                            component_files: Mapping[str, str], controlnet: Any | None) -> DiffusionPipeline:
+        from dreamstep.models.z_image.generation import pipeline
+
+        if controlnet is not None:
+            raise UserError("--controlnet: dreamstep has no Z-Image ControlNet; remove it")
+        return pipeline(model, dtype)
+
+    def sampling_defaults(self, variant: str, pipe: DiffusionPipeline, images: Sequence[Image.Image]
+                          ) -> dict[str, Any]:
+        from dreamstep.models.z_image.generation import sampling_defaults
+
+        return sampling_defaults(pipe, images)
+
+    def image_inputs(self, variant: str, images: Sequence[Image.Image], width: int, height: int) -> dict[str, Any]:
+        return {}
 
     def build_tiny(self, variant: str, *, seed: int, guidance_embeds: bool) -> DiffusionPipeline:
         from dreamstep.models.z_image.tiny import build_tiny_z_image

@@ -58,7 +58,11 @@ def z_image_keys(transformer: Mapping | None = None,
                 maps.append(ModuleMap(kohya_name("lora_unet", f"{group}.{i}.{released}"),
                                       tuple(f"transformer.{group}.{i}.{p}" for p in parts),
                                       FUSED_ROWS.get(released, (1,))))
-    maps += text_encoder_maps("lora_te1", "text_encoder", QWEN3_LAYER, text_layers)
+    # ComfyUI's names of the same modules (its layout is diffusers' under another prefix), first: a Kohya name
+    # converts to the diffusers names that follow them.
+    aliases = [ModuleMap(m.kohya, tuple(COMFYUI_PREFIX + d.removeprefix("transformer.") for d in m.diffusers), m.rows)
+               for m in maps]
+    maps = aliases + maps + text_encoder_maps("lora_te1", "text_encoder", QWEN3_LAYER, text_layers)
     return ModelKeys("z-image", f"Z-Image transformer with {cfg['n_layers']} blocks and "
                                 f"{cfg['n_refiner_layers']} + {cfg['n_refiner_layers']} refiners", tuple(maps))
 
