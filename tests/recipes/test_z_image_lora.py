@@ -3,9 +3,8 @@ diffusers and the ComfyUI layout), samples drawn with --validation_model, and on
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
