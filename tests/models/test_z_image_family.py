@@ -56,6 +56,8 @@ def test_key_tables_name_every_adapted_layer_of_the_released_model() -> None:
     assert len({e.kohya for e in keys.maps if e.kohya.endswith("attention_qkv")}) == 34
     assert keys.by_kohya["lora_unet_layers_0_attention_qkv"].diffusers[0] == "transformer.layers.0.attention.to_q"
     assert shapes["transformer.layers.0.attention.to_q"] == (configs.TRANSFORMER["dim"],) * 2
+    # ComfyUI's file names the same layers (lora info checks it against these shapes).
+    assert shapes[f"{COMFYUI_PREFIX}layers.0.feed_forward.w1"] == shapes["transformer.layers.0.feed_forward.w1"]
 
 
 def test_pipeline_classes_and_lora_names_tell_z_image() -> None:

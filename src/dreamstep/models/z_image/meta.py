@@ -47,14 +47,17 @@ def training_pass(transformer: nn.Module, *, resolution: int, batch: int, text_t
 
 
 def released_components(configs_: Mapping[str, Mapping]) -> dict[str, nn.Module]:
-    """The transformer and the Qwen3 text encoder built empty from ``configs_``."""
+    """The transformer and the Qwen3 text encoder built empty from ``configs_``, the transformer also under the
+    name ComfyUI's files give it (``diffusion_model``)."""
     from accelerate import init_empty_weights
     from diffusers import ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
     with init_empty_weights():
-        return {"transformer": ZImageTransformer2DModel.from_config(_clean(configs_["transformer"])),
-                "text_encoder": Qwen3Model(Qwen3Config(**_clean(configs_["text_encoder"])))}
+        transformer = ZImageTransformer2DModel.from_config(_clean(configs_["transformer"]))
+        text_encoder = Qwen3Model(Qwen3Config(**_clean(configs_["text_encoder"])))
+    # The transformer under ComfyUI's prefix too: its files name the same modules so (lora_keys.COMFYUI_PREFIX).
+    return {"transformer": transformer, "text_encoder": text_encoder, "diffusion_model": transformer}
 
 
 def _clean(config: Mapping) -> dict:
