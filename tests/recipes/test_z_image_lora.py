@@ -1,5 +1,5 @@
 """``dreamstep train z-image-lora`` on the tiny Z-Image: learning, the files diffusers' ZImagePipeline loads (the
-diffusers and the ComfyUI layout), samples drawn with --validation_model, and one-line errors for bad input."""
+diffusers and the ComfyUI layout), samples drawn with --validation_model_path, and one-line errors for bad input."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def trained(tiny_z_image_dir: Path, tiny_turbo_dir: Path, tmp_path_factory: pyte
                      "--lora_layers", "all-linear", "--rank", "8", "--lora_alpha", "4", "--learning_rate", "5e-3",
                      "--max_train_steps", "120", "--validation_prompt", ROBOT_PROMPT, "--num_validation_images", "2",
                      "--validation_inference_steps", "2", "--validation_steps", "60",
-                     "--validation_model", tiny_turbo_dir, "--save_kohya_format")
+                     "--validation_model_path", tiny_turbo_dir, "--save_kohya_format")
     assert code == 0
     return out
 
@@ -122,7 +122,7 @@ def test_eval_scores_the_lora_against_the_base(trained: Path, tiny_z_image_dir: 
     assert rows["base model"]["clip_t"] != rows["pytorch_lora_weights.safetensors"]["clip_t"]
 
 
-def test_validation_samples_are_drawn_by_the_validation_model(trained: Path, tiny_turbo_dir: Path) -> None:
+def test_validation_samples_are_drawn_by_the_validation_model_path(trained: Path, tiny_turbo_dir: Path) -> None:
     for name in ("samples/validation-000060.png", "samples/final-000120.png", "loss_curve.png", "config.toml"):
         assert (trained / name).is_file(), name
     text, parameters = read_parameters(trained / "samples/validation-000060.png")
@@ -140,14 +140,14 @@ def test_turbo_as_the_base_is_named_once_with_the_base_to_use(tiny_turbo_dir: Pa
     err = capsys.readouterr()
     said = err.out + err.err
     assert said.count("breaks the distillation") == 1
-    assert "Tongyi-MAI/Z-Image," in said and f"--validation_model {tiny_turbo_dir}" in said
+    assert "Tongyi-MAI/Z-Image," in said and f"--validation_model_path {tiny_turbo_dir}" in said
 
 
 @pytest.mark.parametrize(("args", "message"), [
     (("--resolution", "40"), "--resolution must be a multiple of 16"),
-    (("--validation_model", "nowhere/at-all/x"), "--validation_model nowhere/at-all/x: no such folder"),
+    (("--validation_model_path", "nowhere/at-all/x"), "--validation_model_path nowhere/at-all/x: no such folder"),
     (("--lora_layers", "to_z"), "--lora_layers: 'to_z' matches no linear layer of the Z-Image transformer"),
-    (("--validation_model", "x"), "--validation_model has no effect without --validation_prompt"),
+    (("--validation_model_path", "x"), "--validation_model_path has no effect without --validation_prompt"),
 ])
 def test_bad_flags_are_one_line_before_anything_is_written(tiny_z_image_dir: Path, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture, args: tuple[str, ...],

@@ -1,6 +1,6 @@
 """Options of ``dreamstep train z-image-lora``: the flags of diffusers' ``train_dreambooth_lora_z_image.py``
 (instance / class images, LoRA shape and layers, the flow-matching weighting) on top of the options every
-flow-matching trainer shares, and ``--validation_model``: the checkpoint that draws the validation samples (Z-Image
+flow-matching trainer shares, and ``--validation_model_path``: the checkpoint that draws the validation samples (Z-Image
 Turbo, while the LoRA trains on the base)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class ZImageLoraConfig(LoraOptions, ImageDataOptions, MaskedLossOptions, PromptV
     center_crop: bool = option(False, "center-crop to --resolution (default: random crop)")
     validation_data_dir: Optional[str] = option(None, "folder of held-out images of the subject for the validation "
                                                       "loss (captioned like the instance images)")
-    validation_model: Optional[str] = option(
+    validation_model_path: Optional[str] = option(
         None, "draw the validation samples with this Z-Image checkpoint's transformer and scheduler (a folder or "
               "hub id, e.g. Tongyi-MAI/Z-Image-Turbo) carrying the LoRA being trained; default: the base")
     validation_inference_steps: Optional[int] = option(  # type: ignore[assignment]
@@ -63,7 +63,7 @@ class ZImageLoraConfig(LoraOptions, ImageDataOptions, MaskedLossOptions, PromptV
             refuse_unused(self, ("class_data_dir", "class_prompt", "num_class_images"),
                           "without --with_prior_preservation")
         if not self.validation_prompt:
-            refuse_unused(self, ("validation_model", "validation_guidance_scale"), "without --validation_prompt")
+            refuse_unused(self, ("validation_model_path", "validation_guidance_scale"), "without --validation_prompt")
 
     def may_hold_out_images(self) -> bool:
         return super().may_hold_out_images() or self.validation_data_dir is not None

@@ -7,7 +7,7 @@ module names); the script's step (the VAE posterior's mode, the reversed timeste
 their own length, the negated prediction) with the SD3 weightings and sd-scripts' timestep sampling and loss
 types; captions encoded by Qwen3 before the transformer loads, the encoder then freed from the device; latents and
 caption features cached by content; quantized base (int8/fp8/nf4), block swap, gradient checkpointing, the memory
-plan; an EMA of the LoRA weights; resumable checkpoints; validation samples, drawn with ``--validation_model``
+plan; an EMA of the LoRA weights; resumable checkpoints; validation samples, drawn with ``--validation_model_path``
 (Z-Image Turbo: 9 steps, no guidance) carrying the LoRA that trains on the base, and the evaluation.
 
 Outputs in --output_dir: ``pytorch_lora_weights.safetensors`` (diffusers layout, what
@@ -109,12 +109,12 @@ def plan_inputs(config: ZImageLoraConfig, dataset_configs: list[DatasetConfig], 
 
 
 def check_base(config: ZImageLoraConfig) -> dict[str, Any]:
-    """Every model flag checked before anything is written or loads: the base (and --validation_model) are Z-Image
+    """Every model flag checked before anything is written or loads: the base (and --validation_model_path) are Z-Image
     folders or hub ids, --blocks_to_swap fits the transformer; a distilled base is named once with the base to use.
     Returns the transformer's config."""
     zi.check_source(config.pretrained_model_name_or_path)
-    if config.validation_model is not None:
-        zi.check_source(config.validation_model, "--validation_model")
+    if config.validation_model_path is not None:
+        zi.check_source(config.validation_model_path, "--validation_model_path")
     found = zi.transformer_config(config.pretrained_model_name_or_path, config.revision)
     check_blocks_to_swap(config.blocks_to_swap, found["n_layers"] + 2 * found["n_refiner_layers"])
     if configs.is_distilled(config.pretrained_model_name_or_path):
@@ -122,7 +122,7 @@ def check_base(config: ZImageLoraConfig) -> dict[str, Any]:
             f"warning: --pretrained_model_name_or_path {config.pretrained_model_name_or_path} is Z-Image Turbo, a "
             f"distilled model: a LoRA trained on it breaks the distillation (its samples lose the 8-step quality). "
             f"Train on the base, {configs.BASE_ID}, and draw the validation samples with Turbo: "
-            f"--validation_model {config.pretrained_model_name_or_path}")
+            f"--validation_model_path {config.pretrained_model_name_or_path}")
     return found
 
 
@@ -265,13 +265,13 @@ def _check_class_images(config: ZImageLoraConfig) -> None:
 
 class _Sampler:
     """The validation samples: the prompt's caption features (and the empty prompt's, for guidance) encoded now,
-    drawn later by the base's transformer carrying the LoRA, or with ``--validation_model`` by that checkpoint's
+    drawn later by the base's transformer carrying the LoRA, or with ``--validation_model_path`` by that checkpoint's
     weights swapped into it for the draw (same architecture; the LoRA layers stay) and its scheduler."""
 
     def __init__(self, config: ZImageLoraConfig, base: zi.ZImageComponents, conditioner: zi.ZImageConditioner):
         self.config = config
         self.base = base
-        self.model = config.validation_model or config.pretrained_model_name_or_path
+        self.model = config.validation_model_path or config.pretrained_model_name_or_path
         distilled = configs.is_distilled(self.model)
         recommended = configs.TURBO_SAMPLING if distilled else configs.BASE_SAMPLING
         self.steps = config.validation_inference_steps or recommended["steps"]
@@ -281,8 +281,8 @@ class _Sampler:
         self.negative = conditioner.prompts([""]) if self.guidance > 0 else None
         self.weights: dict[str, torch.Tensor] | None = None
         self.scheduler = base.scheduler
-        if config.validation_model is not None:
-            other, self.scheduler = zi.load_sampling_model(config.validation_model, revision=None, variant=None,
+        if config.validation_model_path is not None:
+            other, self.scheduler = zi.load_sampling_model(config.validation_model_path, revision=None, variant=None,
                                                            mixed_precision=config.mixed_precision)
             self.weights = other.state_dict()
 
@@ -290,7 +290,7 @@ class _Sampler:
         was_training = transformer.training
         transformer.eval()
         try:
-            with self._weights_of_the_validation_model(transformer):
+            with self._weights_of_the_validation_model_path(transformer):
                 pipe = zi.ZImageComponents(scheduler=self.scheduler, vae=self.base.vae,
                                            text_encoder=self.base.text_encoder, tokenizer=self.base.tokenizer,
                                            ).pipeline(transformer)
@@ -305,7 +305,7 @@ class _Sampler:
         return images
 
     @contextlib.contextmanager
-    def _weights_of_the_validation_model(self, transformer: torch.nn.Module) -> Iterator[None]:
+    def _weights_of_the_validation_model_path(self, transformer: torch.nn.Module) -> Iterator[None]:
         """The validation model's frozen weights in the transformer's place (each on the device its own is on, so
         swapped blocks stay swapped), the base's back afterwards."""
         if self.weights is None:
@@ -322,9 +322,9 @@ class _Sampler:
                 param.data = kept[name]
 
     def labelled(self, images: list[Image.Image]) -> list[Image.Image]:
-        """With --validation_model, each sample with a band that names the model that drew it (the grid's PNG
+        """With --validation_model_path, each sample with a band that names the model that drew it (the grid's PNG
         text names it in any case)."""
-        if self.config.validation_model is None:
+        if self.config.validation_model_path is None:
             return images
         return [_with_band(image, f"drawn by {Path(self.model).name} + LoRA") for image in images]
 

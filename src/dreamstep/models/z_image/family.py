@@ -36,7 +36,7 @@ class ZImageFamily:
     variants = {"z-image": 1}
     commands = {
         ("train", "z-image-lora"): (
-            "Z-Image LoRA (diffusers' train_dreambooth_lora_z_image.py flags; samples with --validation_model Turbo)",
+            "Z-Image LoRA (train_dreambooth_lora_z_image.py's flags; --validation_model_path samples with Turbo)",
             "dreamstep.recipes.z_image_lora:train", "dreamstep.config.z_image_lora:ZImageLoraConfig"),
         ("generate", "z-image"): ("generate images with Z-Image or Z-Image Turbo (+ LoRAs)",
                                   "dreamstep.commands.generate:run",

@@ -240,8 +240,9 @@ def _features(encoded: dict[str, torch.Tensor], dtype: torch.dtype) -> list[torc
 
 def load_sampling_model(source: str, *, revision: str | None, variant: str | None, mixed_precision: str
                         ) -> tuple[torch.nn.Module, Any]:
-    """Another Z-Image checkpoint's transformer and scheduler (``--validation_model``: the distilled Turbo that draws
-    the validation samples with the LoRA being trained on the base), frozen in the run's dtype, in host memory."""
+    """Another Z-Image checkpoint's transformer and scheduler (``--validation_model_path``: the distilled Turbo that
+    draws the validation samples with the LoRA being trained on the base), frozen in the run's dtype, in host
+    memory."""
     dtype = weight_dtype_for(mixed_precision)
     transformer = _from_pretrained(ZImageTransformer2DModel, source, subfolder="transformer", revision=revision,
                                    variant=variant, **{_DTYPE_KWARG: dtype})
