@@ -6,15 +6,22 @@ chat template and reads the encoder's second-to-last hidden state)."""
 from __future__ import annotations
 
 from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+from tokenizers import AddedToken
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
 from dreamstep.models.tiny import seeded, tiny_vae, to_eval
 from dreamstep.models.z_image import configs
 
-# Words merged whole in the tiny vocabulary, so test prompts tokenize into a few tokens.
-_WORDS = ("a", "photo", "of", "sks", "dog", "cat", "person", "the", "in", "on", "style", "red", "blue", "user",
-          "assistant", "with", "and")
+# Words merged whole in the tiny vocabulary (with and without a leading space), so prompts tokenize into a few
+# tokens.
+WORDS = ("a", "photo", "of", "sks", "dog", "cat", "person", "the", "in", "on", "style", "red", "blue", "with", "and",
+         "robot")
+# Whole tokens as in Qwen's vocabulary: the chat roles, and the words of Krea 2's system prompt, so that it is the 34
+# tokens (and the assistant's opening the 5) its pipeline cuts off, as with Qwen's own tokenizer.
+WHOLE_TOKENS = ("system", "user", "assistant", "Describe", " the", " image", " by", " detailing", " color", " shape",
+                " size", " texture", " quantity", " text", " spatial", " relationships", " of", " objects", " and",
+                " background")
 _SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen3's chat layout (the part ZImagePipeline uses: one user turn, then the assistant's turn opened).
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -22,20 +29,20 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
 
 
 def _vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Byte-level symbols, the merges of :data:`_WORDS` (with and without their leading space), then specials."""
+    """Byte-level symbols, the merges of :data:`WORDS` (those with a leading space first, so that a word after a
+    space becomes one token too), then specials."""
     tokens = sorted(ByteLevel.alphabet())
     merges: list[tuple[str, str]] = []
-    for word in _WORDS:
-        for text in (word, " " + word):
-            pieces = ["Ġ" if c == " " else c for c in text]
-            while len(pieces) > 1:
-                merge = (pieces[0], pieces[1])
-                merged = pieces[0] + pieces[1]
-                if merge not in merges:
-                    merges.append(merge)
-                if merged not in tokens:
-                    tokens.append(merged)
-                pieces = [merged] + pieces[2:]
+    for text in [" " + word for word in WORDS] + list(WORDS):
+        pieces = ["Ġ" if c == " " else c for c in text]
+        while len(pieces) > 1:
+            merge = (pieces[0], pieces[1])
+            merged = pieces[0] + pieces[1]
+            if merge not in merges:
+                merges.append(merge)
+            if merged not in tokens:
+                tokens.append(merged)
+            pieces = [merged] + pieces[2:]
     tokens += list(_SPECIALS)
     return {token: i for i, token in enumerate(tokens)}, merges
 
@@ -46,6 +53,7 @@ def build_qwen_tokenizer() -> Qwen2Tokenizer:
     vocab, merges = _vocab_and_merges()
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=["<|im_start|>", "<|im_end|>"],
                                model_max_length=32768)
+    tokenizer.add_tokens([AddedToken(token, normalized=False) for token in WHOLE_TOKENS])
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
