@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,24 +75,63 @@ EMA_WEIGHT_NAME = "pytorch_lora_weights_ema.safetensors"
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"  # the released layout's names, q, k, v fused
 
 
-def training_datasets(config: ZImageLoraConfig) -> list[DatasetConfig]:
+@dataclass(frozen=True)
+class DitLora:
+    """What a LoRA trainer of a single-stream DiT with one Qwen text encoder (Z-Image; Krea 2 reuses it) needs of its
+    family: the family and how its folders load (``kind``), its step and conditioner, how it samples
+    (``generate``, :func:`~dreamstep.models.z_image.plumbing.generate`'s signature), its distilled checkpoint
+    (``is_distilled``, its name, the base to train on instead, each one's recommended (steps, guidance)), its
+    repeated blocks, its LoRA targets and ComfyUI names, and the pipeline config's settings to keep."""
+
+    family: Any
+    kind: zi.Kind
+    step_class: type
+    conditioner_class: type
+    generate: Callable[..., list[Image.Image]]
+    is_distilled: Callable[[str], bool]
+    distilled_title: str
+    base_id: str
+    distilled_sampling: dict[str, float]
+    base_sampling: dict[str, float]
+    block_count: Callable[[dict[str, Any]], int]
+    lora_targets: Callable[[torch.nn.Module, list[str]], list[str]]
+    comfyui_state_dict: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]
+    pipeline_options: tuple[str, ...] = ()
+
+    @property
+    def command(self) -> str:
+        return f"train {self.family.name}-lora"
+
+
+Z_IMAGE = DitLora(
+    family=FAMILY, kind=zi.Z_IMAGE, step_class=ZImageFlowMatchingStep, conditioner_class=zi.ZImageConditioner,
+    generate=zi.generate, is_distilled=configs.is_distilled, distilled_title="Z-Image Turbo",
+    base_id=configs.BASE_ID, distilled_sampling=configs.TURBO_SAMPLING, base_sampling=configs.BASE_SAMPLING,
+    block_count=lambda found: found["n_layers"] + 2 * found["n_refiner_layers"],
+    lora_targets=z_image_lora_targets, comfyui_state_dict=lambda state, _config: comfyui_state_dict(state))
+
+
+def training_datasets(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> list[DatasetConfig]:
     """What the run trains on: its dataset TOML, or the instance (and class) folders."""
     class_dir = config.class_data_dir if config.class_images_to_generate else None
     if class_dir is not None:
         _check_class_images(config)
-    return dreambooth_datasets(config, class_dir, COMMAND)
+    return dreambooth_datasets(config, class_dir, spec.command)
 
 
 @dataclass(frozen=True)
-class ZImageRunPlan(RunPlan):
-    """A run plan whose base is checked as a Z-Image folder (one line naming the flag)."""
+class DitRunPlan(RunPlan):
+    """A run plan whose base is checked as a folder of its family (one line naming the flag)."""
+
+    kind: zi.Kind = zi.Z_IMAGE
 
     def check_source(self) -> None:
         if self.source is not None:
-            zi.check_source(self.source)
+            zi.check_source(self.source, kind=self.kind)
 
 
-def plan_inputs(config: ZImageLoraConfig, dataset_configs: list[DatasetConfig], encodes_in_the_loop: bool) -> RunPlan:
+def plan_inputs(config: ZImageLoraConfig, dataset_configs: list[DatasetConfig], encodes_in_the_loop: bool,
+                spec: DitLora = Z_IMAGE) -> RunPlan:
     """The memory plan's inputs (the largest resolution and batch of the datasets); ``encodes_in_the_loop``: the
     loop encodes random crops itself, so the VAE stays on the device."""
     resolution = max(round(math.prod(d.buckets.resolution) ** 0.5) for d in dataset_configs)
@@ -104,52 +143,52 @@ def plan_inputs(config: ZImageLoraConfig, dataset_configs: list[DatasetConfig], 
         encoders_on_device=not config.cache_latents or encodes_in_the_loop, blocks_to_swap=config.blocks_to_swap,
         optimizer=config.optimizer, weight_dtype=weight_dtype_for(config.mixed_precision),
         max_sequence_length=config.max_sequence_length, validation_images=bool(config.validation_prompt))
-    return ZImageRunPlan(FAMILY.name, config.pretrained_model_name_or_path, options,
-                         {"lora_layers": config.lora_layers})
+    return DitRunPlan(spec.family.name, config.pretrained_model_name_or_path, options,
+                      {"lora_layers": config.lora_layers}, kind=spec.kind)
 
 
-def check_base(config: ZImageLoraConfig) -> dict[str, Any]:
-    """Every model flag checked before anything is written or loads: the base (and --validation_model_path) are Z-Image
-    folders or hub ids, --blocks_to_swap fits the transformer; a distilled base is named once with the base to use.
-    Returns the transformer's config."""
-    zi.check_source(config.pretrained_model_name_or_path)
+def check_base(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> dict[str, Any]:
+    """Every model flag checked before anything is written or loads: the base (and --validation_model_path) are
+    folders or hub ids of the family, --blocks_to_swap fits the transformer; a distilled base is named once with
+    the base to use. Returns the transformer's config."""
+    zi.check_source(config.pretrained_model_name_or_path, kind=spec.kind)
     if config.validation_model_path is not None:
-        zi.check_source(config.validation_model_path, "--validation_model_path")
-    found = zi.transformer_config(config.pretrained_model_name_or_path, config.revision)
-    check_blocks_to_swap(config.blocks_to_swap, found["n_layers"] + 2 * found["n_refiner_layers"])
-    if configs.is_distilled(config.pretrained_model_name_or_path):
+        zi.check_source(config.validation_model_path, "--validation_model_path", kind=spec.kind)
+    found = zi.transformer_config(config.pretrained_model_name_or_path, config.revision, kind=spec.kind)
+    check_blocks_to_swap(config.blocks_to_swap, spec.block_count(found))
+    if spec.is_distilled(config.pretrained_model_name_or_path):
         say_before_the_run(
-            f"warning: --pretrained_model_name_or_path {config.pretrained_model_name_or_path} is Z-Image Turbo, a "
-            f"distilled model: a LoRA trained on it breaks the distillation (its samples lose the 8-step quality). "
-            f"Train on the base, {configs.BASE_ID}, and draw the validation samples with Turbo: "
-            f"--validation_model_path {config.pretrained_model_name_or_path}")
+            f"warning: --pretrained_model_name_or_path {config.pretrained_model_name_or_path} is "
+            f"{spec.distilled_title}, a distilled model: a LoRA trained on it breaks the distillation (its samples "
+            f"lose the few-step quality). Train on the base, {spec.base_id}, and draw the validation samples with "
+            f"the distilled model: --validation_model_path {config.pretrained_model_name_or_path}")
     return found
 
 
-def train(config: ZImageLoraConfig) -> FinishedRun | None:
+def train(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder and image and the optimizer, before a model loads.
     source = config.pretrained_model_name_or_path
-    check_base(config)
+    check_base(config, spec)
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir,
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
     check_optimization(**config.optimization())
-    datasets = training_datasets(config)
+    datasets = training_datasets(config, spec)
     image_dirs = [s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None]
     latent_cache, text_cache = zi.training_caches(
         config.cache_root(), source, revision=config.revision, variant=config.variant,
         mixed_precision=config.mixed_precision, max_sequence_length=config.max_sequence_length,
-        cache_latents=config.cache_latents, image_dirs=image_dirs)
+        cache_latents=config.cache_latents, image_dirs=image_dirs, kind=spec.kind)
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
                                              latent_cache=latent_cache, text_cache=text_cache)
     scorer = load_scorer(config)
-    print_run_plan(plan_inputs(config, datasets, dataset.encodes_in_the_loop()), config.device_memory)
+    print_run_plan(plan_inputs(config, datasets, dataset.encodes_in_the_loop(), spec), config.device_memory)
     if config.dry_run:
         return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config), command=f"dreamstep {COMMAND}",
+                    config_toml=config_to_toml(config), command=f"dreamstep {spec.command}",
                     overwrite=config.overwrite_output_dir, allow_tf32=config.allow_tf32)
 
     # 2. Data: bucketed samples, posteriors and caption features from the content-keyed caches; the step counts.
@@ -161,11 +200,12 @@ def train(config: ZImageLoraConfig) -> FinishedRun | None:
     # transformer loads; then Qwen3 waits in host memory, and the VAE too when the latents are cached.
     base = zi.load_encoders(source, revision=config.revision, variant=config.variant,
                             mixed_precision=config.mixed_precision,
-                            text_encoder_quantization=config.text_encoder_quantization)
-    conditioner = zi.ZImageConditioner(base, latent_cache=latent_cache, text_cache=text_cache,
+                            text_encoder_quantization=config.text_encoder_quantization, kind=spec.kind,
+                            pipeline_options=spec.pipeline_options)
+    conditioner = spec.conditioner_class(base, latent_cache=latent_cache, text_cache=text_cache,
                                        max_sequence_length=config.max_sequence_length, device=run.device)
     zi.encode_run(conditioner, dataset, held_out, epochs=plan.num_epochs)
-    sampler = _Sampler(config, base, conditioner) if config.validation_prompt else None
+    sampler = _Sampler(config, base, conditioner, spec) if config.validation_prompt else None
     vae_in_the_loop = latent_cache is None or dataset.encodes_in_the_loop()
     encoders = parking.ParkedModules({"text_encoder": base.text_encoder,
                                       **({} if vae_in_the_loop else {"vae": base.vae})}, run.device)
@@ -177,9 +217,10 @@ def train(config: ZImageLoraConfig) -> FinishedRun | None:
     # 4. Load: the transformer frozen in the --mixed_precision dtype (quantized as asked); LoRA weights in fp32.
     transformer = zi.load_transformer(source, revision=config.revision, variant=config.variant,
                                       mixed_precision=config.mixed_precision, device=run.device,
-                                      base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
+                                      base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0,
+                                      kind=spec.kind)
     base.transformer = transformer
-    add_lora(transformer, z_image_lora_targets(transformer, config.lora_layers), config.rank, config.alpha,
+    add_lora(transformer, spec.lora_targets(transformer, config.lora_layers), config.rank, config.alpha,
              config.lora_dropout)
     cast_trainable_params_to_fp32(transformer)
     if config.gradient_checkpointing:
@@ -198,7 +239,7 @@ def train(config: ZImageLoraConfig) -> FinishedRun | None:
                                       power=config.lr_power)
     ema = weight_average(transformer, config.ema_options())
     model, optimizer = run.accelerator.prepare(transformer, optimizer, device_placement=[swapper is None, True])
-    step = ZImageFlowMatchingStep(
+    step = spec.step_class(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
         length_of_dataloader=len(loader), sigmas=zi.training_sigmas(base.scheduler),
@@ -206,7 +247,7 @@ def train(config: ZImageLoraConfig) -> FinishedRun | None:
     print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(transformer,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
-                      tokenizers={"Qwen3": (base.tokenizer, config.max_sequence_length)})
+                      tokenizers={"Qwen": (base.tokenizer, config.max_sequence_length)})
 
     # 6. Loop: the engine trains, checkpoints and validates (samples, then the validation loss and scores).
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
@@ -235,11 +276,12 @@ def train(config: ZImageLoraConfig) -> FinishedRun | None:
     written: dict[str, Path | None] = {}
     if run.is_main_process:
         written["LoRA (diffusers)"] = save_flux_lora(config.output_dir, transformer, weight_name=LORA_WEIGHT_NAME)
-        written["LoRA (ComfyUI)"] = save_comfyui_lora(written["LoRA (diffusers)"],
-                                                      Path(config.output_dir) / COMFYUI_WEIGHT_NAME)
+        written["LoRA (ComfyUI)"] = save_comfyui_lora(
+            written["LoRA (diffusers)"], Path(config.output_dir) / COMFYUI_WEIGHT_NAME,
+            lambda state: spec.comfyui_state_dict(state, transformer.config))
         if config.save_kohya_format:
             kohya_path = Path(config.output_dir) / KOHYA_WEIGHT_NAME
-            convert_lora(written["LoRA (diffusers)"], kohya_path, to="kohya", model=FAMILY.name, overwrite=True)
+            convert_lora(written["LoRA (diffusers)"], kohya_path, to="kohya", model=spec.family.name, overwrite=True)
             written["LoRA (Kohya)"] = kohya_path
         if ema is not None:
             with ema.swapped_in():
@@ -247,9 +289,11 @@ def train(config: ZImageLoraConfig) -> FinishedRun | None:
     return finish(run, written, result, hooks, best_by=config.best_metric(held_out is not None))
 
 
-def save_comfyui_lora(diffusers_file: Path, path: Path) -> Path:
-    """The diffusers-layout file (alpha already folded into lora_B) under ComfyUI's Z-Image names, no header."""
-    write_lora_file(path, comfyui_state_dict(load_file(str(diffusers_file))), {}, "safetensors")
+def save_comfyui_lora(diffusers_file: Path, path: Path,
+                      rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> Path:
+    """The diffusers-layout file (alpha already folded into lora_B) under ComfyUI's names (``rename``), no
+    header."""
+    write_lora_file(path, rename(load_file(str(diffusers_file))), {}, "safetensors")
     honour_umask(path)
     return path
 
@@ -268,12 +312,13 @@ class _Sampler:
     drawn later by the base's transformer carrying the LoRA, or with ``--validation_model_path`` by that checkpoint's
     weights swapped into it for the draw (same architecture; the LoRA layers stay) and its scheduler."""
 
-    def __init__(self, config: ZImageLoraConfig, base: zi.ZImageComponents, conditioner: zi.ZImageConditioner):
+    def __init__(self, config: ZImageLoraConfig, base: zi.ZImageComponents, conditioner: zi.ZImageConditioner,
+                 spec: DitLora):
         self.config = config
         self.base = base
+        self.spec = spec
         self.model = config.validation_model_path or config.pretrained_model_name_or_path
-        distilled = configs.is_distilled(self.model)
-        recommended = configs.TURBO_SAMPLING if distilled else configs.BASE_SAMPLING
+        recommended = spec.distilled_sampling if spec.is_distilled(self.model) else spec.base_sampling
         self.steps = config.validation_inference_steps or recommended["steps"]
         self.guidance = (config.validation_guidance_scale if config.validation_guidance_scale is not None
                          else recommended["guidance_scale"])
@@ -283,7 +328,7 @@ class _Sampler:
         self.scheduler = base.scheduler
         if config.validation_model_path is not None:
             other, self.scheduler = zi.load_sampling_model(config.validation_model_path, revision=None, variant=None,
-                                                           mixed_precision=config.mixed_precision)
+                                                           mixed_precision=config.mixed_precision, kind=spec.kind)
             self.weights = other.state_dict()
 
     def __call__(self, transformer: torch.nn.Module, size: tuple[int, int]) -> list[Image.Image]:
@@ -291,10 +336,10 @@ class _Sampler:
         transformer.eval()
         try:
             with self._weights_of_the_validation_model_path(transformer):
-                pipe = zi.ZImageComponents(scheduler=self.scheduler, vae=self.base.vae,
-                                           text_encoder=self.base.text_encoder, tokenizer=self.base.tokenizer,
-                                           ).pipeline(transformer)
-                images = zi.generate(pipe, [self.config.validation_prompt] * self.config.num_validation_images,
+                pipe = self.base.pipeline(transformer, self.scheduler)
+                if "is_distilled" in pipe.config:  # Krea 2 samples a distilled model with its fixed shift
+                    pipe.register_to_config(is_distilled=self.spec.is_distilled(self.model))
+                images = self.spec.generate(pipe, [self.config.validation_prompt] * self.config.num_validation_images,
                                      seed=self.config.seed, steps=self.steps, guidance_scale=self.guidance,
                                      width=size[0], height=size[1], embeddings=self.embeddings,
                                      negative=self.negative)

@@ -4,7 +4,7 @@ dropped), the conditioner that feeds the step from the caches, and sampling."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +34,37 @@ class ZImageComponents:
     tokenizer: Any
     transformer: torch.nn.Module | None = None
     text_encoder_2: None = None
+    pipeline_class: type = ZImagePipeline
+    pipeline_options: dict[str, Any] = field(default_factory=dict)  # the pipeline's own settings (Krea 2's layers)
 
-    def pipeline(self, transformer: torch.nn.Module | None = None) -> ZImagePipeline:
-        """A ``ZImagePipeline`` over these modules (no copies), with ``transformer`` in place of the held one."""
-        pipe = ZImagePipeline(scheduler=self.scheduler, vae=self.vae, text_encoder=self.text_encoder,
-                              tokenizer=self.tokenizer, transformer=transformer or self.transformer)
+    def pipeline(self, transformer: torch.nn.Module | None = None, scheduler: Any = None) -> Any:
+        """A pipeline of ``pipeline_class`` over these modules (no copies), with ``transformer`` and ``scheduler``
+        in place of the held ones."""
+        pipe = self.pipeline_class(scheduler=scheduler or self.scheduler, vae=self.vae, text_encoder=self.text_encoder,
+                                   tokenizer=self.tokenizer, transformer=transformer or self.transformer,
+                                   **self.pipeline_options)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
 
-def check_source(source: str, flag: str = "--pretrained_model_name_or_path") -> None:
-    """One line naming ``flag`` when ``source`` is neither a Z-Image pipeline folder nor a hub id (in the local
+@dataclass(frozen=True)
+class Kind:
+    """What tells a family's model folders and loads them: its title, pipeline and transformer classes, the
+    pipelines its folders may hold, and an example hub id for messages."""
+
+    title: str
+    pipeline_class: type
+    transformer_class: type
+    pipelines: tuple[str, ...]
+    example: str
+
+
+Z_IMAGE = Kind("Z-Image", ZImagePipeline, ZImageTransformer2DModel, ("ZImagePipeline", "ZImageImg2ImgPipeline"),
+               configs.BASE_ID)
+
+
+def check_source(source: str, flag: str = "--pretrained_model_name_or_path", kind: Kind = Z_IMAGE) -> None:
+    """One line naming ``flag`` when ``source`` is neither a pipeline folder of ``kind`` nor a hub id (in the local
     cache when HF_HUB_OFFLINE is set), before anything loads."""
     from dreamstep.models.family import family_of_pipeline
     from dreamstep.models.loading import _HUB_ID, _json_file
@@ -54,22 +74,22 @@ def check_source(source: str, flag: str = "--pretrained_model_name_or_path") -> 
         index = path / "model_index.json"
         if not index.is_file():
             raise UserError(f"{flag} {source}: not a diffusers pipeline folder (no model_index.json); give the "
-                            f"Z-Image folder that holds it, or a hub id such as {configs.BASE_ID}")
+                            f"{kind.title} folder that holds it, or a hub id such as {kind.example}")
         found = _json_file(index).get("_class_name", "an unknown pipeline")
-        if found not in ("ZImagePipeline", "ZImageImg2ImgPipeline"):
+        if found not in kind.pipelines:
             other = family_of_pipeline(found)
             hint = f" (a {other.title} model: train it with 'dreamstep train {other.name}-lora')" if other else ""
-            raise UserError(f"{flag} {source}: holds a {found}{hint}, not Z-Image; give a ZImagePipeline folder "
-                            f"such as {configs.BASE_ID}")
+            raise UserError(f"{flag} {source}: holds a {found}{hint}, not {kind.title}; give a "
+                            f"{kind.pipelines[0]} folder such as {kind.example}")
         parts = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler")
         missing = [part for part in parts if not (path / part).is_dir()]
         if missing:
-            raise UserError(f"{flag} {source}: incomplete Z-Image folder, no {', '.join(missing)}/; copy or download "
-                            "the whole pipeline folder")
+            raise UserError(f"{flag} {source}: incomplete {kind.title} folder, no {', '.join(missing)}/; copy or "
+                            "download the whole pipeline folder")
         return
     if path.exists() or not _HUB_ID.match(source):
-        raise UserError(f"{flag} {source}: no such folder; give a Z-Image pipeline folder or a hub id such as "
-                        f"{configs.BASE_ID}")
+        raise UserError(f"{flag} {source}: no such folder; give a {kind.title} pipeline folder or a hub id such as "
+                        f"{kind.example}")
     from huggingface_hub import constants, try_to_load_from_cache
 
     if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(source, "model_index.json"), str):
@@ -77,9 +97,9 @@ def check_source(source: str, flag: str = "--pretrained_model_name_or_path") -> 
                         "set; give a local folder, or unset HF_HUB_OFFLINE to download it")
 
 
-def transformer_config(source: str, revision: str | None = None) -> dict[str, Any]:
+def transformer_config(source: str, revision: str | None = None, kind: Kind = Z_IMAGE) -> dict[str, Any]:
     """The transformer's config, read before anything loads."""
-    return ZImageTransformer2DModel.load_config(source, subfolder="transformer", revision=revision)
+    return kind.transformer_class.load_config(source, subfolder="transformer", revision=revision)
 
 
 def training_sigmas(scheduler: Any) -> torch.Tensor:
@@ -90,18 +110,21 @@ def training_sigmas(scheduler: Any) -> torch.Tensor:
 
 
 def load_encoders(source: str, *, revision: str | None, variant: str | None, mixed_precision: str,
-                  text_encoder_quantization: str = "none") -> ZImageComponents:
-    """The "encode" phases' components, frozen in the dtype of ``mixed_precision`` (the Qwen3 encoder quantized as
-    asked), waiting in host memory; the transformer is not loaded."""
+                  text_encoder_quantization: str = "none", kind: Kind = Z_IMAGE,
+                  pipeline_options: tuple[str, ...] = ()) -> ZImageComponents:
+    """The "encode" phases' components, frozen in the dtype of ``mixed_precision`` (the text encoder quantized as
+    asked), waiting in host memory; the transformer is not loaded. ``pipeline_options``: the pipeline config's
+    settings its pipelines are built with again (Krea 2's ``text_encoder_select_layers``)."""
     dtype = weight_dtype_for(mixed_precision)
     quantize = {"text_encoder": text_encoder_quantization} if text_encoder_quantization != "none" else {}
     extra: dict[str, Any] = {}
     if quantize:
         extra["quantization_config"] = quantization.pipeline_config(quantize, dtype)
-    pipe = _from_pretrained(ZImagePipeline, source, transformer=None, revision=revision, variant=variant,
+    pipe = _from_pretrained(kind.pipeline_class, source, transformer=None, revision=revision, variant=variant,
                             **{_DTYPE_KWARG: dtype}, **extra)
     components = ZImageComponents(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=pipe.text_encoder,
-                                  tokenizer=pipe.tokenizer)
+                                  tokenizer=pipe.tokenizer, pipeline_class=kind.pipeline_class,
+                                  pipeline_options={name: pipe.config[name] for name in pipeline_options})
     for module in (components.vae, components.text_encoder):
         quantization.keep_only_quantized_weights(module)
         freeze(module)
@@ -111,13 +134,13 @@ def load_encoders(source: str, *, revision: str | None, variant: str | None, mix
 
 
 def load_transformer(source: str, *, revision: str | None, variant: str | None, mixed_precision: str,
-                     device: torch.device, base_quantization: str = "none", on_host: bool = False
-                     ) -> torch.nn.Module:
+                     device: torch.device, base_quantization: str = "none", on_host: bool = False,
+                     kind: Kind = Z_IMAGE) -> torch.nn.Module:
     """The "load" phase: the transformer frozen in the dtype of ``mixed_precision``, its linear weights quantized
     as asked, on ``device`` (``on_host``: in host memory, for a block swapper to place)."""
     dtype = weight_dtype_for(mixed_precision)
     transformer = _from_pretrained(
-        ZImageTransformer2DModel, source, subfolder="transformer", revision=revision, variant=variant,
+        kind.transformer_class, source, subfolder="transformer", revision=revision, variant=variant,
         quantization_config=quantization.diffusers_config(base_quantization, dtype), **{_DTYPE_KWARG: dtype},
         **host_placement(base_quantization, on_host))
     quantization.keep_only_quantized_weights(transformer)
@@ -157,9 +180,13 @@ class ZImageConditioner:
         self.max_sequence_length = max_sequence_length
         self.device = device
 
+    def posterior(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The VAE posterior's mean and std (B, 2C, h, w) in the transformer's latent units."""
+        return encode_posterior(self.components.vae, pixels)
+
     def latents(self, batch: dict[str, Any], prefix: str = "") -> torch.Tensor:
         def encode(pixels: torch.Tensor) -> torch.Tensor:
-            return encode_posterior(self.components.vae, pixels.to(self.device)).cpu()
+            return self.posterior(pixels.to(self.device)).cpu()
 
         return latents_for_batch(batch, encode, self.latent_cache, prefix=prefix).to(self.device, non_blocking=True)
 
@@ -183,14 +210,14 @@ class ZImageConditioner:
 
 
 def training_caches(root: Path, source: str, *, revision: str | None, variant: str | None, mixed_precision: str,
-                    max_sequence_length: int, cache_latents: bool, image_dirs: list[Path]
+                    max_sequence_length: int, cache_latents: bool, image_dirs: list[Path], kind: Kind = Z_IMAGE
                     ) -> tuple[TensorCache | None, TensorCache]:
     """The latent cache (``None`` without ``cache_latents``) and the caption-feature cache of a run, each keyed to
     the weights that fill it."""
     ident = dict(revision=revision, variant=variant, extra=mixed_precision)
     latents = (TensorCache(root / "latents", component_identity(source, "vae", **ident), image_dirs)
                if cache_latents else None)
-    text = TensorCache(root / "text", f"{component_identity(source, 'text_encoder', **ident)}|z-image|"
+    text = TensorCache(root / "text", f"{component_identity(source, 'text_encoder', **ident)}|{kind.title}|"
                                       f"{max_sequence_length}", image_dirs)
     return latents, text
 
@@ -238,13 +265,13 @@ def _features(encoded: dict[str, torch.Tensor], dtype: torch.dtype) -> list[torc
     return [encoded["prompt_embeds"][0, :int(encoded["prompt_lengths"][0])].to(dtype)]
 
 
-def load_sampling_model(source: str, *, revision: str | None, variant: str | None, mixed_precision: str
-                        ) -> tuple[torch.nn.Module, Any]:
+def load_sampling_model(source: str, *, revision: str | None, variant: str | None, mixed_precision: str,
+                        kind: Kind = Z_IMAGE) -> tuple[torch.nn.Module, Any]:
     """Another Z-Image checkpoint's transformer and scheduler (``--validation_model_path``: the distilled Turbo that
     draws the validation samples with the LoRA being trained on the base), frozen in the run's dtype, in host
     memory."""
     dtype = weight_dtype_for(mixed_precision)
-    transformer = _from_pretrained(ZImageTransformer2DModel, source, subfolder="transformer", revision=revision,
+    transformer = _from_pretrained(kind.transformer_class, source, subfolder="transformer", revision=revision,
                                    variant=variant, **{_DTYPE_KWARG: dtype})
     freeze(transformer)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
