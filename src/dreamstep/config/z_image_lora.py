@@ -17,6 +17,7 @@ from dreamstep.errors import UserError
 @dataclass
 class ZImageLoraConfig(LoraOptions, ImageDataOptions, MaskedLossOptions, PromptValidationOptions, TrainingConfig):
     # The flags that shape the trained weights: a checkpoint resumes only with the values it was saved with.
+    model_title: ClassVar[str] = "Z-Image"
     resume_must_match: ClassVar[tuple[str, ...]] = (
         "pretrained_model_name_or_path", "rank", "lora_alpha", "lora_layers")
 
@@ -48,7 +49,7 @@ class ZImageLoraConfig(LoraOptions, ImageDataOptions, MaskedLossOptions, PromptV
 
     def __post_init__(self) -> None:
         if self.resolution % 16:
-            raise UserError(f"--resolution must be a multiple of 16 for Z-Image's 8x VAE and 2x2 patches "
+            raise UserError(f"--resolution must be a multiple of 16 for {self.model_title}'s 8x VAE and 2x2 patches "
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")
         super().__post_init__()
         if self.dataset_config is None and self.instance_data_dir is None:

@@ -33,7 +33,9 @@ class Krea2Family:
     lycoris_readers = "ComfyUI"
     mindspore_port = False
     variants = {"krea2": 1}
-    commands: Mapping[tuple[str, ...], tuple[str, str, str | None]] = {}
+    commands = {("train", "krea2-lora"): (
+        "Krea 2 LoRA (train_dreambooth_lora_krea2.py's flags; --validation_model_path samples with Turbo)",
+        "dreamstep.recipes.krea2_lora:train", "dreamstep.config.krea2_lora:Krea2LoraConfig")}
 
     def lora_keys(self, configs: Mapping[str, Mapping] | None) -> ModelKeys:
         from dreamstep.models.krea2.lora_keys import krea2_keys

@@ -7,7 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from diffusers import Krea2Pipeline
+from diffusers import Krea2Pipeline, Krea2Transformer2DModel
+from PIL import Image
+
+from dreamstep.data.cache import text_content_key
+from dreamstep.models.krea2 import configs
+from dreamstep.models.z_image.plumbing import Kind, ZImageConditioner
+from dreamstep.png_text import JSON_KEY, sample_parameters
 
 
 def latent_normalization(vae: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,3 +46,48 @@ def training_sigmas(scheduler: Any) -> torch.Tensor:
     shifting, as the script reads it."""
     fresh = type(scheduler).from_config(scheduler.config)
     return fresh.sigmas[:fresh.config.num_train_timesteps].clone()
+
+
+class Krea2Conditioner(ZImageConditioner):
+    """Z-Image's conditioner with Krea 2's posterior (Qwen-Image's VAE) and caption features (the selected layers'
+    hidden states, fixed length, with their mask)."""
+
+    def posterior(self, pixels: torch.Tensor) -> torch.Tensor:
+        return encode_posterior(self.components.vae, pixels)
+
+    def prompts(self, captions: list[str], known: Any = None) -> dict[str, torch.Tensor]:
+        def encode(missing: list[int]) -> dict[str, torch.Tensor]:
+            return encode_prompts(self.encoding_pipeline, [captions[i] for i in missing], self.max_sequence_length)
+
+        found = self.text_cache.get_or_compute([text_content_key(c) for c in captions], encode, known)
+        return {name: found[name].to(self.device, non_blocking=True) for name in ("prompt_embeds", "prompt_mask")}
+
+
+@torch.no_grad()
+def generate(pipeline: Krea2Pipeline, prompts: list[str], *, seed: int, steps: int, guidance_scale: float,
+             height: int, width: int, embeddings: dict[str, dict[str, torch.Tensor]],
+             negative: dict[str, torch.Tensor] | None = None) -> list[Image.Image]:
+    """One image per prompt from its cached caption features (and the empty prompt's for guidance > 0), each from
+    its own generator seeded ``seed + i``, carrying its parameters in ``image.info``; the text encoder is not
+    used."""
+    view = Krea2Pipeline(**{**pipeline.components, "text_encoder": None},
+                         text_encoder_select_layers=pipeline.text_encoder_select_layers,
+                         is_distilled=pipeline.config.is_distilled, patch_size=pipeline.patch_size)
+    view.set_progress_bar_config(disable=True)
+    dtype = pipeline.transformer.dtype
+    images = []
+    for i, prompt in enumerate(prompts):
+        text = {"prompt_embeds": embeddings[prompt]["prompt_embeds"].to(dtype),
+                "prompt_embeds_mask": embeddings[prompt]["prompt_mask"]}
+        if guidance_scale > 0:
+            text |= {"negative_prompt_embeds": negative["prompt_embeds"].to(dtype),
+                     "negative_prompt_embeds_mask": negative["prompt_mask"]}
+        image = view(**text, num_inference_steps=steps, guidance_scale=guidance_scale, height=height, width=width,
+                     generator=torch.Generator("cpu").manual_seed(seed + i)).images[0]
+        image.info[JSON_KEY] = sample_parameters(view, prompt=prompt, seed=seed + i, steps=steps,
+                                                 guidance_scale=guidance_scale, width=width, height=height)
+        images.append(image)
+    return images
+
+
+KREA2 = Kind("Krea 2", Krea2Pipeline, Krea2Transformer2DModel, ("Krea2Pipeline",), configs.RAW_ID)
