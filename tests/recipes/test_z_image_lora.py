@@ -148,6 +148,8 @@ def test_turbo_as_the_base_is_named_once_with_the_base_to_use(tiny_turbo_dir: Pa
     (("--validation_model_path", "nowhere/at-all/x"), "--validation_model_path nowhere/at-all/x: no such folder"),
     (("--lora_layers", "to_z"), "--lora_layers: 'to_z' matches no linear layer of the Z-Image transformer"),
     (("--validation_model_path", "x"), "--validation_model_path has no effect without --validation_prompt"),
+    (("--validation_model_path", "x", "--validation_prompt", "p", "--base_quantization", "int8"),
+     "--validation_model_path swaps that model's weights into the transformer"),
 ])
 def test_bad_flags_are_one_line_before_anything_is_written(tiny_z_image_dir: Path, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture, args: tuple[str, ...],

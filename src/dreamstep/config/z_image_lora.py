@@ -65,6 +65,10 @@ class ZImageLoraConfig(LoraOptions, ImageDataOptions, MaskedLossOptions, PromptV
                           "without --with_prior_preservation")
         if not self.validation_prompt:
             refuse_unused(self, ("validation_model_path", "validation_guidance_scale"), "without --validation_prompt")
+        if self.validation_model_path is not None and self.base_quantization != "none":
+            raise UserError(f"--validation_model_path swaps that model's weights into the transformer for each "
+                            f"validation, which --base_quantization {self.base_quantization} stores quantized; "
+                            "remove one of them")
 
     def may_hold_out_images(self) -> bool:
         return super().may_hold_out_images() or self.validation_data_dir is not None
