@@ -118,3 +118,17 @@ def test_a_z_image_folder_is_named(tmp_path: Path, capsys: pytest.CaptureFixture
     assert run_train("--pretrained_model_name_or_path", z_image, "--output_dir", tmp_path / "out", *BASE_ARGS) == 2
     assert "holds a ZImagePipeline (a Z-Image model: train it with 'dreamstep train z-image-lora'), not Krea 2" in \
         capsys.readouterr().err
+
+
+def test_generate_turbo_with_the_comfyui_file(trained: Path, tiny_turbo: Path, tmp_path: Path) -> None:
+    args = ["generate", "krea2", "--model", str(tiny_turbo), "--prompt", ROBOT_PROMPT, "--width", "32", "--height",
+            "32", "--seed", "2"]
+    assert main([*args, "--output_dir", str(tmp_path / "base")]) == 0
+    assert main([*args, "--output_dir", str(tmp_path / "lora"), "--lora",
+                 str(trained / "pytorch_lora_weights_comfyui.safetensors")]) == 0
+    text, params = read_parameters(tmp_path / "lora" / "00000-2.png")
+    assert "Steps: 8" in text and "CFG scale: 0" in text  # Turbo's own defaults
+    from PIL import Image
+
+    base, lora = (np.asarray(Image.open(tmp_path / d / "00000-2.png"), float) for d in ("base", "lora"))
+    assert np.abs(base - lora).mean() > 1.0

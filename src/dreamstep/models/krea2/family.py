@@ -33,9 +33,15 @@ class Krea2Family:
     lycoris_readers = "ComfyUI"
     mindspore_port = False
     variants = {"krea2": 1}
-    commands = {("train", "krea2-lora"): (
-        "Krea 2 LoRA (train_dreambooth_lora_krea2.py's flags; --validation_model_path samples with Turbo)",
-        "dreamstep.recipes.krea2_lora:train", "dreamstep.config.krea2_lora:Krea2LoraConfig")}
+    commands = {
+        ("train", "krea2-lora"): (
+            "Krea 2 LoRA (train_dreambooth_lora_krea2.py's flags; --validation_model_path samples with Turbo)",
+            "dreamstep.recipes.krea2_lora:train", "dreamstep.config.krea2_lora:Krea2LoraConfig"),
+        ("generate", "krea2"): ("generate images with Krea 2 Turbo or RAW (+ LoRAs)", "dreamstep.commands.generate:run",
+                                "dreamstep.config.krea2_generate:Krea2GenerateConfig"),
+        ("eval", "krea2"): ("score Krea 2 LoRAs / checkpoints against the base model", "dreamstep.commands.evaluate",
+                            None),
+    }
 
     def lora_keys(self, configs: Mapping[str, Mapping] | None) -> ModelKeys:
         from dreamstep.models.krea2.lora_keys import krea2_keys
@@ -75,11 +81,22 @@ class Krea2Family:
 
     def check_generation_model(self, variant: str, model: str, model_config: str | None,
                                component_files: Mapping[str, str]) -> None:
-        raise UserError("generate krea2: not built yet; load the LoRA in diffusers' Krea2Pipeline")
+        from dreamstep.models.krea2.plumbing import KREA2
+        from dreamstep.models.z_image.plumbing import check_source
+
+        if model_config is not None:
+            raise UserError("--model_config: Krea 2 loads from its diffusers folder or hub id alone; remove it")
+        check_source(model, "--model", kind=KREA2)
 
     def generation_pipeline(self, variant: str, model: str, *, model_config: str | None, dtype: torch.dtype,
                             component_files: Mapping[str, str], controlnet: Any | None) -> DiffusionPipeline:
-        raise UserError("generate krea2: not built yet; load the LoRA in diffusers' Krea2Pipeline")
+        from diffusers import Krea2Pipeline
+
+        from dreamstep.models.loading import _DTYPE_KWARG, _from_pretrained
+
+        if controlnet is not None:
+            raise UserError("--controlnet: dreamstep has no Krea 2 ControlNet; remove it")
+        return _from_pretrained(Krea2Pipeline, model, **{_DTYPE_KWARG: dtype})
 
     def sampling_defaults(self, variant: str, pipe: DiffusionPipeline, images: Sequence[Image.Image]
                           ) -> dict[str, Any]:
