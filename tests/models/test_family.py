@@ -24,13 +24,13 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "dreamstep"
 
 def test_the_registry_finds_every_family_package() -> None:
     packages = {p.parent.name for p in (SRC / "models").glob("*/family.py")}
-    assert {f.name for f in families().values()} == packages == {"flux", "sdxl"}
+    assert {f.name for f in families().values()} == packages == {"flux", "flux2", "sdxl"}
     for found in families().values():
         assert isinstance(found, ModelFamily)
         assert found.denoiser in found.component_labels
 
 
-@pytest.mark.parametrize("name", ["flux", "sdxl"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "sdxl"])
 def test_key_tables_name_layers_of_the_released_model(name: str) -> None:
     found = get_family(name)
     shapes = weight_shapes(name)
@@ -57,7 +57,7 @@ def test_pipeline_classes_and_names_tell_the_family() -> None:
 
 def test_an_unknown_family_is_one_line_naming_the_known_ones() -> None:
     with pytest.raises(UserError, match=r"--model fluxx: unknown model family \(did you mean 'flux'\?\); use one of "
-                                         r"flux, sdxl"):
+                                         r"flux, flux2, sdxl"):
         get_family("fluxx")
 
 
