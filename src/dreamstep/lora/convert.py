@@ -223,10 +223,17 @@ def read_lora(path: str | Path, model: str | None = None) -> Lora:
     if guessed is not None and guessed not in families():
         raise UserError(f"{source}: module '{evidence}' is {model_title(guessed)} naming; dreamstep converts "
                         f"{' and '.join(f.title for f in families().values())} LoRAs")
-    if model is not None and guessed is not None and guessed != model:
+    if model is not None and guessed is not None and guessed != model and not _names_fit(modules, layout, model):
         raise UserError(f"{source}: module '{evidence}' has no counterpart in {model_title(model)}; "
                         f"this LoRA looks made for {model_title(guessed)}")
     return Lora(lora_file.path, lora_file.container, layout, model or guessed, modules, lora_file.metadata)
+
+
+def _names_fit(modules: Mapping[str, LoraWeights], layout: str, model: str) -> bool:
+    """Whether every module is one of ``model``'s (FLUX.2's diffusers names hold FLUX.1's hints too)."""
+    keys = model_keys(model)
+    known = keys.by_kohya if layout == "kohya" else keys.by_diffusers
+    return layout in ("kohya", "diffusers") and all(name in known for name in modules)
 
 
 def _mindspore_family() -> str:
