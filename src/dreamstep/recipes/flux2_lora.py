@@ -93,6 +93,7 @@ def train(config: Flux2LoraConfig) -> FinishedRun | None:
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
                                              latent_cache=latent_cache, text_cache=text_cache)
     scorer = load_scorer(config)
+    flux2.check_text_layers(source, config.revision, config.text_encoder_out_layers)
     guidance_embeds = flux2.transformer_config(source, config.revision, config.blocks_to_swap)["guidance_embeds"]
     print_run_plan(plan_inputs(config, datasets, dataset.encodes_in_the_loop()), config.device_memory)
     if config.dry_run:

@@ -1,0 +1,140 @@
+"""`dreamstep train flux2-lora` on the tiny FLUX.2 [klein]: a short run learns its images, the diffusers file loads in
+``Flux2KleinPipeline.load_lora_weights`` and changes the output, the ComfyUI file gives the same image through
+diffusers' FLUX.2 loader, reference editing trains from pairs, and bad input is one line before anything loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import Flux2KleinPipeline
+from flux2_testkit import ROBOT_DIR, ROBOT_PROMPT, fixed_noise_loss, generate, load_images, tiny_klein, train_flux2
+from PIL import Image, ImageDraw
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from dreamstep.errors import UserError
+from dreamstep.models.tiny import write_tiny_model
+
+BASE_ARGS = ("--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--resolution", "32",
+             "--report_to", "none", "--checkpointing_steps", "0", "--max_sequence_length", "64")
+
+
+@pytest.fixture(scope="module")
+def klein_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_klein(tmp_path_factory.mktemp("flux2") / "klein")
+
+
+@pytest.fixture(scope="module")
+def trained(klein_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("flux2_lora") / "out"
+    train_flux2("--pretrained_model_name_or_path", klein_dir, "--output_dir", out, *BASE_ARGS,
+                "--lora_layers", "all-linear", "--rank", "8", "--lora_alpha", "4", "--learning_rate", "3e-3",
+                "--max_train_steps", "100", "--validation_prompt", ROBOT_PROMPT, "--num_validation_images", "1",
+                "--validation_inference_steps", "2", "--validation_steps", "50")
+    return out
+
+
+def test_loss_on_the_instance_images_falls(trained: Path, klein_dir: Path) -> None:
+    pixels = load_images(ROBOT_DIR, 32)
+    pipe = Flux2KleinPipeline.from_pretrained(klein_dir)
+    before = fixed_noise_loss(pipe, pixels, ROBOT_PROMPT)
+    pipe.load_lora_weights(trained / "pytorch_lora_weights.safetensors")
+    after = fixed_noise_loss(pipe, pixels, ROBOT_PROMPT)
+    assert after < 0.95 * before, (before, after)
+
+
+def test_outputs_are_written(trained: Path) -> None:
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors", "loss_curve.png",
+                 "config.toml", "samples/validation-000050.png", "samples/final-000100.png"):
+        assert (trained / name).is_file(), name
+    assert "text_encoder_out_layers = [9, 18, 27]" in (trained / "config.toml").read_text()
+
+
+def test_diffusers_file_keeps_alpha_and_changes_the_output(trained: Path, klein_dir: Path) -> None:
+    path = trained / "pytorch_lora_weights.safetensors"
+    tensors = load_file(path)
+    assert "transformer.single_transformer_blocks.0.attn.to_qkv_mlp_proj.lora_A.weight" in tensors
+    assert "transformer.transformer_blocks.0.ff_context.linear_out.lora_B.weight" in tensors
+    with safe_open(path, "pt") as f:
+        adapter = json.loads(f.metadata()["lora_adapter_metadata"])
+    assert adapter["transformer.r"] == 8 and adapter["transformer.lora_alpha"] == 8  # alpha / rank folded into B
+    pipe = Flux2KleinPipeline.from_pretrained(klein_dir)
+    plain = generate(pipe)
+    pipe.load_lora_weights(path)
+    assert np.abs(generate(pipe) - plain).max() > 1e-2
+
+
+def test_comfyui_file_has_bfl_names_and_gives_the_same_image_in_diffusers(trained: Path, klein_dir: Path) -> None:
+    comfy = trained / "pytorch_lora_weights_comfyui.safetensors"
+    keys = set(load_file(comfy))
+    for name in ("lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_double_blocks_0_txt_mlp_0",
+                 "lora_unet_single_blocks_0_linear1", "lora_unet_single_blocks_0_linear2"):
+        assert {f"{name}.lora_down.weight", f"{name}.lora_up.weight", f"{name}.alpha"} <= keys
+    images = []
+    for path in (trained / "pytorch_lora_weights.safetensors", comfy):
+        pipe = Flux2KleinPipeline.from_pretrained(klein_dir)
+        pipe.load_lora_weights(path)  # diffusers' FLUX.2 loader converts the Kohya / ComfyUI names itself
+        images.append(generate(pipe))
+    np.testing.assert_allclose(images[1], images[0], atol=2e-3)
+
+
+def _pairs(root: Path, count: int = 4) -> tuple[Path, Path]:
+    """Targets (a ball) and their conditions (the same ball's outline), same-named, with an instruction each."""
+    targets, conditions = root / "after", root / "before"
+    targets.mkdir(parents=True)
+    conditions.mkdir()
+    for i in range(count):
+        target, condition = Image.new("RGB", (32, 32), "navy"), Image.new("RGB", (32, 32), "black")
+        ImageDraw.Draw(target).ellipse((4 * i, 4 * i, 4 * i + 12, 4 * i + 12), fill="orange")
+        ImageDraw.Draw(condition).rectangle((4 * i, 4 * i, 4 * i + 12, 4 * i + 12), outline="white")
+        target.save(targets / f"{i}.png")
+        condition.save(conditions / f"{i}.png")
+        (targets / f"{i}.txt").write_text("fill the square in orange")
+    return targets, conditions
+
+
+def test_reference_editing_trains_from_pairs(klein_dir: Path, tmp_path: Path) -> None:
+    targets, conditions = _pairs(tmp_path / "data")
+    out = tmp_path / "out"
+    result = train_flux2("--pretrained_model_name_or_path", klein_dir, "--output_dir", out,
+                         "--instance_data_dir", targets, "--conditioning_data_dir", conditions, "--resolution", "32",
+                         "--report_to", "none", "--checkpointing_steps", "0", "--max_sequence_length", "64",
+                         "--max_train_steps", "4", "--save_kohya_format", "false")
+    assert "LoRA (diffusers)" in result.written and "LoRA (ComfyUI)" not in result.written
+    tensors = load_file(out / "pytorch_lora_weights.safetensors")
+    assert any(v.abs().sum() > 0 for k, v in tensors.items() if "lora_B" in k)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--resolution", "40"), r"--resolution 40: FLUX.2 reads 2x2 patches .* multiple of 16 \(e.g. 32\)"),
+    (("--text_encoder_out_layers", "9", "18", "30"),
+     r"--text_encoder_out_layers 9 18 30: the text encoder has 27 layers"),
+    (("--cond_image_column", "before"), r"--cond_image_column .*without --dataset_name"),
+])
+def test_bad_flags_are_one_line(klein_dir: Path, tmp_path: Path, flags: tuple[str, ...], message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        train_flux2("--pretrained_model_name_or_path", klein_dir, "--output_dir", tmp_path / "out", *BASE_ARGS, *flags)
+    assert not (tmp_path / "out").exists()
+
+
+def test_another_familys_base_is_named(tmp_path: Path) -> None:
+    flux = write_tiny_model("flux", tmp_path / "flux1")
+    with pytest.raises(UserError, match=r"--pretrained_model_name_or_path .*a FluxPipeline folder \(FLUX.1: train it "
+                                        r"with its own trainer\), not FLUX.2"):
+        train_flux2("--pretrained_model_name_or_path", flux, "--output_dir", tmp_path / "out", *BASE_ARGS)
+    with pytest.raises(UserError, match=r"--pretrained_model_name_or_path .*no such folder"):
+        train_flux2("--pretrained_model_name_or_path", tmp_path / "nowhere", "--output_dir", tmp_path / "out",
+                    *BASE_ARGS)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_on_the_cpu_in_bf16_trains(klein_dir: Path, tmp_path: Path) -> None:
+    """Frozen weights in bf16 (the card's setting), LoRA weights fp32: the loss stays finite."""
+    result = train_flux2("--pretrained_model_name_or_path", klein_dir, "--output_dir", tmp_path / "out", *BASE_ARGS,
+                         "--mixed_precision", "bf16", "--max_train_steps", "3", "--gradient_checkpointing")
+    assert len(result.result.losses) == 3 and torch.isfinite(torch.tensor(result.result.losses)).all()
+    assert not result.result.skipped_steps
