@@ -22,7 +22,8 @@ class Flux2Family:
     released_name = "FLUX.2-klein-4B"
     pipeline_classes = ("Flux2KleinPipeline", "Flux2Pipeline")
     denoiser = "transformer"
-    component_labels = {"transformer": "transformer", "text_encoder": "text_encoder (Qwen3)", "vae": "vae"}
+    component_labels = {"transformer": "transformer", "text_encoder": "text_encoder (Qwen3; [dev]: Mistral 3)",
+                        "vae": "vae"}
     long_text_encoder = "text_encoder"  # read to --max_sequence_length, quantized by --text_encoder_quantization
     resolution_step = 16  # the VAE's 8 times the 2x2 latent patches
     kohya_prefixes = {"lora_unet": "transformer"}

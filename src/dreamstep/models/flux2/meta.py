@@ -3,6 +3,7 @@ calls it, and the full-size parts whose weight shapes check a LoRA file."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -14,15 +15,26 @@ from dreamstep.models.flux2 import published
 
 
 def meta_components(folder: Path | None) -> dict[str, nn.Module]:
-    """The FLUX.2 [klein] components on the meta device, from ``folder``'s configs or [klein] 4B's."""
+    """The FLUX.2 components on the meta device, from ``folder``'s configs ([dev]'s Mistral encoder when its
+    model_index.json names it) or [klein] 4B's."""
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
-    from transformers import Qwen3ForCausalLM
+    from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
+    dev = _text_encoder_class(folder) == Mistral3ForConditionalGeneration.__name__
     return mp.components_on_meta(folder, {
-        "transformer": (Flux2Transformer2DModel, published.KLEIN_4B_TRANSFORMER),
-        "text_encoder": (Qwen3ForCausalLM, published.QWEN3_4B),
+        "transformer": (Flux2Transformer2DModel, published.DEV_TRANSFORMER if dev else published.KLEIN_4B_TRANSFORMER),
+        "text_encoder": ((Mistral3ForConditionalGeneration, published.MISTRAL_SMALL_3_1) if dev
+                         else (Qwen3ForCausalLM, published.QWEN3_4B)),
         "vae": (AutoencoderKLFlux2, published.VAE),
     })
+
+
+def _text_encoder_class(folder: Path | None) -> str | None:
+    index = folder / "model_index.json" if folder is not None else None
+    if index is None or not index.is_file():
+        return None
+    entry = json.loads(index.read_text(encoding="utf-8")).get("text_encoder")
+    return entry[1] if isinstance(entry, list) and len(entry) == 2 else None
 
 
 def training_pass(transformer: nn.Module, *, resolution: int, batch: int, text_tokens: int, train: bool = True,

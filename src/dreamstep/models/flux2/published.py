@@ -21,3 +21,15 @@ QWEN3_8B = dict(_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embe
 
 # The released VAE is AutoencoderKLFlux2's defaults: 32 latent channels, 8x down-sampling, batch norm over 2x2 patches.
 VAE: dict = {}
+
+# [dev]'s text encoder: Mistral Small 3.1 24B (Mistral3ForConditionalGeneration, its Pixtral vision tower included).
+MISTRAL_SMALL_3_1 = dict(
+    model_type="mistral3", image_token_index=10, projector_hidden_act="gelu", spatial_merge_size=2,
+    multimodal_projector_bias=False, vision_feature_layer=-1,
+    text_config=dict(model_type="mistral", hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=131072,
+                     max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1000000000.0,
+                     tie_word_embeddings=False),
+    vision_config=dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                       num_attention_heads=16, head_dim=64, image_size=1540, patch_size=14, num_channels=3,
+                       rope_theta=10000.0))
