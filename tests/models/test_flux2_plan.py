@@ -1,5 +1,6 @@
-"""The FLUX.2 memory plan: the released [klein] 4B at 1024², batch 1, rank 16 within the issue's targets (bf16 <= 10 GiB,
-int8 <= 8 GiB), a [dev] folder planned with its Mistral 3 encoder, and ``plan flux2-klein`` on a model folder."""
+"""The FLUX.2 memory plan: the released [klein] 4B at 1024², batch 1, rank 16 within the issue's targets
+(bf16 <= 10 GiB, int8 <= 8 GiB), a [dev] folder planned with its Mistral 3 encoder, and ``plan flux2-klein`` on a
+model folder."""
 
 from __future__ import annotations
 
