@@ -1,7 +1,8 @@
-"""One FLUX.2 [klein] LoRA step against the loss of diffusers' ``train_dreambooth_lora_flux2_klein.py`` (text to
-image) and ``train_dreambooth_lora_flux2_klein_img2img.py`` (a condition image beside the target) for the same
-draws: the scripts' lines (posterior mode, 2x2 patchify, batch-norm normalisation, ids, noise, timesteps, packing,
-the cut, weighted MSE) written out here as they write them, on the tiny [klein] model."""
+"""One FLUX.2 LoRA step against the loss of diffusers' ``train_dreambooth_lora_flux2_klein.py`` and
+``train_dreambooth_lora_flux2.py`` (text to image, [klein] and [dev]) and their ``_img2img`` versions (a condition
+image beside the target) for the same draws: the scripts' lines (posterior mode, 2x2 patchify, batch-norm
+normalisation, ids, noise, timesteps, packing, guidance for [dev], the cut, weighted MSE) written out here as they
+write them, on the tiny [klein] and [dev] models."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from dreamstep.lora.inject import add_lora
 from dreamstep.models.flux2 import plumbing as flux2
 from dreamstep.models.flux2.lora_targets import flux2_lora_targets
 from dreamstep.models.flux2.step import Flux2Step
-from dreamstep.models.flux2.tiny import build_tiny_flux2_klein
+from dreamstep.models.flux2.tiny import build_tiny_flux2_dev, build_tiny_flux2_klein
 from dreamstep.models.precision import cast_trainable_params_to_fp32
+
+GUIDANCE = 3.5  # the dev script's --guidance_scale default
+BUILD = {"klein": build_tiny_flux2_klein, "dev": build_tiny_flux2_dev}
 
 
 def _pixels(seed: int) -> torch.Tensor:
@@ -58,7 +62,10 @@ def _reference_loss(pipe: Flux2KleinPipeline, pixel_values: torch.Tensor, cond_p
         packed_cond_model_input = Flux2KleinPipeline._pack_latents(cond_model_input)
         packed_noisy_model_input = torch.cat([packed_noisy_model_input, packed_cond_model_input], dim=1)
         model_input_ids = torch.cat([model_input_ids, cond_model_input_ids], dim=1)
-    model_pred = transformer(hidden_states=packed_noisy_model_input, timestep=timesteps / 1000, guidance=None,
+    guidance = None
+    if transformer.config.guidance_embeds:  # the klein script's test; the dev script always feeds it
+        guidance = torch.full([1], GUIDANCE).expand(model_input.shape[0])
+    model_pred = transformer(hidden_states=packed_noisy_model_input, timestep=timesteps / 1000, guidance=guidance,
                              encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=model_input_ids,
                              return_dict=False)[0]
     model_pred = model_pred[:, : orig_input_shape[1], :]
@@ -70,10 +77,11 @@ def _reference_loss(pipe: Flux2KleinPipeline, pixel_values: torch.Tensor, cond_p
     return loss.mean()
 
 
-@pytest.mark.parametrize(("with_condition", "weighting_scheme"),
-                         [(False, "none"), (False, "logit_normal"), (True, "cosmap"), (True, "none")])
-def test_one_step_has_the_reference_scripts_loss(with_condition: bool, weighting_scheme: str) -> None:
-    pipe = build_tiny_flux2_klein(seed=0)
+@pytest.mark.parametrize(("variant", "with_condition", "weighting_scheme"),
+                         [("klein", False, "none"), ("klein", False, "logit_normal"), ("klein", True, "cosmap"),
+                          ("klein", True, "none"), ("dev", False, "none"), ("dev", True, "logit_normal")])
+def test_one_step_has_the_reference_scripts_loss(variant: str, with_condition: bool, weighting_scheme: str) -> None:
+    pipe = BUILD[variant](seed=0)
     add_lora(pipe.transformer, flux2_lora_targets(pipe.transformer, ["attention"]), rank=4, alpha=4)
     cast_trainable_params_to_fp32(pipe.transformer)
     pixels, condition = _pixels(1), _pixels(2) if with_condition else None
@@ -88,13 +96,16 @@ def test_one_step_has_the_reference_scripts_loss(with_condition: bool, weighting
     step = Flux2Step(pipe.transformer, optimizer=build_optimizer("AdamW", params, 1e-4),
                      accelerator=make_accelerator(mixed_precision="no"), max_grad_norm=1.0,
                      sigmas=flux2.training_sigmas(pipe.scheduler),
-                     objective=FlowMatchingObjective(weighting_scheme=weighting_scheme), guidance_scale=None)
+                     objective=FlowMatchingObjective(weighting_scheme=weighting_scheme),
+                     guidance_scale=GUIDANCE if pipe.transformer.config.guidance_embeds else None)
 
     torch.manual_seed(7)
     expected = _reference_loss(pipe, pixels, condition, prompt_embeds, text_ids, weighting_scheme)
     torch.manual_seed(7)
     (loss,) = step(batch)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    print(f"{variant} condition={with_condition} {weighting_scheme}: dreamstep {loss.item():.6f}, "
+          f"script {expected.item():.6f}")
 
 
 def test_the_cached_latents_are_the_scripts_normalised_patches() -> None:

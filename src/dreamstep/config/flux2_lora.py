@@ -15,10 +15,6 @@ from dreamstep.config.schema import option, refuse_unused
 from dreamstep.config.training import TrainingConfig
 from dreamstep.errors import UserError
 
-# The hidden-state layers of Qwen3 that FLUX.2 [klein]'s pipeline stacks into a prompt embedding. (diffusers'
-# klein script defaults to 10 20 30, [dev]'s Mistral layers, which the klein pipeline does not read at inference.)
-KLEIN_TEXT_LAYERS = [9, 18, 27]
-
 
 @dataclass
 class Flux2LoraConfig(LoraOptions, ImageDataOptions, MaskedLossOptions, PromptValidationOptions, TrainingConfig):
@@ -55,12 +51,14 @@ class Flux2LoraConfig(LoraOptions, ImageDataOptions, MaskedLossOptions, PromptVa
     cond_image_column: Optional[str] = option(None, "with --dataset_name: the column of the condition image "
                                                     "(reference editing, as the img2img script)")
     caption_column: Optional[str] = option(None, "with --dataset_name: the column of the caption / instruction")
-    text_encoder_out_layers: list[int] = option(
-        list(KLEIN_TEXT_LAYERS), "the text encoder's hidden-state layers stacked into a prompt embedding (the "
-                                 "pipeline's, so that inference reads prompts as training did)")
-    guidance_scale: float = option(4.0, "guidance of the validation samples (classifier-free guidance of the base "
-                                        "[klein] models; a guidance-distilled base is fed it while training)",
-                                   bounds="[0, inf)")
+    # diffusers' klein script defaults to 10 20 30 ([dev]'s Mistral layers), which the klein pipeline does not read
+    # at inference; dreamstep's default is what the base's pipeline reads.
+    text_encoder_out_layers: Optional[list[int]] = option(
+        None, "the text encoder's hidden-state layers stacked into a prompt embedding (default: the base pipeline's, "
+              "[klein] 9 18 27, [dev] 10 20 30, so that inference reads prompts as training did)")
+    guidance_scale: float = option(3.5, "the guidance fed to a guidance-distilled base ([dev]) while training and "
+                                        "sampling; the classifier-free guidance of a [klein] base's validation "
+                                        "samples", bounds="[0, inf)")
     validation_negative_prompt: str = option("", "negative prompt of the validation samples' guidance")
 
     def __post_init__(self) -> None:
@@ -85,9 +83,10 @@ class Flux2LoraConfig(LoraOptions, ImageDataOptions, MaskedLossOptions, PromptVa
                           "without --with_prior_preservation")
             if self.dataset_config is None:  # a dataset TOML's is_reg subsets are weighted by it
                 refuse_unused(self, ("prior_loss_weight",), "without --with_prior_preservation or --dataset_config")
-        if any(layer < 0 for layer in self.text_encoder_out_layers) or not self.text_encoder_out_layers:
-            raise UserError(f"--text_encoder_out_layers {self.text_encoder_out_layers}: give one or more hidden-state "
-                            "layer numbers (0 is the embeddings), e.g. 9 18 27")
+        layers = self.text_encoder_out_layers
+        if layers is not None and (not layers or any(layer < 0 for layer in layers)):
+            raise UserError(f"--text_encoder_out_layers {layers}: give one or more hidden-state layer numbers (0 is "
+                            "the embeddings), e.g. 9 18 27")
 
     def may_hold_out_images(self) -> bool:
         return super().may_hold_out_images() or self.validation_data_dir is not None

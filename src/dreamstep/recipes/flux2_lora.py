@@ -125,7 +125,7 @@ def train(config: Flux2LoraConfig) -> FinishedRun | None:
                                                 text_encoder_quantization=config.text_encoder_quantization)
     conditioner = flux2.Flux2Conditioner(pipeline, latent_cache=latent_cache, text_cache=text_cache,
                                          max_sequence_length=config.max_sequence_length, device=run.device,
-                                         text_encoder_out_layers=tuple(config.text_encoder_out_layers))
+                                         text_encoder_out_layers=_layers(config))
     prompts = [config.validation_prompt] * config.num_validation_images if config.validation_prompt else []
     parking.encode_run(conditioner, dataset, held_out, epochs=plan.num_epochs)
     embeddings = flux2.prompt_embeddings(conditioner, prompts + [config.validation_negative_prompt] * bool(prompts))
@@ -207,8 +207,12 @@ def _caches(config: Flux2LoraConfig, datasets: list[DatasetConfig]) -> tuple[Any
     return flux2.training_caches(config.cache_root(), config.pretrained_model_name_or_path, revision=config.revision,
                                  variant=config.variant, mixed_precision=config.mixed_precision,
                                  max_sequence_length=config.max_sequence_length,
-                                 text_encoder_out_layers=tuple(config.text_encoder_out_layers),
+                                 text_encoder_out_layers=_layers(config),
                                  cache_latents=config.cache_latents, image_dirs=image_dirs)
+
+
+def _layers(config: Flux2LoraConfig) -> tuple[int, ...] | None:
+    return tuple(config.text_encoder_out_layers) if config.text_encoder_out_layers else None
 
 
 def _toml_has_pairs(config: Flux2LoraConfig) -> bool:

@@ -1,4 +1,5 @@
-"""FLUX.2 ([klein] 4B and 9B with a Qwen3 text encoder) as a :class:`~dreamstep.models.family.ModelFamily`."""
+"""FLUX.2 ([klein] 4B and 9B with a Qwen3 text encoder, [dev] with Mistral Small 3.1) as a
+:class:`~dreamstep.models.family.ModelFamily`."""
 
 from __future__ import annotations
 
@@ -74,14 +75,15 @@ class Flux2Family:
 
         return {"transformer": published.KLEIN_4B_TRANSFORMER}
 
-    variants = {"flux2-klein": 1}
+    variants = {"flux2": 1, "flux2-klein": 1}  # [dev] (guidance-distilled, Mistral 3) and [klein] (Qwen3)
 
     def build_tiny(self, variant: str, *, seed: int, guidance_embeds: bool) -> DiffusionPipeline:
-        from dreamstep.models.flux2.tiny import build_tiny_flux2_klein
+        from dreamstep.models.flux2.tiny import build_tiny_flux2_dev, build_tiny_flux2_klein
 
         if guidance_embeds:
-            raise UserError(f"--guidance_embeds: {variant} has no guidance embedding; remove it")
-        return build_tiny_flux2_klein(seed=seed)
+            raise UserError(f"--guidance_embeds: {variant}'s kind is fixed ([dev] has guidance embedding, [klein] "
+                            "none); remove it")
+        return build_tiny_flux2_dev(seed=seed) if variant == "flux2" else build_tiny_flux2_klein(seed=seed)
 
     def check_single_files(self, variant: str) -> None:
         raise UserError(f"--single_file: dreamstep reads {variant} from its diffusers folder only; remove it")

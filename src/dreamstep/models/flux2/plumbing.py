@@ -190,15 +190,17 @@ def transformer_config(source: str, revision: str | None, blocks_to_swap: int) -
     return found
 
 
-def check_text_layers(source: str, revision: str | None, layers: list[int]) -> None:
+def check_text_layers(source: str, revision: str | None, layers: list[int] | None) -> None:
     """--text_encoder_out_layers must name hidden states the text encoder has (its layers, 0 the embeddings)."""
     from transformers import AutoConfig
 
+    if layers is None:
+        return
     config = AutoConfig.from_pretrained(source, subfolder="text_encoder", revision=revision)
     count = getattr(config, "text_config", config).num_hidden_layers
     if max(layers) > count:
         raise UserError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: the text encoder has {count} layers; "
-                        f"give numbers from 0 to {count} (FLUX.2 [klein]'s pipeline reads 9 18 27)")
+                        f"give numbers from 0 to {count} (the pipelines read [klein] 9 18 27, [dev] 10 20 30)")
 
 
 def load_encoders_for_training(source: str, *, revision: str | None, variant: str | None, mixed_precision: str,
