@@ -267,7 +267,7 @@ def load_lora_as_diffusers(path: str | Path, model: str, configs: Mapping[str, M
     the right scales, and the file's metadata. diffusers reads no alpha from an in-memory dict, so each
     module's alpha/rank is folded into lora_B. ``configs`` (from :func:`pipeline_configs` or
     :func:`folder_configs`) names the model's size; without it, the released model's."""
-    lora = read_lora(path, model)
+    lora = read_lora(path, model, configs)
     modules = fold_alpha(to_diffusers(lora, _keys_for(lora, configs)))
     return diffusers_state_dict(modules), lora.metadata
 

@@ -12,6 +12,7 @@ from dreamstep.errors import UserError
 if TYPE_CHECKING:
     import torch
     from diffusers import DiffusionPipeline
+    from PIL import Image
     from torch import nn
 
     from dreamstep.models.lora_keys import ModelKeys
@@ -34,9 +35,21 @@ class Flux2Family:
     weak_key_hints = ()
     lycoris_readers = "diffusers' Flux2LoraLoaderMixin (LoKr), ComfyUI"
     mindspore_port = False
-    commands = {("train", "flux2-lora"): (
-        "FLUX.2 [klein] LoRA (diffusers' train_dreambooth_lora_flux2_klein.py flags)",
-        "dreamstep.recipes.flux2_lora:train", "dreamstep.config.flux2_lora:Flux2LoraConfig")}
+    commands = {
+        ("train", "flux2-lora"): ("FLUX.2 [klein] / [dev] LoRA, text to image or reference editing (diffusers' "
+                                  "train_dreambooth_lora_flux2*.py flags)", "dreamstep.recipes.flux2_lora:train",
+                                  "dreamstep.config.flux2_lora:Flux2LoraConfig"),
+        ("generate", "flux2-klein"): ("generate or edit images with FLUX.2 [klein] (+ LoRAs)",
+                                      "dreamstep.commands.generate:run",
+                                      "dreamstep.config.flux2_generate:Flux2KleinGenerateConfig"),
+        ("generate", "flux2"): ("generate or edit images with FLUX.2 [dev] (+ LoRAs)",
+                                "dreamstep.commands.generate:run",
+                                "dreamstep.config.flux2_generate:Flux2GenerateConfig"),
+        ("eval", "flux2-klein"): ("score FLUX.2 [klein] LoRAs / checkpoints against the base model",
+                                  "dreamstep.commands.evaluate", None),
+        ("eval", "flux2"): ("score FLUX.2 [dev] LoRAs / checkpoints against the base model",
+                            "dreamstep.commands.evaluate", None),
+    }
 
     def lora_keys(self, configs: Mapping[str, Mapping] | None) -> ModelKeys:
         from dreamstep.models.flux2.lora_keys import keys_from_configs
@@ -84,6 +97,31 @@ class Flux2Family:
             raise UserError(f"--guidance_embeds: {variant}'s kind is fixed ([dev] has guidance embedding, [klein] "
                             "none); remove it")
         return build_tiny_flux2_dev(seed=seed) if variant == "flux2" else build_tiny_flux2_klein(seed=seed)
+
+    def check_generation_model(self, variant: str, model: str, model_config: str | None,
+                               component_files: Mapping[str, str]) -> None:
+        from dreamstep.models.flux2.generation import check_model
+
+        check_model(variant, model, model_config, component_files)
+
+    def generation_pipeline(self, variant: str, model: str, *, model_config: str | None, dtype: torch.dtype,
+                            component_files: Mapping[str, str], controlnet: Any | None) -> DiffusionPipeline:
+        from dreamstep.models.flux2.generation import pipeline
+
+        if controlnet is not None:
+            raise UserError(f"--controlnet: {variant} has no ControlNets in dreamstep; remove it")
+        return pipeline(variant, model, dtype)
+
+    def sampling_defaults(self, variant: str, pipe: DiffusionPipeline, images: Sequence[Image.Image]
+                          ) -> dict[str, Any]:
+        from dreamstep.models.flux2.generation import sampling_defaults
+
+        return sampling_defaults(pipe, images)
+
+    def image_inputs(self, variant: str, images: Sequence[Image.Image], width: int, height: int) -> dict[str, Any]:
+        from dreamstep.models.flux2.generation import image_inputs
+
+        return image_inputs(images)
 
     def check_single_files(self, variant: str) -> None:
         raise UserError(f"--single_file: dreamstep reads {variant} from its diffusers folder only; remove it")
