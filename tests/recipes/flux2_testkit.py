@@ -18,11 +18,19 @@ from dreamstep.models.flux2 import plumbing as flux2
 from dreamstep.models.tiny import write_tiny_model
 from dreamstep.recipes.flux2_lora import train
 
-__all__ = ["ROBOT_DIR", "ROBOT_PROMPT", "fixed_noise_loss", "generate", "load_images", "tiny_klein", "train_flux2"]
+__all__ = ["ROBOT_DIR", "ROBOT_PROMPT", "fixed_noise_loss", "generate", "load_images", "smallest_run", "tiny_klein",
+           "train_flux2"]
 
 
 def tiny_klein(folder: Path) -> Path:
     return write_tiny_model("flux2-klein", folder, seed=0)
+
+
+def smallest_run(trainer: str, root: Path) -> dict[str, str]:
+    """The options of a one-step ``train flux2-lora`` run on the tiny [klein] (the option contract's run)."""
+    return {"pretrained_model_name_or_path": str(tiny_klein(root / "klein")), "output_dir": str(root / "out"),
+            "instance_data_dir": str(ROBOT_DIR), "instance_prompt": ROBOT_PROMPT, "resolution": "32",
+            "report_to": "none", "checkpointing_steps": "0", "max_train_steps": "1", "max_sequence_length": "64"}
 
 
 def train_flux2(*args: object) -> object:

@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 from dreamstep.config.flux2_lora import Flux2LoraConfig
-from dreamstep.config.schema import config_to_toml
+from dreamstep.config.schema import config_to_toml, refuse_unused
 from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
@@ -95,6 +95,9 @@ def train(config: Flux2LoraConfig) -> FinishedRun | None:
     scorer = load_scorer(config)
     flux2.check_text_layers(source, config.revision, config.text_encoder_out_layers)
     guidance_embeds = flux2.transformer_config(source, config.revision, config.blocks_to_swap)["guidance_embeds"]
+    if not guidance_embeds and not config.validation_prompt and not generate_class:
+        refuse_unused(config, ("guidance_scale",), "for a base without guidance embedding ([klein]) when nothing is "
+                                                   "sampled (no --validation_prompt, no class images to make)")
     print_run_plan(plan_inputs(config, datasets, dataset.encodes_in_the_loop()), config.device_memory)
     if config.dry_run:
         return None
