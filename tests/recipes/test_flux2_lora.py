@@ -150,3 +150,31 @@ def test_a_dev_run_loads_in_flux2_pipeline(tmp_path: Path) -> None:
     plain = generate(pipe)
     pipe.load_lora_weights(out / "pytorch_lora_weights.safetensors")
     assert np.abs(generate(pipe) - plain).max() > 1e-3
+
+
+def test_pairs_from_a_metadata_table_and_a_dataset_toml(klein_dir: Path, tmp_path: Path) -> None:
+    targets, conditions = _pairs(tmp_path / "data")
+    table = tmp_path / "data" / "metadata.jsonl"
+    table.write_text("".join(json.dumps({"image": f"after/{i}.png", "before": f"before/{i}.png",
+                                         "text": "fill the square in orange"}) + "\n" for i in range(4)))
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f"[[datasets]]\nresolution = 32\nbatch_size = 2\n\n  [[datasets.subsets]]\n"
+                    f"  image_dir = '{targets.as_posix()}'\n  conditioning_data_dir = '{conditions.as_posix()}'\n"
+                    "  caption_extension = '.txt'\n")
+    common = ("--pretrained_model_name_or_path", klein_dir, "--report_to", "none", "--checkpointing_steps", "0",
+              "--max_sequence_length", "64", "--max_train_steps", "2", "--save_kohya_format", "false")
+    table_run = train_flux2(*common, "--output_dir", tmp_path / "table", "--dataset_name", table, "--resolution", "32",
+                            "--cond_image_column", "before", "--caption_column", "text")
+    toml_run = train_flux2(*common, "--output_dir", tmp_path / "toml", "--dataset_config", toml)
+    for result in (table_run, toml_run):
+        assert len(result.result.losses) == 2 and not result.result.skipped_steps
+
+
+def test_prior_preservation_makes_the_class_images(klein_dir: Path, tmp_path: Path) -> None:
+    classes = tmp_path / "class"
+    result = train_flux2("--pretrained_model_name_or_path", klein_dir, "--output_dir", tmp_path / "out", *BASE_ARGS,
+                         "--with_prior_preservation", "--class_data_dir", classes, "--class_prompt", "a photo of robot",
+                         "--num_class_images", "2", "--max_train_steps", "2",
+                         "--save_kohya_format", "false")
+    assert len(list(classes.glob("*.png"))) == 2
+    assert len(result.result.losses) == 2

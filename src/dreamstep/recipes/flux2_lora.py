@@ -48,6 +48,7 @@ from dreamstep.models.flux import kontext
 from dreamstep.models.flux.plumbing import generate_class_images
 from dreamstep.models.flux2 import plumbing as flux2
 from dreamstep.models.flux2.family import FAMILY
+from dreamstep.models.flux2.generation import sampling_defaults
 from dreamstep.models.flux2.lora_targets import flux2_lora_targets
 from dreamstep.models.flux2.step import Flux2Step
 from dreamstep.models.plans import RunPlan, print_run_plan
@@ -250,9 +251,10 @@ def _generate_class_images(config: Flux2LoraConfig, device: torch.device) -> Non
                                         base_quantization=config.base_quantization, on_host=False)
     pipeline.to(device)
     say_before_the_run(f"generating class images of '{config.class_prompt}' in {config.class_data_dir}")
+    steps = sampling_defaults(pipeline, [])["steps"]  # the base's own: 4 distilled, else 50
     generate_class_images(pipeline, config.class_data_dir, config.class_prompt, config.num_class_images,
                           batch_size=config.sample_batch_size, resolution=config.resolution, seed=config.seed,
-                          guidance_scale=config.guidance_scale, steps=config.validation_inference_steps)
+                          guidance_scale=config.guidance_scale, steps=steps)
 
 
 @torch.no_grad()
