@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers import Flux2KleinPipeline
 from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
 from safetensors.torch import load_file
 from torch import nn
@@ -99,3 +100,31 @@ def test_a_flux2_file_is_read_as_flux2_when_asked(tmp_path: Path) -> None:
     path = tmp_path / "lora.safetensors"
     write_lora_file(path, *diffusers_file_contents(modules), "safetensors")
     assert read_lora(path, "flux2").model == "flux2"
+
+
+def test_lora_info_and_convert_know_flux2_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A [klein]-sized ComfyUI file fits the tiny base it names, and converts back to the diffusers layout with the
+    same updates (q, k and v split out of the fused qkv)."""
+    from dreamstep.cli import main
+    from dreamstep.lora.convert import load_lora_as_diffusers
+    from dreamstep.models.tiny import write_tiny_model
+
+    base = write_tiny_model("flux2-klein", tmp_path / "klein")
+    transformer = Flux2KleinPipeline.from_pretrained(base).transformer
+    linears = _linears(transformer)
+    generator = torch.Generator().manual_seed(0)
+    modules = {f"transformer.{name}": LoraWeights(torch.randn(2, linears[name][1], generator=generator),
+                                                  torch.randn(linears[name][0], 2, generator=generator), 1.0)
+               for name in flux2_lora_targets(transformer, ["all-linear"])}
+    source, comfy, back = tmp_path / "lora.safetensors", tmp_path / "comfy.safetensors", tmp_path / "back.safetensors"
+    write_lora_file(source, *diffusers_file_contents(modules), "safetensors")
+    assert main(["convert", "lora", str(source), str(comfy), "--to", "kohya", "--model", "flux2", "--base",
+                 str(base)]) == 0
+    assert main(["lora", "info", str(comfy), "--model", "flux2", "--base", str(base)]) == 0
+    assert "fits:      yes" in capsys.readouterr().out
+    assert main(["convert", "lora", str(comfy), str(back), "--to", "diffusers", "--model", "flux2", "--base",
+                 str(base)]) == 0
+    state, _ = load_lora_as_diffusers(back, "flux2", {"transformer": dict(transformer.config)})
+    for name, m in modules.items():
+        got = state[f"{name}.lora_B.weight"] @ state[f"{name}.lora_A.weight"]
+        torch.testing.assert_close(got, m.up @ m.down * m.scale, rtol=1e-4, atol=1e-4)
