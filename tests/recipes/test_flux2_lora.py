@@ -178,3 +178,20 @@ def test_prior_preservation_makes_the_class_images(klein_dir: Path, tmp_path: Pa
                          "--save_kohya_format", "false")
     assert len(list(classes.glob("*.png"))) == 2
     assert len(result.result.losses) == 2
+
+
+def test_resume_equals_an_uninterrupted_run(klein_dir: Path, tmp_path: Path) -> None:
+    common = ("--pretrained_model_name_or_path", klein_dir, "--instance_data_dir", ROBOT_DIR, "--instance_prompt",
+              ROBOT_PROMPT, "--resolution", "32", "--report_to", "none", "--max_sequence_length", "64",
+              "--train_batch_size", "2", "--random_flip", "--weighting_scheme", "logit_normal",
+              "--learning_rate", "1e-3", "--checkpointing_steps", "2", "--ema_decay", "0.9",
+              "--save_kohya_format", "false")
+    train_flux2(*common, "--output_dir", tmp_path / "straight", "--max_train_steps", "4")
+    train_flux2(*common, "--output_dir", tmp_path / "split", "--max_train_steps", "2")
+    train_flux2(*common, "--output_dir", tmp_path / "split", "--max_train_steps", "4", "--resume_from_checkpoint",
+                "latest")
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors"):
+        straight, resumed = load_file(tmp_path / "straight" / name), load_file(tmp_path / "split" / name)
+        assert straight.keys() == resumed.keys()
+        for key in straight:
+            torch.testing.assert_close(resumed[key], straight[key], atol=1e-6, rtol=0)
