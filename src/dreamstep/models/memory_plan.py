@@ -328,12 +328,15 @@ def build_on_meta(cls: type, config: dict[str, Any], dtype: torch.dtype = torch.
 
 def weight_bytes(module: nn.Module, quantization: str, dtype_bytes: int, frozen_only: bool = False) -> int:
     """Bytes of a module's weights (``frozen_only``: those without gradients) with its linear weights
-    stored as ``quantization`` says."""
+    stored as ``quantization`` says, except those that transformers keeps out of 4-bit: its
+    ``_keep_in_fp32_modules`` (T5's ``wo``, in the load dtype), which bitsandbytes' loader skips."""
     total = sum(p.numel() for p in module.parameters() if not (frozen_only and p.requires_grad))
     per_linear = _BYTES_PER_LINEAR_WEIGHT[quantization]
     if per_linear is None:
         return total * dtype_bytes
-    linears = [m for m in module.modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad]
+    kept = set(getattr(module, "_keep_in_fp32_modules", None) or ()) if quantization.startswith("nf4") else set()
+    linears = [m for name, m in module.named_modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad
+               and not kept & set(name.split("."))]
     linear_params = sum(m.weight.numel() for m in linears)
     rows = sum(m.weight.shape[0] for m in linears)
     scales = rows * 4 if quantization in ("int8", "fp8") else 0  # one fp32 / bf16 scale per output row

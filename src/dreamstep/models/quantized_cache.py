@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from collections.abc import Callable
 from importlib import metadata
@@ -82,7 +83,7 @@ def load_or_quantize(model_class: type, identity: str | None, mode: str, dtype: 
     if mode == "none" or identity is None or root is None:
         return quantize()
     key = hashlib.sha256(f"{identity}|{mode}|{dtype}|{model_class.__name__}|{_versions()}".encode()).hexdigest()
-    folder = root / f"{what}-{mode}-{key[:20]}"
+    folder = root / f"{re.sub(r'[^a-z0-9]+', '-', what.lower())}-{mode}-{key[:20]}"
     if (folder / "config.json").is_file():
         try:
             model = model_class.from_pretrained(str(folder), **load_kwargs)
