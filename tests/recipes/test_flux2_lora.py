@@ -195,3 +195,13 @@ def test_resume_equals_an_uninterrupted_run(klein_dir: Path, tmp_path: Path) -> 
         assert straight.keys() == resumed.keys()
         for key in straight:
             torch.testing.assert_close(resumed[key], straight[key], atol=1e-6, rtol=0)
+
+
+def test_an_int8_base_and_encoder_with_block_swap_train(klein_dir: Path, tmp_path: Path) -> None:
+    """The small-card options: the transformer and the Qwen3 encoder in int8, a block swapped, checkpointing."""
+    result = train_flux2("--pretrained_model_name_or_path", klein_dir, "--output_dir", tmp_path / "out", *BASE_ARGS,
+                         "--max_train_steps", "3", "--base_quantization", "int8", "--text_encoder_quantization",
+                         "int8", "--gradient_checkpointing", "--blocks_to_swap", "1", "--save_kohya_format", "false")
+    assert len(result.result.losses) == 3 and torch.isfinite(torch.tensor(result.result.losses)).all()
+    tensors = load_file(tmp_path / "out" / "pytorch_lora_weights.safetensors")
+    assert any(v.abs().sum() > 0 for k, v in tensors.items() if "lora_B" in k)
