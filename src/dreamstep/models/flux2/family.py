@@ -88,7 +88,9 @@ class Flux2Family:
 
         return {"transformer": published.KLEIN_4B_TRANSFORMER}
 
-    variants = {"flux2": 1, "flux2-klein": 1}  # [dev] (guidance-distilled, Mistral 3) and [klein] (Qwen3)
+    # [dev] (guidance-distilled, Mistral 3), [klein] (Qwen3), and [klein] trained on edit pairs (plan: the reference
+    # image's tokens beside the target's; the same model for tiny-model).
+    variants = {"flux2": 1, "flux2-klein": 1, "flux2-klein-edit": 2}
 
     def build_tiny(self, variant: str, *, seed: int, guidance_embeds: bool) -> DiffusionPipeline:
         from dreamstep.models.flux2.tiny import build_tiny_flux2_dev, build_tiny_flux2_klein
