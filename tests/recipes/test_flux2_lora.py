@@ -104,6 +104,23 @@ def test_reference_editing_trains_from_pairs(klein_dir: Path, tmp_path: Path) ->
                          "--report_to", "none", "--checkpointing_steps", "0", "--max_sequence_length", "64",
                          "--max_train_steps", "4", "--save_kohya_format", "false")
     assert "LoRA (diffusers)" in result.written and "LoRA (ComfyUI)" not in result.written
+    # The batches carry the condition images, which the conditioner encodes beside the targets.
+    from dreamstep.config.flux2_lora import Flux2LoraConfig
+    from dreamstep.config.schema import build_config
+    from dreamstep.data.dataset import build_dataset, collate
+    from dreamstep.models.flux2 import plumbing as flux2
+    from dreamstep.recipes.flux2_lora import training_datasets
+
+    config = build_config(Flux2LoraConfig, {"pretrained_model_name_or_path": str(klein_dir), "output_dir": "x",
+                                            "instance_data_dir": str(targets), "resolution": "32",
+                                            "conditioning_data_dir": str(conditions)})
+    dataset = build_dataset(training_datasets(config), seed=0)
+    pipe = Flux2KleinPipeline.from_pretrained(klein_dir)
+    conditioner = flux2.Flux2Conditioner(pipe, latent_cache=None, text_cache=flux2.TensorCache(tmp_path / "t", "t"),
+                                         max_sequence_length=64, device=torch.device("cpu"),
+                                         text_encoder_out_layers=None)
+    inputs = conditioner(collate([dataset[0], dataset[1]]))
+    assert inputs["condition_dist"].shape == inputs["latent_dist"].shape == (2, 64, 2, 2)
     tensors = load_file(out / "pytorch_lora_weights.safetensors")
     assert any(v.abs().sum() > 0 for k, v in tensors.items() if "lora_B" in k)
 
