@@ -52,10 +52,9 @@ def encode_posterior(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor
     """Pixels in [-1, 1], (B, 3, H, W) -> the posterior's mean and std as the transformer reads latents
     (patchified, normalised): (B, 8C, H/16, W/16), fp32 (see the module docstring)."""
     posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-    bn_mean, bn_std = (t.to(pixels.device) for t in bn_statistics(vae))
-    mean = (patchify(posterior.mean.float()) - bn_mean.to(posterior.mean.device)) / bn_std.to(posterior.mean.device)
-    std = patchify(posterior.std.float()) / bn_std.to(posterior.mean.device)
-    return torch.cat([mean, std], dim=1)
+    bn_mean, bn_std = bn_statistics(vae)
+    mean = (patchify(posterior.mean.float()) - bn_mean) / bn_std
+    return torch.cat([mean, patchify(posterior.std.float()) / bn_std], dim=1)
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
