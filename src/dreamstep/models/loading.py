@@ -138,7 +138,8 @@ def check_pipeline_source(source: str | Path, arch: str, flag: str = "--pretrain
                 _check_sdxl_safetensors(file)
             return
         cls, pipeline = ((FluxComponents, "FluxPipeline") if arch == "flux"
-                         else (SDXLComponents, "StableDiffusionXLPipeline"))
+                         else (SDXLComponents, "StableDiffusionXLPipeline") if arch == "sdxl"
+                         else _family_parts(arch))
         name = _folder_or_hub_id(source, cls, pipeline)
         if not Path(name).expanduser().is_dir() and hf_constants.HF_HUB_OFFLINE and not isinstance(
                 try_to_load_from_cache(name, "model_index.json"), str):
@@ -146,6 +147,14 @@ def check_pipeline_source(source: str | Path, arch: str, flag: str = "--pretrain
                             "HF_HUB_OFFLINE is set; give a local folder, or unset HF_HUB_OFFLINE to download it")
     except UserError as e:
         raise UserError(f"{flag}: {e}") from None
+
+
+def _family_parts(name: str) -> tuple[type, str]:
+    """The parts a folder of another family must have (its ``component_labels``) and its first pipeline class."""
+    from dreamstep.models.family import get_family
+
+    found = get_family(name)
+    return dataclasses.make_dataclass(f"{found.name}_parts", list(found.component_labels)), found.pipeline_classes[0]
 
 
 def _load_error(source: str, error: Exception) -> UserError:
