@@ -46,3 +46,12 @@ def test_plan_reads_a_klein_folder(tmp_path: Path, capsys: pytest.CaptureFixture
                  "--device_memory", "4GB"]) == 0
     out = capsys.readouterr().out
     assert "text_encoder (Qwen3" in out and "LoRA rank 16" in out and ": fits" in out
+
+
+@pytest.mark.parametrize(("variant", "billions"), [("flux2", 32.2), ("flux2-klein", 3.9)])
+def test_plan_without_a_folder_plans_the_variant_asked_for(variant: str, billions: float) -> None:
+    """``plan flux2`` is [dev] (32B transformer, Mistral 3), ``plan flux2-klein`` [klein] 4B."""
+    components = FAMILY.meta_components(None, variant)
+    assert round(sum(p.numel() for p in components["transformer"].parameters()) / 1e9, 1) == billions
+    encoder = components["text_encoder"]
+    assert isinstance(encoder, Mistral3ForConditionalGeneration if variant == "flux2" else Qwen3ForCausalLM)

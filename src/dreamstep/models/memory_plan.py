@@ -357,11 +357,22 @@ def components_on_meta(folder: Path | None, parts: dict[str, tuple[type, dict[st
 
 
 def model_folder(source: str | None) -> Path | None:
-    """The local model folder whose configs the plan reads, or ``None`` (a hub id: published configs)."""
+    """The local model folder whose configs the plan reads: the folder given, or a hub model's snapshot in the local
+    Hugging Face cache (its configs only); ``None``: published configs (a hub model not downloaded yet)."""
     if source is None:
         return None
     path = Path(source).expanduser()
-    return path if path.is_dir() else None
+    if path.is_dir():
+        return path
+    if path.exists() or source.count("/") != 1:
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, allow_patterns=["model_index.json", "*/config.json"],
+                                      local_files_only=True))
+    except Exception:  # not in the local cache, or not a hub id at all: the published configs
+        return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -61,10 +61,10 @@ class Flux2Family:
 
         return flux2_lora_targets(denoiser, layers or ["attention"])
 
-    def meta_components(self, folder: Path | None) -> dict[str, nn.Module]:
+    def meta_components(self, folder: Path | None, variant: str | None = None) -> dict[str, nn.Module]:
         from dreamstep.models.flux2.meta import meta_components
 
-        return meta_components(folder)
+        return meta_components(folder, dev_without_folder=variant == "flux2")
 
     def training_pass(self, denoiser: nn.Module, *, resolution: int, batch: int, text_tokens: int, train: bool,
                       image_token_multiplier: int = 1, trainable: nn.Module | None = None,

@@ -14,13 +14,15 @@ from dreamstep.models import memory_plan as mp
 from dreamstep.models.flux2 import published
 
 
-def meta_components(folder: Path | None) -> dict[str, nn.Module]:
+def meta_components(folder: Path | None, dev_without_folder: bool = False) -> dict[str, nn.Module]:
     """The FLUX.2 components on the meta device, from ``folder``'s configs ([dev]'s Mistral encoder when its
-    model_index.json names it) or [klein] 4B's."""
+    model_index.json names it); without a folder, [dev]'s published configs (``dev_without_folder``: ``plan
+    flux2``) or [klein] 4B's."""
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
     from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
-    dev = _text_encoder_class(folder) == Mistral3ForConditionalGeneration.__name__
+    dev = (_text_encoder_class(folder) == Mistral3ForConditionalGeneration.__name__
+           or (folder is None and dev_without_folder))
     return mp.components_on_meta(folder, {
         "transformer": (Flux2Transformer2DModel, published.DEV_TRANSFORMER if dev else published.KLEIN_4B_TRANSFORMER),
         "text_encoder": ((Mistral3ForConditionalGeneration, published.MISTRAL_SMALL_3_1) if dev

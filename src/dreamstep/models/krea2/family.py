@@ -53,7 +53,7 @@ class Krea2Family:
 
         return krea2_lora_targets(denoiser, layers or ["attention"])
 
-    def meta_components(self, folder: Path | None) -> dict[str, nn.Module]:
+    def meta_components(self, folder: Path | None, variant: str | None = None) -> dict[str, nn.Module]:
         from dreamstep.models.krea2.meta import meta_components
 
         return meta_components(folder)

@@ -55,7 +55,7 @@ class ZImageFamily:
 
         return z_image_lora_targets(denoiser, layers or ["attention"])
 
-    def meta_components(self, folder: Path | None) -> dict[str, nn.Module]:
+    def meta_components(self, folder: Path | None, variant: str | None = None) -> dict[str, nn.Module]:
         from dreamstep.models.z_image.meta import meta_components
 
         return meta_components(folder)
