@@ -62,8 +62,9 @@ class Estimator:
     the peak of the pass that runs.
 
     ``family``: the family's name (``variant``: which of its released models to plan without a folder); what
-    trains is a LoRA of ``rank`` on its denoiser (``lora_layers``: the trainer's ``--lora_layers``), or the module ``build_trainable(denoiser)`` returns, trained beside the frozen
-    denoiser and labelled ``trainable_label`` in the plan (a ControlNet)."""
+    trains is a LoRA of ``rank`` on its denoiser (``lora_layers``: the trainer's ``--lora_layers``), or the module
+    ``build_trainable(denoiser)`` returns, trained beside the frozen denoiser and labelled ``trainable_label`` in
+    the plan (a ControlNet)."""
 
     def __init__(self, family: str, source: str | None, rank: int = 0, lora_layers: list[str] | None = None,
                  build_trainable: Callable[[nn.Module], nn.Module] | None = None, trainable_label: str = "",
