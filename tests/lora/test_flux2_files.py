@@ -102,6 +102,18 @@ def test_a_flux2_file_is_read_as_flux2_when_asked(tmp_path: Path) -> None:
     assert read_lora(path, "flux2").model == "flux2"
 
 
+def test_a_flux2_file_is_told_from_flux1_without_being_asked(tmp_path: Path) -> None:
+    """Its names carry FLUX.1's hints (``single_transformer_blocks``), but only FLUX.2 has every module."""
+    transformer = FAMILY.released_components({"transformer": published.KLEIN_4B_TRANSFORMER})["transformer"]
+    linears = _linears(transformer)
+    modules = {f"transformer.{name}": LoraWeights(torch.zeros(2, linears[name][1]), torch.zeros(linears[name][0], 2), 2)
+               for name in flux2_lora_targets(transformer, ["all-linear"])}
+    assert any(".single_transformer_blocks." in name for name in modules)
+    path = tmp_path / "lora.safetensors"
+    write_lora_file(path, *diffusers_file_contents(modules), "safetensors")
+    assert read_lora(path).model == "flux2"
+
+
 def test_lora_info_and_convert_know_flux2_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A [klein]-sized ComfyUI file fits the tiny base it names, and converts back to the diffusers layout with the
     same updates (q, k and v split out of the fused qkv)."""

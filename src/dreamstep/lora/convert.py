@@ -224,6 +224,8 @@ def read_lora(path: str | Path, model: str | None = None, configs: Mapping[str, 
     if guessed is not None and guessed not in families():
         raise UserError(f"{source}: module '{evidence}' is {model_title(guessed)} naming; dreamstep converts "
                         f"{' and '.join(f.title for f in families().values())} LoRAs")
+    if model is None and guessed is not None and not _names_fit(modules, layout, guessed, None):
+        guessed = _family_holding(modules, layout) or guessed
     if (model is not None and guessed is not None and guessed != model
             and not _names_fit(modules, layout, model, configs)):
         raise UserError(f"{source}: module '{evidence}' has no counterpart in {model_title(model)}; "
@@ -237,6 +239,13 @@ def _names_fit(modules: Mapping[str, LoraWeights], layout: str, model: str,
     keys = model_keys(model, configs)
     known = keys.by_kohya if layout == "kohya" else keys.by_diffusers
     return layout in ("kohya", "diffusers") and all(name in known for name in modules)
+
+
+def _family_holding(modules: Mapping[str, LoraWeights], layout: str) -> str | None:
+    """The one family whose released model has every module, when the names' hints point at another (FLUX.2's,
+    Krea 2's and Qwen-Image's diffusers names share FLUX.1's ``transformer.`` prefixes)."""
+    holding = [name for name in families() if _names_fit(modules, layout, name, None)]
+    return holding[0] if len(holding) == 1 else None
 
 
 def _mindspore_family() -> str:
