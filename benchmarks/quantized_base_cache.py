@@ -69,7 +69,7 @@ def main() -> None:
                 load_flux_transformer(str(model), weight_dtype=torch.bfloat16, base_quantization=mode)
                 timings.append(time.perf_counter() - start)
             kept = sum(f.stat().st_size for f in (work_dir / "kept").rglob("*") if f.is_file()) / 2**20
-            print(f"{mode:<6} {timings[0]:13.1f} {timings[1]:14.1f} {timings[0] / timings[1]:6.1f}x {kept:11.1f}")
+            print(f"{mode:<6} {timings[0]:13.2f} {timings[1]:14.3f} {timings[0] / timings[1]:6.1f}x {kept:11.1f}")
             shutil.rmtree(work_dir / "kept")
 
 

@@ -11,6 +11,7 @@ from torch import nn
 from dreamstep.config.flux_controlnet import FluxControlNetConfig
 from dreamstep.config.flux_lora import FluxLoraConfig
 from dreamstep.config.schema import add_arguments, build_config
+from dreamstep.engine.logging import LABEL_WIDTH
 from dreamstep.recipes import flux_lora
 
 
@@ -115,7 +116,7 @@ def test_validation_runs_at_the_dataset_tomls_resolution(tiny_flux_dir, tmp_path
                    "--dataset_config", toml, "--max_train_steps", "1", "--report_to", "none", "--checkpointing_steps",
                    "0", "--validation_prompt", ROBOT_PROMPT, "--num_validation_images", "1",
                    "--validation_inference_steps", "1") == 0
-    assert _final_grid(out) == (32, [(32, 32)])
+    assert _final_grid(out) == (max(32, LABEL_WIDTH), [(32, 32)])  # the cell widened for the sample's label
 
 
 def test_controlnet_validation_runs_at_the_training_resolution(tiny_flux_dir, tmp_path) -> None:
@@ -139,4 +140,5 @@ def test_controlnet_validation_runs_at_the_training_resolution(tiny_flux_dir, tm
                    "--max_train_steps", "1", "--report_to", "none", "--checkpointing_steps", "0",
                    "--validation_prompt", "a shape", "--validation_image", control, "--num_validation_images", "1",
                    "--validation_inference_steps", "1") == 0
-    assert _final_grid(out) == (2 * 32, [(32, 32)])  # the control image beside one sample, both 32 wide
+    # the control image beside one sample, both 32 wide, in a cell widened for the label
+    assert _final_grid(out) == (max(2 * 32, LABEL_WIDTH), [(32, 32)])

@@ -55,7 +55,7 @@ class Flux2LoraConfig(LoraOptions, ImageDataOptions, MaskedLossOptions, PromptVa
     # at inference; dreamstep's default is what the base's pipeline reads.
     text_encoder_out_layers: Optional[list[int]] = option(
         None, "the text encoder's hidden-state layers stacked into a prompt embedding (default: the base pipeline's, "
-              "[klein] 9 18 27, [dev] 10 20 30, so that inference reads prompts as training did)")
+              "[klein] 9 18 27, [dev] 10 20 30, so that inference reads prompts as training did)", bounds="[0, inf)")
     guidance_scale: float = option(3.5, "the guidance fed to a guidance-distilled base ([dev]) while training and "
                                         "sampling; the classifier-free guidance of a [klein] base's validation "
                                         "samples", bounds="[0, inf)")
@@ -84,7 +84,7 @@ class Flux2LoraConfig(LoraOptions, ImageDataOptions, MaskedLossOptions, PromptVa
             if self.dataset_config is None:  # a dataset TOML's is_reg subsets are weighted by it
                 refuse_unused(self, ("prior_loss_weight",), "without --with_prior_preservation or --dataset_config")
         layers = self.text_encoder_out_layers
-        if layers is not None and (not layers or any(layer < 0 for layer in layers)):
+        if layers is not None and not layers:
             raise UserError(f"--text_encoder_out_layers {layers}: give one or more hidden-state layer numbers (0 is "
                             "the embeddings), e.g. 9 18 27")
 

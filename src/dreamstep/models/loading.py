@@ -34,7 +34,7 @@ from dreamstep.errors import UserError, refusing_pickled_code
 from dreamstep.models import published_configs, quantization
 from dreamstep.models.flux import files as flux_files
 from dreamstep.models.flux.files import FluxFiles
-from dreamstep.models.quantized_cache import files_identity, load_or_quantize, source_identity
+from dreamstep.models.quantized_cache import load_or_quantize, source_identity
 from dreamstep.models.sdxl.sgm_keys import UNET_PREFIX
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
@@ -301,7 +301,9 @@ def load_flux_transformer(pretrained_model_name_or_path: str | Path | None, *, r
             with flux_files.config_folder(source, header) as configs:
                 return _transformer_from_file(file, header, configs, weight_dtype, mode)
 
-        identity = f"{source}|{files_identity(file)}" if file.suffix != ".gguf" else None  # GGUF loads as stored
+        # Not kept: safetensors cannot write the quantized layers diffusers' single-file loader builds (an invalid
+        # storage error), and a GGUF or fp8 file loads as it is stored anyway.
+        identity = None
     else:
         def quantize() -> torch.nn.Module:
             try:

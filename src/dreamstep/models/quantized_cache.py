@@ -109,11 +109,13 @@ def _keep(model: nn.Module, folder: Path, mode: str, what: str) -> None:
             return
         model.save_pretrained(str(partial), safe_serialization=True)
         partial.rename(folder)
-    except OSError as error:  # a full or read-only disk, or another process that kept it first
+    except Exception as error:  # a full or read-only disk, another process that kept it first, or weights the
+        # library cannot serialize: keeping the base is an extra, never a reason for the run to fail
         shutil.rmtree(partial, ignore_errors=True)
         if not (folder / "config.json").is_file():
-            say(f"could not keep the {mode} {what} in {folder.parent} ({error.strerror or error}); the next "
-                "start quantizes it again")
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else type(error).__name__
+            say(f"could not keep the {mode} {what} in {folder.parent} ({reason}); the next start quantizes it "
+                "again")
         return
     say(f"kept the {mode} {what} in {folder} ({size / 2**30:.1f} GiB) so the next start skips quantizing "
         f"({CACHE_ENV}=none keeps none)")
