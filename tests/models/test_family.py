@@ -24,7 +24,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "dreamstep"
 
 def test_the_registry_finds_every_family_package() -> None:
     packages = {p.parent.name for p in (SRC / "models").glob("*/family.py")}
-    assert {f.name for f in families().values()} == packages == {"flux", "sdxl"}
+    assert {f.name.replace("-", "_") for f in families().values()} == packages == {"flux", "qwen_image", "sdxl"}
     for found in families().values():
         assert isinstance(found, ModelFamily)
         assert found.denoiser in found.component_labels
@@ -57,7 +57,7 @@ def test_pipeline_classes_and_names_tell_the_family() -> None:
 
 def test_an_unknown_family_is_one_line_naming_the_known_ones() -> None:
     with pytest.raises(UserError, match=r"--model fluxx: unknown model family \(did you mean 'flux'\?\); use one of "
-                                         r"flux, sdxl"):
+                                         r"flux, qwen-image, sdxl"):
         get_family("fluxx")
 
 
