@@ -3,8 +3,11 @@ call it, and the full-size transformer whose weight shapes check a LoRA file."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,11 +21,40 @@ def meta_components(folder: Path | None) -> dict[str, nn.Module]:
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    return mp.components_on_meta(folder, {
+    components = mp.components_on_meta(folder, {
         "transformer": (QwenImageTransformer2DModel, QWEN_IMAGE_TRANSFORMER),
         "text_encoder": (Qwen2_5_VLForConditionalGeneration, QWEN2_5_VL_7B),
         "vae": (AutoencoderKLQwenImage, QWEN_IMAGE_VAE),
     })
+    return {**components, "vae": ImageVae(components["vae"])}
+
+
+class ImageVae(nn.Module):
+    """Qwen-Image's video VAE as the memory plan's image-VAE pass calls a VAE (:mod:`dreamstep.models.plans`): 4-D
+    pixels and latents, read and written as one frame, and the config fields that pass reads (its 8x factor as
+    four levels, the latent channels, no shift or scale: the trainer normalises per channel, which costs nothing
+    here)."""
+
+    def __init__(self, vae: nn.Module):
+        super().__init__()
+        self.vae = vae
+        levels = int(math.log2(vae.spatial_compression_ratio)) + 1
+        self.config = SimpleNamespace(block_out_channels=(0,) * levels, latent_channels=vae.config.z_dim,
+                                      in_channels=3, shift_factor=0.0, scaling_factor=1.0)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def encode(self, pixels: torch.Tensor) -> Any:
+        return self.vae.encode(pixels.unsqueeze(2))
+
+    def decode(self, latents: torch.Tensor) -> Any:
+        return self.vae.decode(latents.unsqueeze(2))
 
 
 def training_pass(transformer: nn.Module, *, resolution: int, batch: int, text_tokens: int, train: bool = True,
