@@ -10,6 +10,8 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The memory plan's measured passes are kept in a folder of this session's, not the user's cache.
+os.environ["DREAMSTEP_PLAN_CACHE"] = __import__("tempfile").mkdtemp(prefix="dreamstep-plan-cache-")
 
 from pathlib import Path
 

@@ -33,31 +33,8 @@ class Command:
     options: str | None = None  # "module:Class", the config dataclass (imports nothing heavy)
 
 
-COMMANDS: dict[tuple[str, ...], Command] = {
-    ("train", "flux-lora"): Command(
-        "DreamBooth / captioned LoRA for FLUX.1", "dreamstep.recipes.flux_lora:train",
-        "dreamstep.config.flux_lora:FluxLoraConfig"),
-    ("train", "sdxl-lora"): Command(
-        "Kohya-compatible LoRA for SDXL", "dreamstep.recipes.sdxl_lora:train",
-        "dreamstep.config.sdxl_lora:SDXLLoraConfig"),
-    ("train", "flux-kohya"): Command(
-        "sd-scripts' FLUX.1 LoRA (flux_train_network.py's command line)", "dreamstep.recipes.flux_kohya:train",
-        "dreamstep.config.flux_kohya:FluxKohyaConfig"),
-    ("train", "flux-controlnet"): Command(
-        "ControlNet for FLUX.1", "dreamstep.recipes.flux_controlnet:train",
-        "dreamstep.config.flux_controlnet:FluxControlNetConfig"),
-    ("train", "flux-kontext-lora"): Command(
-        "FLUX.1 Kontext LoRA: image editing from before/after pairs", "dreamstep.recipes.flux_kontext_lora:train",
-        "dreamstep.config.flux_kontext_lora:FluxKontextLoraConfig"),
-    ("generate", "flux"): Command(
-        "generate images with FLUX.1 (+ LoRAs, ControlNet)", "dreamstep.commands.generate:run",
-        "dreamstep.config.generate:FluxGenerateConfig"),
-    ("generate", "flux-kontext"): Command(
-        "edit an image with FLUX.1 Kontext (+ LoRAs)", "dreamstep.commands.generate:run",
-        "dreamstep.config.generate:FluxKontextGenerateConfig"),
-    ("generate", "sdxl"): Command(
-        "generate images with SDXL (+ LoRAs)", "dreamstep.commands.generate:run",
-        "dreamstep.config.generate:SdxlGenerateConfig"),
+# The commands of no one family; each family adds its own (``train``, ``generate``, ``eval``: ModelFamily.commands).
+_SHARED_COMMANDS: dict[tuple[str, ...], Command] = {
     ("convert", "lora"): Command(
         "convert a LoRA between Kohya, diffusers and MindSpore", "dreamstep.commands.convert_lora"),
     ("lora", "info"): Command(
@@ -69,27 +46,43 @@ COMMANDS: dict[tuple[str, ...], Command] = {
     ("plan",): Command(
         "estimate a LoRA run's peak device memory and what fits a card", "dreamstep.commands.plan"),
     ("tiny-model",): Command(
-        "write a tiny random FLUX, FLUX Kontext or SDXL pipeline for offline tests", "dreamstep.commands.tiny_model"),
-    ("eval", "flux"): Command(
-        "score FLUX LoRAs / ControlNets / checkpoints against the base model", "dreamstep.commands.evaluate"),
-    ("eval", "flux-kontext"): Command(
-        "score FLUX.1 Kontext LoRAs / checkpoints against the base model", "dreamstep.commands.evaluate"),
-    ("eval", "sdxl"): Command(
-        "score SDXL LoRAs / checkpoints against the base model", "dreamstep.commands.evaluate"),
+        "write a tiny random pipeline of any family (and evaluators, captioners) for offline tests",
+        "dreamstep.commands.tiny_model"),
     ("dashboard",): Command(
         "a local web page: watch runs, compare them, check a dataset", "dreamstep.commands.dashboard"),
 }
+_GROUP_ORDER = ("train", "generate", "convert", "lora", "caption", "dataset", "plan", "tiny-model", "eval",
+                "dashboard")
+
+
+def _all_commands() -> dict[tuple[str, ...], Command]:
+    from dreamstep.models.family import families
+
+    found = dict(_SHARED_COMMANDS)
+    for family in families().values():
+        found.update({key: Command(*entry) for key, entry in family.commands.items()})
+    return dict(sorted(found.items(), key=lambda item: _GROUP_ORDER.index(item[0][0])))
+
+
+COMMANDS = _all_commands()
 
 
 def _help(commands: dict[tuple[str, ...], Command], group: str | None = None) -> str:
     usage = f"dreamstep {group} SUBCOMMAND" if group else "dreamstep COMMAND [SUBCOMMAND]"
-    intro = "Subcommands:" if group else "Fine-tune FLUX.1 and SDXL (LoRA, DreamBooth, ControlNet). Commands:"
+    intro = "Subcommands:" if group else f"Fine-tune {_family_titles()} (LoRA, DreamBooth, ControlNet). Commands:"
     lines = [f"usage: {usage} [options]", "", intro, ""]
     for key, command in commands.items():
         if group is None or key[0] == group:
             lines.append(f"  {' '.join(key):<26} {command.summary}")
     lines += ["", f"Run '{usage} --help' for a command's options."]
     return "\n".join(lines)
+
+
+def _family_titles() -> str:
+    from dreamstep.models.family import families
+
+    titles = [family.title for family in families().values()]
+    return ", ".join(titles[:-1]) + " and " + titles[-1] if len(titles) > 1 else titles[0]
 
 
 def _match(argv: list[str], commands: dict[tuple[str, ...], Command]) -> tuple[str, ...] | None:

@@ -116,7 +116,7 @@ def test_bad_kontext_flags(tiny_flux_kontext_dir: Path, tmp_path: Path, capsys, 
 
 @pytest.mark.parametrize("model_type, extra, expected", [
     ("flux-kontext", (), "eval flux-kontext scores edits: give --image"),
-    ("flux", ("--image", "{image}"), "--image is the image FLUX.1 Kontext edits; use eval flux-kontext"),
+    ("flux", ("--image", "{image}"), "flux generates from the prompt: use eval flux-kontext"),
 ])
 def test_eval_asks_for_the_image_kontext_edits(tiny_flux_kontext_dir: Path, tmp_path: Path, capsys,
                                                model_type: str, extra: tuple[str, ...], expected: str) -> None:

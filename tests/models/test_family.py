@@ -4,6 +4,7 @@ released model at full size, LoRA names tell their family, and the shared layers
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -24,13 +25,14 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "dreamstep"
 
 def test_the_registry_finds_every_family_package() -> None:
     packages = {p.parent.name for p in (SRC / "models").glob("*/family.py")}
-    assert {f.name.replace("-", "_") for f in families().values()} == packages == {"flux", "qwen_image", "sdxl"}
+    assert {type(f).__module__.split(".")[-2] for f in families().values()} == packages
+    assert {"flux", "sdxl"} <= set(families())
     for found in families().values():
         assert isinstance(found, ModelFamily)
         assert found.denoiser in found.component_labels
 
 
-@pytest.mark.parametrize("name", ["flux", "sdxl"])
+@pytest.mark.parametrize("name", sorted(families()))
 def test_key_tables_name_layers_of_the_released_model(name: str) -> None:
     found = get_family(name)
     shapes = weight_shapes(name)
@@ -77,8 +79,27 @@ def _family_strings(path: Path) -> list[str]:
             and (node.value in names or any(node.value.startswith(f"{n}-") for n in names))]
 
 
-@pytest.mark.parametrize("package", ["engine", "data", "lora", "dashboard"])
+@pytest.mark.parametrize("package", ["engine", "data", "lora", "dashboard", "generation"])
 def test_the_shared_layers_name_no_family(package: str) -> None:
     found = [hit for path in sorted((SRC / package).rglob("*.py")) for hit in _family_strings(path)]
     # The dashboard's dataset check starts from a trainer when none is given: a default, not a branch.
     assert found == [] or (package == "dashboard" and all("dataset_check.py" in hit for hit in found)), found
+
+
+@pytest.mark.parametrize("name", sorted(families()))
+def test_every_family_command_resolves_and_names_a_variant(name: str) -> None:
+    from dreamstep.cli import COMMANDS
+    from dreamstep.config.generate import GenerateConfig
+
+    found = get_family(name)
+    assert found.commands, f"{name} has no commands"
+    for key, (summary, runner, options) in found.commands.items():
+        assert COMMANDS[key].runner == runner and summary
+        module, _, function = runner.partition(":")
+        assert not function or callable(getattr(importlib.import_module(module), function))
+        if key[0] in ("generate", "eval"):
+            assert key[1] in found.variants, key
+        if key[0] == "generate":
+            module, _, name_ = options.partition(":")
+            config = getattr(importlib.import_module(module), name_)
+            assert issubclass(config, GenerateConfig) and config.model_type == key[1] and config.lora_model == name

@@ -16,7 +16,7 @@ from PIL import Image
 from test_flux_controlnet import make_pairs
 
 from dreamstep.evaluation.candidates import controlnet_source
-from dreamstep.generation.pipelines import controlnet_from_checkpoint
+from dreamstep.models.flux.generation import controlnet_from_checkpoint
 
 PROMPT = "a red square"
 
@@ -73,7 +73,7 @@ def test_generate_takes_the_last_checkpoint_as_the_saved_controlnet(run: Path, t
         images.append(np.asarray(Image.open(image)))
     assert np.array_equal(*images)
     transformer = FluxTransformer2DModel.from_pretrained(tiny_flux_dev_dir, subfolder="transformer")
-    built = controlnet_from_checkpoint(controlnet_source(str(run / "checkpoint-2"), tmp_path), transformer,
-                                       torch.float32).state_dict()
+    checkpoint = controlnet_source(str(run / "checkpoint-2"), tmp_path)
+    built = controlnet_from_checkpoint(checkpoint.path, checkpoint.config_dir, transformer, torch.float32).state_dict()
     saved = FluxControlNetModel.from_pretrained(run).state_dict()
     assert built.keys() == saved.keys() and all(torch.equal(built[k], saved[k]) for k in saved)

@@ -19,6 +19,7 @@ from flux_testkit import ROBOT_DIR, ROBOT_PROMPT
 from dreamstep.cli import COMMANDS
 from dreamstep.config.schema import build_config
 from dreamstep.errors import UserError
+from dreamstep.models.family import families
 
 TRAINERS = [key[1] for key in COMMANDS if key[0] == "train"]
 # sd-scripts flags kept so its command lines run as written, whose behaviour is dreamstep's in any case.
@@ -42,7 +43,8 @@ def _dataset_toml(root: Path, conditioning: bool) -> Path:
 
 
 def _smallest_run(trainer: str, models: dict[str, Path], root: Path) -> dict[str, str]:
-    """The options of a one-step run of ``trainer`` on its tiny model; a new trainer needs an entry here."""
+    """The options of a one-step run of ``trainer`` on its tiny model: FLUX.1's and SDXL's here, another family's
+    from its testkit (``tests/recipes/<package>_testkit.py``: ``smallest_run(trainer, root)``)."""
     out = {"output_dir": str(root / "out"), "max_train_steps": "1"}
     flux = {**out, "pretrained_model_name_or_path": str(models["flux"]), "resolution": "32", "report_to": "none",
             "checkpointing_steps": "0"}
@@ -57,7 +59,16 @@ def _smallest_run(trainer: str, models: dict[str, Path], root: Path) -> dict[str
                        "network_module": "networks.lora_flux", "network_dim": "4"},
         "sdxl-lora": {**kohya, "pretrained_model_name_or_path": str(models["sdxl"]), "network_dim": "4"},
     }
-    return runs[trainer]
+    if trainer in runs:
+        return runs[trainer]
+    family = next(f for f in families().values() if ("train", trainer) in f.commands)
+    package = type(family).__module__.split(".")[-2]
+    try:
+        testkit = importlib.import_module(f"{package}_testkit")
+    except ModuleNotFoundError:
+        pytest.fail(f"train {trainer}: write tests/recipes/{package}_testkit.py with smallest_run(trainer, root), "
+                    "the options of a one-step run on the family's tiny model")
+    return testkit.smallest_run(trainer, root)
 
 
 def _recipe(trainer: str) -> tuple[type, types.ModuleType]:

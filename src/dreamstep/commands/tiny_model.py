@@ -1,4 +1,5 @@
-"""``dreamstep tiny-model flux|flux-kontext|sdxl OUT``: write a tiny random pipeline with :mod:`dreamstep.models.tiny`;
+"""``dreamstep tiny-model VARIANT OUT``: write a tiny random pipeline of a family's variant with
+:mod:`dreamstep.models.tiny`;
 ``dreamstep tiny-model evaluators OUT``: tiny random DINO and CLIP models with :mod:`dreamstep.evaluation.tiny`;
 ``dreamstep tiny-model captioners OUT``: tiny random captioners with :mod:`dreamstep.captioning.tiny`."""
 
@@ -13,9 +14,9 @@ from dreamstep.models.family import all_variants
 
 
 def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> None:
-    parser.description = ("Write a tiny random FLUX.1, FLUX.1 Kontext or SDXL pipeline folder (diffusers "
-                          "layout) for offline tests and demos; loads with FluxPipeline / FluxKontextPipeline / "
-                          "StableDiffusionXLPipeline.from_pretrained(OUT). 'evaluators' writes tiny "
+    parser.description = ("Write a tiny random pipeline folder of any family's variant (diffusers layout) for "
+                          "offline tests and demos; it loads with the family's pipeline class, e.g. "
+                          "FluxPipeline.from_pretrained(OUT). 'evaluators' writes tiny "
                           "DINO and CLIP models for --eval_metrics; 'captioners' tiny captioners for "
                           "'dreamstep caption --model'.")
     parser.add_argument("arch", choices=(*all_variants(), "evaluators", "captioners"),

@@ -11,6 +11,8 @@ from dreamstep.errors import UserError, did_you_mean
 
 FIDELITY_METRICS = ("dino", "clip_i", "clip_t")
 CONTROL_METRICS = ("edge",)
+DEFAULT_DINO_MODEL = "facebook/dino-vits16"
+DEFAULT_CLIP_MODEL = "openai/clip-vit-base-patch32"
 NO_VALIDATION_LOSS = ("--eval_best_by val_loss: this run holds out no images, so it has no validation loss; add "
                       "--validation_split (e.g. 0.1) or held-out images, or pick one of --eval_metrics")
 
@@ -28,9 +30,9 @@ class EvaluationOptions:
               "--eval_metrics)", kw_only=True)
     eval_identifier: Optional[str] = option(
         "sks", "the identifier token taken out of prompts for CLIP-T ('none' keeps prompts as they are)", kw_only=True)
-    dino_model: str = option("facebook/dino-vits16", "DINO model for --eval_metrics dino (hub id or folder; "
+    dino_model: str = option(DEFAULT_DINO_MODEL, "DINO model for --eval_metrics dino (hub id or folder; "
                                                      "ViT-S/16 as in the DreamBooth paper)", kw_only=True)
-    clip_model: str = option("openai/clip-vit-base-patch32", "CLIP model for clip_i / clip_t (hub id or folder)",
+    clip_model: str = option(DEFAULT_CLIP_MODEL, "CLIP model for clip_i / clip_t (hub id or folder)",
                              kw_only=True)
     eval_batch_size: int = option(16, "images per batch through the evaluation models", bounds="[1, inf)",
                                   kw_only=True)

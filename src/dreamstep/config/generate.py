@@ -1,10 +1,11 @@
-"""Options of ``dreamstep generate flux|flux-kontext|sdxl``: one class per model, so each command lists and accepts
-only the flags that mean something for its model."""
+"""Options of ``dreamstep generate VARIANT``: one class per model, so each command lists and accepts only the flags
+that mean something for its model. A family's own class subclasses :class:`GenerateConfig` in its config module and
+overrides the hooks its flags need (:meth:`GenerateConfig.call_kwargs`, :meth:`GenerateConfig.sized_to_image`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Literal
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Literal
 
 from dreamstep.config.choices import CHECKPOINT_WEIGHTS_HELP
 from dreamstep.config.options import FluxComponentFileOptions
@@ -65,6 +66,28 @@ class GenerateConfig:
                 raise UserError(f"--{flag} {value}: {self.model_type.upper()} needs a multiple of {multiple} "
                                 f"(e.g. {max(multiple, value // multiple * multiple)})")
 
+    def input_images(self) -> tuple[str, list[str]]:
+        """(flag, paths) of the images the pipeline call reads: an edit's input images, a control image."""
+        for flag in ("image", "control_image"):
+            value = getattr(self, flag, None)
+            if value:
+                return flag, [value] if isinstance(value, str) else list(value)
+        return "image", []
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """The pipeline call's keywords that this model's own flags set (beyond prompt, steps, guidance, size)."""
+        return {}
+
+    def sized_to_image(self, image_size: tuple[int, int]) -> tuple[int, int] | None:
+        """The (width, height) to generate at for an input image of ``image_size`` when a flag asks for its own
+        size; ``None``: the model's default."""
+        return None
+
+    def own_parameters(self) -> dict[str, Any]:
+        """This model's own flags and their values, recorded in each image's PNG."""
+        shared = {f.name for f in fields(GenerateConfig)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in shared}
+
 
 @dataclass
 class SdxlGenerateConfig(GenerateConfig):
@@ -98,6 +121,12 @@ class FluxGenerateConfig(FluxComponentFileOptions, GenerateConfig):
             raise UserError("--negative_prompt has no effect on FLUX unless --true_cfg_scale > 1 "
                             "(e.g. --true_cfg_scale 4)")
 
+    def call_kwargs(self) -> dict[str, Any]:
+        if self.controlnet is None:
+            return {"true_cfg_scale": self.true_cfg_scale}
+        return {"true_cfg_scale": self.true_cfg_scale,
+                "controlnet_conditioning_scale": self.controlnet_conditioning_scale}
+
 
 @dataclass
 class FluxKontextGenerateConfig(FluxComponentFileOptions, GenerateConfig):
@@ -119,3 +148,15 @@ class FluxKontextGenerateConfig(FluxComponentFileOptions, GenerateConfig):
         if self.negative_prompt and self.true_cfg_scale <= 1.0:
             raise UserError("--negative_prompt has no effect on FLUX unless --true_cfg_scale > 1 "
                             "(e.g. --true_cfg_scale 4)")
+
+    def call_kwargs(self) -> dict[str, Any]:
+        # The output keeps the size asked for; the pipeline resizes the input to a Kontext training resolution
+        # unless --keep_image_size.
+        return {"true_cfg_scale": self.true_cfg_scale, "_auto_resize": not self.keep_image_size}
+
+    def sized_to_image(self, image_size: tuple[int, int]) -> tuple[int, int] | None:
+        if not self.keep_image_size:
+            return None
+        step = self.size_multiple
+        width, height = (max(step, side // step * step) for side in image_size)
+        return width, height

@@ -22,10 +22,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from dreamstep.config.evaluation import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL
 from dreamstep.errors import UserError, refusing_pickled_code
 
-DEFAULT_DINO_MODEL = "facebook/dino-vits16"
-DEFAULT_CLIP_MODEL = "openai/clip-vit-base-patch32"
 DEFAULT_MODELS = {"vit": DEFAULT_DINO_MODEL, "clip": DEFAULT_CLIP_MODEL}
 SUBJECT_METRICS = ("dino", "clip_i")
 PROMPT_METRICS = ("clip_t",)

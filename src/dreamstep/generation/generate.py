@@ -1,5 +1,5 @@
-"""``dreamstep generate flux|flux-kontext|sdxl``: images from FLUX.1 or SDXL with any number of LoRAs and, for
-FLUX, a ControlNet, through diffusers' pipelines; FLUX.1 Kontext edits ``--image``.
+"""``dreamstep generate VARIANT``: images from any family's model with any number of LoRAs and, for FLUX, a
+ControlNet, through diffusers' pipelines; edit models (FLUX.1 Kontext) edit ``--image``.
 
 Features: a diffusers folder, hub id or single-file ``--model`` (``--model_config`` supplies the rest of a
 single file's pipeline); ``--prompt`` or ``--from_file`` (one prompt per line); ``--negative_prompt``
@@ -26,21 +26,16 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from dreamstep import __version__
-from dreamstep.config.generate import FluxGenerateConfig, FluxKontextGenerateConfig, GenerateConfig
+from dreamstep.config.generate import GenerateConfig
 from dreamstep.config.options import FluxComponentFileOptions
 from dreamstep.data.images import load_rgb
 from dreamstep.errors import UserError
 from dreamstep.evaluation.candidates import controlnet_source, lora_file_for
 from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, parse_lora_spec
 from dreamstep.generation.outputs import next_index, save_png
-from dreamstep.generation.pipelines import build_pipeline, check_model, choose_dtype, default_size
-from dreamstep.models.flux.kontext import edit_size
-from dreamstep.models.flux.plumbing import FLUX_DEV_SAMPLING
+from dreamstep.generation.pipelines import build_pipeline, check_model, choose_dtype
+from dreamstep.models.family import variant_family
 from dreamstep.models.precision import choose_device
-
-SDXL_DEFAULTS = {"steps": 50, "guidance_scale": 7.0}
-# A model without guidance embedding (FLUX.1-schnell) is distilled to a few steps and no guidance.
-FLUX_UNGUIDED_DEFAULTS = {"steps": 4, "guidance_scale": 0.0}
 
 
 def read_prompts(config: GenerateConfig) -> list[str]:
@@ -58,16 +53,16 @@ def read_prompts(config: GenerateConfig) -> list[str]:
     return prompts
 
 
-def _control_image(config: GenerateConfig) -> Image.Image | None:
-    """The ControlNet's control image, or the image Kontext edits."""
-    flag, value = next(((f, getattr(config, f)) for f in ("control_image", "image") if hasattr(config, f)),
-                       (None, None))
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    if not path.is_file():
-        raise UserError(f"--{flag} {path}: file not found; check the path")
-    return load_rgb(path)
+def _input_images(config: GenerateConfig) -> list[Image.Image]:
+    """The images the pipeline call reads: an edit's input images, a ControlNet's control image."""
+    flag, paths = config.input_images()
+    images = []
+    for value in paths:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise UserError(f"--{flag} {path}: file not found; check the path")
+        images.append(load_rgb(path))
+    return images
 
 
 def _output_dir(config: GenerateConfig) -> Path:
@@ -78,60 +73,35 @@ def _output_dir(config: GenerateConfig) -> Path:
     return path
 
 
-def resolve_settings(config: GenerateConfig, model_type: str, pipe: Any,
-                     control: Image.Image | None) -> dict[str, Any]:
-    """Steps, guidance and size with the model's defaults filled in."""
-    if model_type == "sdxl":
-        steps, guidance = SDXL_DEFAULTS["steps"], SDXL_DEFAULTS["guidance_scale"]
-    else:
-        defaults = FLUX_DEV_SAMPLING if pipe.transformer.config.guidance_embeds else FLUX_UNGUIDED_DEFAULTS
-        steps, guidance = defaults["steps"], defaults["guidance_scale"]
-    if isinstance(config, FluxKontextGenerateConfig):
-        native = edit_size(control.size, keep=config.keep_image_size)
-    elif control is not None:
-        multiple = config.size_multiple
-        native = (control.width // multiple * multiple, control.height // multiple * multiple)
-    else:
-        native = (default_size(pipe),) * 2
+def resolve_settings(config: GenerateConfig, pipe: Any, images: list[Image.Image]) -> dict[str, Any]:
+    """Steps, guidance and size: the flags, with the model's defaults for those not given."""
+    defaults = variant_family(config.model_type).sampling_defaults(config.model_type, pipe, images)
+    native = (config.sized_to_image(images[0].size) if images else None) or (defaults["width"], defaults["height"])
     width = config.width or (config.height if config.height else native[0])
     height = config.height or (config.width if config.width else native[1])
-    return {"steps": config.steps or steps, "guidance_scale": config.guidance_scale if config.guidance_scale
-            is not None else guidance, "width": width, "height": height}
+    return {"steps": config.steps or defaults["steps"], "width": width, "height": height,
+            "guidance_scale": config.guidance_scale if config.guidance_scale is not None
+            else defaults["guidance_scale"]}
 
 
-def _pipeline_kwargs(config: GenerateConfig, model_type: str, settings: dict[str, Any],
-                     control: Image.Image | None) -> dict[str, Any]:
-    kwargs = {"num_inference_steps": settings["steps"], "guidance_scale": settings["guidance_scale"],
-              "width": settings["width"], "height": settings["height"],
-              "negative_prompt": config.negative_prompt}
-    if isinstance(config, (FluxGenerateConfig, FluxKontextGenerateConfig)):
-        kwargs["true_cfg_scale"] = config.true_cfg_scale
-    if isinstance(config, FluxKontextGenerateConfig):
-        # The output keeps the size asked for (the pipeline would scale it to 1024² of area).
-        kwargs.update(image=control, _auto_resize=not config.keep_image_size,
-                      max_area=settings["width"] * settings["height"])
-    elif control is not None:
-        kwargs.update(control_image=control, controlnet_conditioning_scale=config.controlnet_conditioning_scale)
-    return kwargs
+def _pipeline_kwargs(config: GenerateConfig, settings: dict[str, Any], images: list[Image.Image]) -> dict[str, Any]:
+    family = variant_family(config.model_type)
+    return {"num_inference_steps": settings["steps"], "guidance_scale": settings["guidance_scale"],
+            "width": settings["width"], "height": settings["height"], "negative_prompt": config.negative_prompt,
+            **family.image_inputs(config.model_type, images, settings["width"], settings["height"]),
+            **config.call_kwargs()}
 
 
-def image_parameters(config: GenerateConfig, model_type: str, settings: dict[str, Any], loras: list[LoraSpec],
-                     dtype: torch.dtype, prompt: str, seed: int) -> dict[str, Any]:
+def image_parameters(config: GenerateConfig, settings: dict[str, Any], loras: list[LoraSpec], dtype: torch.dtype,
+                     prompt: str, seed: int) -> dict[str, Any]:
     """Everything needed to make the image again: stored in its PNG."""
-    params: dict[str, Any] = {
-        "model_type": model_type, "model": config.model, "model_config": config.model_config,
+    return {
+        "model_type": config.model_type, "model": config.model, "model_config": config.model_config,
         "prompt": prompt, "negative_prompt": config.negative_prompt, "seed": seed, "sampler": "Euler",
         **settings, "loras": [{"path": str(s.path), "weight": s.weight} for s in loras], "merge": config.merge,
         "dtype": str(dtype).removeprefix("torch."), "dreamstep_version": __version__,
+        **{flag: value for flag, value in config.own_parameters().items() if value is not None},
     }
-    if isinstance(config, (FluxGenerateConfig, FluxKontextGenerateConfig)):
-        params["true_cfg_scale"] = config.true_cfg_scale
-    if isinstance(config, FluxKontextGenerateConfig):
-        params.update(image=config.image, keep_image_size=config.keep_image_size)
-    if getattr(config, "controlnet", None) is not None:
-        params.update(controlnet=config.controlnet, control_image=config.control_image,
-                      controlnet_conditioning_scale=config.controlnet_conditioning_scale)
-    return params
 
 
 def _batches(prompts: list[str], num_images: int, batch_size: int, first_seed: int) -> list[tuple[str, list[int]]]:
@@ -150,27 +120,27 @@ def generate_images(config: GenerateConfig) -> list[Path]:
     control image, output folder) is checked before the model loads, and nothing is written before."""
     model_type = config.model_type
     prompts = read_prompts(config)
-    check_model(model_type, config.model, config.model_config)
+    parts = config.component_files() if isinstance(config, FluxComponentFileOptions) else None
+    check_model(model_type, config.model, config.model_config, parts)
     loras = [parse_lora_spec(text) for text in config.lora]
     with tempfile.TemporaryDirectory(prefix="dreamstep-lora-") as work_dir:  # LoRAs of flux-lora checkpoints
         files = [dataclasses.replace(spec, path=lora_file_for(spec.path, Path(work_dir), "--lora",
                                                                   config.checkpoint_weights)) for spec in loras]
         for spec in files:
             check_lora(spec.path, config.lora_model)
-        control = _control_image(config)
+        images = _input_images(config)
         controlnet = getattr(config, "controlnet", None)
         if controlnet is not None:  # a checkpoint-N of a ControlNet run, or a save_pretrained folder
             controlnet = controlnet_source(controlnet, Path(work_dir), config.checkpoint_weights)
         output_dir = _output_dir(config)
         device = choose_device(config.device)
         dtype = choose_dtype(config.dtype, device)
-        parts = config.component_files() if isinstance(config, FluxComponentFileOptions) else None
         pipe = build_pipeline(model_type, config.model, model_config=config.model_config, dtype=dtype,
                               component_files=parts, device=device, no_half_vae=config.no_half_vae,
                               controlnet=controlnet, cpu_offload=config.cpu_offload)
         apply_loras(pipe, files, config.lora_model, config.merge)
-    settings = resolve_settings(config, model_type, pipe, control)
-    kwargs = _pipeline_kwargs(config, model_type, settings, control)
+    settings = resolve_settings(config, pipe, images)
+    kwargs = _pipeline_kwargs(config, settings, images)
     first_seed = config.seed if config.seed is not None else secrets.randbelow(2**31)
     calls = _batches(prompts, config.num_images, config.batch_size, first_seed)
     index = next_index(output_dir)
@@ -186,7 +156,7 @@ def generate_images(config: GenerateConfig) -> list[Path]:
                 images = pipe(prompt=prompt, num_images_per_prompt=len(seeds), generator=generators,
                               callback_on_step_end=advance, **kwargs).images
             for image, seed in zip(images, seeds):
-                params = image_parameters(config, model_type, settings, loras, dtype, prompt, seed)
+                params = image_parameters(config, settings, loras, dtype, prompt, seed)
                 written.append(save_png(image, output_dir, index, params))
                 index += 1
     return written

@@ -14,6 +14,9 @@ When each member is used, and its shapes in and out:
 - :meth:`ModelFamily.meta_components`, :meth:`ModelFamily.training_pass`, :meth:`ModelFamily.loop_text_encoders`:
   the memory plan (:mod:`dreamstep.models.plans`), on the meta device.
 - :meth:`ModelFamily.released_components`: full-size weight shapes (``lora info``, the ComfyUI key checks).
+- :attr:`ModelFamily.commands`: the ``train``, ``generate`` and ``eval`` commands :mod:`dreamstep.cli` lists.
+- :meth:`ModelFamily.check_generation_model`, :meth:`ModelFamily.generation_pipeline`,
+  :meth:`ModelFamily.sampling_defaults`, :meth:`ModelFamily.image_inputs`: ``generate`` and ``eval``.
 - :attr:`ModelFamily.variants`: the names ``tiny-model`` and ``plan`` take; :meth:`ModelFamily.build_tiny`,
   :meth:`ModelFamily.write_single_files`: ``tiny-model`` (:func:`dreamstep.models.tiny.write_tiny_model`).
 
@@ -34,6 +37,7 @@ from dreamstep.errors import UserError, did_you_mean
 if TYPE_CHECKING:
     import torch
     from diffusers import DiffusionPipeline
+    from PIL import Image
     from torch import nn
 
     from dreamstep.models.lora_keys import ModelKeys
@@ -74,6 +78,9 @@ class ModelFamily(Protocol):
     """Who reads this family's LyCORIS files as written, for ``lora info``."""
     mindspore_port: bool
     """Whether the MindSpore port (mindone) trains this family, so its ``.ckpt`` layout converts."""
+    commands: Mapping[tuple[str, ...], tuple[str, str, str | None]]
+    """The family's commands (``train``, ``generate``, ``eval``), each ``(summary, runner, options)`` as
+    :class:`dreamstep.cli.Command` takes them; the second word of ``generate`` and ``eval`` is a variant."""
 
     def lora_keys(self, configs: Mapping[str, Mapping] | None) -> ModelKeys:
         """The key tables of the model with these component configs (``{component: config.json}``); ``None``: the
@@ -116,6 +123,26 @@ class ModelFamily(Protocol):
         """A tiny random pipeline of ``variant`` (every block type of the real model, a few dozen channels wide) that
         the family's diffusers pipeline class loads; ``guidance_embeds``: the guidance-distilled kind, where the
         family has one (a UserError where it has not)."""
+
+    def check_generation_model(self, variant: str, model: str, model_config: str | None,
+                               component_files: Mapping[str, str]) -> None:
+        """One UserError line naming ``--model`` (or ``--model_config``, or a component file's flag) when the base is
+        not there or is another family's, before anything loads (``generate``, ``eval``)."""
+
+    def generation_pipeline(self, variant: str, model: str, *, model_config: str | None, dtype: torch.dtype,
+                            component_files: Mapping[str, str], controlnet: Any | None) -> DiffusionPipeline:
+        """The diffusers pipeline that samples ``variant``, loaded on the CPU in ``dtype`` with its sampler set; the
+        caller places it on the device (or offloads it) and applies LoRAs. ``controlnet``: what ``--controlnet``
+        names, where the family has ControlNets."""
+
+    def sampling_defaults(self, variant: str, pipe: DiffusionPipeline, images: Sequence[Image.Image]
+                          ) -> dict[str, Any]:
+        """``steps``, ``guidance_scale``, ``width`` and ``height`` when the user gives none, for a call with these
+        input images (an edit's references, a control image)."""
+
+    def image_inputs(self, variant: str, images: Sequence[Image.Image], width: int, height: int) -> dict[str, Any]:
+        """The pipeline call's keyword arguments for the input images at the size asked for; ``{}`` when there are
+        none."""
 
     def check_single_files(self, variant: str) -> None:
         """Refuse ``tiny-model --single_file`` for a variant whose users have no single files."""

@@ -383,6 +383,13 @@ def is_single_file(path_or_id: str | Path) -> bool:
     return Path(path_or_id).expanduser().is_file() or str(path_or_id).endswith(CHECKPOINT_SUFFIXES)
 
 
+def check_model_config(model: str, model_config: str | None, single_file: bool) -> None:
+    """``--model_config`` supplies a single file's other components; a folder or hub id has its own."""
+    if model_config is not None and not single_file:
+        raise UserError(f"--model_config only applies to a single-file --model ({model} is a folder or hub id, "
+                        "with its own configs); remove it")
+
+
 def load_sdxl(path_or_id_or_single_file: str | Path, *, revision: str | None = None,
               variant: str | None = None, config: str | Path | None = None,
               weight_dtype: torch.dtype = torch.float32, unet_quantization: str = "none",

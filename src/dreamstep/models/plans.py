@@ -20,6 +20,7 @@ from dreamstep.models.blocks import HostCheckpointing, most_blocks_to_swap
 from dreamstep.models.family import get_family
 from dreamstep.models.memory_plan import Line, MemoryPlan, Phase, PlanOptions
 from dreamstep.models.phases import PHASES, loop_encoders, resident_components
+from dreamstep.models.plan_cache import module_fingerprint, remembered
 from dreamstep.models.vae import encode_posterior
 
 
@@ -86,6 +87,7 @@ class Estimator:
             for param in self.trainable.parameters():  # trainable weights are fp32 (models/precision.py)
                 if param.requires_grad:
                     param.data = param.data.float()
+        self.fingerprint = module_fingerprint({**self.components, "trainable": self.trainable})
 
     def _quantized(self, mode: str) -> dict[nn.Parameter, str]:
         if mode == "none":
@@ -107,6 +109,15 @@ class Estimator:
                        image_token_multiplier: int = 1) -> tuple[int, int]:
         """:meth:`activations`, with the checkpointed blocks' inputs in host memory when ``offload``
         (``--cpu_offload_checkpointing``): (peak device bytes, bytes of those inputs in host memory)."""
+        arguments = (resolution, batch, checkpointing, offload, text_tokens, quantization, str(half), train,
+                     image_token_multiplier, self.device_type)
+        peak, host_bytes = remembered(self.fingerprint, "training pass", arguments, lambda: self._measure_pass(
+            resolution, batch, checkpointing, offload, text_tokens, quantization, half, train, image_token_multiplier))
+        return peak, host_bytes
+
+    def _measure_pass(self, resolution: int, batch: int, checkpointing: bool, offload: bool, text_tokens: int,
+                      quantization: str, half: torch.dtype | None, train: bool,
+                      image_token_multiplier: int) -> tuple[int, int]:
         models = [self.base] if self.trainable is self.base else [self.trainable, self.base]
         for param in self.base.parameters():  # frozen weights in the run's dtype (free on the meta device)
             if not param.requires_grad:
@@ -136,8 +147,13 @@ class Estimator:
             run = _vae_pass(module, resolution, decode)
         else:
             run = _text_encoder_pass(module, text_tokens if name == self.family.long_text_encoder else 77)
-        with torch.device("meta"), torch.no_grad():
-            return mp.pass_peak(module, run, autocast=None, device_type=self.device_type)
+
+        def measure() -> tuple[int]:
+            with torch.device("meta"), torch.no_grad():
+                return (mp.pass_peak(module, run, autocast=None, device_type=self.device_type),)
+
+        arguments = (name, resolution, text_tokens, decode, self.device_type)
+        return remembered(self.fingerprint, "encoder pass", arguments, measure)[0]
 
     def _weights(self, name: str, options: PlanOptions) -> Line:
         module = self.components[name]

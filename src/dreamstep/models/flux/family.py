@@ -11,6 +11,7 @@ from dreamstep.errors import UserError
 if TYPE_CHECKING:
     import torch
     from diffusers import DiffusionPipeline
+    from PIL import Image
     from torch import nn
 
     from dreamstep.models.lora_keys import ModelKeys
@@ -34,6 +35,26 @@ class FluxFamily:
     weak_key_hints = ("transformer.",)
     lycoris_readers = "ComfyUI, Forge, LyCORIS on diffusers' FLUX (SimpleTuner)"
     mindspore_port = False
+    commands = {
+        ("train", "flux-lora"): ("DreamBooth / captioned LoRA for FLUX.1", "dreamstep.recipes.flux_lora:train",
+                                 "dreamstep.config.flux_lora:FluxLoraConfig"),
+        ("train", "flux-kohya"): ("sd-scripts' FLUX.1 LoRA (flux_train_network.py's command line)",
+                                  "dreamstep.recipes.flux_kohya:train", "dreamstep.config.flux_kohya:FluxKohyaConfig"),
+        ("train", "flux-controlnet"): ("ControlNet for FLUX.1", "dreamstep.recipes.flux_controlnet:train",
+                                       "dreamstep.config.flux_controlnet:FluxControlNetConfig"),
+        ("train", "flux-kontext-lora"): ("FLUX.1 Kontext LoRA: image editing from before/after pairs",
+                                         "dreamstep.recipes.flux_kontext_lora:train",
+                                         "dreamstep.config.flux_kontext_lora:FluxKontextLoraConfig"),
+        ("generate", "flux"): ("generate images with FLUX.1 (+ LoRAs, ControlNet)", "dreamstep.commands.generate:run",
+                               "dreamstep.config.generate:FluxGenerateConfig"),
+        ("generate", "flux-kontext"): ("edit an image with FLUX.1 Kontext (+ LoRAs)",
+                                       "dreamstep.commands.generate:run",
+                                       "dreamstep.config.generate:FluxKontextGenerateConfig"),
+        ("eval", "flux"): ("score FLUX LoRAs / ControlNets / checkpoints against the base model",
+                           "dreamstep.commands.evaluate", None),
+        ("eval", "flux-kontext"): ("score FLUX.1 Kontext LoRAs / checkpoints against the base model",
+                                   "dreamstep.commands.evaluate", None),
+    }
 
     def lora_keys(self, configs: Mapping[str, Mapping] | None) -> ModelKeys:
         from dreamstep.models.flux.lora_keys import keys_from_configs
@@ -74,7 +95,6 @@ class FluxFamily:
         return {"transformer": published.FLUX_DEV_TRANSFORMER, "text_encoder": published.CLIP_L_TEXT,
                 "text_encoder_2": published.T5_XXL_ENCODER}
 
-
     variants = {"flux": 1, "flux-kontext": 2}  # Kontext reads the reference image's tokens beside the target's
 
     def build_tiny(self, variant: str, *, seed: int, guidance_embeds: bool) -> DiffusionPipeline:
@@ -85,6 +105,30 @@ class FluxFamily:
                 raise UserError("--guidance_embeds: flux-kontext is guidance-distilled already; remove it")
             return build_tiny_flux_kontext(seed=seed)
         return build_tiny_flux(seed=seed, guidance_embeds=guidance_embeds)
+
+    def check_generation_model(self, variant: str, model: str, model_config: str | None,
+                               component_files: Mapping[str, str]) -> None:
+        from dreamstep.models.flux.generation import check_model
+
+        check_model(model, model_config, component_files)
+
+    def generation_pipeline(self, variant: str, model: str, *, model_config: str | None, dtype: torch.dtype,
+                            component_files: Mapping[str, str], controlnet: Any | None) -> DiffusionPipeline:
+        from dreamstep.models.flux.generation import pipeline
+
+        return pipeline(variant, model, model_config=model_config, dtype=dtype, component_files=component_files,
+                        controlnet=controlnet)
+
+    def sampling_defaults(self, variant: str, pipe: DiffusionPipeline, images: Sequence[Image.Image]
+                          ) -> dict[str, Any]:
+        from dreamstep.models.flux.generation import sampling_defaults
+
+        return sampling_defaults(variant, pipe, images)
+
+    def image_inputs(self, variant: str, images: Sequence[Image.Image], width: int, height: int) -> dict[str, Any]:
+        from dreamstep.models.flux.generation import image_inputs
+
+        return image_inputs(variant, images, width, height)
 
     def check_single_files(self, variant: str) -> None:
         if variant != "flux":

@@ -11,6 +11,7 @@ from dreamstep.errors import UserError
 if TYPE_CHECKING:
     import torch
     from diffusers import DiffusionPipeline
+    from PIL import Image
     from torch import nn
 
     from dreamstep.models.lora_keys import ModelKeys
@@ -33,6 +34,14 @@ class SdxlFamily:
     weak_key_hints = ()
     lycoris_readers = "ComfyUI, Forge, A1111, sd-scripts with lycoris.kohya"
     mindspore_port = True
+    commands = {
+        ("train", "sdxl-lora"): ("Kohya-compatible LoRA for SDXL", "dreamstep.recipes.sdxl_lora:train",
+                                 "dreamstep.config.sdxl_lora:SDXLLoraConfig"),
+        ("generate", "sdxl"): ("generate images with SDXL (+ LoRAs)", "dreamstep.commands.generate:run",
+                               "dreamstep.config.generate:SdxlGenerateConfig"),
+        ("eval", "sdxl"): ("score SDXL LoRAs / checkpoints against the base model", "dreamstep.commands.evaluate",
+                           None),
+    }
 
     def lora_keys(self, configs: Mapping[str, Mapping] | None) -> ModelKeys:
         from dreamstep.models.sdxl.lora_keys import keys_from_configs
@@ -73,8 +82,28 @@ class SdxlFamily:
         return {"unet": published.SDXL_UNET, "text_encoder": published.CLIP_L_TEXT,
                 "text_encoder_2": published.OPENCLIP_BIGG_TEXT}
 
-
     variants = {"sdxl": 1}
+
+    def check_generation_model(self, variant: str, model: str, model_config: str | None,
+                               component_files: Mapping[str, str]) -> None:
+        from dreamstep.models.sdxl.generation import check_model
+
+        check_model(model, model_config, component_files)
+
+    def generation_pipeline(self, variant: str, model: str, *, model_config: str | None, dtype: torch.dtype,
+                            component_files: Mapping[str, str], controlnet: Any | None) -> DiffusionPipeline:
+        from dreamstep.models.sdxl.generation import pipeline
+
+        return pipeline(model, model_config=model_config, dtype=dtype)
+
+    def sampling_defaults(self, variant: str, pipe: DiffusionPipeline, images: Sequence[Image.Image]
+                          ) -> dict[str, Any]:
+        from dreamstep.models.sdxl.generation import sampling_defaults
+
+        return sampling_defaults(pipe, images)
+
+    def image_inputs(self, variant: str, images: Sequence[Image.Image], width: int, height: int) -> dict[str, Any]:
+        return {}
 
     def build_tiny(self, variant: str, *, seed: int, guidance_embeds: bool) -> DiffusionPipeline:
         from dreamstep.models.sdxl.tiny import build_tiny_sdxl
