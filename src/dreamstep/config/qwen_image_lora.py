@@ -26,6 +26,8 @@ class QwenImageTrainingConfig(TrainingConfig):
                                    kw_only=True)
 
     def __post_init__(self) -> None:
+        if not getattr(self, "validation_prompt", None):
+            refuse_unused(self, ("true_cfg_scale",), "without --validation_prompt")
         if self.resolution % 16:
             raise UserError(f"--resolution must be a multiple of 16 for Qwen-Image's 8x VAE and 2x2 latent patches "
                             f"(got {self.resolution}; try {max(16, round(self.resolution / 16) * 16)})")

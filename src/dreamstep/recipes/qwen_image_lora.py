@@ -100,7 +100,8 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
                                              latent_cache=latent_cache, text_cache=text_cache)
     scorer = load_scorer(config)
-    qwen.transformer_config(config)  # --blocks_to_swap checked against the blocks before anything is encoded
+    # --blocks_to_swap and --lora_layers checked against the transformer before anything is encoded.
+    qwen_image_lora_targets(qwen.meta_transformer(config), config.lora_layers)
     print_plan(plan_inputs(config, datasets, dataset.encodes_in_the_loop()), config.device_memory)
     if config.dry_run:
         return None
@@ -201,6 +202,10 @@ def validation_images(config: Any, pipeline: Any, size: tuple[int, int],
     was_training = pipeline.transformer.training
     pipeline.transformer.eval()
     dtype = pipeline.transformer.dtype
+    # The same modules without the text encoder (waiting in host memory): the pipeline computes where its
+    # transformer and VAE are.
+    pipeline = type(pipeline)(**{**pipeline.components, "text_encoder": None})
+    pipeline.set_progress_bar_config(disable=True)
     text, negative = embeddings[config.validation_prompt], embeddings[""]
     images = []
     for i in range(config.num_validation_images):

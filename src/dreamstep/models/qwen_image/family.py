@@ -11,6 +11,7 @@ from dreamstep.errors import UserError
 if TYPE_CHECKING:
     import torch
     from diffusers import DiffusionPipeline
+    from PIL import Image
     from torch import nn
 
     from dreamstep.models.lora_keys import ModelKeys
@@ -38,6 +39,41 @@ class QwenImageFamily:
     weak_key_hints = ()
     lycoris_readers = "ComfyUI, LyCORIS on diffusers' Qwen-Image (SimpleTuner)"
     mindspore_port = False
+    commands = {
+        ("train", "qwen-image-lora"): ("Qwen-Image LoRA (diffusers' train_dreambooth_lora_qwen_image.py flags)",
+                                       "dreamstep.recipes.qwen_image_lora:train",
+                                       "dreamstep.config.qwen_image_lora:QwenImageLoraConfig"),
+        ("generate", "qwen-image"): ("generate images with Qwen-Image (+ LoRAs)", "dreamstep.commands.generate:run",
+                                     "dreamstep.config.qwen_image_generate:QwenImageGenerateConfig"),
+        ("generate", "qwen-image-edit"): ("edit images with Qwen-Image-Edit (+ LoRAs; one to three --image)",
+                                          "dreamstep.commands.generate:run",
+                                          "dreamstep.config.qwen_image_generate:QwenImageEditGenerateConfig"),
+        ("eval", "qwen-image"): ("score Qwen-Image LoRAs / checkpoints against the base model",
+                                 "dreamstep.commands.evaluate", None),
+    }
+
+    def check_generation_model(self, variant: str, model: str, model_config: str | None,
+                               component_files: Mapping[str, str]) -> None:
+        from dreamstep.models.qwen_image.generation import check_model
+
+        check_model(variant, model, model_config, component_files)
+
+    def generation_pipeline(self, variant: str, model: str, *, model_config: str | None, dtype: torch.dtype,
+                            component_files: Mapping[str, str], controlnet: Any | None) -> DiffusionPipeline:
+        from dreamstep.models.qwen_image.generation import pipeline
+
+        return pipeline(variant, model, dtype=dtype, controlnet=controlnet)
+
+    def sampling_defaults(self, variant: str, pipe: DiffusionPipeline, images: Sequence[Image.Image]
+                          ) -> dict[str, Any]:
+        from dreamstep.models.qwen_image.generation import sampling_defaults
+
+        return sampling_defaults(variant, pipe, images)
+
+    def image_inputs(self, variant: str, images: Sequence[Image.Image], width: int, height: int) -> dict[str, Any]:
+        from dreamstep.models.qwen_image.generation import image_inputs
+
+        return image_inputs(variant, images, width, height)
 
     def lora_keys(self, configs: Mapping[str, Mapping] | None) -> ModelKeys:
         from dreamstep.models.qwen_image.lora_keys import keys_from_configs

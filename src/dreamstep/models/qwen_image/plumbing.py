@@ -264,6 +264,13 @@ def transformer_config(config: Any) -> dict[str, Any]:
     return found
 
 
+def meta_transformer(config: Any) -> torch.nn.Module:
+    """The transformer of a trainer's config built on the meta device (no weights): what its adapters target,
+    checked before anything loads."""
+    with torch.device("meta"):
+        return QwenImageTransformer2DModel.from_config(transformer_config(config))
+
+
 def training_caches(config: Any, datasets: list[DatasetConfig]) -> tuple[TensorCache | None, TensorCache]:
     """The latent cache (``None`` when --cache_latents is off) and the text-embedding cache of a run, keyed to the
     weights that fill them and the text cache to --max_sequence_length."""
