@@ -18,7 +18,7 @@ from qwen_image_testkit import fixed_noise_loss, tiny_model
 from safetensors.torch import load_file
 
 from dreamstep.models.qwen_image.configs import QWEN_IMAGE_TRANSFORMER
-from dreamstep.models.qwen_image.lora_files import COMFYUI_WEIGHT_NAME, LORA_WEIGHT_NAME
+from dreamstep.models.qwen_image.lora_files import COMFYUI_WEIGHT_NAME, KOHYA_WEIGHT_NAME, LORA_WEIGHT_NAME
 
 STEPS = 40
 
@@ -36,7 +36,7 @@ def trained(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
                    "--resolution", 32, "--train_batch_size", 2, "--max_train_steps", STEPS, "--learning_rate", 2e-3,
                    "--rank", 8, "--lora_layers", "attention+ff", "--report_to", "none",
                    "--checkpointing_steps", 0, "--validation_prompt", ROBOT_PROMPT, "--num_validation_images", 1,
-                   "--validation_inference_steps", 2) == 0
+                   "--validation_inference_steps", 2, "--save_kohya_format") == 0
     return out
 
 
@@ -47,7 +47,7 @@ def _image(pipe: QwenImagePipeline) -> np.ndarray:
 
 
 def test_outputs_are_written(trained: Path) -> None:
-    for name in (LORA_WEIGHT_NAME, COMFYUI_WEIGHT_NAME, "config.toml", "loss_curve.png"):
+    for name in (LORA_WEIGHT_NAME, COMFYUI_WEIGHT_NAME, KOHYA_WEIGHT_NAME, "config.toml", "loss_curve.png"):
         assert (trained / name).is_file(), name
     assert list((trained / "samples").glob("*.png"))
 
@@ -69,12 +69,14 @@ def test_the_diffusers_file_loads_in_the_pipeline_and_changes_the_output(trained
     assert np.abs(_image(pipe) - base).max() > 1e-3
 
 
-def test_diffusers_reads_the_comfyui_file_as_the_diffusers_one(trained: Path, tiny_qwen: Path) -> None:
+@pytest.mark.parametrize("name", [COMFYUI_WEIGHT_NAME, KOHYA_WEIGHT_NAME])
+def test_diffusers_reads_the_comfyui_and_kohya_files_as_the_diffusers_one(name: str, trained: Path,
+                                                                         tiny_qwen: Path) -> None:
     pipe = QwenImagePipeline.from_pretrained(tiny_qwen)
     pipe.load_lora_weights(trained / LORA_WEIGHT_NAME)
     expected = _image(pipe)
     pipe = QwenImagePipeline.from_pretrained(tiny_qwen)
-    pipe.load_lora_weights(trained / COMFYUI_WEIGHT_NAME)
+    pipe.load_lora_weights(trained / name)
     np.testing.assert_allclose(_image(pipe), expected, atol=1e-5)
 
 

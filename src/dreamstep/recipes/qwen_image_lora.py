@@ -12,8 +12,9 @@ resumable checkpoints; validation samples (true CFG with the empty negative prom
 
 Outputs in --output_dir: ``pytorch_lora_weights.safetensors`` (diffusers layout, what
 ``QwenImagePipeline.load_lora_weights`` reads), ``pytorch_lora_weights_comfyui.safetensors`` (ComfyUI's
-``diffusion_model.transformer_blocks...`` names), with --ema_decay ``pytorch_lora_weights_ema.safetensors``,
-``samples/``, ``loss_curve.png``, evaluation tables, TensorBoard event files, ``checkpoint-N/``, ``cache/`` and
+``diffusion_model.transformer_blocks...`` names), with --save_kohya_format
+``pytorch_lora_weights_kohya.safetensors`` (``lora_unet_transformer_blocks_0_attn_to_q``), with --ema_decay
+``pytorch_lora_weights_ema.safetensors``, ``samples/``, ``loss_curve.png``, evaluation tables, TensorBoard event files, ``checkpoint-N/``, ``cache/`` and
 ``config.toml``.
 """
 
@@ -42,6 +43,7 @@ from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
 from dreamstep.errors import UserError
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
+from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import TrainableState, add_lora, save_flux_lora
 from dreamstep.models import memory_plan as mp
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
@@ -49,7 +51,12 @@ from dreamstep.models.plans import RunPlan, plan_report
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.qwen_image import plumbing as qwen
 from dreamstep.models.qwen_image.family import FAMILY
-from dreamstep.models.qwen_image.lora_files import EMA_WEIGHT_NAME, LORA_WEIGHT_NAME, save_comfyui_lora
+from dreamstep.models.qwen_image.lora_files import (
+    EMA_WEIGHT_NAME,
+    KOHYA_WEIGHT_NAME,
+    LORA_WEIGHT_NAME,
+    save_comfyui_lora,
+)
 from dreamstep.models.qwen_image.lora_targets import qwen_image_lora_targets
 from dreamstep.models.qwen_image.step import QwenImageFlowMatchingStep
 
@@ -191,6 +198,10 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
         if ema is not None:
             with ema.swapped_in():
                 written["LoRA (EMA)"] = save_flux_lora(config.output_dir, transformer, weight_name=EMA_WEIGHT_NAME)
+        if config.save_kohya_format:  # sd-scripts' / musubi-tuner's names: lora_unet_transformer_blocks_0_attn_to_q
+            kohya_path = Path(config.output_dir) / KOHYA_WEIGHT_NAME
+            convert_lora(written["LoRA (diffusers)"], kohya_path, to="kohya", model=FAMILY.name, overwrite=True)
+            written["LoRA (Kohya)"] = kohya_path
     return finish(run, written, result, hooks, best_by=config.best_metric(held_out is not None))
 
 

@@ -20,6 +20,7 @@ from dreamstep.lora.layouts import LoraWeights, kohya_state_dict
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' layout: lora.inject.save_flux_lora writes it
 EMA_WEIGHT_NAME = "pytorch_lora_weights_ema.safetensors"
+KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
 COMFYUI_WEIGHT_NAME = "pytorch_lora_weights_comfyui.safetensors"
 COMFYUI_PREFIX = "diffusion_model."
 
