@@ -14,8 +14,8 @@ Outputs in --output_dir: ``pytorch_lora_weights.safetensors`` (diffusers layout,
 ``QwenImagePipeline.load_lora_weights`` reads), ``pytorch_lora_weights_comfyui.safetensors`` (ComfyUI's
 ``diffusion_model.transformer_blocks...`` names), with --save_kohya_format
 ``pytorch_lora_weights_kohya.safetensors`` (``lora_unet_transformer_blocks_0_attn_to_q``), with --ema_decay
-``pytorch_lora_weights_ema.safetensors``, ``samples/``, ``loss_curve.png``, evaluation tables, TensorBoard event files, ``checkpoint-N/``, ``cache/`` and
-``config.toml``.
+``pytorch_lora_weights_ema.safetensors``, ``samples/``, ``loss_curve.png``, evaluation tables, TensorBoard event
+files, ``checkpoint-N/``, ``cache/`` and ``config.toml``.
 """
 
 from __future__ import annotations
