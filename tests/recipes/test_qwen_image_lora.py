@@ -134,3 +134,29 @@ def test_bad_input_gives_one_line_and_writes_nothing(case: str, message: str, ti
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
     assert re.search(message, errors[0]), errors[0]
     assert not out.exists()
+
+
+def test_the_text_encoder_is_dropped_before_the_transformer_loads(tiny_qwen: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from dreamstep.models.qwen_image import plumbing
+
+    seen = {}
+    load = plumbing.load_transformer_for_training
+
+    def recording(*args: object, **kwargs: object) -> torch.nn.Module:
+        seen["captions cached"] = sorted(p.name for p in (tmp_path / "out" / "cache" / "text").rglob("*.safetensors"))
+        return load(*args, **kwargs)
+
+    real_free = plumbing.free_text_encoder_and_park_vae
+
+    def freeing(pipeline: QwenImagePipeline, *args: object, **kwargs: object) -> object:
+        result = real_free(pipeline, *args, **kwargs)
+        seen["text encoder"] = pipeline.text_encoder
+        return result
+
+    monkeypatch.setattr(plumbing, "load_transformer_for_training", recording)
+    monkeypatch.setattr(plumbing, "free_text_encoder_and_park_vae", freeing)
+    assert run_cli("train", "qwen-image-lora", "--pretrained_model_name_or_path", tiny_qwen, "--instance_data_dir",
+                   ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--output_dir", tmp_path / "out", "--resolution", 32,
+                   "--max_train_steps", 1, "--report_to", "none", "--checkpointing_steps", 0) == 0
+    assert seen["text encoder"] is None and len(seen["captions cached"]) == 1

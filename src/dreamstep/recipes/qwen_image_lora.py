@@ -6,8 +6,8 @@ Features: instance images with one prompt or per-image captions (``--caption_ext
 names); sd-scripts' caption flags; the flow-matching loss of diffusers' ``train_dreambooth_lora_qwen_image.py``
 (σ from the scheduler's table, the SD3 weighting schemes, 5-D latents normalised by the VAE's latents mean / std,
 the prompt mask), sd-scripts' ``--timestep_sampling`` and ``--loss_type``; every caption encoded by the Qwen2.5-VL
-(quantized with ``--text_encoder_quantization``) before the transformer loads, and the encoder then kept in host
-memory; quantized base (``--base_quantization``), block swap, gradient checkpointing; mixed precision; an EMA;
+(quantized with ``--text_encoder_quantization``) before the transformer loads, and the encoder then dropped;
+quantized base (``--base_quantization``), block swap, gradient checkpointing; mixed precision; an EMA;
 resumable checkpoints; validation samples (true CFG with the empty negative prompt), validation loss and scores.
 
 Outputs in --output_dir: ``pytorch_lora_weights.safetensors`` (diffusers layout, what
@@ -123,7 +123,8 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
     run.config_toml = config.resolved_toml(plan.num_epochs)
 
     # 3. Encode: the VAE, then the Qwen2.5-VL, encode every image, caption and validation prompt before the
-    # transformer loads; then they wait in host memory (the VAE stays when latents are not cached).
+    # transformer loads; then the Qwen2.5-VL is dropped and the VAE waits in host memory (it stays on the device when
+    # latents are not cached).
     pipeline = qwen.load_encoders_for_training(source, revision=config.revision, variant=config.variant,
                                                mixed_precision=config.mixed_precision,
                                                text_encoder_quantization=config.text_encoder_quantization)
@@ -132,7 +133,7 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
     prompts = [config.validation_prompt] * config.num_validation_images if config.validation_prompt else []
     qwen.encode_run(conditioner, dataset, held_out, epochs=plan.num_epochs)
     embeddings = qwen.prompt_embeddings(conditioner, prompts + [""] if prompts else [])
-    encoders = qwen.park_encoders(pipeline, run.device,
+    encoders = qwen.free_text_encoder_and_park_vae(pipeline, run.device,
                                   latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
 
     # 4. Load: the transformer frozen in the --mixed_precision dtype (quantized as asked); LoRA weights in fp32.

@@ -169,11 +169,13 @@ def encode_run(conditioner: QwenImageConditioner, dataset: Any, held_out: Any | 
         parking.fill_texts(conditioner, part, part_epochs)
 
 
-def park_encoders(pipeline: Any, device: torch.device, *, latents_cached: bool) -> ParkedModules:
-    """The Qwen2.5-VL (its outputs are cached) and, when the latents are cached, the VAE wait in host memory while
-    the loop trains; the VAE comes back for validation images (``on_device("vae")``)."""
-    parked = {"text_encoder": pipeline.text_encoder, **({"vae": pipeline.vae} if latents_cached else {})}
-    encoders = ParkedModules(parked, device)
+def free_text_encoder_and_park_vae(pipeline: Any, device: torch.device, *, latents_cached: bool) -> ParkedModules:
+    """After the "encode" phases: the Qwen2.5-VL (8B parameters) is dropped, as diffusers' script drops it (every
+    caption, held-out caption and validation prompt is in the text cache; nothing encodes text again), and when the
+    latents are cached the VAE waits in host memory, coming back for validation images (``on_device("vae")``)."""
+    pipeline.register_modules(text_encoder=None)
+    parking.free_device_memory(device)
+    encoders = ParkedModules({"vae": pipeline.vae} if latents_cached else {}, device)
     encoders.park()
     if not latents_cached:
         parking.place(pipeline.vae, device)
