@@ -191,19 +191,25 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
                  on_nonfinite_loss=config.on_nonfinite_loss,
                  max_skipped_steps_fraction=config.max_skipped_steps_fraction, logging_steps=config.logging_steps)
 
-    # 7. Save: diffusers' layout and ComfyUI's, the EMA's, final samples and scores, the loss curve, the summary.
-    written = {}
-    if run.is_main_process:
-        written["LoRA (diffusers)"] = save_flux_lora(config.output_dir, transformer, weight_name=LORA_WEIGHT_NAME)
-        written["LoRA (ComfyUI)"] = save_comfyui_lora(config.output_dir, transformer)
-        if ema is not None:
-            with ema.swapped_in():
-                written["LoRA (EMA)"] = save_flux_lora(config.output_dir, transformer, weight_name=EMA_WEIGHT_NAME)
-        if config.save_kohya_format:  # sd-scripts' / musubi-tuner's names: lora_unet_transformer_blocks_0_attn_to_q
-            kohya_path = Path(config.output_dir) / KOHYA_WEIGHT_NAME
-            convert_lora(written["LoRA (diffusers)"], kohya_path, to="kohya", model=FAMILY.name, overwrite=True)
-            written["LoRA (Kohya)"] = kohya_path
+    # 7. Save: diffusers' layout and ComfyUI's (and Kohya's, the EMA's), final samples and scores, the loss curve.
+    written = save_loras(config, transformer, ema) if run.is_main_process else {}
     return finish(run, written, result, hooks, best_by=config.best_metric(held_out is not None))
+
+
+def save_loras(config: Any, transformer: torch.nn.Module, ema: Any | None) -> dict[str, Path]:
+    """The trained LoRA in diffusers' layout (what the Qwen pipelines' ``load_lora_weights`` read) and ComfyUI's,
+    with --save_kohya_format sd-scripts' / musubi-tuner's names (``lora_unet_transformer_blocks_0_attn_to_q``), with
+    --ema_decay the EMA's weights in diffusers' layout."""
+    written = {"LoRA (diffusers)": save_flux_lora(config.output_dir, transformer, weight_name=LORA_WEIGHT_NAME),
+               "LoRA (ComfyUI)": save_comfyui_lora(config.output_dir, transformer)}
+    if ema is not None:
+        with ema.swapped_in():
+            written["LoRA (EMA)"] = save_flux_lora(config.output_dir, transformer, weight_name=EMA_WEIGHT_NAME)
+    if config.save_kohya_format:
+        kohya_path = Path(config.output_dir) / KOHYA_WEIGHT_NAME
+        convert_lora(written["LoRA (diffusers)"], kohya_path, to="kohya", model=FAMILY.name, overwrite=True)
+        written["LoRA (Kohya)"] = kohya_path
+    return written
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,10 +153,12 @@ def prompt_embeddings(conditioner: QwenImageConditioner, prompts: list[str]) -> 
 
 # ---------------------------------------------------------------- phases
 
-def encode_run(conditioner: QwenImageConditioner, dataset: Any, held_out: Any | None, epochs: int) -> None:
+def encode_run(conditioner: QwenImageConditioner, dataset: Any, held_out: Any | None, epochs: int,
+               fill_texts: Callable[[Any, Any, int], None] = parking.fill_texts) -> None:
     """The "encode images" then "encode text" phases (:mod:`~dreamstep.models.phases`): the VAE encodes every cached
-    latent while the Qwen2.5-VL waits in host memory, then the Qwen2.5-VL encodes every caption while the VAE waits
-    there (:func:`~dreamstep.models.parking.fill_latents`, :func:`~dreamstep.models.parking.fill_texts`)."""
+    latent while the Qwen2.5-VL waits in host memory, then the Qwen2.5-VL encodes every caption (``fill_texts``:
+    :func:`~dreamstep.models.parking.fill_texts`, or an Edit run's instructions with their images) while the VAE
+    waits there."""
     pipeline, device = conditioner.pipeline, conditioner.device
     parts = [(dataset, epochs)] + ([(held_out, 1)] if held_out is not None else [])
     if conditioner.latent_cache is not None:
@@ -166,7 +169,7 @@ def encode_run(conditioner: QwenImageConditioner, dataset: Any, held_out: Any | 
     parking.place(pipeline.vae, parking.PARKING_DEVICE)
     parking.place(pipeline.text_encoder, device)
     for part, part_epochs in parts:
-        parking.fill_texts(conditioner, part, part_epochs)
+        fill_texts(conditioner, part, part_epochs)
 
 
 def free_text_encoder_and_park_vae(pipeline: Any, device: torch.device, *, latents_cached: bool) -> ParkedModules:
