@@ -5,6 +5,7 @@ own loader reads it to the same model; bad input is one line before anything is 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -160,3 +161,16 @@ def test_the_text_encoder_is_dropped_before_the_transformer_loads(tiny_qwen: Pat
                    ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--output_dir", tmp_path / "out", "--resolution", 32,
                    "--max_train_steps", 1, "--report_to", "none", "--checkpointing_steps", 0) == 0
     assert seen["text encoder"] is None and len(seen["captions cached"]) == 1
+
+
+def test_eval_scores_the_run_against_the_base_model(trained: Path, tiny_qwen: Path, tiny_evaluators: dict[str, Path],
+                                                    tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    assert run_cli("eval", "qwen-image", "--model", tiny_qwen, "--weights", trained, "--prompt", ROBOT_PROMPT,
+                   "--instance_data_dir", ROBOT_DIR, "--output_dir", out, "--num_images", 1, "--steps", 2,
+                   "--resolution", 32, "--dino_model", tiny_evaluators["dino"], "--clip_model",
+                   tiny_evaluators["clip"], "--best_by", "clip_t") == 0
+    rows = {r["label"]: r for r in json.loads((out / "scores.json").read_text())["candidates"]}
+    assert list(rows)[0] == "base model" and len(rows) == 2
+    final = next(r for label, r in rows.items() if label.endswith(LORA_WEIGHT_NAME))
+    assert final["step"] == STEPS and final["dino"] != pytest.approx(rows["base model"]["dino"], abs=1e-6)
