@@ -224,17 +224,27 @@ def validation_images(config: Any, pipeline: Any, size: tuple[int, int],
     # transformer and VAE are.
     pipeline = type(pipeline)(**{**pipeline.components, "text_encoder": None})
     pipeline.set_progress_bar_config(disable=True)
-    text, negative = embeddings[config.validation_prompt], embeddings[""]
+    text, negative = (_with_mask(embeddings[p], dtype) for p in (config.validation_prompt, ""))
     images = []
     for i in range(config.num_validation_images):
         images += pipeline(
-            prompt_embeds=text["prompt_embeds"].to(dtype), prompt_embeds_mask=text["prompt_mask"],
-            negative_prompt_embeds=negative["prompt_embeds"].to(dtype),
-            negative_prompt_embeds_mask=negative["prompt_mask"], true_cfg_scale=config.true_cfg_scale,
-            num_inference_steps=config.validation_inference_steps, width=size[0], height=size[1],
-            generator=torch.Generator("cpu").manual_seed(config.seed + i), **pipeline_kwargs).images
+            prompt_embeds=text["prompt_embeds"], prompt_embeds_mask=text["prompt_mask"],
+            negative_prompt_embeds=negative["prompt_embeds"], negative_prompt_embeds_mask=negative["prompt_mask"],
+            true_cfg_scale=config.true_cfg_scale, num_inference_steps=config.validation_inference_steps,
+            width=size[0], height=size[1], generator=torch.Generator("cpu").manual_seed(config.seed + i),
+            **pipeline_kwargs).images
     pipeline.transformer.train(was_training)
     return images
+
+
+def _with_mask(text: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Cached embeddings as the pipelines take them: in the transformer's dtype, with a mask even where nothing is
+    padding (they read an all-ones mask as none, and warn when there is none)."""
+    embeds = text["prompt_embeds"].to(dtype)
+    mask = text["prompt_mask"]
+    return {"prompt_embeds": embeds,
+            "prompt_mask": mask if mask is not None else torch.ones(embeds.shape[:2], dtype=torch.long,
+                                                                      device=embeds.device)}
 
 
 def _check_class_images(config: QwenImageLoraConfig) -> None:
