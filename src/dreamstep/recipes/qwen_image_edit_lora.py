@@ -28,22 +28,19 @@ from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets
-from dreamstep.engine.ema import validation_weights, weight_average, with_average
+from dreamstep.engine.ema import validation_weights, with_average
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.loop import Every
-from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
 from dreamstep.errors import UserError
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
-from dreamstep.lora.inject import TrainableState, add_lora
+from dreamstep.lora.inject import TrainableState
 from dreamstep.models import parking
-from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.flow_step import condition_latents
 from dreamstep.models.flux.kontext import kontext_datasets, validation_image
 from dreamstep.models.plans import RunPlan
-from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.qwen_image import edit
 from dreamstep.models.qwen_image import plumbing as qwen
 from dreamstep.models.qwen_image.family import FAMILY
@@ -51,7 +48,7 @@ from dreamstep.models.qwen_image.lora_targets import qwen_image_lora_targets
 from dreamstep.models.qwen_image.step import QwenImageFlowMatchingStep
 from dreamstep.models.qwen_image.vl_processor import image_text_processor
 from dreamstep.models.vae import posterior_mean, sample_latents
-from dreamstep.recipes.qwen_image_lora import print_plan, save_loras, validation_images
+from dreamstep.recipes.qwen_image_lora import load_lora_transformer, print_plan, save_loras, validation_images
 
 COMMAND = "train qwen-image-edit-lora"
 FOLDER_FLAG = "instance_data_dir"  # the flag an image folder is read from (the dashboard's dataset check)
@@ -148,35 +145,11 @@ def train(config: QwenImageEditLoraConfig) -> FinishedRun | None:
     encoders = qwen.free_text_encoder_and_park_vae(
         pipeline, run.device, latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
 
-    # 3. Load: the transformer frozen (quantized as asked); LoRA weights in fp32.
-    transformer = qwen.load_transformer_for_training(
-        source, revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
-        device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
-    pipeline.register_modules(transformer=transformer)
-    add_lora(transformer, qwen_image_lora_targets(transformer, config.lora_layers), config.rank, config.alpha,
-             config.lora_dropout)
-    cast_trainable_params_to_fp32(transformer)
-    if config.gradient_checkpointing:
-        enable_checkpointing(transformer, offload_to_host=config.cpu_offload_checkpointing, device=run.device)
-    transformer.train()
-    swapper = prepare_blocks(transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
-                             device=run.device, num_processes=run.accelerator.num_processes)
-
-    # 4. Step and loop.
-    optimizer = build_optimizer(config.optimizer, [{"params": [p for p in transformer.parameters() if p.requires_grad],
-                                                    "lr": config.learning_rate}], config.learning_rate,
-                                betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.adam_weight_decay,
-                                eps=config.adam_epsilon)
-    lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
-                                      total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
-                                      power=config.lr_power)
-    ema = weight_average(transformer, config.ema_options())
-    model, optimizer = run.accelerator.prepare(transformer, optimizer, device_placement=[swapper is None, True])
-    step = QwenImageEditStep(
-        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
-        max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
-        length_of_dataloader=len(loader), sigmas=qwen.training_sigmas(pipeline.scheduler),
-        objective=config.flow_matching_objective(), vae_encode_mode=config.vae_encode_mode)
+    # 3. Load, and the step: the LoRA'd transformer, AdamW/8-bit/Prodigy, the LR schedule, clipping, accumulation.
+    lora = load_lora_transformer(config, source, pipeline, run, plan)
+    transformer, model, ema = lora.transformer, lora.model, lora.ema
+    step = QwenImageEditStep(model, **lora.step_options(config, pipeline, len(loader)),
+                             vae_encode_mode=config.vae_encode_mode)
     print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(transformer,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir)

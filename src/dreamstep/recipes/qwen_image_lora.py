@@ -21,7 +21,7 @@ files, ``checkpoint-N/``, ``cache/`` and ``config.toml``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from PIL import Image
@@ -88,6 +88,54 @@ def plan_inputs(config: QwenImageLoraConfig, dataset_configs: list[DatasetConfig
         encoders_on_device=not config.cache_latents or encodes_in_the_loop), {"lora_layers": config.lora_layers})
 
 
+class LoraTransformer(NamedTuple):
+    """The loaded transformer with its LoRA, what the accelerator prepared (``model``, ``optimizer``), the schedule
+    and the EMA."""
+
+    transformer: torch.nn.Module
+    model: torch.nn.Module
+    optimizer: Any
+    lr_scheduler: Any
+    ema: Any | None
+    accelerator: Any
+
+    def step_options(self, config: Any, pipeline: Any, length_of_dataloader: int) -> dict[str, Any]:
+        """The flow-matching step's options every Qwen-Image recipe passes."""
+        return dict(optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, accelerator=self.accelerator,
+                    ema=self.ema, max_grad_norm=config.max_grad_norm or None,
+                    gradient_accumulation_steps=config.gradient_accumulation_steps,
+                    length_of_dataloader=length_of_dataloader, sigmas=qwen.training_sigmas(pipeline.scheduler),
+                    objective=config.flow_matching_objective())
+
+
+def load_lora_transformer(config: Any, source: str, pipeline: Any, run: Any, plan: Any) -> LoraTransformer:
+    """The "load" phase and what trains: the transformer frozen in the --mixed_precision dtype (quantized as asked,
+    its blocks swapped and checkpointed as asked) with a LoRA in fp32 on --lora_layers, set into ``pipeline``; the
+    optimizer over the LoRA weights and its schedule; the EMA; prepared by the run's accelerator."""
+    transformer = qwen.load_transformer_for_training(
+        source, revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
+        device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
+    pipeline.register_modules(transformer=transformer)
+    add_lora(transformer, qwen_image_lora_targets(transformer, config.lora_layers), config.rank, config.alpha,
+             config.lora_dropout)
+    cast_trainable_params_to_fp32(transformer)
+    if config.gradient_checkpointing:
+        enable_checkpointing(transformer, offload_to_host=config.cpu_offload_checkpointing, device=run.device)
+    transformer.train()
+    swapper = prepare_blocks(transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
+                             device=run.device, num_processes=run.accelerator.num_processes)
+    optimizer = build_optimizer(config.optimizer, [{"params": [p for p in transformer.parameters() if p.requires_grad],
+                                                    "lr": config.learning_rate}], config.learning_rate,
+                                betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.adam_weight_decay,
+                                eps=config.adam_epsilon)
+    lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
+                                      total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
+                                      power=config.lr_power)
+    ema = weight_average(transformer, config.ema_options())
+    model, optimizer = run.accelerator.prepare(transformer, optimizer, device_placement=[swapper is None, True])
+    return LoraTransformer(transformer, model, optimizer, lr_scheduler, ema, run.accelerator)
+
+
 def print_plan(run_plan: RunPlan, device_memory: str | None) -> None:
     """The run's memory plan, before any model loads (the base was checked by :func:`qwen.check_base`)."""
     memory = mp.parse_bytes(device_memory, "--device_memory") if device_memory else mp.detected_device_memory()
@@ -133,45 +181,22 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
     prompts = [config.validation_prompt] * config.num_validation_images if config.validation_prompt else []
     qwen.encode_run(conditioner, dataset, held_out, epochs=plan.num_epochs)
     embeddings = qwen.prompt_embeddings(conditioner, prompts + [""] if prompts else [])
-    encoders = qwen.free_text_encoder_and_park_vae(pipeline, run.device,
-                                  latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
+    encoders = qwen.free_text_encoder_and_park_vae(
+        pipeline, run.device, latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
 
-    # 4. Load: the transformer frozen in the --mixed_precision dtype (quantized as asked); LoRA weights in fp32.
-    transformer = qwen.load_transformer_for_training(
-        source, revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
-        device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
-    pipeline.register_modules(transformer=transformer)
-    add_lora(transformer, qwen_image_lora_targets(transformer, config.lora_layers), config.rank, config.alpha,
-             config.lora_dropout)
-    cast_trainable_params_to_fp32(transformer)
-    if config.gradient_checkpointing:
-        enable_checkpointing(transformer, offload_to_host=config.cpu_offload_checkpointing, device=run.device)
-    transformer.train()
-    swapper = prepare_blocks(transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
-                             device=run.device, num_processes=run.accelerator.num_processes)
+    # 4. Load, and the step: the transformer frozen in the --mixed_precision dtype (quantized as asked) with its LoRA
+    # in fp32; AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
+    lora = load_lora_transformer(config, source, pipeline, run, plan)
     batches = ConditionedBatches(loader, conditioner)
-
-    # 5. Step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
-    optimizer = build_optimizer(config.optimizer, [{"params": [p for p in transformer.parameters() if p.requires_grad],
-                                                    "lr": config.learning_rate}], config.learning_rate,
-                                betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.adam_weight_decay,
-                                eps=config.adam_epsilon)
-    lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
-                                      total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
-                                      power=config.lr_power)
-    ema = weight_average(transformer, config.ema_options())
-    model, optimizer = run.accelerator.prepare(transformer, optimizer, device_placement=[swapper is None, True])
-    step = QwenImageLoraStep(
-        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
-        max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
-        length_of_dataloader=len(loader), sigmas=qwen.training_sigmas(pipeline.scheduler),
-        objective=config.flow_matching_objective(), prior_loss_weight=config.prior_loss_weight)
+    transformer, model, ema = lora.transformer, lora.model, lora.ema
+    step = QwenImageLoraStep(model, **lora.step_options(config, pipeline, len(loader)),
+                             prior_loss_weight=config.prior_loss_weight)
     print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(transformer,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
                       tokenizers={"Qwen2.5-VL": (pipeline.tokenizer, config.max_sequence_length)})
 
-    # 6. Loop: the engine trains, checkpoints and validates (samples, then the validation loss and scores).
+    # 5. Loop: the engine trains, checkpoints and validates (samples, then the validation loss and scores).
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
                                 loss_at=step.validation_loss_at, modules=[model], seed=config.seed,
                                 subject_images=subject_image_paths(dataset, held_out), device=run.device)
@@ -191,7 +216,7 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
                  on_nonfinite_loss=config.on_nonfinite_loss,
                  max_skipped_steps_fraction=config.max_skipped_steps_fraction, logging_steps=config.logging_steps)
 
-    # 7. Save: diffusers' layout and ComfyUI's (and Kohya's, the EMA's), final samples and scores, the loss curve.
+    # 6. Save: diffusers' layout and ComfyUI's (and Kohya's, the EMA's), final samples and scores, the loss curve.
     written = save_loras(config, transformer, ema) if run.is_main_process else {}
     return finish(run, written, result, hooks, best_by=config.best_metric(held_out is not None))
 
