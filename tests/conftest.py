@@ -10,8 +10,9 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The memory plan's measured passes are kept in a folder of this session's, not the user's cache.
+# The memory plan's measured passes and the quantized bases are kept in folders of this session's, not the user's.
 os.environ["DREAMSTEP_PLAN_CACHE"] = __import__("tempfile").mkdtemp(prefix="dreamstep-plan-cache-")
+os.environ["DREAMSTEP_QUANTIZED_CACHE"] = __import__("tempfile").mkdtemp(prefix="dreamstep-quantized-cache-")
 
 from pathlib import Path
 

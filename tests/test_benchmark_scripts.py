@@ -88,3 +88,11 @@ def test_the_sdxl_benchmark_runs_its_three_loops() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("  reference", "  dreamstep"))]
     assert len(rows) == 3 and all(float(row.split()[-3]) > 0 for row in rows), proc.stdout
+
+
+def test_the_quantized_base_cache_benchmark_reads_the_base_back() -> None:
+    proc = run_benchmark("quantized_base_cache.py", "--width", "256", "--double", "1", "--single", "1", "--modes",
+                         "int8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [line.split() for line in proc.stdout.splitlines() if line.startswith("int8 ")]
+    assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[4]) > 0, proc.stdout

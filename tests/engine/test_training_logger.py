@@ -158,3 +158,40 @@ def test_evaluation_scores_reach_tensorboard_the_metrics_files_and_the_loss_curv
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert [(s.step, round(s.value, 6)) for s in events.Scalars("eval/val_loss")] == [(0, 0.9), (10, 0.7), (20, 0.8)]
+
+
+def _sample(size: int, color: tuple[int, int, int], prompt: str, seed: int) -> Image.Image:
+    image = Image.new("RGB", (size, size), color)
+    image.info["dreamstep"] = {"prompt": prompt, "seed": seed, "steps": 4, "sampler": "Euler", "guidance_scale": 3.5,
+                               "width": size, "height": size, "model": "tiny", "dreamstep_version": "0"}
+    return image
+
+
+def test_labels_of_small_samples_stay_in_their_own_cell(tmp_path):
+    from PIL import ImageFont
+
+    from dreamstep.engine.logging import _cell_labels
+
+    prompt = "a photograph of sks dog wearing an extraordinarily_long_hyphenless_accessory in the snow"
+    images = [_sample(64, (200, 0, 0), prompt, 123456789), _sample(64, (0, 0, 200), prompt, 7)]
+    path = save_image_grid(images, tmp_path / "grid.png", columns=2, step=1000)
+    pixels = _pixels(path)
+    cell_w = pixels.shape[1] // 2
+    assert cell_w >= 150  # widened for its labels, not overlapping the next column
+    font = ImageFont.load_default()
+    for image in images:
+        (offset, lines), = _cell_labels(image, 1000, cell_w, font)
+        assert offset == 0 and all(font.getlength(line) <= cell_w - 4 for line in lines)
+        assert any("123456789" in line or "seed 7" in line for line in lines) and any("1000" in line for line in lines)
+
+
+def test_a_composite_labels_each_result_under_itself_not_under_its_control_image(tmp_path):
+    from dreamstep.models.flux.controlnet import side_by_side
+
+    control = Image.new("RGB", (64, 64), (0, 0, 0))
+    composite = side_by_side([[control, _sample(64, (0, 200, 0), "a red square", 1),
+                               _sample(64, (0, 0, 200), "a blue square", 2)]])
+    pixels = _pixels(save_image_grid([composite], tmp_path / "grid.png", step=5))
+    band = pixels[64:]
+    assert (band[:, :64] == 255).all()  # nothing under the control image
+    assert (band[:, 64:128] < 128).any() and (band[:, 128:] < 128).any()  # a label under each result

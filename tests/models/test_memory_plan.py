@@ -40,6 +40,20 @@ def test_full_size_parameter_counts_on_the_meta_device() -> None:
     assert all(p.device.type == "meta" for m in (*flux.values(), *sdxl.values()) for p in m.parameters())
 
 
+def test_nf4_t5_keeps_its_wo_layers_out_of_4_bit() -> None:
+    """transformers' bitsandbytes loader skips T5's _keep_in_fp32_modules (``wo``): 1.0B weights stay bf16, 1.35 GiB
+    more than 4-bit would take."""
+    t5 = get_family("flux").meta_components(None)["text_encoder_2"].requires_grad_(False)
+    linears = {name: m.weight.numel() for name, m in t5.named_modules() if isinstance(m, torch.nn.Linear)}
+    wo = sum(n for name, n in linears.items() if name.endswith(".wo"))
+    four_bit = sum(linears.values()) - wo
+    assert round(wo / 1e9, 2) == 1.01
+    expected = (_count(t5) - four_bit) * 2 + four_bit * (0.5 + 4 / 64)
+    assert mp.weight_bytes(t5, "nf4", 2) == int(expected)
+    assert (expected - (_count(t5) - wo - four_bit) * 2 - (wo + four_bit) * (0.5 + 4 / 64)) / 2**30 == pytest.approx(
+        1.35, abs=0.01)
+
+
 def test_plan_command_says_what_fits(capsys: pytest.CaptureFixture) -> None:
     assert main(["plan", "flux", "--device_memory", "12GB", "--base_quantization", "int8"]) == 0
     out = capsys.readouterr().out

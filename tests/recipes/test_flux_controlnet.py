@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dreamstep.config.flux_controlnet import FluxControlNetConfig
 from dreamstep.config.schema import build_config
 from dreamstep.diffusion import flow_matching as fm
+from dreamstep.engine.logging import LABEL_WIDTH
 from dreamstep.models.flux import controlnet as cn
 from dreamstep.models.flux import plumbing as flux
 
@@ -187,10 +188,10 @@ def test_outputs_are_the_save_pretrained_layout(trained: Path) -> None:
     weights = load_file(trained / "diffusion_pytorch_model.safetensors")
     assert weights["controlnet_blocks.0.weight"].dtype == torch.float32
     assert weights["controlnet_blocks.0.weight"].abs().max() > 0
-    # Two validation rows (control image + 2 results each) of 32x32 cells.
-    # 2 rows of (control image, 2 samples), with the label band (prompt, step, seed) below the grid
+    # 2 rows of (control image, 2 samples) of 32x32 cells, with the label band (prompt, step, seed) below, in a cell
+    # widened for the labels
     width, height = Image.open(trained / "samples" / "final-000040.png").size
-    assert width == 3 * RESOLUTION and height > 2 * RESOLUTION
+    assert width == max(3 * RESOLUTION, LABEL_WIDTH) and height > 2 * RESOLUTION
     assert not list(trained.glob("checkpoint-*"))
 
 

@@ -19,6 +19,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from dreamstep.diffusion import flow_matching as fm
+from dreamstep.engine.logging import LABEL_WIDTH
 from dreamstep.engine.run_folder import read_status
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.png_text import JSON_KEY
@@ -97,7 +98,9 @@ def test_outputs_and_the_validation_grid_shows_the_condition_beside_the_edit(tra
     (path,) = (trained / "samples").glob("final-*.png")
     grid = Image.open(path)
     cells = json.loads(grid.text[JSON_KEY])["images"]
-    assert grid.width == 2 * 32 and [(c["width"], c["height"], c["prompt"]) for c in cells] == [(32, 32, INSTRUCTION)]
+    # the condition beside the edit (2 x 32 px), in a cell widened for the edit's label
+    assert grid.width == max(2 * 32, LABEL_WIDTH)
+    assert [(c["width"], c["height"], c["prompt"]) for c in cells] == [(32, 32, INSTRUCTION)]
 
 
 def test_the_dashboard_shows_the_run(trained: Path) -> None:

@@ -58,6 +58,18 @@ def test_seed_command_writes_sd_scripts_files(seed_run: Path) -> None:
     assert not (seed_run / "cache").exists()  # the latent and text caches are temporary by default
 
 
+def test_config_toml_says_which_values_the_dataset_toml_set(seed_run: Path) -> None:
+    """The flags' train_batch_size 1 is only the dataset TOML's default; its own batch_size 2 trained."""
+    import tomllib
+
+    text = (seed_run / "config.toml").read_text()
+    assert "train_batch_size = 1" in text
+    assert "toml: datasets[0]: batch_size = 2, resolution = 64x64\n" in text
+    (subset,) = [line for line in text.splitlines() if line.startswith("#   ") and "datasets[0].subsets[0]: " in line]
+    assert "num_repeats = 2" in subset and "metadata.json" in subset
+    assert tomllib.loads(text)["train_batch_size"] == 1  # still a config --config reads
+
+
 def test_seed_typo_costant_is_one_line_with_the_fix(tiny_sdxl_single_file: Path, tmp_path: Path, capsys) -> None:
     flags = [f for f in SEED_FLAGS if f != "--lr_scheduler=constant"] + ["--lr_scheduler=costant"]
     code = run_cli("train", "sdxl-lora", f"--pretrained_model_name_or_path={tiny_sdxl_single_file}",

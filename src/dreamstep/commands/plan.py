@@ -160,7 +160,8 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
                           optimizer=args.optimizer, max_sequence_length=args.max_sequence_length,
                           validation_images=not args.no_validation_images,
                           image_token_multiplier=variant_family(args.model).variants[args.model])
-    estimator = Estimator(variant_family(args.model).name, source, args.rank, lora_layers=args.lora_layers)
+    estimator = Estimator(variant_family(args.model).name, source, args.rank, lora_layers=args.lora_layers,
+                          variant=args.model)
     print(plan_report(estimator, options, device_memory))
     if base_quantization == "nf4":
         import torch

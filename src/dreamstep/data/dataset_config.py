@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dreamstep.config.schema import convert_value, load_toml, normalize_extension
+from dreamstep.config.schema import convert_value, load_toml, normalize_extension, toml_value
 from dreamstep.data.buckets import BucketSpec, adjust_bucket_limits
 from dreamstep.data.captions import CaptionOptions
 from dreamstep.errors import UserError, did_you_mean
@@ -114,6 +114,28 @@ class DatasetConfig:
     # diffusers' prior preservation instead of sd-scripts' balancing: every batch holds batch_size instance
     # samples and as many class samples, and an epoch cycles the shorter list to the length of the longer.
     prior_pairs: bool = False
+
+
+def describe_datasets(datasets: list[DatasetConfig]) -> str:
+    """The data as a run reads it, as TOML comment lines for its ``config.toml``: the flags there are only the
+    defaults of a dataset TOML, whose own values (batch size, resolution, caption extension, repeats) win, so
+    the resolved file says which values each dataset and subset trained with."""
+    lines = ["", "# The data as this run reads it (a dataset TOML's own values win over the flags above):"]
+    for dataset in datasets:
+        buckets = dataset.buckets
+        size = "x".join(str(side) for side in buckets.resolution)
+        bucketing = (f", buckets {buckets.min_bucket_reso}-{buckets.max_bucket_reso} px in steps of "
+                     f"{buckets.bucket_reso_steps}" if buckets.enable_bucket else "")
+        lines.append(f"# {dataset.where}: batch_size = {dataset.batch_size}, resolution = {size}{bucketing}")
+        for subset in dataset.subsets:
+            values = {"image_dir": subset.image_dir, "metadata_file": subset.metadata_file,
+                      "conditioning_data_dir": subset.conditioning_data_dir, "num_repeats": subset.num_repeats,
+                      "caption_extension": subset.caption_extension, "class_tokens": subset.class_tokens,
+                      "is_reg": subset.is_reg or None, "is_validation": subset.is_validation or None}
+            shown = ", ".join(f"{key} = {toml_value(str(value) if isinstance(value, Path) else value)}"
+                              for key, value in values.items() if value is not None)
+            lines.append(f"#   {subset.where}: {shown}")
+    return "\n".join(lines) + "\n"
 
 
 def load_dataset_config(path: str | Path, cli: Mapping[str, Any] | None = None) -> list[DatasetConfig]:

@@ -8,7 +8,6 @@ warning), scalars are still kept in memory and the loss curve is still drawn. On
 from __future__ import annotations
 
 import math
-import textwrap
 import warnings
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -169,36 +168,76 @@ def sample_parameters(image: Image.Image) -> list[dict[str, Any]]:
     return [value] if isinstance(value, dict) else list(value) if isinstance(value, list) else []
 
 
-def _label(cells: list[dict[str, Any]], step: int | None, width: int) -> list[str]:
-    """Text under a grid cell: each prompt (wrapped to the cell), then its seed and the training step."""
-    lines = []
-    chars = max(8, width // 6)
-    for cell in cells:
-        lines += textwrap.wrap(str(cell.get("prompt", "")), chars) or [""]
-        lines.append(f"seed {cell.get('seed')}" + (f" | step {step}" if step is not None else ""))
+# A composite sample (a control or input image beside its results) says where each result's cell is:
+# ``info[LAYOUT_KEY]`` holds one (x, width) per entry of its parameters list, so each label goes under its result.
+LAYOUT_KEY = "dreamstep_layout"
+# Labels need room: a cell narrower than this (a 64 px sample) is widened with white space, never overlapped (the
+# results inside a composite wrap to their own width instead).
+LABEL_WIDTH = 150
+
+
+def _wrapped(text: str, width: int, font: Any) -> list[str]:
+    """``text`` in lines that each fit ``width`` pixels; a word too long for a line is cut with an ellipsis."""
+    lines: list[str] = []
+    for word in text.split() or [""]:
+        while font.getlength(word) > width and len(word) > 1:
+            word = word[:-2] + "…"
+        candidate = f"{lines[-1]} {word}" if lines else word
+        if lines and font.getlength(candidate) <= width:
+            lines[-1] = candidate
+        else:
+            lines.append(word)
     return lines
+
+
+def _label(cell: dict[str, Any], step: int | None, width: int, font: Any) -> list[str]:
+    """Text under one sample: its prompt, then its seed and the training step, each fitted to ``width`` pixels."""
+    tail = [f"seed {cell.get('seed')}"] + ([f"step {step}"] if step is not None else [])
+    together = " | ".join(tail)
+    return _wrapped(str(cell.get("prompt", "")), width, font) + (
+        [together] if font.getlength(together) <= width else tail)
+
+
+def _cell_labels(image: Image.Image, step: int | None, cell_w: int, font: Any) -> list[tuple[int, list[str]]]:
+    """(x offset in the cell, lines) per labelled sample of ``image``: under each result of a composite, else all
+    under the image."""
+    cells = sample_parameters(image)
+    layout = image.info.get(LAYOUT_KEY)
+    if isinstance(layout, list) and len(layout) == len(cells):
+        columns: dict[int, list[str]] = {}
+        for cell, (x, width) in zip(cells, layout):
+            columns.setdefault(x, []).extend(_label(cell, step, width - 4, font))
+        return list(columns.items())
+    return [(0, [line for cell in cells for line in _label(cell, step, cell_w - 4, font)])] if cells else []
 
 
 def save_image_grid(images: Sequence[Image.Image], path: str | Path, columns: int | None = None,
                     step: int | None = None) -> Path:
     """Paste ``images`` row by row into one PNG (cells sized to the largest image); return ``path``. Images
     that carry their generation parameters (see :func:`sample_parameters`) are labelled with prompt, seed
-    and ``step`` under the cell, and the PNG holds them in text chunks as ``dreamstep generate`` writes."""
+    and ``step`` under the cell (under each result, for a composite that gives its :data:`LAYOUT_KEY`), and the
+    PNG holds them in text chunks as ``dreamstep generate`` writes."""
     if not images:
         raise ValueError("save_image_grid needs at least one image")
     columns = columns or math.ceil(math.sqrt(len(images)))
     rows = math.ceil(len(images) / columns)
+    font = ImageFont.load_default()
+    labelled = any(sample_parameters(im) for im in images)
     cell_w = max(im.width for im in images)
-    labels = [_label(sample_parameters(im), step, cell_w) for im in images]
-    band = max(len(lines) for lines in labels) * _LINE_HEIGHT + 4 if any(labels) else 0
+    if labelled:
+        cell_w = max(cell_w, LABEL_WIDTH)
+    labels = [_cell_labels(im, step, cell_w, font) for im in images]
+    lines_per_cell = [max((len(lines) for _, lines in cell), default=0) for cell in labels]
+    band = max(lines_per_cell) * _LINE_HEIGHT + 4 if labelled else 0
     cell_h = max(im.height for im in images) + band
     grid = Image.new("RGB", (columns * cell_w, rows * cell_h), "white")
-    draw, font = ImageDraw.Draw(grid), ImageFont.load_default()
-    for i, (im, lines) in enumerate(zip(images, labels)):
+    draw = ImageDraw.Draw(grid)
+    for i, (im, cell) in enumerate(zip(images, labels)):
         x, y = (i % columns) * cell_w, (i // columns) * cell_h
         grid.paste(im.convert("RGB"), (x, y))
-        for n, line in enumerate(lines):
-            draw.text((x + 2, y + cell_h - band + 2 + n * _LINE_HEIGHT), line, fill=_AXES, font=font)
+        for offset, lines in cell:
+            for n, line in enumerate(lines):
+                draw.text((x + offset + 2, y + cell_h - band + 2 + n * _LINE_HEIGHT), line, fill=_AXES, font=font)
     cells = [cell for im in images for cell in sample_parameters(im)]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

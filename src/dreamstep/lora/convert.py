@@ -211,8 +211,9 @@ class Lora:
         return f"{self.layout}-{self.model or 'unknown'}"
 
 
-def read_lora(path: str | Path, model: str | None = None) -> Lora:
-    """Read and classify a LoRA file; ``model`` (a family's name), when given, must be the one it was made for."""
+def read_lora(path: str | Path, model: str | None = None, configs: Mapping[str, Mapping] | None = None) -> Lora:
+    """Read and classify a LoRA file; ``model`` (a family's name), when given, must be the one it was made for
+    (``configs``: that model's size, as :func:`convert_lora` takes them)."""
     lora_file = read_lora_file(path)
     source = str(lora_file.path)
     layout = detect_layout(list(lora_file.tensors), source)
@@ -223,10 +224,28 @@ def read_lora(path: str | Path, model: str | None = None) -> Lora:
     if guessed is not None and guessed not in families():
         raise UserError(f"{source}: module '{evidence}' is {model_title(guessed)} naming; dreamstep converts "
                         f"{' and '.join(f.title for f in families().values())} LoRAs")
-    if model is not None and guessed is not None and guessed != model:
+    if model is None and guessed is not None and not _names_fit(modules, layout, guessed, None):
+        guessed = _family_holding(modules, layout) or guessed
+    if (model is not None and guessed is not None and guessed != model
+            and not _names_fit(modules, layout, model, configs)):
         raise UserError(f"{source}: module '{evidence}' has no counterpart in {model_title(model)}; "
                         f"this LoRA looks made for {model_title(guessed)}")
     return Lora(lora_file.path, lora_file.container, layout, model or guessed, modules, lora_file.metadata)
+
+
+def _names_fit(modules: Mapping[str, LoraWeights], layout: str, model: str,
+               configs: Mapping[str, Mapping] | None) -> bool:
+    """Whether every module is one of ``model``'s (FLUX.2's diffusers names hold FLUX.1's hints too)."""
+    keys = model_keys(model, configs)
+    known = keys.by_kohya if layout == "kohya" else keys.by_diffusers
+    return layout in ("kohya", "diffusers") and all(name in known for name in modules)
+
+
+def _family_holding(modules: Mapping[str, LoraWeights], layout: str) -> str | None:
+    """The one family whose released model has every module, when the names' hints point at another (FLUX.2's,
+    Krea 2's and Qwen-Image's diffusers names share FLUX.1's ``transformer.`` prefixes)."""
+    holding = [name for name in families() if _names_fit(modules, layout, name, None)]
+    return holding[0] if len(holding) == 1 else None
 
 
 def _mindspore_family() -> str:
@@ -257,7 +276,7 @@ def load_lora_as_diffusers(path: str | Path, model: str, configs: Mapping[str, M
     the right scales, and the file's metadata. diffusers reads no alpha from an in-memory dict, so each
     module's alpha/rank is folded into lora_B. ``configs`` (from :func:`pipeline_configs` or
     :func:`folder_configs`) names the model's size; without it, the released model's."""
-    lora = read_lora(path, model)
+    lora = read_lora(path, model, configs)
     modules = fold_alpha(to_diffusers(lora, _keys_for(lora, configs)))
     return diffusers_state_dict(modules), lora.metadata
 
@@ -322,7 +341,7 @@ def convert_lora(src: str | Path, dst: str | Path, to: str, model: str | None = 
     lycoris = convert_lycoris(src, dst, to, model, configs, cast_to)
     if lycoris is not None:
         return lycoris
-    lora = read_lora(src, model)
+    lora = read_lora(src, model, configs)
     keys = _keys_for(lora, configs)
     if to == "mindspore" and keys.model != _mindspore_family():
         raise UserError(f"--to mindspore: the MindSpore port's layout exists for {model_title(_mindspore_family())} "

@@ -90,9 +90,10 @@ class ModelFamily(Protocol):
         """The full module names a LoRA adapts in ``denoiser``, from one preset name or module-name suffixes (a
         trainer's ``--lora_layers``); a suffix that matches nothing is a UserError."""
 
-    def meta_components(self, folder: Path | None) -> dict[str, nn.Module]:
-        """Every component of :attr:`component_labels` built on the meta device from ``folder``'s configs (or the
-        released model's), in bf16, for the memory plan."""
+    def meta_components(self, folder: Path | None, variant: str | None = None) -> dict[str, nn.Module]:
+        """Every component of :attr:`component_labels` built on the meta device from ``folder``'s configs (or,
+        without a folder, the released model of ``variant``, or the family's :attr:`released_name`), in bf16, for
+        the memory plan."""
 
     def training_pass(self, denoiser: nn.Module, *, resolution: int, batch: int, text_tokens: int, train: bool,
                       image_token_multiplier: int = 1, trainable: nn.Module | None = None,

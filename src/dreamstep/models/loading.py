@@ -34,6 +34,7 @@ from dreamstep.errors import UserError, refusing_pickled_code
 from dreamstep.models import published_configs, quantization
 from dreamstep.models.flux import files as flux_files
 from dreamstep.models.flux.files import FluxFiles
+from dreamstep.models.quantized_cache import files_identity, load_or_quantize, source_identity
 from dreamstep.models.sdxl.sgm_keys import UNET_PREFIX
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
@@ -137,7 +138,8 @@ def check_pipeline_source(source: str | Path, arch: str, flag: str = "--pretrain
                 _check_sdxl_safetensors(file)
             return
         cls, pipeline = ((FluxComponents, "FluxPipeline") if arch == "flux"
-                         else (SDXLComponents, "StableDiffusionXLPipeline"))
+                         else (SDXLComponents, "StableDiffusionXLPipeline") if arch == "sdxl"
+                         else _family_parts(arch))
         name = _folder_or_hub_id(source, cls, pipeline)
         if not Path(name).expanduser().is_dir() and hf_constants.HF_HUB_OFFLINE and not isinstance(
                 try_to_load_from_cache(name, "model_index.json"), str):
@@ -145,6 +147,14 @@ def check_pipeline_source(source: str | Path, arch: str, flag: str = "--pretrain
                             "HF_HUB_OFFLINE is set; give a local folder, or unset HF_HUB_OFFLINE to download it")
     except UserError as e:
         raise UserError(f"{flag}: {e}") from None
+
+
+def _family_parts(name: str) -> tuple[type, str]:
+    """The parts a folder of another family must have (its ``component_labels``) and its first pipeline class."""
+    from dreamstep.models.family import get_family
+
+    found = get_family(name)
+    return dataclasses.make_dataclass(f"{found.name}_parts", list(found.component_labels)), found.pipeline_classes[0]
 
 
 def _load_error(source: str, error: Exception) -> UserError:
@@ -281,20 +291,29 @@ def load_flux_transformer(pretrained_model_name_or_path: str | Path | None, *, r
     wider dtype on the device."""
     source = (_folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
               if pretrained_model_name_or_path is not None else None)
+    load_kwargs = {_DTYPE_KWARG: weight_dtype, **host_placement(base_quantization, on_host)}
     if transformer_single_file is not None:
         file = Path(transformer_single_file).expanduser()
         header = flux_files.check_files(FluxFiles(transformer=file))["transformer"]
-        with flux_files.config_folder(source, header) as configs:
-            transformer = _transformer_from_file(file, header, configs, weight_dtype,
-                                                 flux_files.storage_quantization(header, base_quantization))
+        mode = flux_files.storage_quantization(header, base_quantization)
+
+        def quantize() -> torch.nn.Module:
+            with flux_files.config_folder(source, header) as configs:
+                return _transformer_from_file(file, header, configs, weight_dtype, mode)
+
+        identity = f"{source}|{files_identity(file)}" if file.suffix != ".gguf" else None  # GGUF loads as stored
     else:
-        try:
-            transformer = FluxTransformer2DModel.from_pretrained(
-                source, subfolder="transformer", revision=revision, variant=variant,
-                quantization_config=quantization.diffusers_config(base_quantization, weight_dtype),
-                **{_DTYPE_KWARG: weight_dtype}, **host_placement(base_quantization, on_host))
-        except _LOAD_ERRORS as e:
-            raise _load_error(source, e) from e
+        def quantize() -> torch.nn.Module:
+            try:
+                return FluxTransformer2DModel.from_pretrained(
+                    source, subfolder="transformer", revision=revision, variant=variant,
+                    quantization_config=quantization.diffusers_config(base_quantization, weight_dtype), **load_kwargs)
+            except _LOAD_ERRORS as e:
+                raise _load_error(source, e) from e
+
+        mode, identity = base_quantization, source_identity(source, "transformer", revision, variant)
+    transformer = load_or_quantize(FluxTransformer2DModel, identity, mode, weight_dtype, load_kwargs, quantize,
+                                   "FLUX.1 transformer")
     quantization.keep_only_quantized_weights(transformer)
     return transformer
 
@@ -424,9 +443,13 @@ def load_sdxl_unet(path_or_id: str | Path, *, revision: str | None = None, varia
     as ``unet_quantization`` says; in host memory, or with an unswapped 4-bit base on the GPU
     (:func:`host_placement`)."""
     name = _folder_or_hub_id(path_or_id, SDXLComponents, "StableDiffusionXLPipeline")
-    unet = _from_pretrained(UNet2DConditionModel, name, subfolder="unet", revision=revision, variant=variant,
-                            quantization_config=quantization.diffusers_config(unet_quantization, weight_dtype),
-                            **{_DTYPE_KWARG: weight_dtype}, **host_placement(unet_quantization, on_host))
+    load_kwargs = {_DTYPE_KWARG: weight_dtype, **host_placement(unet_quantization, on_host)}
+    unet = load_or_quantize(
+        UNet2DConditionModel, source_identity(name, "unet", revision, variant), unet_quantization, weight_dtype,
+        load_kwargs, lambda: _from_pretrained(
+            UNet2DConditionModel, name, subfolder="unet", revision=revision, variant=variant,
+            quantization_config=quantization.diffusers_config(unet_quantization, weight_dtype), **load_kwargs),
+        "SDXL UNet")
     quantization.keep_only_quantized_weights(unet)
     return unet
 

@@ -328,12 +328,15 @@ def build_on_meta(cls: type, config: dict[str, Any], dtype: torch.dtype = torch.
 
 def weight_bytes(module: nn.Module, quantization: str, dtype_bytes: int, frozen_only: bool = False) -> int:
     """Bytes of a module's weights (``frozen_only``: those without gradients) with its linear weights
-    stored as ``quantization`` says."""
+    stored as ``quantization`` says, except those that transformers keeps out of 4-bit: its
+    ``_keep_in_fp32_modules`` (T5's ``wo``, in the load dtype), which bitsandbytes' loader skips."""
     total = sum(p.numel() for p in module.parameters() if not (frozen_only and p.requires_grad))
     per_linear = _BYTES_PER_LINEAR_WEIGHT[quantization]
     if per_linear is None:
         return total * dtype_bytes
-    linears = [m for m in module.modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad]
+    kept = set(getattr(module, "_keep_in_fp32_modules", None) or ()) if quantization.startswith("nf4") else set()
+    linears = [m for name, m in module.named_modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad
+               and not kept & set(name.split("."))]
     linear_params = sum(m.weight.numel() for m in linears)
     rows = sum(m.weight.shape[0] for m in linears)
     scales = rows * 4 if quantization in ("int8", "fp8") else 0  # one fp32 / bf16 scale per output row
@@ -354,11 +357,22 @@ def components_on_meta(folder: Path | None, parts: dict[str, tuple[type, dict[st
 
 
 def model_folder(source: str | None) -> Path | None:
-    """The local model folder whose configs the plan reads, or ``None`` (a hub id: published configs)."""
+    """The local model folder whose configs the plan reads: the folder given, or a hub model's snapshot in the local
+    Hugging Face cache (its configs only); ``None``: published configs (a hub model not downloaded yet)."""
     if source is None:
         return None
     path = Path(source).expanduser()
-    return path if path.is_dir() else None
+    if path.is_dir():
+        return path
+    if path.exists() or source.count("/") != 1:
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, allow_patterns=["model_index.json", "*/config.json"],
+                                      local_files_only=True))
+    except Exception:  # not in the local cache, or not a hub id at all: the published configs
+        return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -75,7 +75,8 @@ def park_encoders(family: ModelFamily, components: Any, device: torch.device, *,
     transformer / UNet loads."""
     stays = loop_encoders(family, text_encoders_train=text_encoders_train, vae_in_the_loop=not latents_cached,
                           t5_trains=t5_trains)
-    encoders = ParkedModules({name: getattr(components, name) for name in ENCODERS if name not in stays}, device)
+    encoders = ParkedModules({name: getattr(components, name) for name in _present(components)
+                              if name not in stays}, device)
     encoders.park()
     for name in stays:
         place(getattr(components, name), device)
@@ -85,11 +86,17 @@ def park_encoders(family: ModelFamily, components: Any, device: torch.device, *,
 def hold_on_device(components: Any, device: torch.device, *names: str) -> None:
     """Of the encoders of ``components``, only ``names`` on ``device``; the others wait in host memory (moved out
     first, so that the device never holds both)."""
-    for name in ENCODERS:
+    for name in _present(components):
         if name not in names:
             place(getattr(components, name), PARKING_DEVICE)
-    for name in names:
-        place(getattr(components, name), device)
+    for name in _present(components):
+        if name in names:
+            place(getattr(components, name), device)
+
+
+def _present(components: Any) -> list[str]:
+    """The encoders ``components`` has (FLUX.2 has one text encoder)."""
+    return [name for name in ENCODERS if getattr(components, name, None) is not None]
 
 
 def free_device_memory(device: torch.device) -> None:

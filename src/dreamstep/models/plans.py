@@ -61,18 +61,19 @@ class Estimator:
     phase (:mod:`dreamstep.models.phases`): which components are on the device, what waits in host memory, and
     the peak of the pass that runs.
 
-    ``family``: the family's name; what trains is a LoRA of ``rank`` on its denoiser (``lora_layers``: the
-    trainer's ``--lora_layers``), or the module ``build_trainable(denoiser)`` returns, trained beside the frozen
-    denoiser and labelled ``trainable_label`` in the plan (a ControlNet)."""
+    ``family``: the family's name (``variant``: which of its released models to plan without a folder); what
+    trains is a LoRA of ``rank`` on its denoiser (``lora_layers``: the trainer's ``--lora_layers``), or the module
+    ``build_trainable(denoiser)`` returns, trained beside the frozen denoiser and labelled ``trainable_label`` in
+    the plan (a ControlNet)."""
 
     def __init__(self, family: str, source: str | None, rank: int = 0, lora_layers: list[str] | None = None,
                  build_trainable: Callable[[nn.Module], nn.Module] | None = None, trainable_label: str = "",
-                 device_type: str = "cuda"):
+                 device_type: str = "cuda", variant: str | None = None):
         folder = mp.model_folder(source)
         self.family = get_family(family)
         self.device_type = device_type  # whose autocast policy the passes follow
         self.labels = self.family.component_labels
-        self.components = self.family.meta_components(folder)
+        self.components = self.family.meta_components(folder, variant)
         for module in self.components.values():
             module.requires_grad_(False)
         self.base_name = self.family.denoiser

@@ -12,10 +12,10 @@ import torch
 @torch.no_grad()
 def encode_posterior(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     """Pixels in [-1, 1], (B, 3, H, W) -> the posterior's mean and std in the model's latent units
-    ((z - shift) · scale; SDXL has no shift): (B, 2C, H/f, W/f), float32."""
+    ((z - shift) · scale; SDXL has no shift, FLUX.2's VAE neither): (B, 2C, H/f, W/f), float32."""
     posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-    shift = vae.config.shift_factor or 0.0
-    scale = vae.config.scaling_factor
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    scale = getattr(vae.config, "scaling_factor", 1.0)
     return torch.cat([(posterior.mean.float() - shift) * scale, posterior.std.float() * scale], dim=1)
 
 

@@ -38,7 +38,7 @@ from PIL import Image
 from dreamstep.config.flux_controlnet import FluxControlNetConfig
 from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches
-from dreamstep.data.dataset_config import DatasetConfig
+from dreamstep.data.dataset_config import DatasetConfig, describe_datasets
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import load_rgb
 from dreamstep.data.sources import paired_datasets
@@ -125,7 +125,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
         return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config),
+                    config_toml=config_to_toml(config) + describe_datasets(datasets),
                     command="dreamstep train flux-controlnet", overwrite=config.overwrite_output_dir,
                     allow_tf32=config.allow_tf32)
 

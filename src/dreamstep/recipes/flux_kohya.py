@@ -40,7 +40,7 @@ from dreamstep.config.flux_network_args import FluxNetworkOptions
 from dreamstep.config.schema import config_to_toml
 from dreamstep.data import ConditionedBatches
 from dreamstep.data.cache import remove_caches
-from dreamstep.data.dataset_config import DatasetConfig
+from dreamstep.data.dataset_config import DatasetConfig, describe_datasets
 from dreamstep.data.holdout import build_split_datasets
 from dreamstep.data.sources import kohya_datasets
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
@@ -172,7 +172,8 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
     if config.dry_run:
         return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
-                    report_to=config.log_with, resume_from_checkpoint=config.resume, config_toml=config_to_toml(config),
+                    report_to=config.log_with, resume_from_checkpoint=config.resume,
+                    config_toml=config_to_toml(config) + describe_datasets(datasets),
                     tensorboard_dir=config.logging_dir, samples_dir=Path(config.output_dir) / "sample",
                     command="dreamstep train flux-kohya", resume_flag="--resume", overwrite=config.overwrite_output_dir,
                     find_unused_parameters=bool(options.module_dropout))

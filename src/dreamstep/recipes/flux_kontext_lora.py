@@ -32,7 +32,7 @@ from PIL import Image
 from dreamstep.config.flux_kontext_lora import FluxKontextLoraConfig
 from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches
-from dreamstep.data.dataset_config import DatasetConfig
+from dreamstep.data.dataset_config import DatasetConfig, describe_datasets
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.engine.ema import validation_weights, weight_average, with_average
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
@@ -147,7 +147,8 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
         return None
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.report_to, resume_from_checkpoint=config.resume_from_checkpoint,
-                    config_toml=config_to_toml(config), command="dreamstep train flux-kontext-lora",
+                    config_toml=config_to_toml(config) + describe_datasets(datasets),
+                    command="dreamstep train flux-kontext-lora",
                     overwrite=config.overwrite_output_dir, allow_tf32=config.allow_tf32)
 
     # 2. Data: the pairs' loader and the step counts.

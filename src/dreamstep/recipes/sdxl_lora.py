@@ -45,7 +45,7 @@ from dreamstep.data import (
     ConditionedBatches,
 )
 from dreamstep.data.cache import remove_caches
-from dreamstep.data.dataset_config import DatasetConfig
+from dreamstep.data.dataset_config import DatasetConfig, describe_datasets
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import kohya_datasets
 from dreamstep.diffusion import noise_prediction as noise_math
@@ -241,7 +241,7 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
     # last layer never get a gradient: DDP must then look for unused parameters.
     run = start_run(config.output_dir, mixed_precision=config.mixed_precision, seed=config.seed,
                     report_to=config.log_with, resume_from_checkpoint=config.resume,
-                    config_toml=config_to_toml(config),
+                    config_toml=config_to_toml(config) + describe_datasets(datasets),
                     tensorboard_dir=config.logging_dir, samples_dir=Path(config.output_dir) / "sample",
                     command="dreamstep train sdxl-lora", resume_flag="--resume", overwrite=config.overwrite_output_dir,
                     find_unused_parameters=bool(options.module_dropout) or train_text, allow_tf32=config.allow_tf32)

@@ -22,6 +22,7 @@ from PIL import Image
 from safetensors.torch import save_file
 from torch import nn
 
+from dreamstep.engine.logging import LAYOUT_KEY
 from dreamstep.errors import UserError, refusing_pickled_code
 from dreamstep.files import atomic_files
 from dreamstep.models.quantization import dequantized
@@ -165,13 +166,16 @@ def _drop_foreign_config_keys(config_file: Path) -> None:
 
 def side_by_side(rows: list[list[Image.Image]]) -> Image.Image:
     """One image: each row (a control image, then its results) left to right, rows top to bottom. The
-    results' generation parameters (``info["dreamstep"]``) are carried over as a list."""
+    results' generation parameters (``info["dreamstep"]``) are carried over as a list, with where each result is
+    (:data:`~dreamstep.engine.logging.LAYOUT_KEY`) for its label."""
     cell_w = max(im.width for row in rows for im in row)
     cell_h = max(im.height for row in rows for im in row)
     grid = Image.new("RGB", (max(len(r) for r in rows) * cell_w, len(rows) * cell_h), "white")
     for y, row in enumerate(rows):
         for x, image in enumerate(row):
             grid.paste(image.convert("RGB").resize((cell_w, cell_h)), (x * cell_w, y * cell_h))
-    grid.info["dreamstep"] = [im.info["dreamstep"] for row in rows for im in row
-                              if isinstance(im.info.get("dreamstep"), dict)]
+    placed = [(im.info["dreamstep"], x * cell_w) for row in rows for x, im in enumerate(row)
+              if isinstance(im.info.get("dreamstep"), dict)]
+    grid.info["dreamstep"] = [cell for cell, _ in placed]
+    grid.info[LAYOUT_KEY] = [(x, cell_w) for _, x in placed]  # each result's label goes under it
     return grid

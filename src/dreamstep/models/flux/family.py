@@ -66,7 +66,7 @@ class FluxFamily:
 
         return flux_lora_targets(denoiser, layers or ["attention"])
 
-    def meta_components(self, folder: Path | None) -> dict[str, nn.Module]:
+    def meta_components(self, folder: Path | None, variant: str | None = None) -> dict[str, nn.Module]:
         from dreamstep.models.flux.meta import meta_components
 
         return meta_components(folder)

@@ -88,7 +88,8 @@ class QwenImageFamily:
 
         return qwen_image_lora_targets(denoiser, layers or ["attention"])
 
-    def meta_components(self, folder: Path | None) -> dict[str, nn.Module]:
+    def meta_components(self, folder: Path | None, variant: str | None = None) -> dict[str, nn.Module]:
+        # Qwen-Image-Edit (2509, 2511) has Qwen-Image's architecture and configs: one released model plans both.
         from dreamstep.models.qwen_image.meta import meta_components
 
         return meta_components(folder)

@@ -56,7 +56,7 @@ class SdxlFamily:
         # sd-scripts' networks.lora adapts every linear layer of the UNet's transformer blocks.
         return [name for name, m in denoiser.named_modules() if isinstance(m, nn.Linear) and ".attentions." in name]
 
-    def meta_components(self, folder: Path | None) -> dict[str, nn.Module]:
+    def meta_components(self, folder: Path | None, variant: str | None = None) -> dict[str, nn.Module]:
         from dreamstep.models.sdxl.meta import meta_components
 
         return meta_components(folder)
