@@ -32,7 +32,10 @@ DATA = {"flux-lora": {"instance_data_dir": TEXT, "instance_prompt": TEXT, "valid
         "sdxl-lora": {"train_data_dir": TEXT}, "flux-kohya": {"train_data_dir": TEXT},
         "flux-controlnet": {"jsonl_for_train": f"{TEXT}.jsonl", "validation_prompt": [TEXT, STRINGS[0]],
                             "validation_image": [TEXT, STRINGS[3]]},
-        "flux-kontext-lora": {"instance_data_dir": TEXT, "instance_prompt": TEXT, "validation_prompt": TEXT}}
+        "flux-kontext-lora": {"instance_data_dir": TEXT, "instance_prompt": TEXT, "validation_prompt": TEXT},
+        "qwen-image-lora": {"instance_data_dir": TEXT, "instance_prompt": TEXT, "validation_prompt": TEXT},
+        "qwen-image-edit-lora": {"instance_data_dir": TEXT, "conditioning_data_dir": TEXT, "instance_prompt": TEXT,
+                                 "validation_prompt": TEXT, "validation_image": TEXT}}
 NUMBERS: dict[type, list[Any]] = {int: [0, -3, 2**40], float: [1e-07, 0.1, -2.5, 3.0, 1e16, 123456.789e-3]}
 
 

@@ -194,6 +194,6 @@ def controlnet_source(text: str, work_dir: Path, ema: str = "auto") -> str | Can
 
 
 def _final_loras(folder: Path) -> list[Path]:
-    """A run folder's own LoRA files (a Kohya copy of the diffusers file left out: the same weights)."""
+    """A run folder's own LoRA files (a Kohya or ComfyUI copy of the diffusers file left out: the same weights)."""
     return [f for f in sorted(folder.glob("*.safetensors"))
-            if f.name != CONTROLNET_WEIGHTS and not f.name.endswith("_kohya.safetensors")]
+            if f.name != CONTROLNET_WEIGHTS and not f.name.endswith(("_kohya.safetensors", "_comfyui.safetensors"))]

@@ -29,9 +29,9 @@ class FluxFamily:
     long_text_encoder = "text_encoder_2"
     resolution_step = 16  # the VAE's 8 times the transformer's 2x2 patches
     kohya_prefixes = {"lora_unet": "transformer", "lora_te1": "text_encoder", "lora_te3": "text_encoder_2"}
-    # BFL's block names, sd-scripts' T5 prefix, diffusers' single blocks, LyCORIS' names of diffusers' modules.
-    key_hints = ("lycoris_", "double_blocks", "single_blocks", "lora_te3", "single_transformer_blocks",
-                 "transformer.transformer_blocks")
+    # BFL's block names, sd-scripts' T5 prefix, diffusers' single blocks, LyCORIS' names of diffusers' modules
+    # (diffusers' double blocks, "transformer.transformer_blocks", are Qwen-Image's too: the weak hint tells them).
+    key_hints = ("lycoris_", "double_blocks", "single_blocks", "lora_te3", "single_transformer_blocks")
     weak_key_hints = ("transformer.",)
     lycoris_readers = "ComfyUI, Forge, LyCORIS on diffusers' FLUX (SimpleTuner)"
     mindspore_port = False
