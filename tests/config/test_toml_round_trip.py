@@ -32,10 +32,7 @@ DATA = {"flux-lora": {"instance_data_dir": TEXT, "instance_prompt": TEXT, "valid
         "sdxl-lora": {"train_data_dir": TEXT}, "flux-kohya": {"train_data_dir": TEXT},
         "flux-controlnet": {"jsonl_for_train": f"{TEXT}.jsonl", "validation_prompt": [TEXT, STRINGS[0]],
                             "validation_image": [TEXT, STRINGS[3]]},
-        "flux-kontext-lora": {"instance_data_dir": TEXT, "instance_prompt": TEXT, "validation_prompt": TEXT},
-        "qwen-image-lora": {"instance_data_dir": TEXT, "instance_prompt": TEXT, "validation_prompt": TEXT},
-        "qwen-image-edit-lora": {"instance_data_dir": TEXT, "conditioning_data_dir": TEXT, "instance_prompt": TEXT,
-                                 "validation_prompt": TEXT, "validation_image": TEXT}}
+        "flux-kontext-lora": {"instance_data_dir": TEXT, "instance_prompt": TEXT, "validation_prompt": TEXT}}
 NUMBERS: dict[type, list[Any]] = {int: [0, -3, 2**40], float: [1e-07, 0.1, -2.5, 3.0, 1e16, 123456.789e-3]}
 
 
@@ -73,7 +70,8 @@ def _data(trainer: str) -> dict[str, Any]:
         return DATA[trainer]
     recipe = importlib.import_module(COMMANDS[("train", trainer)].runner.partition(":")[0])
     fields = {f.name for f in dataclasses.fields(TRAINERS[trainer])}
-    return {recipe.FOLDER_FLAG: TEXT, **({"instance_prompt": TEXT} if "instance_prompt" in fields else {})}
+    return {recipe.FOLDER_FLAG: TEXT, **{flag: TEXT for flag in ("instance_prompt", "conditioning_data_dir")
+                                         if flag in fields}}
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)
