@@ -14,7 +14,7 @@ from flux_testkit import run_cli, write_control_pairs
 from PIL import Image
 from qwen_image_testkit import tiny_model
 
-from dreamstep.models.qwen_image.lora_files import COMFYUI_WEIGHT_NAME, LORA_WEIGHT_NAME
+from dreamstep.lora.comfyui_files import COMFYUI_WEIGHT_NAME, LORA_WEIGHT_NAME
 from dreamstep.models.qwen_image.vl_processor import image_text_processor
 
 

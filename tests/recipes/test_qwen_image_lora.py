@@ -18,8 +18,8 @@ from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, load_images, run_cli
 from qwen_image_testkit import fixed_noise_loss, tiny_model
 from safetensors.torch import load_file
 
+from dreamstep.lora.comfyui_files import COMFYUI_WEIGHT_NAME, KOHYA_WEIGHT_NAME, LORA_WEIGHT_NAME
 from dreamstep.models.qwen_image.configs import QWEN_IMAGE_TRANSFORMER
-from dreamstep.models.qwen_image.lora_files import COMFYUI_WEIGHT_NAME, KOHYA_WEIGHT_NAME, LORA_WEIGHT_NAME
 
 STEPS = 40
 

@@ -43,6 +43,12 @@ from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
 from dreamstep.errors import UserError
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
+from dreamstep.lora.comfyui_files import (
+    EMA_WEIGHT_NAME,
+    KOHYA_WEIGHT_NAME,
+    LORA_WEIGHT_NAME,
+    save_comfyui_lora,
+)
 from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import TrainableState, add_lora, save_flux_lora
 from dreamstep.models import memory_plan as mp
@@ -51,12 +57,6 @@ from dreamstep.models.plans import RunPlan, plan_report
 from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.qwen_image import plumbing as qwen
 from dreamstep.models.qwen_image.family import FAMILY
-from dreamstep.models.qwen_image.lora_files import (
-    EMA_WEIGHT_NAME,
-    KOHYA_WEIGHT_NAME,
-    LORA_WEIGHT_NAME,
-    save_comfyui_lora,
-)
 from dreamstep.models.qwen_image.lora_targets import qwen_image_lora_targets
 from dreamstep.models.qwen_image.step import QwenImageFlowMatchingStep
 

@@ -1,7 +1,7 @@
-"""The LoRA files a Qwen-Image trainer writes: diffusers' layout (what the Qwen pipelines' ``load_lora_weights``
-read) and ComfyUI's.
+"""The names of the LoRA files a trainer writes, and ComfyUI's layout for a model whose weights ComfyUI names as
+diffusers does, under ``diffusion_model.`` (Qwen-Image's).
 
-ComfyUI names Qwen-Image's weights as diffusers does, under ``diffusion_model.``; its LoRA key map takes
+For such a model ComfyUI's LoRA key map takes
 ``diffusion_model.<module>`` (the generic form), ``<module>``, ``transformer.<module>`` and
 ``lora_unet_<module with _>``, each with ``.lora_down.weight`` / ``.lora_up.weight`` and ``.alpha``. The ComfyUI file
 is the first form, with the trained alpha (no folding needed: ComfyUI applies alpha / rank); diffusers' loader
