@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers.pre_tokenizers import ByteLevel
 
 from dreamstep.files import honour_umask
+from dreamstep.models.tiny import QWEN_CHAT_TEMPLATE, byte_vocab, write_tiny_qwen2_5_vl
 
 IMAGE_SIZE = 32
 TAGGER_SIDE = 32
@@ -46,11 +45,6 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def _byte_vocab(specials: list[str]) -> dict[str, int]:
-    """A byte-level BPE vocabulary with no merges: every text encodes, one token per byte."""
-    return {token: i for i, token in enumerate(specials + sorted(ByteLevel.alphabet()))}
-
-
 def write_tiny_florence2(out: Path, seed: int = 0) -> Path:
     from transformers import (
         BartTokenizer,
@@ -60,7 +54,7 @@ def write_tiny_florence2(out: Path, seed: int = 0) -> Path:
         Florence2Processor,
     )
 
-    tokenizer = BartTokenizer(vocab=_byte_vocab(["<s>", "<pad>", "</s>", "<unk>", "<mask>"]), merges=[],
+    tokenizer = BartTokenizer(vocab=byte_vocab(["<s>", "<pad>", "</s>", "<unk>", "<mask>"]), merges=[],
                               extra_special_tokens={"image_token": "<image>"})
     text = dict(vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                 decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=256,
@@ -113,51 +107,6 @@ def write_tiny_blip(out: Path, seed: int = 0) -> Path:
 
 
 # Qwen's chat format: the image as vision-start, image-pad, vision-end before the text of the user's turn.
-_QWEN_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}{% else %}{% for item in message['content'] %}{% if item['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def write_tiny_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2Tokenizer,
-        Qwen2VLImageProcessorPil,
-    )
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                "<|image_pad|>", "<|video_pad|>"]
-    tokenizer = Qwen2Tokenizer(vocab=_byte_vocab([]), merges=[])
-    tokenizer.add_special_tokens({"additional_special_tokens": specials[1:]})
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
-    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, initializer_range=_INIT,
-                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=32, window_size=32, fullatt_block_indexes=[1],
-                  initializer_range=_INIT)
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                              vision_end_token_id=ids["<|vision_end|>"])
-    with _seeded(seed):
-        model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    pixels = dict(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=64 * 64)
-    folder = out / "qwen2_5_vl"
-    model.save_pretrained(folder)
-    Qwen2VLImageProcessorPil(**pixels).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    (folder / "chat_template.jinja").write_text(_QWEN_CHAT_TEMPLATE, encoding="utf-8")
-    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}) + "\n")
-    video = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 8, "merge_size": 2,
-             "temporal_patch_size": 2, "size": {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}}
-    (folder / "video_preprocessor_config.json").write_text(json.dumps(video) + "\n")
-    return folder
-
-
 def write_tiny_llava(out: Path, seed: int = 0) -> Path:
     from transformers import (
         CLIPImageProcessorPil,
@@ -167,7 +116,7 @@ def write_tiny_llava(out: Path, seed: int = 0) -> Path:
         Qwen2Tokenizer,
     )
 
-    tokenizer = Qwen2Tokenizer(vocab=_byte_vocab([]), merges=[])
+    tokenizer = Qwen2Tokenizer(vocab=byte_vocab([]), merges=[])
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>"]})
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<image>")}
     vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -183,7 +132,7 @@ def write_tiny_llava(out: Path, seed: int = 0) -> Path:
         model = LlavaForConditionalGeneration(config).eval()
     image_processor = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
                                             crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
-    template = _QWEN_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+    template = QWEN_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
     # The CLIP tower's class token is dropped ("default" feature selection): one image token per patch.
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
                                vision_feature_select_strategy="default", chat_template=template,

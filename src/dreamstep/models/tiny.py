@@ -194,3 +194,57 @@ def param_count(pipe: DiffusionPipeline) -> dict[str, int]:
     """Number of parameters of each model component of a pipeline."""
     return {name: sum(p.numel() for p in module.parameters())
             for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)}
+
+
+def byte_vocab(specials: list[str]) -> dict[str, int]:
+    """A byte-level BPE vocabulary with no merges: every text encodes, one token per byte."""
+    return {token: i for i, token in enumerate(specials + sorted(ByteLevel.alphabet()))}
+
+
+# Initial weights of the tiny vision-language models: wide enough that their outputs differ from prompt to prompt.
+_VL_INIT = 0.5
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for item in message['content'] %}{% if item['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tiny_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
+    """``out/qwen2_5_vl``: a tiny Qwen2.5-VL with its tokenizer, PIL image processor and chat template, the
+    captioner ``caption --captioner qwen-vl`` reads and the text encoder of the tiny Qwen-Image."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2Tokenizer,
+        Qwen2VLImageProcessorPil,
+    )
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+    tokenizer = Qwen2Tokenizer(vocab=byte_vocab([]), merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[1:]})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
+    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, initializer_range=_VL_INIT,
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=32, window_size=32, fullatt_block_indexes=[1],
+                  initializer_range=_VL_INIT)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"])
+    with seeded(seed):
+        model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    pixels = dict(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=64 * 64)
+    folder = out / "qwen2_5_vl"
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(**pixels).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(QWEN_CHAT_TEMPLATE, encoding="utf-8")
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}) + "\n")
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 8, "merge_size": 2,
+             "temporal_patch_size": 2, "size": {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}}
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video) + "\n")
+    return folder

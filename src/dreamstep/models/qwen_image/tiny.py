@@ -26,10 +26,9 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLImageProcessorPil
 
-from dreamstep.captioning.tiny import write_tiny_qwen2_5_vl
 from dreamstep.models.qwen_image.configs import QWEN_IMAGE_SCHEDULER
 from dreamstep.models.qwen_image.vl_processor import ImageTextProcessor
-from dreamstep.models.tiny import seeded, to_eval
+from dreamstep.models.tiny import seeded, to_eval, write_tiny_qwen2_5_vl
 
 
 def tiny_text_encoder(seed: int) -> tuple[Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer,
