@@ -180,8 +180,11 @@ def _wrapped(text: str, width: int, font: Any) -> list[str]:
     """``text`` in lines that each fit ``width`` pixels; a word too long for a line is cut with an ellipsis."""
     lines: list[str] = []
     for word in text.split() or [""]:
-        while font.getlength(word) > width and len(word) > 1:
-            word = word[:-2] + "…"
+        if font.getlength(word) > width:  # ASCII dots: the bitmap font of older Pillow has no ellipsis character
+            cut = word
+            while len(cut) > 1 and font.getlength(cut + "...") > width:
+                cut = cut[:-1]
+            word = cut + "..."
         candidate = f"{lines[-1]} {word}" if lines else word
         if lines and font.getlength(candidate) <= width:
             lines[-1] = candidate
