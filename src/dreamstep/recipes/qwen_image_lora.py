@@ -33,11 +33,10 @@ from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import IMAGE_EXTENSIONS
 from dreamstep.data.sources import dreambooth_datasets
-from dreamstep.engine.ema import validation_weights, weight_average, with_average
+from dreamstep.engine.ema import validation_weights, with_average
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.logging import say_before_the_run
 from dreamstep.engine.loop import Every
-from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
@@ -50,11 +49,10 @@ from dreamstep.lora.comfyui_files import (
     save_comfyui_lora,
 )
 from dreamstep.lora.convert import convert_lora
-from dreamstep.lora.inject import TrainableState, add_lora, save_flux_lora
+from dreamstep.lora.inject import TrainableState, save_flux_lora
+from dreamstep.lora.training import prepare_lora_training
 from dreamstep.models import memory_plan as mp
-from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.plans import RunPlan, plan_report
-from dreamstep.models.precision import cast_trainable_params_to_fp32
 from dreamstep.models.qwen_image import plumbing as qwen
 from dreamstep.models.qwen_image.family import FAMILY
 from dreamstep.models.qwen_image.lora_targets import qwen_image_lora_targets
@@ -116,23 +114,9 @@ def load_lora_transformer(config: Any, source: str, pipeline: Any, run: Any, pla
         source, revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
         device=run.device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
     pipeline.register_modules(transformer=transformer)
-    add_lora(transformer, qwen_image_lora_targets(transformer, config.lora_layers), config.rank, config.alpha,
-             config.lora_dropout)
-    cast_trainable_params_to_fp32(transformer)
-    if config.gradient_checkpointing:
-        enable_checkpointing(transformer, offload_to_host=config.cpu_offload_checkpointing, device=run.device)
-    transformer.train()
-    swapper = prepare_blocks(transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
-                             device=run.device, num_processes=run.accelerator.num_processes)
-    optimizer = build_optimizer(config.optimizer, [{"params": [p for p in transformer.parameters() if p.requires_grad],
-                                                    "lr": config.learning_rate}], config.learning_rate,
-                                betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.adam_weight_decay,
-                                eps=config.adam_epsilon)
-    lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
-                                      total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
-                                      power=config.lr_power)
-    ema = weight_average(transformer, config.ema_options())
-    model, optimizer = run.accelerator.prepare(transformer, optimizer, device_placement=[swapper is None, True])
+    targets = qwen_image_lora_targets(transformer, config.lora_layers)
+    training = prepare_lora_training(transformer, targets, config, run, plan)
+    model, optimizer, lr_scheduler, ema = training.model, training.optimizer, training.lr_scheduler, training.ema
     return LoraTransformer(transformer, model, optimizer, lr_scheduler, ema, run.accelerator)
 
 

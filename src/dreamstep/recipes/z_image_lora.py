@@ -39,11 +39,10 @@ from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import IMAGE_EXTENSIONS
 from dreamstep.data.sources import dreambooth_datasets
-from dreamstep.engine.ema import validation_weights, weight_average, with_average
+from dreamstep.engine.ema import validation_weights, with_average
 from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
 from dreamstep.engine.logging import say_before_the_run
 from dreamstep.engine.loop import Every
-from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
@@ -51,14 +50,14 @@ from dreamstep.errors import UserError
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.files import honour_umask
 from dreamstep.lora.convert import convert_lora
-from dreamstep.lora.inject import TrainableState, add_lora, save_flux_lora
+from dreamstep.lora.inject import TrainableState, save_flux_lora
 from dreamstep.lora.io import write_lora_file
+from dreamstep.lora.training import prepare_lora_training
 from dreamstep.models import parking
-from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.family import check_blocks_to_swap
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.plans import RunPlan, print_run_plan
-from dreamstep.models.precision import cast_trainable_params_to_fp32, weight_dtype_for
+from dreamstep.models.precision import weight_dtype_for
 from dreamstep.models.z_image import configs
 from dreamstep.models.z_image import plumbing as zi
 from dreamstep.models.z_image.family import FAMILY
@@ -220,25 +219,11 @@ def train(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> FinishedRun | No
                                       base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0,
                                       kind=spec.kind)
     base.transformer = transformer
-    add_lora(transformer, spec.lora_targets(transformer, config.lora_layers), config.rank, config.alpha,
-             config.lora_dropout)
-    cast_trainable_params_to_fp32(transformer)
-    if config.gradient_checkpointing:
-        enable_checkpointing(transformer, offload_to_host=config.cpu_offload_checkpointing, device=run.device)
-    transformer.train()
-    swapper = prepare_blocks(transformer, blocks_to_swap=config.blocks_to_swap, compile=config.compile,
-                             device=run.device, num_processes=run.accelerator.num_processes)
+    targets = spec.lora_targets(transformer, config.lora_layers)
+    training = prepare_lora_training(transformer, targets, config, run, plan)
+    model, optimizer, lr_scheduler, ema = training.model, training.optimizer, training.lr_scheduler, training.ema
 
     # 5. Step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
-    optimizer = build_optimizer(config.optimizer, [{"params": [p for p in transformer.parameters() if p.requires_grad],
-                                                    "lr": config.learning_rate}], config.learning_rate,
-                                betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.adam_weight_decay,
-                                eps=config.adam_epsilon)
-    lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, warmup_steps=plan.warmup_steps,
-                                      total_steps=plan.total_steps, num_cycles=config.lr_num_cycles,
-                                      power=config.lr_power)
-    ema = weight_average(transformer, config.ema_options())
-    model, optimizer = run.accelerator.prepare(transformer, optimizer, device_placement=[swapper is None, True])
     step = spec.step_class(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
