@@ -200,16 +200,9 @@ def _run_to_end(key: tuple[str, ...], command: Command, args: list[str]) -> None
     except BaseException as error:
         command_failed(str(error).split("\n")[0] or type(error).__name__)
         raise
-    _leave_process_group()
+    from dreamstep.engine.process_group import leave_process_group
 
-
-def _leave_process_group() -> None:
-    """Under ``accelerate launch``, destroy the process group once the command is done: left to the
-    interpreter's exit, gloo's teardown can abort a process whose run finished ("terminate called without
-    an active exception", exit code -6), and the launcher then reports the run as failed."""
-    distributed = sys.modules.get("torch.distributed")
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        distributed.destroy_process_group()
+    leave_process_group()  # the trainer's models are out of scope now
 
 
 def main(argv: list[str] | None = None) -> int:

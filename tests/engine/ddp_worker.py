@@ -19,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from dreamstep import DynamicLossScaler
 from dreamstep.engine.checkpoint import save_checkpoint
 from dreamstep.engine.loop import Every, Hook, run_training
+from dreamstep.engine.process_group import leave_process_group
 from dreamstep.engine.train_step import make_accelerator
 
 ALLREDUCE_CALLS = [0]
@@ -68,8 +69,8 @@ def main(out_file: str, checkpoint_dir: str) -> None:
                     "rank_spread": (everyone - everyone[0]).abs().max().item(),
                     "loss_scale": step.loss_scale}, out_file)
     accelerator.wait_for_everyone()
-    accelerator.end_training()  # the process group goes before the interpreter's exit
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    leave_process_group()  # main's models are out of scope: the group goes before the interpreter's exit

@@ -11,7 +11,6 @@ of trainable state (weights, gradients, optimizer).
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -21,6 +20,7 @@ from engine_testkit import RegressionStep, regression_batches, tiny_mlp
 from dreamstep import StaticLossScaler
 from dreamstep.engine.checkpoint import load_checkpoint, save_checkpoint
 from dreamstep.engine.loop import Every, Hook, run_training
+from dreamstep.engine.process_group import leave_process_group
 from dreamstep.engine.sharding import full_model_state, load_model_state, local_state_bytes, shard_model
 from dreamstep.engine.train_step import make_accelerator
 
@@ -71,13 +71,8 @@ def main(out_file: str, checkpoint_dir: str, zero_stage: int, phase: str) -> Non
         torch.save({"params": params, "losses": result.losses, "record": RECORD, "world": world,
                     "state_bytes": everyone, "sharded": type(model).__name__}, out_file)
     accelerator.wait_for_everyone()
-    accelerator.end_training()  # the process group goes before the interpreter's exit
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
-    # FSDP2 over gloo on CPUs can abort in C++ teardown at interpreter exit ("terminate called without an
-    # active exception", about one run in four here) after everything above is written; leave without it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_process_group()  # main's models are out of scope: the group goes before the interpreter's exit

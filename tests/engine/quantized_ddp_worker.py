@@ -11,6 +11,7 @@ import sys
 import torch
 from diffusers import FluxTransformer2DModel
 
+from dreamstep.engine.process_group import leave_process_group
 from dreamstep.engine.train_step import make_accelerator
 from dreamstep.lora.inject import add_lora
 from dreamstep.models.flux.lora_targets import flux_lora_targets
@@ -47,3 +48,4 @@ def main(out_file: str, modes: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
+    leave_process_group()  # main's models are out of scope: the group goes before the interpreter's exit
