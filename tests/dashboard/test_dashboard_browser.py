@@ -105,6 +105,28 @@ def test_finished_run_renders_its_chart_samples_and_lora_report(browser, finishe
     print(f"browser: {_version()}; screenshot: {shot}")
 
 
+def test_each_metric_has_its_own_axis_and_the_log_opens_at_its_end(browser, finished_run, tmp_path):
+    run = copy_run(finished_run, tmp_path / "runs")
+    (run / "metrics.csv").write_text("step,val_loss,clip_score\n2,0.61234,27.5\n4,0.61236,31.25\n")
+    with (run / "train.log").open("a") as log:
+        log.writelines(f"line {i} of a long log\n" for i in range(300))
+    with serve(create_app([tmp_path / "runs"])) as url:
+        browser.get(f"{url}/#/run/0.robot")
+        _wait(browser, lambda d: d.execute_script(
+            "return document.querySelectorAll('#metrics canvas[data-metric]').length") == 2, "two metric charts")
+        _wait(browser, lambda d: _drawn_pixels(d, "metric-1-canvas") > 500, "the clip_score chart")
+        assert browser.execute_script(
+            "return [...document.querySelectorAll('#metrics canvas')].map((c) => c.dataset.metric)") == [
+                "val_loss", "clip_score"]
+        _wait(browser, lambda d: "line 299" in d.find_element("id", "log").text, "the log")
+        at_end = browser.execute_script(
+            "const p = document.querySelector('#log pre'); return p.scrollHeight > p.clientHeight"
+            " && p.scrollTop + p.clientHeight >= p.scrollHeight - 2")
+        assert at_end, "the log must open at its newest lines"
+        browser.execute_script("document.getElementById('metrics').scrollIntoView()")
+        _screenshot(browser, "dashboard-metrics.png")
+
+
 def test_run_in_progress_updates_by_itself(browser, tmp_path):
     run = GrowingRun(tmp_path / "runs" / "live", total=50)
     run.add_steps(5)
@@ -295,13 +317,18 @@ def test_a_run_created_from_the_form_is_watched_stopped_resumed_and_the_next_job
         dashboard.close()
 
 
-def test_a_constant_is_drawn_against_zero_and_metrics_each_on_their_own_scale(browser, growing_run):
+def test_a_constant_is_drawn_against_zero_and_axis_labels_tell_ticks_apart(browser, growing_run):
     with serve(create_app([growing_run.folder.parent])) as url:
         browser.get(f"{url}/#/")
-        _wait(browser, lambda d: d.execute_script("return typeof range === 'function' && typeof normalised === "
+        _wait(browser, lambda d: d.execute_script("return typeof range === 'function' && typeof tickLabels === "
                                                   "'function'"), "the page's scripts")
         assert browser.execute_script("return range([{y: [1e-3, 1e-3, 1e-3]}])") == [0, pytest.approx(1.5e-3)]
         low, high = browser.execute_script("return range([{y: [1, 2]}])")
         assert low < 1 < 2 < high and high - low < 1.2
-        assert browser.execute_script("return normalised([0.2, 0.21, 0.22])") == pytest.approx([0, 0.5, 1])
-        assert browser.execute_script("return normalised([40, 20, 30])") == pytest.approx([1, 0, 0.5])
+        # values that differ in the fifth decimal (a val_loss): every tick keeps its own label
+        labels = browser.execute_script("return tickLabels(niceTicks(0.61234, 0.61236, 5))")
+        assert len(set(labels)) == len(labels) > 1
+        assert browser.execute_script("return tickLabels(niceTicks(0, 0.0015, 5))") == [
+            "0.0000", "0.0005", "0.0010", "0.0015"]
+        assert browser.execute_script("return tickLabels(niceTicks(0, 1e6, 5))") == [
+            "0", "2e+5", "4e+5", "6e+5", "8e+5", "1e+6"]

@@ -124,13 +124,14 @@ function runView(runId) {
   const status = el("div", { class: "row" });
   const chart = chartCard("loss", "Loss and learning rate");
   const samples = section("samples", "Samples");
-  const metrics = chartCard("metrics", "Evaluation metrics");
+  const metrics = section("metrics", "Evaluation metrics");
+  let metricCharts = [];
   const config = section("config", "Resolved config.toml");
   const loras = section("loras", "Output LoRA files");
   const log = section("log", "Log (train.log, last lines)");
   let showAll = false;  // all samples (fetched once) instead of the latest ones
   let lastDetail = null;
-  const root = el("div", {}, title, status, chart.card.node, samples.node, metrics.card.node,
+  const root = el("div", {}, title, status, chart.card.node, samples.node, metrics.node,
     el("div", { class: "two" }, config.node, loras.node), log.node);
 
   function drawLoss(curves) {
@@ -145,20 +146,23 @@ function runView(runId) {
   }
 
   function drawMetrics(data) {
-    metrics.card.node.hidden = data === null;
+    metrics.node.hidden = data === null;
     if (data === null) { return; }
-    if (data.error) { metrics.card.update(data, () => {}); return; }
-    const names = Object.keys(data.metrics);
-    // Each metric on its own scale (0 = its lowest, 1 = its highest), so val_loss and edge both show their
-    // shape; the table below has the values.
-    const series = names.map((name, i) => ({ x: data.steps, y: normalised(data.metrics[name]), color: COLORS[i % COLORS.length], label: name }));
-    drawChart(metrics.canvas, { series, yLabel: names.length > 1 ? "each metric, min to max" : "score" });
-    metrics.card.update(data, (body) => {
-      body.append(chartLegend(series), el("p", { class: "muted", text: `from ${data.source}` }));
+    metrics.update(data, (body) => {
+      const names = Object.keys(data.metrics);
+      // One chart per metric, on its own axis in its own units: val_loss and an image score differ by orders of
+      // magnitude, and one shared scale (or each squeezed to 0-1) would hide the values.
+      metricCharts = names.map((name, i) => ({
+        canvas: el("canvas", { class: "chart metric", id: `metric-${i}-canvas`, "data-metric": name }),
+        series: [{ x: data.steps, y: data.metrics[name], color: COLORS[i % COLORS.length], label: name }],
+      }));
+      body.append(el("div", { class: "metric-charts" }, metricCharts.map((c) => el("figure", {}, c.canvas,
+        el("figcaption", { text: c.series[0].label })))), el("p", { class: "muted", text: `from ${data.source}` }));
       const rows = data.steps.map((step, i) => el("tr", {}, el("td", { class: "num", text: step }), names.map((n) => el("td", { class: "num", text: fmt(data.metrics[n][i]) }))));
       body.append(el("table", {}, el("thead", {}, el("tr", {}, el("th", { text: "step" }), names.map((n) => el("th", { text: n })))), el("tbody", {}, rows)));
       if (data.png) { body.append(el("p", {}, el("a", { href: fileURL(runId, "metrics.png"), target: "_blank", text: "metrics.png" }))); }
     });
+    for (const c of metricCharts) { drawChart(c.canvas, { series: c.series }); }
   }
 
   function renderSamples() {
@@ -208,7 +212,12 @@ function runView(runId) {
           }
         }).catch((e) => body.replaceChildren(el("p", { class: "error", text: String(e) })));
       });
-      log.update(d.log, (body, lines) => body.append(lines === null ? el("p", { class: "muted", text: "no train.log" }) : el("pre", { text: lines.join("\n") })));
+      log.update(d.log, (body, lines) => {
+        if (lines === null) { body.append(el("p", { class: "muted", text: "no train.log" })); return; }
+        const pre = el("pre", { class: "log", text: lines.join("\n") });
+        body.append(pre);
+        pre.scrollTop = pre.scrollHeight;  // the newest lines, as a terminal shows them
+      });
     },
   };
 }
@@ -331,12 +340,6 @@ async function poll() {
     live.classList.remove("stale"); live.textContent = "live";
   } catch (e) { live.classList.add("stale"); live.textContent = "server unreachable"; }
   polling = false;
-}
-
-function normalised(values) {
-  const finite = values.filter(Number.isFinite);
-  const lo = Math.min(...finite), hi = Math.max(...finite);
-  return values.map((v) => (Number.isFinite(v) ? (hi > lo ? (v - lo) / (hi - lo) : 0.5) : v));
 }
 
 window.addEventListener("hashchange", route);

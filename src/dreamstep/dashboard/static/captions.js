@@ -46,6 +46,7 @@ function showJob(job) {
   if (!job.command.length) { status.textContent = ""; log.hidden = true; return; }
   status.textContent = job.running ? "captioning…" : `finished (exit code ${job.returncode})`;
   log.hidden = false; log.textContent = job.log.join("\n");
+  log.scrollTop = log.scrollHeight;  // the newest lines, as a terminal shows them
   if (job.running && !polling) {
     polling = setInterval(async () => {
       const { job: now } = await call("GET", "/api/dataset/captions/job");

@@ -20,6 +20,20 @@ function formatNumber(v) {
   return String(Number(v.toPrecision(4)));
 }
 
+// Labels for evenly spaced ticks: the fewest digits that write every tick exactly, in one notation on the whole
+// axis, so neighbouring ticks never read alike (0.1234 and 0.1235, not 0.123 twice).
+function tickLabels(ticks) {
+  if (ticks.length < 2) { return ticks.map(formatNumber); }
+  const step = Math.abs(ticks[1] - ticks[0]);
+  const largest = Math.max(...ticks.map(Math.abs));
+  const write = largest >= 1e5 || largest < 1e-3 ? (t, d) => (t === 0 ? "0" : t.toExponential(d)) : (t, d) => t.toFixed(d);
+  for (let digits = 0; digits < 12; digits++) {
+    const labels = ticks.map((t) => write(t, digits));
+    if (labels.every((label, i) => Math.abs(Number(label) - ticks[i]) <= step * 1e-6)) { return labels; }
+  }
+  return ticks.map((t) => write(t, 12));
+}
+
 function range(series) {
   let lo = Infinity, hi = -Infinity;
   for (const s of series) {
@@ -61,22 +75,25 @@ function drawChart(canvas, spec) {
   // grid and axes
   ctx.strokeStyle = "#e3e6ec"; ctx.fillStyle = "#6b7280"; ctx.lineWidth = 1;
   ctx.textAlign = "center";
-  for (const t of niceTicks(xlo, xhi, 6, true)) {  // steps are whole numbers
-    const x = px(t);
+  const xTicks = niceTicks(xlo, xhi, 6, true);  // steps are whole numbers
+  tickLabels(xTicks).forEach((label, i) => {
+    const x = px(xTicks[i]);
     ctx.beginPath(); ctx.moveTo(x, m.top); ctx.lineTo(x, m.top + ph); ctx.stroke();
-    ctx.fillText(formatNumber(t), x, height - 12);
-  }
+    ctx.fillText(label, x, height - 12);
+  });
   if (yl) {
     ctx.textAlign = "right";
-    for (const t of niceTicks(yl[0], yl[1], 5)) {
-      const y = py(t, yl);
+    const ticks = niceTicks(yl[0], yl[1], 5);
+    tickLabels(ticks).forEach((label, i) => {
+      const y = py(ticks[i], yl);
       ctx.beginPath(); ctx.moveTo(m.left, y); ctx.lineTo(m.left + pw, y); ctx.stroke();
-      ctx.fillText(formatNumber(t), m.left - 6, y + 4);
-    }
+      ctx.fillText(label, m.left - 6, y + 4);
+    });
   }
   if (yr) {
     ctx.textAlign = "left";
-    for (const t of niceTicks(yr[0], yr[1], 5)) { ctx.fillText(formatNumber(t), m.left + pw + 6, py(t, yr) + 4); }
+    const ticks = niceTicks(yr[0], yr[1], 5);
+    tickLabels(ticks).forEach((label, i) => ctx.fillText(label, m.left + pw + 6, py(ticks[i], yr) + 4));
   }
   ctx.strokeStyle = "#9aa3b2";
   ctx.strokeRect(m.left, m.top, pw, ph);
@@ -121,4 +138,6 @@ function legend(items) {
 }
 
 window.drawChart = drawChart;
+window.tickLabels = tickLabels;
+window.niceTicks = niceTicks;
 window.chartLegend = legend;
