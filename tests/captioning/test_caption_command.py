@@ -155,6 +155,18 @@ def test_a_missing_model_offline_is_one_line_and_writes_nothing(tmp_path, capsys
     assert not list((tmp_path / "data").glob("*.txt"))
 
 
+def test_a_damaged_model_folder_is_named_as_damaged_not_as_offline(tmp_path, capsys):
+    _pictures(tmp_path / "data")
+    damaged = tmp_path / "florence"
+    damaged.mkdir()
+    (damaged / "config.json").write_text("{not json")
+    assert _caption(tmp_path / "data", "--captioner", "florence2", "--model", damaged) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not a valid JSON" in err and "download the folder again" in err
+    assert "HF_HUB_OFFLINE" not in err
+    assert not list((tmp_path / "data").glob("*.txt"))
+
+
 def test_a_model_of_another_kind_is_refused(tiny_captioners, tmp_path, capsys):
     _pictures(tmp_path / "data")
     assert _caption(tmp_path / "data", "--captioner", "florence2", "--model", tiny_captioners / "blip") == 2

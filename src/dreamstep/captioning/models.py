@@ -14,6 +14,7 @@ torchvision, so loading one fails there; the error says to install the torchvisi
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +57,10 @@ def _from_pretrained(loader: Any, config: CaptionConfig, **kwargs: Any) -> Any:
                             "build (pip install torchvision from the same index as torch)") from None
         raise
     except OSError as error:
+        if Path(model_id).is_dir():
+            raise UserError(f"--model {model_id}: cannot load the {config.captioner} captioner from this folder "
+                            f"({unavailable_reason(error)}); fix or download the folder again, or give the "
+                            "hub id") from None
         raise UserError(f"--model {model_id}: cannot load the {config.captioner} captioner "
                         f"({unavailable_reason(error)}); download it once with network access (unset "
                         "HF_HUB_OFFLINE), or give a local folder") from None
