@@ -19,6 +19,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from dreamstep.errors import UserError
+
 
 def default_file_mode() -> int:
     """0666 less the process umask, as for a file created with ``open()``."""
@@ -81,3 +83,22 @@ def atomic_files(folder: str | Path) -> Iterator[Path]:
         honour_umask(tmp)
         for file in sorted(Path(tmp).iterdir()):
             os.replace(file, folder / file.name)
+
+
+def check_folder_can_be_made(folder: str | Path, flag: str) -> None:
+    """Refuse, before anything loads, a folder a run will write into but could not make: a file on its path, or
+    a parent that takes no new entries (read-only, ``/proc``). Leaves nothing behind: the trial folder it makes
+    in the nearest existing parent is removed at once."""
+    folder = Path(folder)
+    if folder.is_dir():
+        return
+    parent = next((p for p in folder.absolute().parents if p.exists()), None)
+    blocking = next((p for p in [folder, *folder.parents] if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise UserError(f"{flag} {folder}: {blocking} is a file, so the folder cannot be made there; give "
+                          "another path")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dreamstep-check-", dir=parent))
+    except OSError as error:
+        raise UserError(f"{flag} {folder}: cannot make the folder in {parent} ({error.strerror}); give a path "
+                          "you can write to") from None

@@ -52,6 +52,10 @@ def test_saved_config_reads_back(tmp_path):
     ([], 'output_dir = "o"\nscale = nan\n', "key 'scale': 'nan' is not a finite number"),
     ([], b'\xff\xfeoutput_dir = "o"\n', "not UTF-8 text (byte 0); save the file as UTF-8"),
     ([], 'output_dir = "o"\nrank = [', "not valid TOML"),
+    ([], 'output_dir = "o"\nrank = 99999999999999999999\n',
+     "key 'rank': 99999999999999999999 is beyond the largest integer a run can use"),
+    ([], 'output_dir = "o\\u0000"\n', "key 'output_dir': the value holds a NUL character"),
+    ([], 'output_dir = "o"\nlayers = ["x", "\\u0000"]\n', "key 'layers': the value holds a NUL character"),
 ])
 def test_bad_values_name_the_flag_or_key(tmp_path, argv, toml, message):
     if toml is not None:
@@ -81,3 +85,22 @@ def test_refuse_unused_names_the_flag_only_when_it_was_changed():
     refuse_unused(Example(output_dir="o"), ("rank", "limit"), "here")
     with pytest.raises(UserError, match="--rank has no effect with X; remove it"):
         refuse_unused(Example(output_dir="o", rank=8), ("rank",), "with X")
+
+
+@pytest.mark.parametrize("path, message", [
+    ("a_file/run", "a_file is a file, so the folder cannot be made there"),
+    ("/proc/no-such-run", "cannot make the folder in /proc"),
+])
+def test_a_folder_that_cannot_be_made_is_refused_before_anything_is_written(tmp_path, monkeypatch, path, message):
+    from dreamstep.engine.run_folder import check_output_dir
+    from dreamstep.files import check_folder_can_be_made
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(UserError, match=f"--cache_dir {path}: {message}"):
+        check_folder_can_be_made(path, "--cache_dir")
+    with pytest.raises(UserError, match=f"--output_dir {path}: {message}"):
+        check_output_dir(path, overwrite=False, resume=None, resume_request=None, resume_flag="--resume")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+    check_folder_can_be_made(tmp_path / "new" / "deeper", "--cache_dir")
+    assert not (tmp_path / "new").exists()

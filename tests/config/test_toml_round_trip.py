@@ -23,8 +23,8 @@ except ImportError:  # pragma: no cover
 
 TRAINERS = {key[1]: _load(command.options) for key, command in COMMANDS.items() if key[0] == "train"}
 # Everything a basic string must escape, and what it must not: newlines, quotes, backslashes, control characters
-# (NUL, DEL, backspace, form feed), TOML's own syntax, and text beyond ASCII.
-STRINGS = ["a photo of sks robot\non the moon\r\n", 'say "hi" \\ C:\\data\\new\\t', "tab\there\x00\x01\x1f\x7f\b\f",
+# (DEL, backspace, form feed; not NUL, which no value may hold), TOML's own syntax, and text beyond ASCII.
+STRINGS = ["a photo of sks robot\non the moon\r\n", 'say "hi" \\ C:\\data\\new\\t', "tab\there\x01\x1f\x7f\b\f",
            "ünïcödé 猫 🐱 \u2028 \ufeff", "'''triple''' \"\"\" # not a comment", "x = 1\n[table]\ny = [", "", " "]
 TEXT = "".join(STRINGS[:5])
 REQUIRED = {"pretrained_model_name_or_path": "some-org/some-model", "output_dir": TEXT}

@@ -29,7 +29,7 @@ from dreamstep.config.options import (
     LossOptions,
     MaskedLossOptions,
 )
-from dreamstep.config.schema import SEED_BOUNDS, check_option_groups, option, refuse_unused
+from dreamstep.config.schema import RANK_BOUNDS, SEED_BOUNDS, check_option_groups, option, refuse_unused
 from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
 
@@ -112,7 +112,7 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
     seed: Optional[int] = option(None, "seed for init, data order, noise and timesteps (default: random, saved in "
                                        "config.toml)", bounds=SEED_BOUNDS)
     network_module: str = option(NETWORK_MODULE, "network type: networks.lora_flux")
-    network_dim: int = option(4, "LoRA rank", bounds="[1, inf)")
+    network_dim: int = option(4, "LoRA rank", bounds=RANK_BOUNDS)
     network_alpha: float = option(1.0, "LoRA alpha; the update is scaled by alpha / dim", bounds="(0, inf)")
     network_dropout: Optional[float] = option(None, "dropout on the LoRA down projection's output", bounds="[0, 1)")
     network_args: list[str] = option(

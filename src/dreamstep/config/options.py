@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional
 from dreamstep.config.choices import HUBER_SCHEDULES, LOSS_TYPES
 from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.lycoris import LycorisOptions
-from dreamstep.config.schema import option, refuse_unused
+from dreamstep.config.schema import RANK_BOUNDS, option, refuse_unused
 from dreamstep.errors import UserError
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class LoraOptions:
     adapter types are their own group (:class:`LycorisTypeOptions`): a trainer that has not built them has not
     got their flags."""
 
-    rank: int = option(4, "LoRA rank", bounds="[1, inf)", kw_only=True)
+    rank: int = option(4, "LoRA rank", bounds=RANK_BOUNDS, kw_only=True)
     lora_alpha: Optional[float] = option(None, "LoRA alpha (default: the rank, i.e. scale 1)", bounds="(0, inf)",
                                          kw_only=True)
     lora_dropout: float = option(0.0, "dropout on the LoRA branch", bounds="[0, 1)", kw_only=True)

@@ -29,6 +29,9 @@ else:  # pragma: no cover
 T = TypeVar("T")
 # What numpy's and Python's seeding accept (accelerate's set_seed seeds numpy too).
 SEED_BOUNDS = "[0, 4294967296)"
+# A LoRA rank above the widest layer of any model trained here (FLUX.2 [dev]: 6144) adapts nothing more; beyond
+# it a typo (an extra digit or two) would only fail later, out of memory.
+RANK_BOUNDS = "[1, 8192]"
 _MISSING = dataclasses.MISSING
 
 
@@ -172,11 +175,14 @@ def convert_value(value: Any, tp: Any, where: str, *, typed: bool = False) -> An
             raise UserError(f"{where}: '{value}' is not {kind}") from None
         if not math.isfinite(number):
             raise UserError(f"{where}: '{value}' is not a finite number")
+        if tp is int and abs(number) > _LARGEST_INTEGER:
+            raise UserError(f"{where}: {value} is beyond the largest integer a run can use ({_LARGEST_INTEGER})")
         return number
-    if tp is str:
-        return str(value)
-    if tp is Path:
-        return Path(value)
+    if tp in (str, Path):
+        if "\0" in str(value):
+            raise UserError(f"{where}: the value holds a NUL character (\\0), which no path or prompt can hold; "
+                            "remove it")
+        return tp(value)
     if tp is dict or typing.get_origin(tp) is dict:
         if not isinstance(value, dict):
             raise UserError(f"{where}: expected a table")
@@ -184,6 +190,7 @@ def convert_value(value: Any, tp: Any, where: str, *, typed: bool = False) -> An
     raise TypeError(f"unsupported config type {tp!r} for {where}")
 
 
+_LARGEST_INTEGER = 2**63 - 1  # torch's and numpy's int64, and SQLite's
 _SCALARS = (str, int, float, bool, Path)  # a value that is neither an array nor a table (nor a TOML date)
 
 

@@ -11,7 +11,7 @@ from dreamstep.config.evaluation import EvaluationOptions
 from dreamstep.config.lycoris import LYCORIS_MODULE, check_quantized_base, lycoris_from_network_args
 from dreamstep.config.memory import check_compile, check_quantization, check_single_file_quantization, parse_bytes
 from dreamstep.config.options import CaptionAugmentationOptions, EmaOptions, LossOptions, MaskedLossOptions
-from dreamstep.config.schema import SEED_BOUNDS, check_option_groups, option, refuse_unused
+from dreamstep.config.schema import RANK_BOUNDS, SEED_BOUNDS, check_option_groups, option, refuse_unused
 from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
 
@@ -58,7 +58,7 @@ class SDXLLoraConfig(LossOptions, CaptionAugmentationOptions, EmaOptions, Masked
                                                  "defaults: algo=lora preset=full conv_dim=network_dim factor=-1; "
                                                  "DoRA's magnitude per input column, as ComfyUI and A1111 apply "
                                                  "it, unless wd_on_output=True)")
-    network_dim: int = option(4, "LoRA rank", bounds="[1, inf)")
+    network_dim: int = option(4, "LoRA rank", bounds=RANK_BOUNDS)
     network_alpha: float = option(1.0, "LoRA alpha; the update is scaled by alpha / dim", bounds="(0, inf)")
     network_dropout: float | None = option(None, "dropout on the LoRA down projection's output", bounds="[0, 1)")
     network_args: list[str] = option([], "key=value: conv_dim, conv_alpha (LoCon), rank_dropout, module_dropout")

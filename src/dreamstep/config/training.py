@@ -18,6 +18,7 @@ from dreamstep.config.memory import check_compile, check_quantization, check_sin
 from dreamstep.config.options import EmaOptions, FluxComponentFileOptions, LossOptions
 from dreamstep.config.schema import SEED_BOUNDS, check_option_groups, config_to_toml, option, refuse_unused
 from dreamstep.errors import UserError
+from dreamstep.files import check_folder_can_be_made
 
 if TYPE_CHECKING:
     from dreamstep.diffusion.flow_matching import FlowMatchingObjective
@@ -37,7 +38,7 @@ class TrainingConfig(LossOptions, EmaOptions, EvaluationOptions):
     variant: Optional[str] = option(None, "weight file variant of the base model, e.g. fp16")
     seed: int = option(0, "seed for initialisation, data order, noise and timesteps", bounds=SEED_BOUNDS)
     resolution: int = option(512, "training resolution in pixels (images are resized and cropped to it)",
-                             bounds="[16, inf)")
+                             bounds="[16, 16384]")
     train_batch_size: int = option(1, "micro-batch size per device", bounds="[1, inf)")
     num_train_epochs: int = option(1, "epochs to train (ignored when --max_train_steps is set)", bounds="[1, inf)")
     max_train_steps: Optional[int] = option(None, "optimizer steps to train; overrides --num_train_epochs",
@@ -164,6 +165,8 @@ class TrainingConfig(LossOptions, EmaOptions, EvaluationOptions):
             raise UserError("--cpu_offload_checkpointing needs --gradient_checkpointing: it offloads the inputs "
                             "that checkpointing keeps; add --gradient_checkpointing")
         self.check_timestep_sampling()
+        if self.cache_dir is not None:
+            check_folder_can_be_made(self.cache_dir, "--cache_dir")
         check_option_groups(self)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamstep.errors import UserError
-from dreamstep.files import write_text_atomic
+from dreamstep.files import check_folder_can_be_made, write_text_atomic
 
 try:
     import fcntl
@@ -172,6 +172,7 @@ def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: Path | 
     folder = Path(output_dir)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--output_dir {folder} is a file; give a folder")
+    check_folder_can_be_made(folder, "--output_dir")
     holder = lock_holder(folder) if check_lock else None
     if holder is not None:
         raise UserError(_in_use(folder, holder))
