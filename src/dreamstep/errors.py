@@ -13,6 +13,21 @@ class UserError(Exception):
     """Bad input from the user. The CLI prints the message alone (no traceback) and exits with 2."""
 
 
+def cannot_load(flag: str, model_id: str, what: str, error: Exception, otherwise: str) -> UserError:
+    """One line for a model that would not load: a local folder is damaged (download advice would mislead), a
+    hub id is not at hand offline, or the loader's first line says why. ``otherwise`` ends the advice for a hub
+    id (``give a local folder``)."""
+    text = str(error).strip()
+    reason = text.splitlines()[0] if text else type(error).__name__
+    if Path(model_id).is_dir():
+        return UserError(f"{flag} {model_id}: cannot load the {what} from this folder ({reason}); fix or download "
+                         "the folder again, or give the hub id")
+    if any(word in text.lower() for word in ("offline", "connect", "cache")):
+        reason = "it is not in the local Hugging Face cache and the hub is offline or unreachable"
+    return UserError(f"{flag} {model_id}: cannot load the {what} ({reason}); download it once with network access "
+                     f"(unset HF_HUB_OFFLINE), or {otherwise}")
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """Return " (did you mean 'x'?)" for the closest choice, or "" when nothing is close."""
     match = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)

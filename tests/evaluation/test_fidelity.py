@@ -83,3 +83,15 @@ def test_a_missing_model_id_offline_is_one_line_naming_it() -> None:
         FidelityScorer(["dino"], dino_model="nobody/no-such-dino")
     message = str(error.value)
     assert "nobody/no-such-dino" in message and "--dino_model" in message and "\n" not in message
+    assert "network access" in message
+
+
+def test_a_damaged_model_folder_is_named_as_damaged_not_as_offline(tmp_path: Path) -> None:
+    damaged = tmp_path / "dino"
+    damaged.mkdir()
+    (damaged / "config.json").write_text("{not json")
+    with pytest.raises(UserError) as error:
+        FidelityScorer(["dino"], dino_model=str(damaged))
+    message = str(error.value)
+    assert f"--dino_model {damaged}: cannot load the evaluation model from this folder" in message
+    assert "not a valid JSON" in message and "network" not in message

@@ -31,11 +31,3 @@ def load_captioner(config: CaptionConfig) -> Captioner:
     from dreamstep.captioning.models import load_transformers_captioner
 
     return load_transformers_captioner(config)
-
-
-def unavailable_reason(error: Exception) -> str:
-    """Why a model could not be had, in words: offline and not cached, or the loader's first line."""
-    text = str(error).strip()
-    if "offline" in text.lower() or "connect" in text.lower() or "cache" in text.lower():
-        return "it is not in the local Hugging Face cache and the hub is offline or unreachable"
-    return text.splitlines()[0] if text else type(error).__name__

@@ -14,15 +14,14 @@ torchvision, so loading one fails there; the error says to install the torchvisi
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 
-from dreamstep.captioning.captioner import Captioner, unavailable_reason
+from dreamstep.captioning.captioner import Captioner
 from dreamstep.config.caption import DEFAULT_MODELS, FLORENCE_TASKS, CaptionConfig
-from dreamstep.errors import UserError, refusing_pickled_code
+from dreamstep.errors import UserError, cannot_load, refusing_pickled_code
 from dreamstep.models.precision import choose_device
 
 
@@ -57,13 +56,7 @@ def _from_pretrained(loader: Any, config: CaptionConfig, **kwargs: Any) -> Any:
                             "build (pip install torchvision from the same index as torch)") from None
         raise
     except OSError as error:
-        if Path(model_id).is_dir():
-            raise UserError(f"--model {model_id}: cannot load the {config.captioner} captioner from this folder "
-                            f"({unavailable_reason(error)}); fix or download the folder again, or give the "
-                            "hub id") from None
-        raise UserError(f"--model {model_id}: cannot load the {config.captioner} captioner "
-                        f"({unavailable_reason(error)}); download it once with network access (unset "
-                        "HF_HUB_OFFLINE), or give a local folder") from None
+        raise cannot_load("--model", model_id, f"{config.captioner} captioner", error, "give a local folder") from None
     except ValueError as error:
         if "trust_remote_code" not in str(error):
             raise

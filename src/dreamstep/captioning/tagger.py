@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from dreamstep.captioning.captioner import Captioner, unavailable_reason
+from dreamstep.captioning.captioner import Captioner
 from dreamstep.config.caption import CaptionConfig
-from dreamstep.errors import UserError
+from dreamstep.errors import UserError, cannot_load
 
 # selected_tags.csv categories (Danbooru's): 9 rating, 0 general, 4 character.
 _RATING, _GENERAL, _CHARACTER = "9", "0", "4"
@@ -46,8 +46,7 @@ def _tagger_files(config: CaptionConfig) -> tuple[Path, Path]:
     try:
         paths = [Path(hf_hub_download(model_id, name)) for name in _TAGGER_FILES]
     except (OSError, ValueError, HfHubHTTPError) as error:
-        raise UserError(f"--model {model_id}: cannot load the wd14 tagger ({unavailable_reason(error)}); "
-                        "download it once with network access (unset HF_HUB_OFFLINE), or give a local folder") from None
+        raise cannot_load("--model", model_id, "wd14 tagger", error, "give a local folder") from None
     return paths[0], paths[1]
 
 

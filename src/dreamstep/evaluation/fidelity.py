@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from dreamstep.config.evaluation import DEFAULT_CLIP_MODEL, DEFAULT_DINO_MODEL
-from dreamstep.errors import UserError, refusing_pickled_code
+from dreamstep.errors import UserError, cannot_load, refusing_pickled_code
 
 DEFAULT_MODELS = {"vit": DEFAULT_DINO_MODEL, "clip": DEFAULT_CLIP_MODEL}
 SUBJECT_METRICS = ("dino", "clip_i")
@@ -49,11 +49,8 @@ def _load(loader: Any, model_id: str, flag: str, model_type: str | None = None, 
         with refusing_pickled_code(model_id, flag):
             return loader.from_pretrained(model_id, **kwargs)
     except OSError as error:
-        offline = "it is not in the local Hugging Face cache and the hub is offline or unreachable" \
-            if "offline" in str(error).lower() or "connect" in str(error).lower() else str(error).splitlines()[0]
-        raise UserError(f"{flag} {model_id}: cannot load the evaluation model ({offline}); download it once "
-                        f"with network access, or give a local folder (dreamstep tiny-model evaluators OUT "
-                        f"writes tiny offline ones)") from None
+        raise cannot_load(flag, model_id, "evaluation model", error, "give a local folder (dreamstep tiny-model "
+                          "evaluators OUT writes tiny offline ones)") from None
 
 
 def pairwise_mean_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
