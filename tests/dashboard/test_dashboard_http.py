@@ -80,6 +80,21 @@ def test_a_run_folder_growing_while_the_server_runs_shows_the_new_steps(growing_
     assert _runs(c)["live"]["last_loss"] == pytest.approx(0.111)
 
 
+def test_damaged_values_in_a_runs_files_are_named_with_file_and_key_not_shown(tmp_path):
+    run = tmp_path / "runs" / "edited"
+    run.mkdir(parents=True)
+    (run / "run_status.json").write_text('{"state": 5, "step": "abc", "total": 1e999}')
+    (run / "config.toml").write_text('max_train_steps = "ten"\n')
+    response = client(tmp_path / "runs").get("/api/runs")
+    assert response.status_code == 200  # Infinity would not even be JSON
+    summary = _runs(client(tmp_path / "runs"))["edited"]
+    assert summary["step"] is None and summary["total"] is None and summary["state"] in ("running", "interrupted")
+    errors = "\n".join(summary["errors"])
+    for key, shown in (("state", "5"), ("step", '"abc"'), ("total", "Infinity")):
+        assert f"run_status.json: '{key}' is {shown}, not" in errors
+    assert "config.toml: 'max_train_steps' is \"ten\", not a whole number from 1" in errors
+
+
 def test_a_corrupt_or_half_written_run_shows_its_errors_and_the_other_runs_still_show(finished_run, tmp_path):
     root = tmp_path / "runs"
     copy_run(finished_run, root)

@@ -32,6 +32,7 @@ SAMPLE_DIRS = ("samples", "sample")
 SAMPLE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 LORA_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth")
 STATUS_FILE = "run_status.json"
+RUN_STATES = ("running", "finished", "failed", "interrupted")
 LOCK_FILES = (".dreamstep.lock", "dreamstep.lock", ".lock")
 STALE_AFTER_S = 300  # no new step for this long, and no live process: the run is not running
 MAX_POINTS = 2000
@@ -132,6 +133,8 @@ class Run:
         if "error" in config:
             out["errors"].append(f"config.toml: {config['error']}")
             config = {}
+        status = _checked(status, STATUS_FIELDS, self.folder / STATUS_FILE, out["errors"])
+        config = _checked(config, CONFIG_FIELDS, self.folder / "config.toml", out["errors"])
         loss = series.get("loss")
         step = status.get("step", loss.steps[-1] if loss and loss.steps else None)
         total = status.get("total") or config.get("max_train_steps")
@@ -307,6 +310,29 @@ def read_tail(path: Path, size: int) -> str:
     if end > size:
         data = data[data.find(b"\n") + 1:]
     return data.decode("utf-8", errors="replace")
+
+
+def _whole(least: int) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+# What the summary reads from each file, and what a value must be: a damaged file (edited by hand, cut short by a
+# full disk) is named with its key, not shown as if the trainer had written it.
+STATUS_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "state": (lambda v: v in RUN_STATES, f"one of {', '.join(RUN_STATES)}"),
+    "step": (_whole(0), "a whole number from 0"), "total": (_whole(1), "a whole number from 1")}
+CONFIG_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {"max_train_steps": (_whole(1), "a whole number from 1")}
+
+
+def _checked(values: dict[str, Any], fields: dict[str, tuple[Callable[[Any], bool], str]], path: Path,
+             errors: list[str]) -> dict[str, Any]:
+    """``values`` without the ones ``fields`` refuses; each refused one is an error line naming file and key."""
+    kept = dict(values)
+    for key, (valid, expected) in fields.items():
+        if key in kept and not valid(kept[key]):
+            errors.append(f"{path}: '{key}' is {json.dumps(kept.pop(key), default=str)[:60]}, not {expected}; "
+                          "the dashboard ignores it (the trainer never writes such a value: was the file edited?)")
+    return kept
 
 
 def _valid_pid(value: Any) -> int | None:
