@@ -81,6 +81,19 @@ def test_diffusers_reads_the_comfyui_and_kohya_files_as_the_diffusers_one(name: 
     np.testing.assert_allclose(_image(pipe), expected, atol=1e-5)
 
 
+def test_dreamstep_reads_its_own_comfyui_file_as_the_diffusers_one(trained: Path) -> None:
+    from dreamstep.lora.convert import read_lora
+    from dreamstep.lora.info import COMFYUI_LAYOUT_NAME, describe
+
+    comfyui, diffusers = read_lora(trained / COMFYUI_WEIGHT_NAME), read_lora(trained / LORA_WEIGHT_NAME)
+    assert comfyui.model == diffusers.model == "qwen-image" and comfyui.modules.keys() == diffusers.modules.keys()
+    for name, weights in diffusers.modules.items():
+        read = comfyui.modules[name]
+        assert torch.equal(read.down, weights.down) and torch.equal(read.up, weights.up)
+        assert read.scale == pytest.approx(weights.scale)
+    assert COMFYUI_LAYOUT_NAME in describe(str(trained / COMFYUI_WEIGHT_NAME))
+
+
 def _comfyui_key_map(model: torch.nn.Module) -> dict[str, str]:
     """ComfyUI's key map of a Qwen-Image model (``comfy/lora.py`` ``model_lora_keys_unet``): every weight
     ``diffusion_model.<module>.weight`` of the model is reachable as ``diffusion_model.<module>`` (the generic form),

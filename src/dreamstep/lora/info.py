@@ -24,6 +24,7 @@ LAYOUT_NAMES = {
     "diffusers": "diffusers/PEFT layout (lora_A/lora_B)",
     "mindspore": "MindSpore port layout (dotted diffusers names, lora_down/lora_up/alpha)",
 }
+COMFYUI_LAYOUT_NAME = "ComfyUI layout (diffusion_model.<diffusers module>, lora_down/lora_up/alpha)"
 
 
 def _group(lora: Lora, name: str) -> str:
@@ -95,6 +96,11 @@ def _describe_lycoris(lora_file: LoraFile, model: str | None, base: str | None) 
     return "\n".join(lines + _metadata_lines(lycoris.metadata))
 
 
+def _layout_name(lora: Lora, lora_file: LoraFile) -> str:
+    comfyui = lora.layout == "diffusers" and any(key.startswith("diffusion_model.") for key in lora_file.tensors)
+    return COMFYUI_LAYOUT_NAME if comfyui else LAYOUT_NAMES[lora.layout]
+
+
 def describe(path: str, model: str | None = None, base: str | None = None) -> str:
     """The ``lora info`` report for one file."""
     lora_file = read_lora_file(path)
@@ -108,7 +114,7 @@ def describe(path: str, model: str | None = None, base: str | None = None) -> st
     target = model_title(lora.model) if lora.model else "unknown (text encoders only; pass --model)"
     lines = [
         f"file:      {lora.path} ({size:,} bytes, {lora.container})",
-        f"format:    {lora.format}: {LAYOUT_NAMES[lora.layout]}",
+        f"format:    {lora.format}: {_layout_name(lora, lora_file)}",
         f"target:    {target}: {', '.join(components)}",
     ]
     if lora.model is not None:
