@@ -43,3 +43,23 @@ def test_the_released_transformer_is_the_12b_of_the_issue() -> None:
     transformer = build_on_meta(Krea2Transformer2DModel, dict(configs.TRANSFORMER))
     assert round(sum(p.numel() for p in transformer.parameters()) / 1e9, 1) == 12.8
     assert isinstance(transformer.transformer_blocks[0].attn.to_q, torch.nn.Linear)
+
+
+def test_an_attention_only_krea2_lora_is_told_from_flux1_by_its_full_size_shapes(tmp_path) -> None:
+    from dreamstep.lora.convert import read_lora
+    from dreamstep.lora.info import describe
+    from dreamstep.lora.io import write_lora_file
+    from dreamstep.models.full_size import weight_shapes
+
+    shapes = weight_shapes("krea2", None)
+    modules = [f"transformer.transformer_blocks.{i}.attn.{p}" for i in (0, 1) for p in ("to_q", "to_k", "to_v")]
+    assert all(m in weight_shapes("flux", None) for m in modules)  # FLUX.1 has these names too, 3072 wide
+    tensors = {}
+    for module in modules:
+        out_features, in_features = shapes[module]
+        tensors[f"{module}.lora_A.weight"] = torch.zeros(2, in_features)
+        tensors[f"{module}.lora_B.weight"] = torch.zeros(out_features, 2)
+    path = tmp_path / "krea2_attention.safetensors"
+    write_lora_file(path, tensors, {"format": "pt"}, "safetensors")
+    assert read_lora(path).model == "krea2"
+    assert "target:    Krea 2" in describe(str(path))

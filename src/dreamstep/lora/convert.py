@@ -39,7 +39,7 @@ from dreamstep.lora.layouts import (
 from dreamstep.lora.lycoris_files import LycorisFile, dora_as_diffusers, lycoris_readers, read_lycoris
 from dreamstep.lora.lycoris_network import is_lycoris
 from dreamstep.models.family import families, guess_family, model_title
-from dreamstep.models.full_size import weight_shapes
+from dreamstep.models.full_size import lora_shape_problem, weight_shapes
 from dreamstep.models.lora_keys import ModelKeys
 from dreamstep.models.precision import dtype_named
 
@@ -224,8 +224,8 @@ def read_lora(path: str | Path, model: str | None = None, configs: Mapping[str, 
     if guessed is not None and guessed not in families():
         raise UserError(f"{source}: module '{evidence}' is {model_title(guessed)} naming; dreamstep converts "
                         f"{' and '.join(f.title for f in families().values())} LoRAs")
-    if model is None and guessed is not None and not _names_fit(modules, layout, guessed, None):
-        guessed = _family_holding(modules, layout) or guessed
+    if model is None and guessed is not None:
+        guessed = _family_holding(modules, layout, guessed)
     if (model is not None and guessed is not None and guessed != model
             and not _names_fit(modules, layout, model, configs)):
         raise UserError(f"{source}: module '{evidence}' has no counterpart in {model_title(model)}; "
@@ -241,11 +241,22 @@ def _names_fit(modules: Mapping[str, LoraWeights], layout: str, model: str,
     return layout in ("kohya", "diffusers") and all(name in known for name in modules)
 
 
-def _family_holding(modules: Mapping[str, LoraWeights], layout: str) -> str | None:
-    """The one family whose released model has every module, when the names' hints point at another (FLUX.2's,
-    Krea 2's and Qwen-Image's diffusers names share FLUX.1's ``transformer.`` prefixes)."""
+def _family_holding(modules: Mapping[str, LoraWeights], layout: str, guessed: str) -> str:
+    """The family whose released model has every module, when the names' hints may point at another: FLUX.2's,
+    Krea 2's and Qwen-Image's diffusers names share FLUX.1's ``transformer.`` prefixes, and an attention-only LoRA
+    of Krea 2 names only layers FLUX.1 has too. Where the names fit several, the layers' full-size shapes decide
+    (Krea 2's attention is 6144 wide, FLUX.1's 3072); where they still do not, the hint stays."""
     holding = [name for name in families() if _names_fit(modules, layout, name, None)]
-    return holding[0] if len(holding) == 1 else None
+    if len(holding) > 1 and layout == "diffusers":
+        holding = [name for name in holding if _shapes_fit(modules, name)] or holding
+    if len(holding) == 1:
+        return holding[0]
+    return guessed
+
+
+def _shapes_fit(modules: Mapping[str, LoraWeights], model: str) -> bool:
+    shapes = weight_shapes(model, None)
+    return all(lora_shape_problem(name, m.down, m.up, shapes) is None for name, m in modules.items())
 
 
 def _mindspore_family() -> str:

@@ -39,7 +39,7 @@ ALPHA_SUFFIX: Final = ".alpha"
 # as 'to_out'), any other module '<module>.lora.down.weight'. diffusers still reads them, and they are the
 # only names under which ComfyUI maps SDXL attention layers.
 _LEGACY_UNET_KEY = re.compile(r"^(unet\..+?)(?:\.processor\.(to_[qkv]|to_out)_lora|\.lora)\.(down|up)\.weight$")
-_COMFYUI_KEY = re.compile(r"^diffusion_model\.(.+?)\.(?:lora_(down|up)\.weight|alpha)$")
+_COMFYUI_KEY = re.compile(r"^diffusion_model\.(.+?)\.(?:lora_(down|up|A|B)\.weight|alpha)$")
 _PEFT_UNET_KEY = re.compile(r"^(unet\..+?)(\.(to_[qkv]|to_out\.0))?\.lora_(A|B)\.weight$")
 
 
@@ -58,13 +58,14 @@ def legacy_unet_key(key: str) -> str:
 
 def peft_key(key: str) -> str:
     """A key as PEFT names it: an SDXL UNet key in diffusers' older names (the inverse of
-    :func:`legacy_unet_key`), or ComfyUI's ``diffusion_model.<diffusers module>.lora_down.weight`` (the layout
-    dreamstep writes for a model ComfyUI names as diffusers does, Qwen-Image's) as the transformer's; other
-    keys unchanged."""
+    :func:`legacy_unet_key`), or ComfyUI's ``diffusion_model.<module>.lora_down.weight`` / ``.lora_A.weight`` /
+    ``.alpha`` as the transformer's (for a model ComfyUI names as diffusers does, Qwen-Image, these are diffusers'
+    names); other keys unchanged."""
     comfyui = _COMFYUI_KEY.match(key)
     if comfyui is not None:
         module, role = comfyui.groups()
-        return f"transformer.{module}." + {"down": "lora_A.weight", "up": "lora_B.weight", None: "alpha"}[role]
+        return f"transformer.{module}." + {"down": "lora_A.weight", "A": "lora_A.weight", "up": "lora_B.weight",
+                                          "B": "lora_B.weight", None: "alpha"}[role]
     match = _LEGACY_UNET_KEY.match(key)
     if match is None:
         return key
