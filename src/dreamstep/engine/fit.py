@@ -166,6 +166,32 @@ def fit(run: Run, step: TrainStep, data: Any, *, total_steps: int, trained: Any,
         raise
 
 
+def hooks_from_options(config: Any, *, sample: Callable[[int], list[Image.Image]] | None,
+                       score: Callable[[int, list[Image.Image]], Mapping[str, float]] | None, ema: Any | None,
+                       **more: Any) -> RunHooks:
+    """The hooks the trainers set from their shared options: a validation point every ``validation_steps`` (and
+    one before training when there are scores, their baseline), a checkpoint every ``checkpointing_steps``
+    keeping ``checkpoints_total_limit``, validating with the EMA's weights under ``ema_validation``; ``more``:
+    any other :class:`RunHooks` field."""
+    from dreamstep.engine.ema import validation_weights  # diffusers' EMA: imported by the trainers that run
+
+    return RunHooks(sample=sample, score=score, sample_every=Every(config.validation_steps or None),
+                    sample_first=score is not None, checkpoint_every=Every(config.checkpointing_steps or None),
+                    checkpoints_total_limit=config.checkpoints_total_limit,
+                    validation_weights=validation_weights(ema, config.ema_validation), **more)
+
+
+def fit_from_options(run: Run, step: TrainStep, data: Any, config: Any, *, total_steps: int, trained: Any,
+                     ema: Any | None, hooks: RunHooks) -> TrainingResult:
+    """:func:`fit` with the trainers' shared options (``on_nonfinite_loss``, ``max_skipped_steps_fraction``,
+    ``logging_steps``), training ``trained`` and checkpointing it with its EMA."""
+    from dreamstep.engine.ema import with_average
+
+    return fit(run, step, data, total_steps=total_steps, trained=with_average(trained, ema), hooks=hooks,
+               on_nonfinite_loss=config.on_nonfinite_loss,
+               max_skipped_steps_fraction=config.max_skipped_steps_fraction, logging_steps=config.logging_steps)
+
+
 def _open_output(run: Run) -> None:
     if run.is_main_process:
         try:

@@ -43,9 +43,8 @@ from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import load_rgb
 from dreamstep.data.sources import paired_datasets
 from dreamstep.engine.bf16_adamw import StochasticRoundingAdamW
-from dreamstep.engine.ema import validation_weights, weight_average, with_average
-from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
-from dreamstep.engine.loop import Every
+from dreamstep.engine.ema import weight_average
+from dreamstep.engine.fit import FinishedRun, finish, fit_from_options, hooks_from_options
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
@@ -217,15 +216,11 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
                    for image in images]
         return evaluator([s[0] for s in samples], [s[1] for s in samples], controls=[s[2] for s in samples])
 
-    hooks = RunHooks(sample=sample if validation else None, score=score if evaluator is not None else None,
-                     sample_every=Every(config.validation_steps or None), sample_first=evaluator is not None,
-                     sample_on_every_process=sharded, checkpoint_every=Every(config.checkpointing_steps or None),
-                     checkpoints_total_limit=config.checkpoints_total_limit,
-                     validation_weights=validation_weights(ema, config.ema_validation))
-    result = fit(run, step, batches, total_steps=plan.total_steps, trained=with_average(FullState(controlnet), ema),
-                 hooks=hooks,
-                 on_nonfinite_loss=config.on_nonfinite_loss,
-                 max_skipped_steps_fraction=config.max_skipped_steps_fraction, logging_steps=config.logging_steps)
+    hooks = hooks_from_options(config, sample=sample if validation else None,
+                               score=score if evaluator is not None else None, ema=ema,
+                               sample_on_every_process=sharded)
+    result = fit_from_options(run, step, batches, config, total_steps=plan.total_steps,
+                              trained=FullState(controlnet), ema=ema, hooks=hooks)
 
     # 7. Save: the save_pretrained layout, final samples and scores, loss curve, summary.
     written = {}

@@ -37,9 +37,8 @@ from dreamstep.data.dataset_config import DatasetConfig, describe_datasets
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import IMAGE_EXTENSIONS
 from dreamstep.data.sources import dreambooth_datasets
-from dreamstep.engine.ema import validation_weights, weight_average, with_average
-from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
-from dreamstep.engine.loop import Every
+from dreamstep.engine.ema import weight_average
+from dreamstep.engine.fit import FinishedRun, finish, fit_from_options, hooks_from_options
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
@@ -258,15 +257,11 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
         with encoders.on_device("vae"), evaluating(adapters):
             return _validation_images(config, pipeline, first_datasets[0].buckets.resolution, embeddings)
 
-    hooks = RunHooks(sample=sample if prompts else None,
-                     score=(lambda _, images: evaluator(images, prompts)) if evaluator is not None else None,
-                     sample_every=Every(config.validation_steps or None), sample_first=evaluator is not None,
-                     checkpoint_every=Every(config.checkpointing_steps or None),
-                     checkpoints_total_limit=config.checkpoints_total_limit,
-                     validation_weights=validation_weights(ema, config.ema_validation))
-    result = fit(run, step, batches, total_steps=plan.total_steps, trained=with_average(trained, ema), hooks=hooks,
-                 on_nonfinite_loss=config.on_nonfinite_loss,
-                 max_skipped_steps_fraction=config.max_skipped_steps_fraction, logging_steps=config.logging_steps)
+    hooks = hooks_from_options(config, sample=sample if prompts else None,
+                               score=(lambda _, images: evaluator(images, prompts)) if evaluator is not None else None,
+                               ema=ema)
+    result = fit_from_options(run, step, batches, config, total_steps=plan.total_steps,
+                              trained=trained, ema=ema, hooks=hooks)
 
     # 8. Save: diffusers layout (+ sd-scripts names), final samples and scores, loss curve, summary.
     written = {}

@@ -28,9 +28,7 @@ from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets
-from dreamstep.engine.ema import validation_weights, with_average
-from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
-from dreamstep.engine.loop import Every
+from dreamstep.engine.fit import FinishedRun, finish, fit_from_options, hooks_from_options
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
@@ -162,16 +160,12 @@ def train(config: QwenImageEditLoraConfig) -> FinishedRun | None:
             return validation_images(config, pipeline, datasets[0].buckets.resolution, embeddings,
                                      image=[reference])
 
-    hooks = RunHooks(sample=sample if prompts else None,
-                     score=(lambda _, images: evaluator(images, prompts)) if evaluator is not None else None,
-                     sample_every=Every(config.validation_steps or None), sample_first=evaluator is not None,
-                     checkpoint_every=Every(config.checkpointing_steps or None),
-                     checkpoints_total_limit=config.checkpoints_total_limit,
-                     validation_weights=validation_weights(ema, config.ema_validation))
-    result = fit(run, step, ConditionedBatches(loader, conditioner), total_steps=plan.total_steps,
-                 trained=with_average(TrainableState({"transformer": transformer}), ema), hooks=hooks,
-                 on_nonfinite_loss=config.on_nonfinite_loss,
-                 max_skipped_steps_fraction=config.max_skipped_steps_fraction, logging_steps=config.logging_steps)
+    hooks = hooks_from_options(config, sample=sample if prompts else None,
+                               score=(lambda _, images: evaluator(images, prompts)) if evaluator is not None else None,
+                               ema=ema)
+    result = fit_from_options(run, step, ConditionedBatches(loader, conditioner), config,
+                              total_steps=plan.total_steps,
+                              trained=TrainableState({"transformer": transformer}), ema=ema, hooks=hooks)
 
     # 5. Save: diffusers' layout and ComfyUI's (and Kohya's, the EMA's).
     written = save_loras(config, transformer, ema) if run.is_main_process else {}

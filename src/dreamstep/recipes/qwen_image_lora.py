@@ -33,10 +33,8 @@ from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import IMAGE_EXTENSIONS
 from dreamstep.data.sources import dreambooth_datasets
-from dreamstep.engine.ema import validation_weights, with_average
-from dreamstep.engine.fit import FinishedRun, RunHooks, finish, fit
+from dreamstep.engine.fit import FinishedRun, finish, fit_from_options, hooks_from_options
 from dreamstep.engine.logging import say_before_the_run
-from dreamstep.engine.loop import Every
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
@@ -189,16 +187,12 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
         with encoders.on_device("vae"):
             return validation_images(config, pipeline, datasets[0].buckets.resolution, embeddings)
 
-    hooks = RunHooks(sample=sample if prompts else None,
-                     score=(lambda _, images: evaluator(images, prompts)) if evaluator is not None else None,
-                     sample_every=Every(config.validation_steps or None), sample_first=evaluator is not None,
-                     checkpoint_every=Every(config.checkpointing_steps or None),
-                     checkpoints_total_limit=config.checkpoints_total_limit,
-                     validation_weights=validation_weights(ema, config.ema_validation))
+    hooks = hooks_from_options(config, sample=sample if prompts else None,
+                               score=(lambda _, images: evaluator(images, prompts)) if evaluator is not None else None,
+                               ema=ema)
     trained = TrainableState({"transformer": transformer})
-    result = fit(run, step, batches, total_steps=plan.total_steps, trained=with_average(trained, ema), hooks=hooks,
-                 on_nonfinite_loss=config.on_nonfinite_loss,
-                 max_skipped_steps_fraction=config.max_skipped_steps_fraction, logging_steps=config.logging_steps)
+    result = fit_from_options(run, step, batches, config, total_steps=plan.total_steps,
+                              trained=trained, ema=ema, hooks=hooks)
 
     # 6. Save: diffusers' layout and ComfyUI's (and Kohya's, the EMA's), final samples and scores, the loss curve.
     written = save_loras(config, transformer, ema) if run.is_main_process else {}
