@@ -141,3 +141,23 @@ def test_plan_command_prices_class_images_and_refuses_a_negative_batch(
     assert "class images" not in capsys.readouterr().out
     assert main([*common, "--class_images_batch", "-1"]) != 0
     assert "--class_images_batch -1: must be 0" in capsys.readouterr().err
+
+
+def test_class_images_from_the_prompts_embeddings_are_the_whole_pipelines(tiny_flux_dev_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """Made from the class prompt's embeddings (the text encoders then off the device), batch by batch: the images
+    the whole pipeline makes from the prompt, seed for seed."""
+    import numpy as np
+    from PIL import Image
+
+    pipeline = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    pipeline.set_progress_bar_config(disable=True)
+    embeddings = flux.encode_prompts(pipeline, ["a photo of a dog"], max_sequence_length=512)
+    common = dict(batch_size=2, resolution=32, seed=3, guidance_scale=3.5, steps=2)
+    assert flux.generate_class_images(pipeline, tmp_path / "embedded", "a photo of a dog", 3, embeddings=embeddings,
+                                      **common) == 3
+    assert flux.generate_class_images(pipeline, tmp_path / "prompted", "a photo of a dog", 3, **common) == 3
+    for name in ("class-00000.png", "class-00001.png", "class-00002.png"):
+        made, expected = (np.asarray(Image.open(tmp_path / kind / name), dtype=np.int16)
+                          for kind in ("embedded", "prompted"))
+        assert np.abs(made - expected).max() <= 1 and made.std() > 0
