@@ -4,6 +4,7 @@ blocks out, the text encoders in host memory), and the generation's peak on the 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from dreamstep.models import memory_plan as mp
 from dreamstep.models import quantization
 from dreamstep.models.class_images import fill_class_folder, missing_class_images
 from dreamstep.models.flux import plumbing as flux
-from dreamstep.models.plans import Estimator
+from dreamstep.models.plans import Estimator, plan_report
 
 BATCH = 2
 small_flux = test_plan_phases.small_flux  # the fixture: FLUX.1's blocks at a quarter of its width
@@ -51,6 +52,11 @@ def test_the_verdict_counts_the_class_images_phase(tiny_flux_dev_dir: Path) -> N
     assert mp.fits(_plan(tiny_flux_dev_dir, class_images_batch=0), rest + mp.RESERVE_BYTES)
     assert not mp.fits(plan, rest + mp.RESERVE_BYTES)
     assert mp.fits(plan, phase.device_total + mp.RESERVE_BYTES)
+    report = plan_report(Estimator("flux", str(tiny_flux_dev_dir), rank=4, device_type="cpu"), plan.options,
+                         rest + mp.RESERVE_BYTES)
+    assert "does NOT fit" in report and "the class images are the busiest phase" in report
+    assert "busiest phase" not in plan_report(Estimator("flux", str(tiny_flux_dev_dir), rank=4, device_type="cpu"),
+                                              replace(plan.options, class_images_batch=1), rest + mp.RESERVE_BYTES)
 
 
 @pytest.mark.parametrize("mode", ["none", "int8"])

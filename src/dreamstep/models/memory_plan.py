@@ -1,5 +1,6 @@
-"""The memory plan: the peak device and host memory of each phase of a training run (encode images, encode text,
-load, train, validate: :mod:`dreamstep.models.phases`), estimated before any weight loads.
+"""The memory plan: the peak device and host memory of each phase of a training run (class images with prior
+preservation, encode images, encode text, load, train, validate: :mod:`dreamstep.models.phases`), estimated before any
+weight loads.
 
 Weights: each component is built on the meta device from its config (the model folder's, or the published
 FLUX.1-dev / SDXL configs), so parameters are counted exactly without memory; linear weights are priced

@@ -5,7 +5,7 @@ built from the model folder's configs on the meta device by the family's own mem
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -271,6 +271,10 @@ def plan_report(estimator: Estimator, options: PlanOptions, device_memory: int |
     plan = estimator(options)
     text = mp.format_plan(plan, device_memory, measured)
     if device_memory is not None and not mp.fits(plan, device_memory):
+        if options.class_images_batch > 1 and plan.phase(CLASS_IMAGES).device_total == plan.total:
+            text += ("\n  the class images are the busiest phase: fewer at a time (--sample_batch_size) need less; "
+                     "one at a time: " + mp._size(estimator(replace(options, class_images_batch=1)).phase(
+                         CLASS_IMAGES).device_total).strip())
         text += "\n" + mp.suggestion_lines(options_that_fit(estimator, options, device_memory))
     return text
 
