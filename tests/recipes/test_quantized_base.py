@@ -58,10 +58,12 @@ def test_lora_on_a_quantized_base_learns_and_loads_on_the_unquantized_base(
 def test_base_loads_quantized_and_resume_is_exact(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
     from torchao.utils import TorchAOBaseTensor
 
-    base = flux.load_frozen_for_training(str(tiny_flux_dev_dir), revision=None, variant=None,
-                                         transformer_single_file=None, mixed_precision="no",
-                                         device=torch.device("cpu"), base_quantization="int8",
-                                         text_encoder_quantization="int8")
+    base = flux.load_encoders_for_training(str(tiny_flux_dev_dir), revision=None, variant=None,
+                                           mixed_precision="no", device=torch.device("cpu"),
+                                           text_encoder_quantization="int8")
+    flux.load_transformer_for_training(base, str(tiny_flux_dev_dir), revision=None, variant=None,
+                                       transformer_single_file=None, mixed_precision="no",
+                                       device=torch.device("cpu"), base_quantization="int8")
     assert isinstance(base.transformer.transformer_blocks[0].attn.to_q.weight, TorchAOBaseTensor)
     assert isinstance(base.text_encoder_2.encoder.block[0].layer[0].SelfAttention.q.weight, TorchAOBaseTensor)
 

@@ -263,24 +263,6 @@ def generate(pipeline: FluxPipeline, prompts: list[str], *, seed: int, steps: in
     return images
 
 
-def load_frozen_for_training(source: str | None, *, revision: str | None, variant: str | None,
-                             transformer_single_file: str | Path | None, mixed_precision: str,
-                             device: torch.device, base_quantization: str = "none",
-                             text_encoder_quantization: str = "none", transformer_on_host: bool = False,
-                             files: FluxFiles | None = None) -> Any:
-    """The whole base model frozen, the encoders on ``device`` (for class images, which need the whole pipeline):
-    :func:`load_encoders_for_training` then :func:`load_transformer_for_training`."""
-    components = load_encoders_for_training(source, revision=revision, variant=variant,
-                                            mixed_precision=mixed_precision, device=device,
-                                            text_encoder_quantization=text_encoder_quantization, files=files)
-    for name in ENCODERS:
-        parking.place(getattr(components, name), device)
-    load_transformer_for_training(components, source, revision=revision, variant=variant,
-                                  transformer_single_file=transformer_single_file, mixed_precision=mixed_precision,
-                                  device=device, base_quantization=base_quantization, on_host=transformer_on_host)
-    return components
-
-
 def load_encoders_for_training(source: str | None, *, revision: str | None, variant: str | None,
                                mixed_precision: str, device: torch.device, text_encoder_quantization: str = "none",
                                files: FluxFiles | None = None) -> Any:
