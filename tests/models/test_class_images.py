@@ -21,6 +21,7 @@ from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.plans import Estimator, plan_report
 
 BATCH = 2
+ROBOT_DIR = Path(__file__).parents[2] / "examples" / "robot"
 small_flux = test_plan_phases.small_flux  # the fixture: FLUX.1's blocks at a quarter of its width
 
 
@@ -167,3 +168,31 @@ def test_class_images_from_the_prompts_embeddings_are_the_whole_pipelines(tiny_f
         made, expected = (np.asarray(Image.open(tmp_path / kind / name), dtype=np.int16)
                           for kind in ("embedded", "prompted"))
         assert np.abs(made - expected).max() <= 1 and made.std() > 0
+
+
+def test_the_trainers_plan_the_phase_while_class_images_are_missing(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    """flux-lora and flux2-lora plan the phase at --sample_batch_size while the class folder lacks images, and not
+    once it holds --num_class_images."""
+    from PIL import Image
+
+    from dreamstep.config.flux2_lora import Flux2LoraConfig
+    from dreamstep.config.flux_lora import FluxLoraConfig
+    from dreamstep.config.schema import build_config
+    from dreamstep.models.tiny import write_tiny_model
+    from dreamstep.recipes import flux2_lora, flux_lora
+
+    class_dir = tmp_path / "class"
+    common = {"output_dir": str(tmp_path / "out"), "instance_data_dir": str(ROBOT_DIR), "instance_prompt": "a robot",
+              "resolution": "32", "with_prior_preservation": "true", "class_data_dir": str(class_dir),
+              "class_prompt": "a robot", "num_class_images": "2", "sample_batch_size": "3"}
+    runs = [(flux_lora, build_config(FluxLoraConfig, {**common, "pretrained_model_name_or_path":
+                                                      str(tiny_flux_dev_dir)})),
+            (flux2_lora, build_config(Flux2LoraConfig, {**common, "pretrained_model_name_or_path": str(
+                write_tiny_model("flux2-klein", tmp_path / "klein", seed=0))}))]
+    for recipe, config in runs:
+        assert recipe.plan_inputs(config, recipe.training_datasets(config), False).options.class_images_batch == 3
+    class_dir.mkdir()
+    for i in range(2):
+        Image.new("RGB", (32, 32)).save(class_dir / f"{i}.png")
+    for recipe, config in runs:
+        assert recipe.plan_inputs(config, recipe.training_datasets(config), False).options.class_images_batch == 0
