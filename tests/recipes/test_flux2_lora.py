@@ -222,3 +222,29 @@ def test_an_int8_base_and_encoder_with_block_swap_train(klein_dir: Path, tmp_pat
     assert len(result.result.losses) == 3 and torch.isfinite(torch.tensor(result.result.losses)).all()
     tensors = load_file(tmp_path / "out" / "pytorch_lora_weights.safetensors")
     assert any(v.abs().sum() > 0 for k, v in tensors.items() if "lora_B" in k)
+
+
+def test_class_images_made_within_the_plan_are_the_whole_pipelines(klein_dir: Path, tmp_path: Path) -> None:
+    """From the class and empty negative prompts' embeddings (the base [klein]'s guidance), with the text encoder off
+    the device: the images the whole pipeline makes from the class prompt, seed for seed."""
+    from dreamstep.config.flux2_lora import Flux2LoraConfig
+    from dreamstep.config.schema import build_config
+    from dreamstep.recipes.flux2_lora import _generate_class_images
+
+    classes = tmp_path / "class"
+    config = build_config(Flux2LoraConfig, {
+        "pretrained_model_name_or_path": str(klein_dir), "output_dir": str(tmp_path / "out"),
+        "instance_data_dir": str(ROBOT_DIR), "instance_prompt": ROBOT_PROMPT, "resolution": "32",
+        "max_sequence_length": "64", "with_prior_preservation": "true", "class_data_dir": str(classes),
+        "class_prompt": "a photo of robot", "num_class_images": "3", "sample_batch_size": "2", "seed": "5"})
+    _generate_class_images(config, torch.device("cpu"))
+    pipe = Flux2KleinPipeline.from_pretrained(klein_dir)
+    assert config.guidance_scale > 1 and not pipe.config.is_distilled  # classifier-free guidance: the negative runs
+    steps = 50  # the base's own (models.flux2.generation.BASE_SAMPLING)
+    for first, count in ((0, 2), (2, 1)):
+        expected = pipe(prompt=["a photo of robot"] * count, height=32, width=32, num_inference_steps=steps,
+                        guidance_scale=config.guidance_scale, max_sequence_length=64,
+                        generator=torch.Generator("cpu").manual_seed(5 + first), output_type="np").images
+        for i, image in enumerate(expected):
+            made = np.asarray(Image.open(classes / f"class-{first + i:05d}.png"), dtype=np.float32) / 255
+            assert np.abs(made - image).max() <= 1 / 255 + 1e-6

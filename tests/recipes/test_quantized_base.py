@@ -17,7 +17,9 @@ from sdxl_testkit import write_method
 
 from dreamstep.config import memory, sdxl_lora, training
 from dreamstep.errors import UserError
+from dreamstep.models import class_images as class_images_module
 from dreamstep.models import parking
+from dreamstep.models.class_images import encode_class_prompt
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.flux.controlnet import meta_builder
 from dreamstep.models.loading import load_flux_transformer, load_sdxl_unet
@@ -56,10 +58,12 @@ def test_lora_on_a_quantized_base_learns_and_loads_on_the_unquantized_base(
 def test_base_loads_quantized_and_resume_is_exact(tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
     from torchao.utils import TorchAOBaseTensor
 
-    base = flux.load_frozen_for_training(str(tiny_flux_dev_dir), revision=None, variant=None,
-                                         transformer_single_file=None, mixed_precision="no",
-                                         device=torch.device("cpu"), base_quantization="int8",
-                                         text_encoder_quantization="int8")
+    base = flux.load_encoders_for_training(str(tiny_flux_dev_dir), revision=None, variant=None,
+                                           mixed_precision="no", device=torch.device("cpu"),
+                                           text_encoder_quantization="int8")
+    flux.load_transformer_for_training(base, str(tiny_flux_dev_dir), revision=None, variant=None,
+                                       transformer_single_file=None, mixed_precision="no",
+                                       device=torch.device("cpu"), base_quantization="int8")
     assert isinstance(base.transformer.transformer_blocks[0].attn.to_q.weight, TorchAOBaseTensor)
     assert isinstance(base.text_encoder_2.encoder.block[0].layer[0].SelfAttention.q.weight, TorchAOBaseTensor)
 
@@ -84,14 +88,16 @@ def _on_device(components: dict[str, torch.nn.Module | None]) -> tuple[str, ...]
 
 
 # Per family: the models module, the name of its base and the functions that load the encoders, load the base and
-# make validation images (sample images for SDXL).
-WATCHED = {"flux": (flux, "transformer", "load_encoders_for_training", "load_transformer_for_training", "generate"),
-           "sdxl": (sdxl, "unet", "load_encoders_for_training", "load_unet_for_training", "generate_samples")}
+# make validation images (sample images for SDXL), and class images (None: the family's trainers make none).
+WATCHED = {"flux": (flux, "transformer", "load_encoders_for_training", "load_transformer_for_training", "generate",
+                    "generate_class_images"),
+           "sdxl": (sdxl, "unet", "load_encoders_for_training", "load_unet_for_training", "generate_samples", None)}
 
 
 def _watch_phases(monkeypatch: pytest.MonkeyPatch, family: str = "flux") -> dict[str, set[tuple[str, ...]]]:
     """Record, in a trainer run of ``family`` in this process, which components are on the device when captions and
-    images are encoded, at each training step, while validation images are made, and at the validation loss."""
+    images are encoded, at each training step, while validation images are made, and at the validation loss; and,
+    with class images to make, when the class prompt is encoded ("class prompt") and while they are made."""
     # Parked modules go to the meta device here (host memory stands in by a copy of their weights, which
     # brings them back): any use of a parked module fails, and where each module's weights are shows, at each
     # moment recorded, what was on the device.
@@ -114,10 +120,10 @@ def _watch_phases(monkeypatch: pytest.MonkeyPatch, family: str = "flux") -> dict
     seen: dict[str, set[tuple[str, ...]]] = {"encode images": set(), "encode text": set(), "train": set(),
                                              "validate": set(), "loss": set()}
     parts: dict[str, torch.nn.Module | None] = {}
-    models, base_name, *names = WATCHED[family]
+    models, base_name, *names, class_images = WATCHED[family]
     load_encoders, load_base, generate = (getattr(models, name) for name in names)
     fills = {"encode images": parking.fill_latents, "encode text": parking.fill_texts}
-    generating = False
+    making: str | None = None  # "validate" or "class images" while they are made
 
     def encoders_and_watch(*args, **kwargs):
         components = load_encoders(*args, **kwargs)
@@ -136,18 +142,31 @@ def _watch_phases(monkeypatch: pytest.MonkeyPatch, family: str = "flux") -> dict
         parts[base_name] = base
 
         def record(module, inputs):
-            phase = "train" if torch.is_grad_enabled() else "validate" if generating else "loss"
-            seen[phase].add(_on_device(parts))
+            phase = "train" if torch.is_grad_enabled() else making or "loss"
+            seen.setdefault(phase, set()).add(_on_device(parts))
         base.register_forward_pre_hook(record)
         return base
 
-    def generate_and_watch(*args, **kwargs):
-        nonlocal generating
-        generating = True
-        try:
-            return generate(*args, **kwargs)
-        finally:
-            generating = False
+    def making_and_watch(what: str, make):
+        def watched(*args, **kwargs):
+            nonlocal making
+            making = what
+            try:
+                return make(*args, **kwargs)
+            finally:
+                making = None
+        return watched
+
+    def prompt_and_watch(components, device, text_encoders, encode):
+        def watched():
+            seen.setdefault("class prompt", set()).add(_on_device(parts))
+            return encode()
+        return encode_class_prompt(components, device, text_encoders, watched)
+
+    generate_and_watch = making_and_watch("validate", generate)
+    if class_images is not None:
+        monkeypatch.setattr(models, class_images, making_and_watch("class images", getattr(models, class_images)))
+        monkeypatch.setattr(class_images_module, "encode_class_prompt", prompt_and_watch)
 
     monkeypatch.setattr(parking, "move", move)
     monkeypatch.setattr(parking, "fill_latents", fill_and_watch("encode images"))
@@ -182,6 +201,33 @@ def test_each_phase_has_only_its_components_on_the_device(mode: str, tiny_flux_d
     assert recorded == PHASES_IN_SD_SCRIPTS_ORDER
     _assert_the_plan_prices(recorded, Estimator("flux", str(tiny_flux_dev_dir), rank=4, device_type="cpu"),
                             resolution=32, base_quantization=mode)
+
+
+@pytest.mark.parametrize("mode, swapped", [("none", 0), ("int8", 2)])
+def test_class_images_are_made_in_the_phase_the_plan_prices(mode: str, swapped: int, tiny_flux_dev_dir: Path,
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prior preservation with an empty class folder: the class prompt is encoded with only the text encoders on the
+    device, then the transformer, quantized and swapped as the run trains it, makes the class images beside the VAE
+    alone; the run then trains in its usual phases, and the plan has the class images phase with those
+    components."""
+    seen = _watch_phases(monkeypatch)
+    class_dir = tmp_path / "class"
+    assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir,
+                   "--output_dir", tmp_path / "out", *ARGS, "--max_train_steps", "2", "--base_quantization", mode,
+                   "--blocks_to_swap", str(swapped), "--gradient_checkpointing", "--with_prior_preservation",
+                   "--class_data_dir", class_dir, "--class_prompt", "a photo of a robot", "--num_class_images", "3",
+                   "--sample_batch_size", "2") == 0
+    assert len(list(class_dir.glob("class-*.png"))) == 3
+    recorded = _recorded_once({phase: found for phase, found in seen.items() if found})  # no validation here
+    assert recorded == {"class prompt": ("text_encoder", "text_encoder_2"), "class images": ("transformer", "vae"),
+                        **{phase: PHASES_IN_SD_SCRIPTS_ORDER[phase] for phase in ("encode images", "encode text",
+                                                                                   "train")}}
+    plan = Estimator("flux", str(tiny_flux_dev_dir), rank=4, device_type="cpu")(PlanOptions(
+        resolution=32, rank=4, base_quantization=mode, blocks_to_swap=swapped, class_images_batch=2))
+    assert plan.phase("class images").resident == recorded["class images"]
+    assert plan.phase("encode text").resident == recorded["class prompt"]
+    if swapped:
+        assert any(f"{swapped} swapped blocks" in line.what for line in plan.phase("class images").host)
 
 
 def _assert_the_plan_prices(recorded: dict, estimator: Estimator, **options) -> None:

@@ -48,6 +48,9 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
     parser.add_argument("--no_validation_images", action="store_true",
                         help="validation computes only the validation loss (the VAE stays in host memory)")
     parser.add_argument("--blocks_to_swap", type=int, default=0)
+    parser.add_argument("--class_images_batch", type=int, default=0,
+                        help="prior preservation with class images to generate, this many at a time (the trainers' "
+                             "--sample_batch_size): the plan adds their phase (default 0: none to generate)")
     parser.add_argument("--optimizer", default="AdamW", choices=tuple(OPTIMIZER_STATE_BYTES))
     parser.add_argument("--max_sequence_length", type=int, default=512, help="T5 tokens (FLUX)")
     parser.add_argument("--device_memory", default=None, help="the card's memory, e.g. 12GB (default: detected)")
@@ -63,6 +66,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     for flag, value in (("--train_batch_size", args.train_batch_size), ("--rank", args.rank)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be at least 1")
+    if args.class_images_batch < 0:
+        raise UserError(f"--class_images_batch {args.class_images_batch}: must be 0 (no class images to generate) "
+                        "or more")
     if not 1 <= args.max_sequence_length <= MAX_T5_TOKENS:  # refused for any model: no silent acceptance
         raise UserError(f"--max_sequence_length {args.max_sequence_length}: T5 reads 1 to {MAX_T5_TOKENS} tokens")
     if args.blocks_to_swap and args.no_gradient_checkpointing:
@@ -159,6 +165,7 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
                           encoders_on_device=args.encoders_on_device, blocks_to_swap=args.blocks_to_swap,
                           optimizer=args.optimizer, max_sequence_length=args.max_sequence_length,
                           validation_images=not args.no_validation_images,
+                          class_images_batch=args.class_images_batch,
                           image_token_multiplier=variant_family(args.model).variants[args.model])
     estimator = Estimator(variant_family(args.model).name, source, args.rank, lora_layers=args.lora_layers,
                           variant=args.model)

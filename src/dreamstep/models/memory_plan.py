@@ -1,5 +1,6 @@
-"""The memory plan: the peak device and host memory of each phase of a training run (encode images, encode text,
-load, train, validate: :mod:`dreamstep.models.phases`), estimated before any weight loads.
+"""The memory plan: the peak device and host memory of each phase of a training run (class images with prior
+preservation, encode images, encode text, load, train, validate: :mod:`dreamstep.models.phases`), estimated before any
+weight loads.
 
 Weights: each component is built on the meta device from its config (the model folder's, or the published
 FLUX.1-dev / SDXL configs), so parameters are counted exactly without memory; linear weights are priced
@@ -242,7 +243,9 @@ class PlanOptions:
     the validation loss; ``image_token_multiplier``: how many images' tokens the FLUX transformer reads per
     sample (2 for a model that reads a condition image's tokens beside the target's); ``t5_trains``: FLUX's T5
     runs in the loop too (flux-kohya's ``train_t5xxl``); ``sd_scripts_swap``: ``blocks_to_swap`` counts as
-    sd-scripts' FLUX flag does (flux-kohya; :func:`dreamstep.models.blocks.swapped_blocks`)."""
+    sd-scripts' FLUX flag does (flux-kohya; :func:`dreamstep.models.blocks.swapped_blocks`); ``class_images_batch``:
+    prior preservation makes class images this many at a time (the pipeline's batch) before the run, in a phase of
+    their own; 0: none to make."""
 
     resolution: int = 1024
     batch_size: int = 1
@@ -260,6 +263,7 @@ class PlanOptions:
     max_sequence_length: int = 512
     validation_images: bool = True
     image_token_multiplier: int = 1
+    class_images_batch: int = 0
 
 
 @dataclass

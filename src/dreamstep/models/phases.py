@@ -14,6 +14,11 @@
 5. ``validate``: what trains, plus the VAE when validation makes images (their prompts' embeddings were
    encoded in phase 1); the validation loss brings nothing back.
 
+With prior preservation and class images still to make, a ``class images`` phase comes first: the class prompt is
+encoded with the text encoders on the device (as in ``encode text``), which then wait in host memory while the
+transformer / UNet, loaded as the run trains it (quantized, its ``--blocks_to_swap`` blocks swapped), denoises
+beside the VAE (:mod:`dreamstep.models.class_images`); everything is dropped before the run's own phases.
+
 The trainers place their modules by :func:`resident_components`, and the memory plan prices each phase by it.
 """
 
@@ -22,8 +27,14 @@ from __future__ import annotations
 from dreamstep.models.family import ModelFamily
 
 PHASES = ("encode images", "encode text", "load", "train", "validate")
+CLASS_IMAGES = "class images"
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 ENCODERS = (*TEXT_ENCODERS, "vae")
+
+
+def run_phases(class_images: bool) -> tuple[str, ...]:
+    """The phases of a run, in order; ``class_images``: prior preservation with class images to generate."""
+    return ((CLASS_IMAGES,) if class_images else ()) + PHASES
 
 
 def loop_encoders(family: ModelFamily, *, text_encoders_train: bool, vae_in_the_loop: bool,
@@ -41,6 +52,8 @@ def resident_components(base: str, phase: str, *, in_the_loop: tuple[str, ...], 
     text_encoder, text_encoder_2, vae); ``in_the_loop`` from :func:`loop_encoders`."""
     if phase == "encode images":
         return ("vae",)
+    if phase == CLASS_IMAGES:
+        return (base, "vae")
     if phase == "encode text":
         return TEXT_ENCODERS
     if phase == "load":

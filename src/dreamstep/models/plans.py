@@ -5,7 +5,7 @@ built from the model folder's configs on the meta device by the family's own mem
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -19,7 +19,7 @@ from dreamstep.models import memory_plan as mp
 from dreamstep.models.blocks import HostCheckpointing, most_blocks_to_swap
 from dreamstep.models.family import get_family
 from dreamstep.models.memory_plan import Line, MemoryPlan, Phase, PlanOptions
-from dreamstep.models.phases import PHASES, loop_encoders, resident_components
+from dreamstep.models.phases import CLASS_IMAGES, loop_encoders, resident_components, run_phases
 from dreamstep.models.plan_cache import module_fingerprint, remembered
 from dreamstep.models.vae import encode_posterior
 
@@ -209,6 +209,8 @@ class Estimator:
                       for n in encoders if n in resident}
             name, peak = max(passes.items(), key=lambda item: item[1])
             return Phase(phase, resident, device + [Line(f"the largest pass: {name}", 0, "", peak)], host)
+        if phase == CLASS_IMAGES:
+            return self._class_images_phase(options, base, device, host, half)
         if phase == "load":
             # The base loads into host memory and then moves, except a 4-bit base that is not swapped: diffusers'
             # bitsandbytes loader quantizes it on the device.
@@ -237,9 +239,26 @@ class Estimator:
         name, peak = max(passes.items(), key=lambda item: item[1])
         return Phase(phase, resident, device + [Line(f"the largest pass: {name}", 0, "", peak)], host)
 
+    def _class_images_phase(self, options: PlanOptions, base: tuple[list[Line], list[Line]], vae: list[Line],
+                            encoders: list[Line], half: torch.dtype | None) -> Phase:
+        """The base as the run loads it (quantized, swapped) and the VAE on the device, the text encoders in host
+        memory (the class prompt was encoded first, as in "encode text"), and the larger of the base's inference
+        forward over the pipeline's batch and the VAE's decode, one image at a time (its slicing)."""
+        batch, resolution = options.class_images_batch, options.resolution
+        base_device, base_host = base
+        passes = {f"{self.base_name} forward at {resolution}px, batch {batch}": self.activations(
+            resolution, batch, False, options.max_sequence_length, options.base_quantization, half, train=False,
+            image_token_multiplier=options.image_token_multiplier),
+            f"VAE decode at {resolution}px, one image at a time": self.encoder_pass(
+                "vae", resolution, options.max_sequence_length, decode=True)}
+        name, peak = max(passes.items(), key=lambda item: item[1])
+        return Phase(CLASS_IMAGES, (self.base_name, "vae"),
+                     base_device + vae + [Line(f"the largest pass: {name}", 0, "", peak)], encoders + base_host)
+
     def __call__(self, options: PlanOptions) -> MemoryPlan:
         base = self._base_lines(options)
-        return MemoryPlan(options, [self._phase(phase, options, base) for phase in PHASES])
+        return MemoryPlan(options, [self._phase(phase, options, base)
+                                    for phase in run_phases(options.class_images_batch > 0)])
 
 
 def _label(quant: str, dtype: str) -> str:
@@ -252,6 +271,10 @@ def plan_report(estimator: Estimator, options: PlanOptions, device_memory: int |
     plan = estimator(options)
     text = mp.format_plan(plan, device_memory, measured)
     if device_memory is not None and not mp.fits(plan, device_memory):
+        if options.class_images_batch > 1 and plan.phase(CLASS_IMAGES).device_total == plan.total:
+            text += ("\n  the class images are the busiest phase: fewer at a time (--sample_batch_size) need less; "
+                     "one at a time: " + mp._size(estimator(replace(options, class_images_batch=1)).phase(
+                         CLASS_IMAGES).device_total).strip())
         text += "\n" + mp.suggestion_lines(options_that_fit(estimator, options, device_memory))
     return text
 

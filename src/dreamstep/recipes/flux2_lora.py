@@ -18,6 +18,8 @@ module names, which ComfyUI and diffusers' FLUX.2 loader read; --save_kohya_form
 
 from __future__ import annotations
 
+from dataclasses import replace
+from inspect import signature
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,6 @@ from dreamstep.config.schema import config_to_toml, refuse_unused
 from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
-from dreamstep.data.images import IMAGE_EXTENSIONS
 from dreamstep.data.sources import dreambooth_datasets
 from dreamstep.engine.fit import FinishedRun, finish, fit_from_options, hooks_from_options
 from dreamstep.engine.logging import say_before_the_run
@@ -41,8 +42,13 @@ from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import TrainableState, save_flux_lora
 from dreamstep.lora.training import prepare_lora_training
 from dreamstep.models import parking
+from dreamstep.models.class_images import (
+    denoising_within_plan,
+    encode_class_prompt,
+    fill_class_folder,
+    missing_class_images,
+)
 from dreamstep.models.flux import kontext
-from dreamstep.models.flux.plumbing import generate_class_images
 from dreamstep.models.flux2 import plumbing as flux2
 from dreamstep.models.flux2.family import FAMILY
 from dreamstep.models.flux2.generation import sampling_defaults
@@ -68,11 +74,14 @@ def training_datasets(config: Flux2LoraConfig) -> list[DatasetConfig]:
 
 
 def plan_inputs(config: Flux2LoraConfig, datasets: list[DatasetConfig], encodes_in_the_loop: bool) -> RunPlan:
-    """The memory plan's inputs; with condition images the transformer reads twice the image tokens."""
+    """The memory plan's inputs; with condition images the transformer reads twice the image tokens. Class images
+    still to make add their phase."""
     paired = datasets[0].method == "controlnet"
-    return RunPlan(FAMILY.name, config.pretrained_model_name_or_path, flux2.plan_options(
-        config, datasets, encoders_on_device=not config.cache_latents or encodes_in_the_loop,
-        image_token_multiplier=2 if paired else 1), {"lora_layers": config.lora_layers})
+    options = flux2.plan_options(config, datasets, encoders_on_device=not config.cache_latents or encodes_in_the_loop,
+                                 image_token_multiplier=2 if paired else 1)
+    if config.with_prior_preservation and _class_images_missing(config):
+        options = replace(options, class_images_batch=config.sample_batch_size)
+    return RunPlan(FAMILY.name, config.pretrained_model_name_or_path, options, {"lora_layers": config.lora_layers})
 
 
 def train(config: Flux2LoraConfig) -> FinishedRun | None:
@@ -103,7 +112,8 @@ def train(config: Flux2LoraConfig) -> FinishedRun | None:
                     config_toml=config_to_toml(config), command=f"dreamstep {COMMAND}",
                     overwrite=config.overwrite_output_dir, allow_tf32=config.allow_tf32)
 
-    # 2. Class images: the whole base pipeline makes the missing ones, then it is dropped.
+    # 2. Class images (the plan's "class images" phase): the base makes the missing ones as the run will train it
+    # (quantized, swapped), from the class prompt's embeddings; all is freed before the run loads its own models.
     if generate_class:
         if run.is_main_process:
             _generate_class_images(config, run.device)
@@ -212,26 +222,38 @@ def _has_prior(dataset: Any) -> bool:
 
 def _class_images_missing(config: Flux2LoraConfig) -> bool:
     """Whether the class folder holds fewer than --num_class_images images (the base model makes the rest)."""
-    folder = Path(config.class_data_dir) if config.class_data_dir else None
-    found = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS] if folder and folder.is_dir() else []
-    return len(found) < config.num_class_images
+    return bool(config.class_data_dir) and missing_class_images(config.class_data_dir, config.num_class_images) > 0
 
 
 def _generate_class_images(config: Flux2LoraConfig, device: torch.device) -> None:
-    """The missing class images, from the whole base pipeline (loaded for this alone, then dropped)."""
+    """The missing class images, made within the run's plan (:mod:`~dreamstep.models.class_images`): the class
+    prompt (and the empty negative prompt of the base models' guidance) encoded first, then the transformer loaded as
+    the run trains it (--base_quantization, --blocks_to_swap) denoising from those embeddings; all dropped on
+    return."""
     source = config.pretrained_model_name_or_path
     pipeline = flux2.load_encoders_for_training(source, revision=config.revision, variant=config.variant,
                                                 mixed_precision=config.mixed_precision,
                                                 text_encoder_quantization=config.text_encoder_quantization)
+    prompts = [config.class_prompt] + [""] * ("negative_prompt_embeds" in signature(pipeline.__call__).parameters)
+    embeddings = encode_class_prompt(pipeline, device, ("text_encoder",), lambda: [flux2.encode_prompts(
+        pipeline, [prompt], config.max_sequence_length, _layers(config))["prompt_embeds"] for prompt in prompts])
     flux2.load_transformer_for_training(pipeline, source, revision=config.revision, variant=config.variant,
                                         mixed_precision=config.mixed_precision, device=device,
-                                        base_quantization=config.base_quantization, on_host=False)
-    pipeline.to(device)
+                                        base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
     say_before_the_run(f"generating class images of '{config.class_prompt}' in {config.class_data_dir}")
     steps = sampling_defaults(pipeline, [])["steps"]  # the base's own: 4 distilled, else 50
-    generate_class_images(pipeline, config.class_data_dir, config.class_prompt, config.num_class_images,
-                          batch_size=config.sample_batch_size, resolution=config.resolution, seed=config.seed,
-                          guidance_scale=config.guidance_scale, steps=steps)
+    with denoising_within_plan(pipeline, pipeline.transformer, device, config.blocks_to_swap):
+        view = type(pipeline)(**{**pipeline.components, "text_encoder": None})
+        view.set_progress_bar_config(disable=True)
+        text = [e.to(view._execution_device, pipeline.transformer.dtype) for e in embeddings]
+
+        def make(count: int, generator: torch.Generator) -> list[Image.Image]:
+            batch = dict(zip(("prompt_embeds", "negative_prompt_embeds"), (e.expand(count, -1, -1) for e in text)))
+            return view(**batch, guidance_scale=config.guidance_scale, height=config.resolution,
+                        width=config.resolution, num_inference_steps=steps, generator=generator).images
+
+        fill_class_folder(config.class_data_dir, config.num_class_images, make, batch_size=config.sample_batch_size,
+                          seed=config.seed)
 
 
 @torch.no_grad()

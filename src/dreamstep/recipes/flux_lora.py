@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,10 @@ from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig, describe_datasets
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
-from dreamstep.data.images import IMAGE_EXTENSIONS
 from dreamstep.data.sources import dreambooth_datasets
 from dreamstep.engine.ema import weight_average
 from dreamstep.engine.fit import FinishedRun, finish, fit_from_options, hooks_from_options
+from dreamstep.engine.logging import say_before_the_run
 from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
@@ -50,6 +51,7 @@ from dreamstep.lora.lycoris_network import LycorisNetwork, create_flux_network
 from dreamstep.lora.network_weights import StartingFile, check_starting_file, load_into_lora, load_into_network
 from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
+from dreamstep.models.class_images import missing_class_images
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.flux.family import FAMILY as FLUX
 from dreamstep.models.flux.files import base_of
@@ -138,11 +140,14 @@ def training_datasets(config: FluxLoraConfig) -> list[DatasetConfig]:
 
 
 def plan_inputs(config: FluxLoraConfig, dataset_configs: list[DatasetConfig], encodes_in_the_loop: bool) -> RunPlan:
-    """The memory plan's inputs; ``encodes_in_the_loop``: the loop encodes random crops itself."""
-    return RunPlan(FLUX.name, base_of(config).source, flux.plan_options(
+    """The memory plan's inputs; ``encodes_in_the_loop``: the loop encodes random crops itself. Class images still
+    to make add their phase."""
+    options = flux.plan_options(
         config, dataset_configs, rank=config.rank, validation_images=bool(config.validation_prompt),
-        encoders_on_device=config.train_text_encoder or not config.cache_latents or encodes_in_the_loop),
-        {"lora_layers": config.lora_layers})
+        encoders_on_device=config.train_text_encoder or not config.cache_latents or encodes_in_the_loop)
+    if config.class_images_to_generate and _class_images_missing(config):
+        options = replace(options, class_images_batch=config.sample_batch_size)
+    return RunPlan(FLUX.name, base_of(config).source, options, {"lora_layers": config.lora_layers})
 
 
 def train(config: FluxLoraConfig) -> FinishedRun | None:
@@ -172,11 +177,13 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                     command=f"dreamstep {COMMAND}", overwrite=config.overwrite_output_dir,
                     allow_tf32=config.allow_tf32)
 
-    # 2. Class images: the whole base pipeline makes the missing ones, then everything is freed; the data is
-    # then built with them (the class images are read only now).
+    # 2. Class images (the plan's "class images" phase): the base makes the missing ones as the run will train it
+    # (quantized, swapped), from the class prompt's embeddings; everything is freed before the run loads its own
+    # models, and the data is then built with them (the class images are read only now).
     if generate_class_images:
         if run.is_main_process:
-            _generate_class_images(config, class_dir, run.device)
+            say_before_the_run(f"generating class images of '{config.class_prompt}' in {class_dir}")
+            flux.generate_class_images_within_plan(config, class_dir, run.device)
         run.accelerator.wait_for_everyone()
         parking.free_device_memory(run.device)
         dataset, held_out = build_split_datasets(dreambooth_datasets(config, class_dir, COMMAND), config.seed,
@@ -314,23 +321,9 @@ def _starting_file(config: FluxLoraConfig) -> StartingFile | None:
     return start
 
 
-def _generate_class_images(config: FluxLoraConfig, class_dir: str, device: torch.device) -> None:
-    """The missing class images, from the whole base pipeline (loaded for this alone, then dropped)."""
-    base = flux.load_frozen_for_training(
-        base_of(config).source, revision=config.revision, variant=config.variant,
-        transformer_single_file=base_of(config).files.transformer, mixed_precision=config.mixed_precision,
-        device=device, base_quantization=config.base_quantization,
-        text_encoder_quantization=config.text_encoder_quantization, files=base_of(config).files)
-    flux.generate_class_images(flux.assemble_pipeline(base), class_dir, config.class_prompt, config.num_class_images,
-                               batch_size=config.sample_batch_size, resolution=config.resolution,
-                               seed=config.seed, guidance_scale=config.guidance_scale)
-
-
 def _class_images_missing(config: FluxLoraConfig) -> bool:
     """Whether the class folder holds fewer than --num_class_images images (the base model makes the rest)."""
-    folder = Path(config.class_data_dir)
-    found = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS] if folder.is_dir() else []
-    return len(found) < config.num_class_images
+    return missing_class_images(config.class_data_dir, config.num_class_images) > 0
 
 
 def _validation_images(config: FluxLoraConfig, pipeline, size: tuple[int, int],

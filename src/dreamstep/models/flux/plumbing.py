@@ -15,7 +15,6 @@ from PIL import Image
 
 from dreamstep.data.cache import TensorCache, latents_for_batch, text_content_key
 from dreamstep.data.dataset_config import DatasetConfig
-from dreamstep.files import atomic_path
 from dreamstep.models import parking
 from dreamstep.models.family import check_blocks_to_swap
 from dreamstep.models.flux.family import FAMILY as FLUX
@@ -23,7 +22,7 @@ from dreamstep.models.flux.files import FLAGS, FluxFiles, base_of, config_folder
 from dreamstep.models.loading import check_pipeline_source, component_identity, load_flux, load_flux_transformer
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.parking import ParkedModules
-from dreamstep.models.phases import ENCODERS
+from dreamstep.models.phases import ENCODERS, TEXT_ENCODERS
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.vae import encode_posterior
 from dreamstep.notices import CAPTION_CUT, hidden
@@ -264,24 +263,6 @@ def generate(pipeline: FluxPipeline, prompts: list[str], *, seed: int, steps: in
     return images
 
 
-def load_frozen_for_training(source: str | None, *, revision: str | None, variant: str | None,
-                             transformer_single_file: str | Path | None, mixed_precision: str,
-                             device: torch.device, base_quantization: str = "none",
-                             text_encoder_quantization: str = "none", transformer_on_host: bool = False,
-                             files: FluxFiles | None = None) -> Any:
-    """The whole base model frozen, the encoders on ``device`` (for class images, which need the whole pipeline):
-    :func:`load_encoders_for_training` then :func:`load_transformer_for_training`."""
-    components = load_encoders_for_training(source, revision=revision, variant=variant,
-                                            mixed_precision=mixed_precision, device=device,
-                                            text_encoder_quantization=text_encoder_quantization, files=files)
-    for name in ENCODERS:
-        parking.place(getattr(components, name), device)
-    load_transformer_for_training(components, source, revision=revision, variant=variant,
-                                  transformer_single_file=transformer_single_file, mixed_precision=mixed_precision,
-                                  device=device, base_quantization=base_quantization, on_host=transformer_on_host)
-    return components
-
-
 def load_encoders_for_training(source: str | None, *, revision: str | None, variant: str | None,
                                mixed_precision: str, device: torch.device, text_encoder_quantization: str = "none",
                                files: FluxFiles | None = None) -> Any:
@@ -416,31 +397,50 @@ def prompt_embeddings(conditioner: FluxConditioner, prompts: list[str]) -> dict[
 
 def generate_class_images(pipeline: FluxPipeline, class_dir: str | Path, class_prompt: str, wanted: int, *,
                           batch_size: int, resolution: int, seed: int, guidance_scale: float,
-                          steps: int = FLUX_DEV_SAMPLING["steps"]) -> int:
-    """Fill ``class_dir`` up to ``wanted`` images with the base model's pictures of ``class_prompt``;
-    return how many were generated. Each file is written whole (temporary name, then rename)."""
-    from tqdm.auto import tqdm
+                          steps: int = FLUX_DEV_SAMPLING["steps"],
+                          embeddings: dict[str, torch.Tensor] | None = None) -> int:
+    """Fill ``class_dir`` up to ``wanted`` images with the base model's pictures of ``class_prompt``
+    (:func:`~dreamstep.models.class_images.fill_class_folder`); return how many were generated. ``embeddings``
+    (:func:`encode_prompts` of the class prompt) stand in for the text encoders, which may then wait off the
+    device."""
+    from dreamstep.models.class_images import fill_class_folder
 
-    from dreamstep.data.images import IMAGE_EXTENSIONS
+    text: dict[str, Any] = {"prompt": class_prompt}
+    if embeddings is not None:
+        pipeline = without_text_encoders(pipeline)
+        device, dtype = pipeline._execution_device, pipeline.transformer.dtype
+        text = {"prompt_embeds": embeddings["prompt_embeds"].to(device, dtype),
+                "pooled_prompt_embeds": embeddings["pooled"].to(device, dtype)}
 
-    folder = Path(class_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    existing = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS]
-    missing = wanted - len(existing)
-    if missing <= 0:
-        return 0
-    made = 0
-    with tqdm(total=missing, desc="generating class images", unit="img") as bar:
-        while made < missing:
-            count = min(batch_size, missing - made)
-            generator = torch.Generator("cpu").manual_seed(seed + len(existing) + made)
-            images = pipeline(prompt=[class_prompt] * count, num_inference_steps=steps,
-                              guidance_scale=guidance_scale, height=resolution, width=resolution,
-                              generator=generator).images
-            for image in images:
-                target = folder / f"class-{len(existing) + made:05d}.png"
-                with atomic_path(target) as partial:
-                    image.save(partial, format="PNG")
-                made += 1
-                bar.update(1)
-    return made
+    def make(count: int, generator: torch.Generator) -> list[Image.Image]:
+        batch = {k: [v] * count if isinstance(v, str) else v.expand(count, *v.shape[1:]) for k, v in text.items()}
+        return pipeline(**batch, num_inference_steps=steps, guidance_scale=guidance_scale, height=resolution,
+                        width=resolution, generator=generator).images
+
+    return fill_class_folder(class_dir, wanted, make, batch_size=batch_size, seed=seed)
+
+
+def generate_class_images_within_plan(config: Any, class_dir: str | Path, device: torch.device) -> int:
+    """The missing class images of a FLUX trainer's ``config`` (any :class:`FluxTrainingConfig` with prior
+    preservation), made as :mod:`~dreamstep.models.class_images` says: the class prompt encoded first, then the
+    transformer loaded as the run trains it (--base_quantization, --blocks_to_swap) denoising from its embeddings.
+    Everything loaded here is dropped on return; call :func:`~dreamstep.models.parking.free_device_memory` then."""
+    from dreamstep.models.class_images import denoising_within_plan, encode_class_prompt
+
+    base = base_of(config)
+    components = load_encoders_for_training(
+        base.source, revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
+        device=device, text_encoder_quantization=config.text_encoder_quantization, files=base.files)
+    pipeline = assemble_pipeline(components)
+    embeddings = encode_class_prompt(components, device, TEXT_ENCODERS, lambda: encode_prompts(
+        pipeline, [config.class_prompt], config.max_sequence_length))
+    swapped = getattr(config, "blocks_to_swap", 0)
+    load_transformer_for_training(
+        components, base.source, revision=config.revision, variant=config.variant,
+        transformer_single_file=base.files.transformer, mixed_precision=config.mixed_precision, device=device,
+        base_quantization=config.base_quantization, on_host=swapped > 0)
+    attach_transformer(pipeline, components)
+    with denoising_within_plan(components, components.transformer, device, swapped):
+        return generate_class_images(pipeline, class_dir, config.class_prompt, config.num_class_images,
+                                     batch_size=config.sample_batch_size, resolution=config.resolution,
+                                     seed=config.seed, guidance_scale=config.guidance_scale, embeddings=embeddings)
