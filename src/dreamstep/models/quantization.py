@@ -24,7 +24,10 @@ per weight in bf16) from the forward until backward ends (in a gradient-checkpoi
 recomputation until its backward ends): without checkpointing, more than the quantization saves. Backward only
 needs ``grad_input = grad_output @ W`` (a frozen weight gets no gradient), so
 :func:`keep_only_quantized_weights` gives each such linear a forward that keeps the quantized weight itself for
-backward and dequantizes it again there.
+backward and dequantizes it again there. The same forward hands the layer its input in autocast's dtype, as autocast
+does a plain linear's: torchao's and bitsandbytes' linears return their input's dtype, so a fp32 input (CUDA's
+autocast keeps the norms' outputs in fp32) would make the residual stream fp32, and torchao's int8 would first
+dequantize its weight to fp32 (6 bytes per weight per matmul instead of 2).
 """
 
 from __future__ import annotations
