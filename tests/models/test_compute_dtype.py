@@ -146,3 +146,45 @@ def test_the_plan_prices_an_int8_or_nf4_training_pass_as_a_bf16_ones(tmp_path: P
     bf16 = estimator.activations(512, 1, True, 128)
     for mode in ("int8", "nf4"):
         assert bf16 < estimator.activations(512, 1, True, 128, mode) < 1.15 * bf16, mode
+
+
+def test_sdxl_lora_feeds_an_int8_unet_bf16_latents_and_embeddings_and_exact_sizes() -> None:
+    """sd-scripts casts x_t and the text conditioning to ``weight_dtype`` and embeds the sizes from exact values; the
+    UNet's blocks then run bf16 over an int8 base too."""
+    from dreamstep.diffusion import noise_prediction as noise_math
+    from dreamstep.diffusion.losses import LossFunction
+    from dreamstep.models.sdxl.plumbing import SDXLLoraModel
+    from dreamstep.models.sdxl.tiny import build_tiny_sdxl
+    from dreamstep.recipes.sdxl_lora import SDXLLoraStep
+
+    pipe = build_tiny_sdxl(seed=0)
+    unet = pipe.unet.to(torch.bfloat16)
+    quantization.quantize_built_model(unet, "int8")
+    unet.requires_grad_(False)
+    seen, stream = {}, set()
+    unet.register_forward_pre_hook(lambda _, args, kwargs: seen.update(
+        sample=args[0].dtype, text=kwargs["encoder_hidden_states"].dtype,
+        pooled=kwargs["added_cond_kwargs"]["text_embeds"].dtype,
+        sizes=kwargs["added_cond_kwargs"]["time_ids"].dtype), with_kwargs=True)
+    for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
+        block.register_forward_hook(lambda _, args, out: stream.update(
+            t.dtype for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)))
+    step = SDXLLoraStep(SDXLLoraModel(unet, torch.nn.Identity(), pipe), optimizer=torch.optim.SGD([torch.zeros(1)]),
+                        accelerator=make_accelerator(mixed_precision="bf16"),
+                        noise_scheduler=noise_math.training_scheduler(pipe.scheduler.config), v_prediction=False,
+                        min_snr_gamma=None, noise_offset=None, adaptive_noise_scale=None, multires_iterations=None,
+                        multires_discount=0.3, timestep_range=(0, 1000), prior_loss_weight=1.0,
+                        loss=LossFunction("l2", "snr", 0.1), debiased_estimation_loss=False, ip_noise_gamma=None,
+                        ip_noise_gamma_random_strength=False)
+    width = unet.config.cross_attention_dim
+    pooled = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
+    mean = torch.randn(2, 4, 8, 8)
+    batch = {"latent_dist": torch.cat([mean, torch.zeros_like(mean)], dim=1),
+             "prompt_embeds": torch.randn(2, 5, width), "pooled": torch.randn(2, pooled),
+             "add_time_ids": torch.tensor([[1017.0, 517, 3, 5, 1024, 512]] * 2), "is_reg": torch.tensor([False, True])}
+    with torch.no_grad(), step.autocast():
+        loss = step.forward(batch)
+    assert seen == {"sample": torch.bfloat16, "text": torch.bfloat16, "pooled": torch.bfloat16,
+                    "sizes": torch.float32}
+    assert stream == {torch.bfloat16}
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
