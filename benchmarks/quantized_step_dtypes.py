@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--resolution", type=int, default=512)
     parser.add_argument("--text_tokens", type=int, default=128)
     parser.add_argument("--modes", nargs="+", default=["none", "fp8", "int8", "nf4"])
+    parser.add_argument("--full_size_plan", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the full-size plan's training pass (tens of seconds a mode without the plan cache)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = small_config(args.width)
@@ -159,6 +161,8 @@ def main() -> None:
         cells = ", ".join(f"{dtype} input {nbytes:.2f} B -> {out}" for dtype, nbytes, out in
                           linear_bytes(mode, args.width, device))
         print(f"  {mode:<5} {cells}")
+    if not args.full_size_plan:
+        return
     print("\nFLUX.1-dev LoRA rank 16, 1024 px, batch 1, checkpointing: the plan's training pass (CUDA policy), GiB")
     full = Estimator("flux", None, rank=RANK, device_type="cuda")
     for mode in args.modes:
