@@ -109,7 +109,7 @@ def test_an_int8_base_reads_bf16_inputs_keeps_a_bf16_stream_and_has_the_referenc
     assert inputs["timestep"] == inputs["guidance"] == inputs["img_ids"] == torch.float32  # σ and positions exact
     assert stream == linear_outputs == {torch.bfloat16}
     assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss, expected.to(loss.dtype), rtol=2e-2, atol=1e-4)
+    torch.testing.assert_close(loss, expected.to(loss.dtype), rtol=5e-3, atol=1e-5)  # measured: 6e-4
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp8", "nf4"])
