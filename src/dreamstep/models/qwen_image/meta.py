@@ -73,8 +73,7 @@ def training_pass(transformer: nn.Module, *, resolution: int, batch: int, text_t
                                       dtype=dtype),
             encoder_hidden_states=torch.empty(batch, text_tokens, transformer.config.joint_attention_dim, dtype=dtype),
             encoder_hidden_states_mask=None, timestep=torch.empty(batch, dtype=torch.float32 if train else dtype),
-            img_shapes=shapes,
-            return_dict=False)[0]
+            img_shapes=shapes, return_dict=False)[0]
         if not train:
             return None
         target = out[:, :side * side].float()
