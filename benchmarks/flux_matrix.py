@@ -143,8 +143,8 @@ def card_peak(device: torch.device) -> float | None:
 
 
 def inputs(arch: Architecture, resolution: int, batch: int, device: torch.device) -> tuple[dict, torch.Tensor]:
-    """Text embeddings of a batch in the dtype the trainer's caches give them, fp32 (autocast casts them per op; the
-    quantized linears that return their input's dtype then keep an fp32 residual stream), and pixels in the VAE's."""
+    """Text embeddings of a batch in the dtype the trainer's caches give them, fp32 (the trainer's step casts them to
+    the compute dtype, as diffusers' scripts do), and pixels in the VAE's."""
     pixels = torch.rand(batch, 3, resolution, resolution, device=device, dtype=torch.bfloat16) * 2 - 1
     embeds = {"prompt_embeds": torch.randn(batch, arch.tokens, arch.t5_dim, device=device),
               "pooled": torch.randn(batch, arch.clip_dim, device=device),

@@ -2,8 +2,8 @@
 real, with and without gradient checkpointing, for each base quantization mode.
 
 The real step runs a FLUX transformer with random bf16 weights (quantized as the trainer loads them) and a
-rank-16 fp32 attention LoRA, fed fp32 inputs under bf16 autocast as the trainer's cached inputs are; its peak is
-measured twice: with the plan's own ``LiveTensorBytes`` (every tensor the step creates, alive at once),
+rank-16 fp32 attention LoRA, fed bf16 inputs under bf16 autocast as the trainer's step casts its cached ones; its
+peak is measured twice: with the plan's own ``LiveTensorBytes`` (every tensor the step creates, alive at once),
 and by the process: on CUDA the allocator's peak above what was allocated before the step
 (``torch.cuda.max_memory_allocated``), on a CPU the peak resident memory above the resident memory before
 it. The CPU column also holds what the CPU kernels allocate outside tensors (work buffers of the bf16
@@ -53,7 +53,7 @@ def measured_peaks(folder: Path, mode: str, resolution: int, batch: int, text_to
         model.enable_gradient_checkpointing()
     model.train()
     with torch.device(device):
-        step = training_pass(model, resolution=resolution, batch=batch, text_tokens=text_tokens)  # fp32 inputs
+        step = training_pass(model, resolution=resolution, batch=batch, text_tokens=text_tokens)  # bf16 inputs
         with torch.autocast(device.type, dtype=torch.bfloat16):
             step().backward()  # a first step loads kernels and thread pools; the second is measured
         _release_cached(device)

@@ -96,3 +96,14 @@ def test_the_quantized_base_cache_benchmark_reads_the_base_back() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = [line.split() for line in proc.stdout.splitlines() if line.startswith("int8 ")]
     assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[4]) > 0, proc.stdout
+
+
+def test_the_quantized_step_benchmark_shows_a_bf16_stream_for_every_base() -> None:
+    pytest.importorskip("torchao")
+    proc = run_benchmark("quantized_step_dtypes.py", "--width", "256", "--resolution", "64", "--text_tokens", "16",
+                         "--modes", "none", "int8", "--no-full_size_plan")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The step's rows: base, the transformer's input dtype, the stream's, step MiB, plan MiB, plan/step, s/step.
+    rows = {cells[0]: cells for cells in map(str.split, proc.stdout.splitlines()) if len(cells) == 7}
+    assert rows["none"][1:3] == rows["int8"][1:3] == ["bfloat16", "bfloat16"]
+    assert float(rows["int8"][5]) >= 1.0  # the plan holds the step

@@ -1,6 +1,6 @@
 """The memory plan phase by phase against what the trainer really does on the CPU: the training step's tensors
-with the trainer's dtypes (fp32 cached inputs under bf16 autocast, a quantized base), and which components are on
-the device in each phase."""
+with the trainer's dtypes (fp32 cached inputs that the step casts to bf16, bf16 autocast, a quantized base), and
+which components are on the device in each phase."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _trained_step(folder: Path, mode: str, runtime: CudaRuntime | None = None,
                         sigmas=torch.linspace(1, 0, 1000), objective=FlowMatchingObjective(),
                         guidance_scale=3.5, prior_loss_weight=1.0)
     side = RESOLUTION // 8
-    # What FluxConditioner gives the step: fp32 posteriors and embeddings from the caches.
+    # What FluxConditioner gives the step: fp32 posteriors and embeddings from the caches (the step casts them).
     batch = {"latent_dist": torch.randn(1, 32, side, side), "prompt_embeds": torch.randn(1, TEXT_TOKENS, 4096),
              "pooled": torch.randn(1, 768), "text_ids": torch.zeros(TEXT_TOKENS, 3),
              "is_reg": torch.zeros(1, dtype=torch.bool)}
@@ -92,11 +92,13 @@ def test_the_train_phase_holds_the_trainers_step_and_by_at_most_a_quarter(small_
     assert measured <= phase.device_total <= 1.25 * measured, (mode, phase.device_total / measured)
     # The pass on its own (the weights are most of the total, so the total's bound alone would let the pass be
     # far off): the training pass's line and AdamW's state (in the LoRA's line, beside its fp32 weights). Measured
-    # here: 1.25x for bf16, 1.29x for nf4, within 1.25x for fp8 and int8; never under.
+    # here: 1.25x for bf16, 1.11x for fp8, 1.24x for int8; never under. nf4 1.37x: bitsandbytes dequantizes a 4-bit
+    # weight for its forward inside one op (gemm_4bit), where LiveTensorBytes does not see it, so the measured
+    # figure lacks the bf16 weight that the plan prices (up to 5.6 MiB here, beside a 20 MiB step).
     training_pass = next(line.nbytes for line in phase.device if line.what.startswith("training pass"))
     lora = next(line for line in phase.device if line.what.startswith("LoRA rank"))
     planned = training_pass + lora.nbytes - 4 * lora.params
-    assert created <= planned <= 1.3 * created, (mode, planned / created)
+    assert created <= planned <= (1.4 if mode == "nf4" else 1.3) * created, (mode, planned / created)
 
 
 @pytest.mark.parametrize("mode", MODES)

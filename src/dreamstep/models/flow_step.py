@@ -18,6 +18,7 @@ import torch
 from dreamstep.diffusion import flow_matching as fm
 from dreamstep.diffusion.losses import masked
 from dreamstep.engine.train_step import TrainStep
+from dreamstep.models.precision import in_compute_dtype
 from dreamstep.models.vae import posterior_mean, sample_latents
 
 
@@ -84,7 +85,11 @@ class FlowMatchingStep(TrainStep):
         with the objective's σ weighting (training) or without (validation)."""
         # x_σ = (1 - σ)·x + σ·ε
         noisy = fm.noisy_latents(latents, noise, sigmas)
-        pred = self.velocity(model, noisy, sigmas, batch, condition)
+        # The denoiser reads x_σ, the condition and the text embeddings in the compute dtype (bf16 under
+        # --mixed_precision bf16), as diffusers' scripts cast them; the loss stays fp32 (``model_pred.float()``).
+        device_type = latents.device.type
+        pred = self.velocity(model, in_compute_dtype(noisy, device_type), sigmas,
+                             in_compute_dtype(batch, device_type), in_compute_dtype(condition, device_type)).float()
         # Flow-matching target v = ε - x; the loss of each element (--loss_type), weighted by its sample's own σ.
         per_element = self.objective.per_element_loss(pred, noisy, fm.velocity_target(latents, noise), sigmas,
                                                       len(self.sigmas), weighted)

@@ -9,9 +9,10 @@ everything else at the weight dtype. A component is priced on the device in the 
 memory in the others; swapped blocks are in host memory at their size, two of them on the device at a time.
 Trainable weights: the LoRA injected on the meta model, fp32, plus the optimizer's state. Passes: one
 training step of the meta model at the run's resolution and batch (activations and gradients), with the
-run's LoRA and gradient checkpointing and the trainer's dtypes (fp32 cached inputs under autocast, which the
-meta device lacks and :class:`_MetaAutocast` stands in for, with the quantized linears' own output dtypes and
-no dequantized weight kept for backward); the encoders' passes while they encode; an inference forward and the
+run's LoRA and gradient checkpointing and the trainer's dtypes (the cached inputs cast to the compute dtype, as
+:func:`dreamstep.models.precision.in_compute_dtype` casts them, under autocast, which the meta device lacks and
+:class:`_MetaAutocast` stands in for, with the quantized linears computing in the autocast dtype and no dequantized
+weight kept for backward); the encoders' passes while they encode; an inference forward and the
 VAE's decode at validation. Attention is priced as a fused (flash) kernel keeps it: q, k, v, the output and the
 log-sum-exp, never the N x N scores.
 
@@ -37,7 +38,6 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dreamstep.config.memory import GIB
-from dreamstep.models import quantization
 from dreamstep.models.blocks import swapped_blocks as blocks_the_trainer_swaps
 
 # nf4-packed: the 4-bit values alone, without the fp32 absmax per 64 values that stays with the quantization state.
@@ -92,19 +92,53 @@ _F = torch.nn.functional
 # a CPU keeps the norms and softmax in their input's dtype. These are the forms FLUX, SDXL and their encoders call.
 _HALF_FUNCTIONS = ("linear", "conv2d", "scaled_dot_product_attention")
 _FP32_FUNCTIONS_CUDA = ("layer_norm", "group_norm", "softmax", "log_softmax")
-# A quantized frozen linear under autocast, as torchao 0.18 and bitsandbytes compute it: its output dtype ("input":
-# the input's, so the trainer's fp32 inputs make the residual stream fp32; "half": the autocast dtype), and the
-# bytes per weight element that its dequantization holds while the matmul runs (torchao's weight-only int8: the
-# int8 values as fp32, then as bf16 for the matmul; fp8: the values as fp32, scaled in fp32, then bf16; measured
-# on the CPU with LiveTensorBytes, and the same generic ops run on CUDA). Neither keeps a dequantized copy for
-# backward (torchao's linears get quantization.keep_only_quantized_weights, bitsandbytes dequantizes 4-bit weights
-# again in backward).
-QUANTIZED_LINEAR = {"int8": ("input", 6), "fp8": ("half", 10), "nf4": ("input", 2)}
+# A quantized frozen linear under autocast, as the trainer's base computes it (torchao 0.18, bitsandbytes): its input
+# in the autocast dtype (quantization.keep_only_quantized_weights casts it, as autocast does a plain linear's), so
+# its output is in that dtype too; and the bytes per weight element that its dequantization holds while the matmul
+# runs, in forward and in backward (forward: torchao's weight-only int8 casts the int8 values to bf16; fp8 takes
+# the values to fp32, scales them in fp32, then casts to bf16; bitsandbytes dequantizes a 4-bit weight to bf16 on
+# CUDA. Backward: the weight's dequantize(), torchao's through fp32 for both. Measured on the CPU with
+# LiveTensorBytes, benchmarks/quantized_step_dtypes.py; torchao runs the same generic ops on CUDA). None keeps a
+# dequantized copy for backward (keep_only_quantized_weights gives backward the quantized weight).
+QUANTIZED_LINEAR_BYTES = {"int8": (2, 6), "fp8": (10, 10), "nf4": (2, 2)}
+
+
+@contextlib.contextmanager
+def _dequantized_on_meta(weight: torch.Tensor, dtype: torch.dtype, nbytes: int) -> Iterator[torch.Tensor]:
+    """A quantized ``weight``'s dequantized copy in ``dtype`` and the steps to it (``nbytes`` per element in all):
+    fresh tensors, alive while the matmul that reads them runs."""
+    dequantized = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    steps = torch.empty(weight.numel() * max(0, nbytes - dequantized.itemsize), dtype=torch.uint8,
+                        device=weight.device)
+    yield dequantized
+    del dequantized, steps
+
+
+class _FrozenQuantizedLinear(torch.autograd.Function):
+    """A frozen quantized linear on the meta device as the trainer's base computes it
+    (:class:`dreamstep.models.quantization.FrozenWeightLinear`): backward keeps the (resident) weight and nothing
+    else of its size, and forward and backward each dequantize it while their matmul runs, at the costs of
+    :data:`QUANTIZED_LINEAR_BYTES`."""
+
+    @staticmethod
+    def forward(ctx: Any, linear: Callable[..., Any], x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, nbytes: tuple[int, int]) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.backward_bytes = nbytes[1]
+        with _dequantized_on_meta(weight, x.dtype, nbytes[0]) as values:
+            y = linear(x, values)
+        return y + bias.to(y.dtype) if bias is not None else y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None, None]:
+        (weight,) = ctx.saved_tensors
+        with _dequantized_on_meta(weight, grad.dtype, ctx.backward_bytes) as values:
+            return None, grad @ values, None, None, None
 
 
 class _MetaAutocast:
     """Autocast for the meta device (which torch's autocast refuses) with ``device_type``'s policy, and the
-    linears whose weights are in ``quantized`` (weight -> mode) computed as :data:`QUANTIZED_LINEAR` says. The
+    linears whose weights are in ``quantized`` (weight -> mode) computed as :data:`QUANTIZED_LINEAR_BYTES` says. The
     functions are replaced module-wide rather than through a mode, so the forward that a checkpointed block
     recomputes in backward (on autograd's thread) is cast the same way; the casts happen above autograd, as
     autocast's do, so backward keeps the half-precision copies it would."""
@@ -140,20 +174,9 @@ class _MetaAutocast:
 
     def _quantized_linear(self, linear: Callable[..., Any], mode: str, x: torch.Tensor, weight: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.requires_grad and torch.is_grad_enabled():
-            # As the trainer's base computes it: backward keeps the (resident) weight and nothing else of its size;
-            # the forward below runs inside, without gradients.
-            return quantization.FrozenWeightLinear.apply(x, weight, bias)
-        output, dequantizing_bytes = QUANTIZED_LINEAR[mode]
-        compute = self.dtype or weight.dtype
-        # The dequantized weight and the steps to it: fresh tensors, alive while the matmul runs.
-        dequantized = torch.empty(weight.shape, dtype=compute, device=weight.device)
-        steps = torch.empty(weight.numel() * max(0, dequantizing_bytes - dequantized.itemsize), dtype=torch.uint8,
-                            device=weight.device)
-        y = linear(x.to(compute), dequantized)
-        del dequantized, steps
-        y = y.to(x.dtype if output == "input" else compute)
-        return y + bias.to(y.dtype) if bias is not None else y
+        # The input in the compute dtype, as quantization.keep_only_quantized_weights casts it (above autograd).
+        x = x.to(self.dtype or weight.dtype)
+        return _FrozenQuantizedLinear.apply(linear, x, weight, bias, QUANTIZED_LINEAR_BYTES[mode])
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -206,6 +229,12 @@ def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
             yield from _plain_tensors(getattr(tensor, name))
     else:
         yield tensor
+
+
+def input_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the trainer feeds ``model``'s inputs in (:func:`dreamstep.models.precision.in_compute_dtype`), and
+    a pipeline does: that of its frozen weights (bf16 under --mixed_precision bf16, fp32 without it)."""
+    return next(p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point())
 
 
 def stored_bytes(tensor: torch.Tensor) -> int:

@@ -15,8 +15,10 @@ weights stay fp32 because the optimizer updates them in their own dtype: fp16/bf
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from dreamstep.config.choices import DTYPE_NAMES
 from dreamstep.errors import UserError, did_you_mean
@@ -67,6 +69,23 @@ def autocast(device_type: str, mixed_precision: str) -> contextlib.AbstractConte
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def compute_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device_type`` now, or ``None`` while autocast is off there."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def in_compute_dtype(inputs: Any, device_type: str) -> Any:
+    """``inputs`` (a tensor, or dicts, lists and tuples of them) with every floating-point tensor in the dtype
+    autocast computes in on ``device_type`` (unchanged while it is off): the denoiser's inputs as diffusers'
+    training scripts give them (``model_input.to(dtype=weight_dtype)``, prompt embeddings in ``weight_dtype``). The
+    caches hold fp32; fed as they are, a quantized linear, which returns its input's dtype, would make the
+    residual stream fp32."""
+    dtype = compute_dtype(device_type)
+    if dtype is None:
+        return inputs
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, inputs)
 
 
 def choose_device(name: str | None) -> torch.device:

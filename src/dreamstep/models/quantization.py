@@ -24,7 +24,10 @@ per weight in bf16) from the forward until backward ends (in a gradient-checkpoi
 recomputation until its backward ends): without checkpointing, more than the quantization saves. Backward only
 needs ``grad_input = grad_output @ W`` (a frozen weight gets no gradient), so
 :func:`keep_only_quantized_weights` gives each such linear a forward that keeps the quantized weight itself for
-backward and dequantizes it again there.
+backward and dequantizes it again there. The same forward hands the layer its input in autocast's dtype, as autocast
+does a plain linear's: torchao's and bitsandbytes' linears return their input's dtype, so a fp32 input (CUDA's
+autocast keeps the norms' outputs in fp32) would make the residual stream fp32, and torchao's int8 would first
+dequantize its weight to fp32 (6 bytes per weight per matmul instead of 2).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from dreamstep.models.precision import in_compute_dtype
 
 
 def diffusers_config(mode: str, compute_dtype: torch.dtype) -> Any:
@@ -168,6 +173,11 @@ def _linear_keeping_the_stored_weight(module: nn.Linear, x: torch.Tensor) -> tor
     own_forward = type(module).forward  # bitsandbytes' Linear4bit: its 4-bit matmul; torchao's: F.linear
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         return own_forward(module, x)
+    # The input in autocast's dtype, as autocast gives a plain linear's: torchao's linear (through
+    # __torch_function__) and bitsandbytes' 4-bit one run outside autocast and return their input's dtype, so an
+    # fp32 input (a norm's output, which CUDA's autocast keeps in fp32) would make the residual stream fp32, and
+    # torchao's int8 would make an fp32 copy of the weight before autocast's bf16 one.
+    x = in_compute_dtype(x, x.device.type)
     return FrozenWeightLinear.apply(x, weight, bias, functools.partial(own_forward, module))
 
 

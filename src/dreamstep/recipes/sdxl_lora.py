@@ -70,7 +70,7 @@ from dreamstep.models import parking
 from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.memory_plan import model_folder
 from dreamstep.models.plans import RunPlan, print_run_plan
-from dreamstep.models.precision import dtype_named, weight_dtype_for
+from dreamstep.models.precision import dtype_named, in_compute_dtype, weight_dtype_for
 from dreamstep.models.sdxl import plumbing as sdxl
 from dreamstep.models.sdxl.family import FAMILY as SDXL
 from dreamstep.models.vae import sample_latents
@@ -165,8 +165,12 @@ class SDXLLoraStep(TrainStep):
         ``input_noise`` (default: ``noise``) is what the model's input is noised with (input perturbation)."""
         # x_t = √ᾱ_t·x₀ + √(1-ᾱ_t)·ε
         noisy = self.noise_scheduler.add_noise(latents, noise if input_noise is None else input_noise, timesteps)
-        prediction = model(noisy, timesteps, batch["add_time_ids"], prompt_embeds=batch.get("prompt_embeds"),
-                           pooled=batch.get("pooled"), captions=batch.get("captions"))
+        # The UNet reads x_t and the embeddings in the compute dtype, as sd-scripts casts them (the sizes stay exact
+        # in fp32: the UNet embeds them and casts the embedding); the loss stays fp32.
+        device_type = latents.device.type
+        prediction = model(in_compute_dtype(noisy, device_type), timesteps, batch["add_time_ids"],
+                           prompt_embeds=in_compute_dtype(batch.get("prompt_embeds"), device_type),
+                           pooled=in_compute_dtype(batch.get("pooled"), device_type), captions=batch.get("captions"))
         target = noise_math.prediction_target(self.noise_scheduler, latents, noise, timesteps, self.prediction_type)
         per_element = self.loss.per_element(prediction, target, timesteps,
                                             self.noise_scheduler.config.num_train_timesteps,

@@ -31,21 +31,22 @@ def training_pass(transformer: nn.Module, *, resolution: int, batch: int, text_t
                   ) -> Callable[[], torch.Tensor | None]:
     """One forward of the transformer (fed by a ControlNet ``trainable``'s residuals when given) at ``resolution``
     (FLUX packs 2x2 latent patches: a 1024 px image is 64 x 64 tokens, times ``image_token_multiplier`` for a model
-    that reads condition images' tokens beside the target's), returning a loss when ``train``. Training steps get
-    the trainer's fp32 inputs (cached latents and embeddings; autocast casts them per op), inference the
-    pipeline's, in the transformer's dtype."""
+    that reads condition images' tokens beside the target's), returning a loss when ``train``. The inputs are in the
+    transformer's dtype, as the trainer casts its cached latents and embeddings and the pipeline makes them; σ and
+    the guidance as each gives them (the trainer: fp32)."""
     config = transformer.config
     tokens = (resolution // 16) ** 2 * image_token_multiplier
 
     def run() -> torch.Tensor | None:
-        dtype = torch.float32 if train else transformer.dtype
+        dtype = mp.input_dtype(transformer)
+        time_dtype = torch.float32 if train else dtype
         inputs = dict(
             hidden_states=torch.empty(batch, tokens, config.in_channels, dtype=dtype),
             encoder_hidden_states=torch.empty(batch, text_tokens, config.joint_attention_dim, dtype=dtype),
             pooled_projections=torch.empty(batch, config.pooled_projection_dim, dtype=dtype),
-            timestep=torch.empty(batch, dtype=dtype), img_ids=torch.empty(tokens, 3),
+            timestep=torch.empty(batch, dtype=time_dtype), img_ids=torch.empty(tokens, 3),
             txt_ids=torch.empty(text_tokens, 3),
-            guidance=torch.empty(batch, dtype=dtype) if config.guidance_embeds else None, return_dict=False)
+            guidance=torch.empty(batch, dtype=time_dtype) if config.guidance_embeds else None, return_dict=False)
         residuals = {}
         if trainable is not None:
             double, single = trainable(controlnet_cond=torch.empty_like(inputs["hidden_states"]), **inputs)

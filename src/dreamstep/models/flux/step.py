@@ -38,8 +38,9 @@ class FluxFlowMatchingStep(FlowMatchingStep):
         packed = flux.pack(noisy)
         guidance = (torch.full((bsz,), self.guidance_scale, device=noisy.device)
                     if self.guidance_scale is not None else None)
+        # Position ids in fp32 whatever x_σ's dtype: bf16 holds integers exactly only up to 256 (4096 px).
         inputs = dict(hidden_states=packed, timestep=sigmas.flatten(), guidance=guidance,
                       pooled_projections=batch["pooled"], encoder_hidden_states=batch["prompt_embeds"],
                       txt_ids=batch["text_ids"], img_ids=flux.latent_image_ids(height, width, noisy.device,
-                                                                              packed.dtype))
+                                                                              torch.float32))
         return flux.unpack(self.predict(model, inputs, batch, condition), height, width)

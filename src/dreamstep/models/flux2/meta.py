@@ -44,18 +44,20 @@ def training_pass(transformer: nn.Module, *, resolution: int, batch: int, text_t
                   ) -> Callable[[], torch.Tensor | None]:
     """One forward of the transformer at ``resolution`` (a 1024 px image is 64 x 64 tokens of 2x2 latent patches,
     times ``image_token_multiplier`` with reference images beside the target), returning a loss when ``train``:
-    the trainer's fp32 inputs under autocast, or the pipeline's in the transformer's dtype."""
+    the inputs in the transformer's dtype (the trainer casts its cached ones; σ and the guidance as each gives them,
+    the trainer's fp32) under autocast, or the pipeline's."""
     config = transformer.config
     tokens = (resolution // 16) ** 2 * image_token_multiplier
 
     def run() -> torch.Tensor | None:
-        dtype = torch.float32 if train else transformer.dtype
+        dtype = mp.input_dtype(transformer)
+        time_dtype = torch.float32 if train else dtype
         out = transformer(
             hidden_states=torch.empty(batch, tokens, config.in_channels, dtype=dtype),
             encoder_hidden_states=torch.empty(batch, text_tokens, config.joint_attention_dim, dtype=dtype),
-            timestep=torch.empty(batch, dtype=dtype), img_ids=torch.empty(batch, tokens, 4, dtype=torch.long),
+            timestep=torch.empty(batch, dtype=time_dtype), img_ids=torch.empty(batch, tokens, 4, dtype=torch.long),
             txt_ids=torch.empty(batch, text_tokens, 4, dtype=torch.long),
-            guidance=torch.empty(batch, dtype=dtype) if config.guidance_embeds else None, return_dict=False)[0]
+            guidance=torch.empty(batch, dtype=time_dtype) if config.guidance_embeds else None, return_dict=False)[0]
         return (out.float() - torch.empty_like(out, dtype=torch.float32)).pow(2).mean() if train else None
 
     return run

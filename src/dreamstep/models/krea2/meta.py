@@ -61,17 +61,19 @@ def training_pass(transformer: nn.Module, *, resolution: int, batch: int, text_t
                   image_token_multiplier: int = 1, trainable: nn.Module | None = None,
                   ) -> Callable[[], torch.Tensor | None]:
     """One forward of the transformer at ``resolution`` (8x VAE, 2x2 patches) with ``text_tokens`` caption tokens
-    of the selected layers' features, fp32 inputs when ``train`` (returning a loss)."""
+    of the selected layers' features in the transformer's dtype (σ in fp32 when ``train``, as the trainer gives it),
+    returning a loss when ``train``."""
     config = transformer.config
     tokens = (resolution // 16) ** 2 * image_token_multiplier
 
     def run() -> torch.Tensor | None:
-        dtype = torch.float32 if train else transformer.dtype
+        dtype = mp.input_dtype(transformer)
         out = transformer(
             hidden_states=torch.empty(batch, tokens, config.in_channels, dtype=dtype),
             encoder_hidden_states=torch.empty(batch, text_tokens, config.num_text_layers, config.text_hidden_dim,
                                               dtype=dtype),
-            timestep=torch.empty(batch, dtype=dtype), position_ids=torch.empty(text_tokens + tokens, 3),
+            timestep=torch.empty(batch, dtype=torch.float32 if train else dtype),
+            position_ids=torch.empty(text_tokens + tokens, 3),
             encoder_attention_mask=torch.empty(batch, text_tokens, dtype=torch.bool), return_dict=False)[0]
         return (out.float() - torch.empty_like(out, dtype=torch.float32)).pow(2).mean() if train else None
 

@@ -61,19 +61,19 @@ def training_pass(transformer: nn.Module, *, resolution: int, batch: int, text_t
                   image_token_multiplier: int = 1) -> Callable[[], torch.Tensor | None]:
     """One forward of the transformer at ``resolution`` (2x2 patches of the 8x latent: a 1024 px image is 64 x 64
     tokens, times ``image_token_multiplier`` for Edit's reference images of the target's size), returning a loss
-    when ``train``: the trainer's fp32 inputs (cached latents and embeddings) under autocast, or the pipeline's in
-    the transformer's dtype."""
+    when ``train``: the inputs in the transformer's dtype (the trainer casts its cached latents and embeddings; σ
+    in fp32) under autocast, or the pipeline's."""
     side = resolution // 16
     shapes = [[(1, side, side)] * image_token_multiplier] * batch
 
     def run() -> torch.Tensor | None:
-        dtype = torch.float32 if train else transformer.dtype
+        dtype = mp.input_dtype(transformer)
         out = transformer(
             hidden_states=torch.empty(batch, side * side * image_token_multiplier, transformer.config.in_channels,
                                       dtype=dtype),
             encoder_hidden_states=torch.empty(batch, text_tokens, transformer.config.joint_attention_dim, dtype=dtype),
-            encoder_hidden_states_mask=None, timestep=torch.empty(batch, dtype=dtype), img_shapes=shapes,
-            return_dict=False)[0]
+            encoder_hidden_states_mask=None, timestep=torch.empty(batch, dtype=torch.float32 if train else dtype),
+            img_shapes=shapes, return_dict=False)[0]
         if not train:
             return None
         target = out[:, :side * side].float()

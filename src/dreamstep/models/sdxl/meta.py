@@ -30,16 +30,17 @@ def meta_components(folder: Path | None) -> dict[str, nn.Module]:
 
 def training_pass(unet: nn.Module, *, resolution: int, batch: int, train: bool = True
                   ) -> Callable[[], torch.Tensor | None]:
-    """One forward of the UNet on a ``resolution`` px latent with SDXL's size conditioning, returning a loss when
-    ``train``."""
+    """One forward of the UNet on a ``resolution`` px latent with SDXL's size conditioning (fp32 sizes), the latents
+    and embeddings in the UNet's dtype (the trainer casts its cached ones so), returning a loss when ``train``."""
     config = unet.config
     side = resolution // 8
 
     def run() -> torch.Tensor | None:
-        out = unet(torch.empty(batch, config.in_channels, side, side), torch.empty(batch),
-                   encoder_hidden_states=torch.empty(batch, TEXT_TOKENS, config.cross_attention_dim),
-                   added_cond_kwargs={"text_embeds": torch.empty(batch, config.projection_class_embeddings_input_dim
-                                                                 - 6 * config.addition_time_embed_dim),
+        dtype = mp.input_dtype(unet)
+        pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+        out = unet(torch.empty(batch, config.in_channels, side, side, dtype=dtype), torch.empty(batch),
+                   encoder_hidden_states=torch.empty(batch, TEXT_TOKENS, config.cross_attention_dim, dtype=dtype),
+                   added_cond_kwargs={"text_embeds": torch.empty(batch, pooled, dtype=dtype),
                                       "time_ids": torch.empty(batch, 6)}, return_dict=False)[0]
         return (out.float() - torch.empty_like(out, dtype=torch.float32)).pow(2).mean() if train else None
 

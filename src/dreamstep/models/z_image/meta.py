@@ -30,17 +30,18 @@ def training_pass(transformer: nn.Module, *, resolution: int, batch: int, text_t
                   ) -> Callable[[], torch.Tensor | None]:
     """One forward of the transformer at ``resolution`` (8x VAE, 2x2 patches: a 1024 px image is 64 x 64 tokens)
     with ``text_tokens`` caption tokens per sample, fed as the trainer feeds it: lists of per-sample latents
-    (C, 1, h, w) and caption features (S, D), fp32 when ``train`` (returning a loss), the pipeline's dtype
-    otherwise."""
+    (C, 1, h, w) and caption features (S, D) in the transformer's dtype (the timestep in fp32 when ``train``, as the
+    trainer gives it), returning a loss when ``train``."""
     config = transformer.config
     side = resolution // 8
 
     def run() -> torch.Tensor | None:
-        dtype = torch.float32 if train else transformer.dtype
+        dtype = mp.input_dtype(transformer)
         latents = [torch.empty(config.in_channels, 1, side, side * image_token_multiplier, dtype=dtype)
                    for _ in range(batch)]
         captions = [torch.empty(text_tokens, config.cap_feat_dim, dtype=dtype) for _ in range(batch)]
-        out = torch.stack(transformer(latents, torch.empty(batch, dtype=dtype), captions, return_dict=False)[0])
+        timestep = torch.empty(batch, dtype=torch.float32 if train else dtype)
+        out = torch.stack(transformer(latents, timestep, captions, return_dict=False)[0])
         return (out.float() - torch.empty_like(out, dtype=torch.float32)).pow(2).mean() if train else None
 
     return run
