@@ -179,7 +179,7 @@ def _run(key: tuple[str, ...], command: Command, argv: list[str]) -> None:
     from dreamstep.config.schema import add_arguments, build_config
 
     options = _load(command.options)
-    add_arguments(parser, options)
+    add_arguments(parser, options, sections=key[0] == "train")
     parser.refused = getattr(options, "refused_flags", {})
     config = build_config(options, parser.parse_args(argv))
     from dreamstep.engine.interrupt import held_while_importing

@@ -122,3 +122,22 @@ def test_an_argument_that_is_not_utf8_is_refused_before_anything_starts(tmp_path
 def test_table_keys_and_values_are_written_as_toml_reads_them() -> None:
     table = {"plain_key-1": "a\nb", "needs quotes": [1, 2.5, True], "ü": {"inner": "\\"}, "": {}}
     assert tomllib.loads(f"t = {toml_value(table)}")["t"] == table
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_help_and_config_toml_show_model_and_data_first_and_validation_and_output_last(trainer: str,
+                                                                                      capsys) -> None:
+    from dreamstep.cli import main
+    from dreamstep.config.sections import SECTIONS, section_of
+
+    with pytest.raises(SystemExit):
+        main(["train", trainer, "--help"])
+    text = capsys.readouterr().out
+    shown = [title for title in SECTIONS if f"\n{title} options:\n" in text]
+    assert shown[:2] == ["model", "data"] and shown == sorted(shown, key=SECTIONS.index)
+    assert text.index("\nmodel options:\n") < text.index("\n  --pretrained_model_name_or_path")
+    toml = config_to_toml(build_config(TRAINERS[trainer], {**REQUIRED, **_data(trainer)}))
+    keys = [line.split(" = ")[0] for line in toml.splitlines() if " = " in line and not line.startswith("#")]
+    order = [SECTIONS.index(section_of(key)) for key in keys]
+    assert order == sorted(order) and toml.startswith("# model\n")
+    assert keys[0] == "pretrained_model_name_or_path" and section_of(keys[-1]) == "output"

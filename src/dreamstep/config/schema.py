@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
+from dreamstep.config.sections import in_section_order, section_of
 from dreamstep.errors import UserError, did_you_mean
 
 if sys.version_info >= (3, 11):
@@ -227,11 +228,18 @@ def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
     return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls) if f.init}
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add ``--config`` and one ``--<field>`` flag per dataclass field."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type, *, sections: bool = False) -> None:
+    """Add ``--config`` and one ``--<field>`` flag per dataclass field; with ``sections`` (a trainer's options),
+    in the sections of :mod:`dreamstep.config.sections`, each under its title in ``--help``."""
     parser.add_argument("--config", metavar="TOML", default=argparse.SUPPRESS,
                         help="TOML file with any of the flags below as keys (command-line flags win)")
-    for name, (f, tp) in _fields(cls).items():
+    fields = _fields(cls)
+    groups: dict[str, Any] = {}
+    for name in in_section_order(fields) if sections else fields:
+        f, tp = fields[name]
+        if sections and section_of(name) not in groups:
+            groups[section_of(name)] = parser.add_argument_group(f"{section_of(name)} options")
+        group = groups[section_of(name)] if sections else parser
         base, _ = _unwrap_optional(tp)
         default = f.default if f.default is not _MISSING else (
             f.default_factory() if f.default_factory is not _MISSING else None)
@@ -248,7 +256,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs.update(nargs="*", action="extend", metavar="VALUE")
         else:
             kwargs.update(metavar=name.upper())
-        parser.add_argument(f"--{name}", *(f"--{a}" for a in f.metadata.get("aliases", ())), **kwargs)
+        group.add_argument(f"--{name}", *(f"--{a}" for a in f.metadata.get("aliases", ())), **kwargs)
 
 
 def build_config(cls: type[T], cli: dict[str, Any] | argparse.Namespace | None = None,
@@ -293,12 +301,15 @@ def _check_writable(value: Any, where: str) -> None:
 
 
 def config_to_toml(config: Any) -> str:
-    """Render a flat config dataclass as TOML (``None`` values are left out), for saving beside outputs."""
-    lines = []
-    for key, value in dataclasses.asdict(config).items():
-        if value is None:
-            continue
-        lines.append(f"{key} = {toml_value(value)}")
+    """Render a trainer's flat config dataclass as TOML (``None`` values are left out), for saving beside outputs:
+    its options by section (:mod:`dreamstep.config.sections`), each section under a comment line."""
+    values = {key: value for key, value in dataclasses.asdict(config).items() if value is not None}
+    lines, section = [], None
+    for key in in_section_order(values):
+        if section_of(key) != section:
+            section = section_of(key)
+            lines += [""] * bool(lines) + [f"# {section}"]
+        lines.append(f"{key} = {toml_value(values[key])}")
     return "\n".join(lines) + "\n"
 
 

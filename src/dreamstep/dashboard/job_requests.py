@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dreamstep.config.schema import build_config, toml_value
+from dreamstep.config.sections import in_section_order, section_of
 from dreamstep.dashboard.heavy import import_heavy
 from dreamstep.errors import UserError
 
@@ -210,35 +211,21 @@ def _inside(roots: list[Path], relative: str, key: str, *, must_exist: bool) -> 
 
 
 # The new-run page's sections, in order; a flag goes to the first whose pattern matches its name.
-GROUPS = (
-    ("model", r"pretrained|revision|variant|single_file|model_config|^clip_l$|^t5xxl$|^ae$|controlnet_model|"
-              r"quantization|fp8_base|no_half_vae|v_parameterization|num_(double|single)_layers|max_sequence_length|"
-              r"t5xxl_max_token_length|apply_t5_attn_mask"),
-    ("data", r"data_dir|dataset|caption|^instance_|^class_|prior|num_class_images|^sample_batch_size|_crop|"
-             r"random_flip|repeats|^resolution|bucket|in_json|jsonl|_column|proportion_empty|data_?loader"),
-    ("LoRA / adapter", r"^rank$|^lora_|^network_|kohya|text_encoder_lr|train_text_encoder|text_encoder$|"
-                       r"controlnet_weights"),
-    ("validation / evaluation", r"validat|^eval_|^sample_|dino|clip_model"),
-    ("memory", r"checkpointing$|blocks_to_swap|mixed_precision|^full_|^cache_|compile|device_memory|tf32|sdpa|"
-               r"flash_attn|xformers|shard_base|zero_stage|dry_run"),
-    ("output", r"^output_|^save_|checkpoint|^logging|report_to|log_with|overwrite|^resume"),
-    ("optimization", r""),
-)
-
-
 def form_fields(trainer: str) -> list[dict[str, Any]]:
     """Every option of ``trainer`` as the new-run page shows it: its section, kind, choices, default and help
     (the texts of ``--help``); those the dashboard sets itself are left out."""
     from dreamstep.config.schema import _fields, _unwrap_optional
 
     shown = []
-    for name, (f, tp) in _fields(trainer_options(trainer)).items():
+    fields = _fields(trainer_options(trainer))
+    for name in in_section_order(fields):
+        f, tp = fields[name]
         if name in SET_BY_DASHBOARD:
             continue
         base, optional = _unwrap_optional(tp)
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         default = None if required else f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        shown.append({"name": name, "group": next(g for g, pattern in GROUPS if re.search(pattern, name)),
+        shown.append({"name": name, "group": section_of(name),
                       "kind": _kind(base), "choices": [str(c) for c in typing.get_args(base)]
                       if typing.get_origin(base) is Literal else None,
                       "default": default, "required": required, "help": f.metadata.get("help", ""),

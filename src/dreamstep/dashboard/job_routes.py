@@ -21,9 +21,9 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from dreamstep.config.sections import SECTIONS
 from dreamstep.dashboard.dataset_check import check_trainer_data, summary
 from dreamstep.dashboard.job_requests import (
-    GROUPS,
     FieldError,
     check_job_request,
     form_fields,
@@ -92,7 +92,7 @@ def job_routes(training: Training, index: RunIndex) -> list[Route]:
     def form(request: Request) -> Response:
         try:
             return JSONResponse({"fields": form_fields(request.path_params["trainer"]),
-                                 "groups": [name for name, _ in GROUPS]})
+                                 "groups": list(SECTIONS)})
         except FieldError as e:
             return JSONResponse({"error": str(e), "field": e.field}, 404)
 
