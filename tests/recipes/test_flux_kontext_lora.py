@@ -231,8 +231,15 @@ def _unmatched(root: Path, conditioning: Path) -> Path:
     return folder
 
 
+def _table_with(root: Path, rows: list[dict[str, str]]) -> Path:
+    path = root / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 @pytest.mark.parametrize("case", ["missing_cond_dir", "unmatched_pair", "bad_vae_encode_mode", "missing_column",
-                                  "toml_missing_cond_dir", "two_sources", "missing_validation_image"])
+                                  "toml_missing_cond_dir", "two_sources", "missing_validation_image", "empty_table",
+                                  "path_out_of_the_table_folder"])
 def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_kontext_dir: Path,
                                                      pairs: tuple[Path, Path], tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -249,6 +256,13 @@ def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_kontex
         "two_sources": lambda: ([*folders, conditioning, "--dataset_config", tmp_path / "x.toml"], "not 2"),
         "missing_validation_image": lambda: ([*folders, conditioning, "--validation_prompt", INSTRUCTION,
                                               "--validation_image", tmp_path / "no.png"], "--validation_image"),
+        "empty_table": lambda: (["--dataset_name", _table_with(tmp_path, []), "--cond_image_column", "before"],
+                                f"{tmp_path / 'pairs.jsonl'}: the table has no rows"),
+        "path_out_of_the_table_folder": lambda: (
+            ["--dataset_name", _table_with(tmp_path, [{"image": f"../{images.name}/0.png", "before": "b.png",
+                                                       "text": INSTRUCTION}]),
+             "--cond_image_column", "before", "--caption_column", "text"],
+            f"row 1: '../{images.name}/0.png' leads outside the table's folder"),
     }[case]()
     out = tmp_path / "out"
     code = run_cli("train", "flux-kontext-lora", "--pretrained_model_name_or_path", tiny_flux_kontext_dir,

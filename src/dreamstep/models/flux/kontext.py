@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import io
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -131,17 +132,33 @@ def _cell(row: dict[str, Any], column: str, flag: str, path: Path, number: int) 
     return row[column]
 
 
+def _image_path(cell: Any, table: Path, number: int) -> str:
+    """An image named in the table: relative to the table's folder and inside it (as in a Hugging Face image
+    folder), or an absolute path, which is taken as given."""
+    name = Path(str(cell))
+    if name.is_absolute():
+        return str(name)
+    if os.path.normpath(name).split(os.sep)[0] == os.pardir:  # by the name: a link in the folder is the user's
+        raise UserError(f"--dataset_name {table}: row {number}: '{cell}' leads outside the table's folder "
+                        f"{table.parent}; name images relative to the table, below its folder (or give an absolute "
+                        "path)")
+    return str(table.parent / name)
+
+
 def _pairs_file(config: Any) -> Path:
     """The ``--dataset_name`` table as the metadata JSONL the data package reads (``image``,
     ``conditioning_image``, ``caption``; absolute paths), written to a temporary folder of this process."""
     path = _metadata_path(config.dataset_name)
+    table = _read_rows(path)
+    if not table:
+        raise UserError(f"--dataset_name {path}: the table has no rows; add one row per pair")
     rows = []
-    for number, row in enumerate(_read_rows(path), start=1):
+    for number, row in enumerate(table, start=1):
         image_column = "file_name" if config.image_column == "image" and "image" not in row else config.image_column
-        entry = {"image": str(path.parent / str(_cell(row, image_column, "--image_column", path, number)))}
+        entry = {"image": _image_path(_cell(row, image_column, "--image_column", path, number), path, number)}
         if config.cond_image_column:
             cond = _cell(row, config.cond_image_column, "--cond_image_column", path, number)
-            entry["conditioning_image"] = str(path.parent / str(cond))
+            entry["conditioning_image"] = _image_path(cond, path, number)
         caption = row.get(config.caption_column) if config.caption_column else None
         if config.caption_column and caption is None and config.instance_prompt is None:
             _cell(row, config.caption_column, "--caption_column", path, number)
