@@ -30,6 +30,7 @@ from dreamstep.config.flux2_lora import Flux2LoraConfig
 from dreamstep.config.schema import config_to_toml, refuse_unused
 from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig
+from dreamstep.data.edit_pairs import edit_pair_datasets
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import dreambooth_datasets
 from dreamstep.engine.fit import FinishedRun, finish, fit_from_options, hooks_from_options
@@ -48,7 +49,6 @@ from dreamstep.models.class_images import (
     fill_class_folder,
     missing_class_images,
 )
-from dreamstep.models.flux import kontext
 from dreamstep.models.flux2 import plumbing as flux2
 from dreamstep.models.flux2.family import FAMILY
 from dreamstep.models.flux2.generation import sampling_defaults
@@ -68,7 +68,7 @@ def training_datasets(config: Flux2LoraConfig) -> list[DatasetConfig]:
     reads them, else DreamBooth folders (with the class folder once it holds --num_class_images images) or a
     dataset TOML."""
     if config.paired or config.dataset_name is not None or _toml_has_pairs(config):
-        return kontext.kontext_datasets(config)
+        return edit_pair_datasets(config)
     class_dir = config.class_data_dir if config.with_prior_preservation and not _class_images_missing(config) else None
     return dreambooth_datasets(config, class_dir, COMMAND)
 

@@ -33,6 +33,7 @@ from dreamstep.config.flux_kontext_lora import FluxKontextLoraConfig
 from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig, describe_datasets
+from dreamstep.data.edit_pairs import edit_pair_datasets, read_validation_image
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.engine.fit import FinishedRun, finish, fit_from_options, hooks_from_options
 from dreamstep.engine.logging import say_before_the_run
@@ -85,7 +86,7 @@ FOLDER_FLAG = "instance_data_dir"  # the flag an image folder is read from (the 
 
 
 def training_datasets(config: FluxKontextLoraConfig) -> list[DatasetConfig]:
-    return kontext.kontext_datasets(config)
+    return edit_pair_datasets(config)
 
 
 def plan_inputs(config: FluxKontextLoraConfig, dataset_configs: list[DatasetConfig],
@@ -135,7 +136,7 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
     latent_cache, text_cache = flux.caches_of(config, datasets)
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
                                              latent_cache=latent_cache, text_cache=text_cache)
-    validation_image = kontext.validation_image(config.validation_image)
+    validation_image = read_validation_image(config.validation_image)
     scorer = load_scorer(config)
     flux.transformer_config(config)  # --blocks_to_swap checked before the plan, or anything is encoded
     print_run_plan(plan_inputs(config, datasets, dataset.encodes_in_the_loop()), config.device_memory)

@@ -27,6 +27,7 @@ from dreamstep.config.qwen_image_edit_lora import QwenImageEditLoraConfig
 from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig
+from dreamstep.data.edit_pairs import edit_pair_datasets, read_validation_image
 from dreamstep.data.holdout import build_split_datasets
 from dreamstep.engine.fit import FinishedRun, finish, fit_from_options, hooks_from_options
 from dreamstep.engine.plan import check_optimization, loader_and_plan
@@ -37,7 +38,6 @@ from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.inject import TrainableState
 from dreamstep.models import parking
 from dreamstep.models.flow_step import condition_latents
-from dreamstep.models.flux.kontext import kontext_datasets, validation_image
 from dreamstep.models.plans import RunPlan
 from dreamstep.models.qwen_image import edit
 from dreamstep.models.qwen_image import plumbing as qwen
@@ -75,7 +75,7 @@ class QwenImageEditStep(QwenImageFlowMatchingStep):
 
 
 def training_datasets(config: QwenImageEditLoraConfig) -> list[DatasetConfig]:
-    datasets = kontext_datasets(config)
+    datasets = edit_pair_datasets(config)
     if datasets[0].method != "controlnet":
         raise UserError(f"--dataset_config {config.dataset_config}: Qwen-Image-Edit trains on pairs; give each subset "
                         "a conditioning_data_dir of reference images")
@@ -111,7 +111,7 @@ def train(config: QwenImageEditLoraConfig) -> FinishedRun | None:
     latent_cache, text_cache = qwen.training_caches(config, datasets)
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
                                              latent_cache=latent_cache, text_cache=None)
-    reference = validation_image(config.validation_image)
+    reference = read_validation_image(config.validation_image)
     scorer = load_scorer(config)
     qwen_image_lora_targets(qwen.meta_transformer(config), config.lora_layers)
     print_plan(plan_inputs(config, datasets, dataset.encodes_in_the_loop()), config.device_memory)
