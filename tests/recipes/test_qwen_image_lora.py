@@ -15,6 +15,7 @@ import torch
 from accelerate import init_empty_weights
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, load_images, run_cli
+from PIL import Image
 from qwen_image_testkit import fixed_noise_loss, tiny_model
 from safetensors.torch import load_file
 
@@ -187,3 +188,40 @@ def test_eval_scores_the_run_against_the_base_model(trained: Path, tiny_qwen: Pa
     assert list(rows)[0] == "base model" and len(rows) == 2
     final = next(r for label, r in rows.items() if label.endswith(LORA_WEIGHT_NAME))
     assert final["step"] == STEPS and final["dino"] != pytest.approx(rows["base model"]["dino"], abs=1e-6)
+
+
+def test_class_images_made_within_the_plan_are_the_whole_pipelines(tiny_qwen: Path, tmp_path: Path) -> None:
+    """From the class prompt's embedding, with the text encoder off the device: the images the whole pipeline makes
+    from the class prompt (diffusers' script calls ``pipeline(prompt)``), seed for seed."""
+    from dreamstep.config.qwen_image_lora import QwenImageLoraConfig
+    from dreamstep.config.schema import build_config
+    from dreamstep.recipes.qwen_image_lora import _generate_class_images
+
+    classes = tmp_path / "class"
+    config = build_config(QwenImageLoraConfig, {
+        "pretrained_model_name_or_path": str(tiny_qwen), "output_dir": str(tmp_path / "out"),
+        "instance_data_dir": str(ROBOT_DIR), "instance_prompt": ROBOT_PROMPT, "resolution": "32",
+        "with_prior_preservation": "true", "class_data_dir": str(classes), "class_prompt": "a photo of robot",
+        "num_class_images": "3", "sample_batch_size": "2", "seed": "5"})
+    _generate_class_images(config, str(tiny_qwen), torch.device("cpu"))
+    pipe = QwenImagePipeline.from_pretrained(tiny_qwen)
+    for first, count in ((0, 2), (2, 1)):
+        expected = pipe(prompt=["a photo of robot"] * count, height=32, width=32,
+                        generator=torch.Generator("cpu").manual_seed(5 + first), output_type="np").images
+        for i, image in enumerate(expected):
+            made = np.asarray(Image.open(classes / f"class-{first + i:05d}.png"), dtype=np.float32) / 255
+            assert np.abs(made - image).max() <= 1 / 255 + 1e-6
+
+
+def test_prior_preservation_makes_the_missing_class_images_and_plans_them(tiny_qwen: Path, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    classes = tmp_path / "class"
+    classes.mkdir()
+    Image.new("RGB", (32, 32), "gray").save(classes / "mine.png")  # one there already: one more is made
+    assert run_cli("train", "qwen-image-lora", "--pretrained_model_name_or_path", tiny_qwen,
+                   "--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT,
+                   "--output_dir", tmp_path / "out", "--resolution", 32, "--max_train_steps", 2,
+                   "--report_to", "none", "--with_prior_preservation", "--class_data_dir", classes,
+                   "--class_prompt", "a photo of robot", "--num_class_images", 2) == 0
+    assert sorted(p.name for p in classes.iterdir()) == ["class-00001.png", "mine.png"]
+    assert "class images" in capsys.readouterr().out

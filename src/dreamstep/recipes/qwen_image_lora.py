@@ -20,6 +20,8 @@ files, ``checkpoint-N/``, ``cache/`` and ``config.toml``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from inspect import signature
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,14 +33,12 @@ from dreamstep.config.schema import config_to_toml
 from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
-from dreamstep.data.images import IMAGE_EXTENSIONS
 from dreamstep.data.sources import dreambooth_datasets
 from dreamstep.engine.fit import FinishedRun, finish, fit_from_options, hooks_from_options
 from dreamstep.engine.logging import say_before_the_run
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
-from dreamstep.errors import UserError
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.comfyui_files import (
     EMA_WEIGHT_NAME,
@@ -50,6 +50,13 @@ from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import TrainableState, save_flux_lora
 from dreamstep.lora.training import prepare_lora_training
 from dreamstep.models import memory_plan as mp
+from dreamstep.models import parking
+from dreamstep.models.class_images import (
+    denoising_within_plan,
+    encode_class_prompt,
+    fill_class_folder,
+    missing_class_images,
+)
 from dreamstep.models.plans import RunPlan, plan_report
 from dreamstep.models.qwen_image import plumbing as qwen
 from dreamstep.models.qwen_image.family import FAMILY
@@ -69,19 +76,22 @@ class QwenImageLoraStep(QwenImageFlowMatchingStep):
 
 
 def training_datasets(config: QwenImageLoraConfig) -> list[DatasetConfig]:
-    """The instance (and class) folders or the dataset TOML, checked image by image before a model loads."""
-    class_dir = config.class_data_dir if config.with_prior_preservation and config.dataset_config is None else None
-    if class_dir is not None:
-        _check_class_images(config)
+    """The instance (and, once it holds --num_class_images images, class) folders or the dataset TOML, checked image
+    by image before a model loads."""
+    prior = config.with_prior_preservation and config.dataset_config is None
+    class_dir = config.class_data_dir if prior and not _class_images_missing(config) else None
     return dreambooth_datasets(config, class_dir, COMMAND)
 
 
 def plan_inputs(config: QwenImageLoraConfig, dataset_configs: list[DatasetConfig],
                 encodes_in_the_loop: bool) -> RunPlan:
-    """The memory plan's inputs; ``encodes_in_the_loop``: the loop encodes random crops itself."""
-    return RunPlan(FAMILY.name, config.pretrained_model_name_or_path, qwen.plan_options(
-        config, dataset_configs, validation_images=bool(config.validation_prompt),
-        encoders_on_device=not config.cache_latents or encodes_in_the_loop), {"lora_layers": config.lora_layers})
+    """The memory plan's inputs; ``encodes_in_the_loop``: the loop encodes random crops itself. Class images still
+    to make add their phase."""
+    options = qwen.plan_options(config, dataset_configs, validation_images=bool(config.validation_prompt),
+                                encoders_on_device=not config.cache_latents or encodes_in_the_loop)
+    if _class_images_missing(config):
+        options = replace(options, class_images_batch=config.sample_batch_size)
+    return RunPlan(FAMILY.name, config.pretrained_model_name_or_path, options, {"lora_layers": config.lora_layers})
 
 
 class LoraTransformer(NamedTuple):
@@ -132,6 +142,7 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
     check_optimization(**config.optimization())
+    generate_class = _class_images_missing(config)
     datasets = training_datasets(config)
     latent_cache, text_cache = qwen.training_caches(config, datasets)
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
@@ -147,12 +158,23 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
                     config_toml=config_to_toml(config), command=f"dreamstep {COMMAND}",
                     overwrite=config.overwrite_output_dir, allow_tf32=config.allow_tf32)
 
-    # 2. Data: bucketed samples, posteriors and prompt embeddings from the content-keyed caches; the step counts.
+    # 2. Class images (the plan's "class images" phase): the base makes the missing ones as the run will train it
+    # (quantized, swapped), from the class prompt's embedding; all is freed before the run loads its own models.
+    if generate_class:
+        if run.is_main_process:
+            _generate_class_images(config, source, run.device)
+        run.accelerator.wait_for_everyone()
+        parking.free_device_memory(run.device)
+        datasets = training_datasets(config)
+        dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
+                                                 latent_cache=latent_cache, text_cache=text_cache)
+
+    # 3. Data: bucketed samples, posteriors and prompt embeddings from the content-keyed caches; the step counts.
     loader, plan = loader_and_plan(run, dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                                    **config.step_counts())
     run.config_toml = config.resolved_toml(plan.num_epochs)
 
-    # 3. Encode: the VAE, then the Qwen2.5-VL, encode every image, caption and validation prompt before the
+    # 4. Encode: the VAE, then the Qwen2.5-VL, encode every image, caption and validation prompt before the
     # transformer loads; then the Qwen2.5-VL is dropped and the VAE waits in host memory (it stays on the device when
     # latents are not cached).
     pipeline = qwen.load_encoders_for_training(source, revision=config.revision, variant=config.variant,
@@ -166,7 +188,7 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
     encoders = qwen.free_text_encoder_and_park_vae(
         pipeline, run.device, latents_cached=latent_cache is not None and not dataset.encodes_in_the_loop())
 
-    # 4. Load, and the step: the transformer frozen in the --mixed_precision dtype (quantized as asked) with its LoRA
+    # 5. Load, and the step: the transformer frozen in the --mixed_precision dtype (quantized as asked) with its LoRA
     # in fp32; AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
     lora = load_lora_transformer(config, source, pipeline, run, plan)
     batches = ConditionedBatches(loader, conditioner)
@@ -178,7 +200,7 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
                       tokenizers={"Qwen2.5-VL": (pipeline.tokenizer, config.max_sequence_length)})
 
-    # 5. Loop: the engine trains, checkpoints and validates (samples, then the validation loss and scores).
+    # 6. Loop: the engine trains, checkpoints and validates (samples, then the validation loss and scores).
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
                                 loss_at=step.validation_loss_at, modules=[model], seed=config.seed,
                                 subject_images=subject_image_paths(dataset, held_out), device=run.device)
@@ -194,7 +216,7 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
     result = fit_from_options(run, step, batches, config, total_steps=plan.total_steps,
                               trained=trained, ema=ema, hooks=hooks)
 
-    # 6. Save: diffusers' layout and ComfyUI's (and Kohya's, the EMA's), final samples and scores, the loss curve.
+    # 7. Save: diffusers' layout and ComfyUI's (and Kohya's, the EMA's), final samples and scores, the loss curve.
     written = save_loras(config, transformer, ema) if run.is_main_process else {}
     return finish(run, written, result, hooks, best_by=config.best_metric(held_out is not None))
 
@@ -250,10 +272,40 @@ def _with_mask(text: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tens
                                                                       device=embeds.device)}
 
 
-def _check_class_images(config: QwenImageLoraConfig) -> None:
-    """Prior preservation reads --num_class_images images of --class_data_dir (they are not generated here)."""
-    folder = Path(config.class_data_dir)
-    found = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS] if folder.is_dir() else []
-    if len(found) < config.num_class_images:
-        raise UserError(f"--class_data_dir {folder} holds {len(found)} images, fewer than --num_class_images "
-                        f"{config.num_class_images}; add class images or lower --num_class_images")
+def _class_images_missing(config: QwenImageLoraConfig) -> bool:
+    """Whether prior preservation's class folder holds fewer than --num_class_images images (the base makes the
+    rest)."""
+    prior = config.with_prior_preservation and config.dataset_config is None
+    return prior and missing_class_images(config.class_data_dir, config.num_class_images) > 0
+
+
+def _generate_class_images(config: QwenImageLoraConfig, source: str, device: torch.device) -> None:
+    """The missing class images, made within the run's plan (:mod:`~dreamstep.models.class_images`): the class prompt
+    encoded first, then the transformer loaded as the run trains it (--base_quantization, --blocks_to_swap) denoising
+    from that embedding at --resolution with the pipeline's own steps and without a negative prompt (diffusers'
+    script calls ``pipeline(prompt)``); all dropped on return."""
+    pipeline = qwen.load_encoders_for_training(source, revision=config.revision, variant=config.variant,
+                                               mixed_precision=config.mixed_precision,
+                                               text_encoder_quantization=config.text_encoder_quantization)
+    text = encode_class_prompt(pipeline, device, ("text_encoder",), lambda: qwen.encode_prompts(
+        pipeline, [config.class_prompt], config.max_sequence_length))
+    transformer = qwen.load_transformer_for_training(
+        source, revision=config.revision, variant=config.variant, mixed_precision=config.mixed_precision,
+        device=device, base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0)
+    pipeline.register_modules(transformer=transformer)
+    say_before_the_run(f"generating class images of '{config.class_prompt}' in {config.class_data_dir}")
+    steps = signature(type(pipeline).__call__).parameters["num_inference_steps"].default
+    with denoising_within_plan(pipeline, transformer, device, config.blocks_to_swap):
+        view = type(pipeline)(**{**pipeline.components, "text_encoder": None})
+        view.set_progress_bar_config(disable=True)
+        length = int(text["prompt_mask"].sum())  # the prompt's own tokens, as the pipeline encodes it
+        embeds = text["prompt_embeds"][:, :length].to(view._execution_device, transformer.dtype)
+        mask = text["prompt_mask"][:, :length].to(view._execution_device)
+
+        def make(count: int, generator: torch.Generator) -> list[Image.Image]:
+            return view(prompt_embeds=embeds.expand(count, -1, -1), prompt_embeds_mask=mask.expand(count, -1),
+                        height=config.resolution, width=config.resolution, num_inference_steps=steps,
+                        generator=generator).images
+
+        fill_class_folder(config.class_data_dir, config.num_class_images, make, batch_size=config.sample_batch_size,
+                          seed=config.seed)
