@@ -15,6 +15,7 @@ scales are folded into ``up`` and the fused alpha equals its rank; that is repor
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -215,6 +216,9 @@ def read_lora(path: str | Path, model: str | None = None, configs: Mapping[str, 
     """Read and classify a LoRA file; ``model`` (a family's name), when given, must be the one it was made for
     (``configs``: that model's size, as :func:`convert_lora` takes them)."""
     lora_file = read_lora_file(path)
+    comfyui = formats.comfyui_as_peft(lora_file.tensors)
+    if comfyui is not None:
+        lora_file = dataclasses.replace(lora_file, tensors=comfyui)
     source = str(lora_file.path)
     layout = detect_layout(list(lora_file.tensors), source)
     modules = modules_from_file(lora_file, layout)

@@ -21,7 +21,7 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from dreamstep.errors import UserError
 from dreamstep.models.family import get_family
@@ -39,7 +39,7 @@ ALPHA_SUFFIX: Final = ".alpha"
 # as 'to_out'), any other module '<module>.lora.down.weight'. diffusers still reads them, and they are the
 # only names under which ComfyUI maps SDXL attention layers.
 _LEGACY_UNET_KEY = re.compile(r"^(unet\..+?)(?:\.processor\.(to_[qkv]|to_out)_lora|\.lora)\.(down|up)\.weight$")
-_COMFYUI_KEY = re.compile(r"^diffusion_model\.(.+?)\.(?:lora_(down|up|A|B)\.weight|alpha)$")
+_COMFYUI_KEY = re.compile(r"^diffusion_model\.(.+?)\.(lora_down\.weight|lora_up\.weight|alpha)$")
 _PEFT_UNET_KEY = re.compile(r"^(unet\..+?)(\.(to_[qkv]|to_out\.0))?\.lora_(A|B)\.weight$")
 
 
@@ -56,16 +56,21 @@ def legacy_unet_key(key: str) -> str:
     return f"{module}{match[2] or ''}.lora.{role}.weight"
 
 
+def comfyui_as_peft(tensors: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A file in ComfyUI's ``diffusion_model.<diffusers module>.lora_down.weight`` / ``.lora_up.weight`` /
+    ``.alpha`` layout (what dreamstep writes for a model ComfyUI names as diffusers does, Qwen-Image) under PEFT's
+    names for the transformer; ``None`` for any other file (other families' ComfyUI files, in ``lora_A``/``lora_B``
+    under their released names, are their families' to read)."""
+    matches = [_COMFYUI_KEY.match(key) for key in tensors]
+    if not all(matches) or not any(m.group(2) == "lora_down.weight" for m in matches):
+        return None
+    roles = {"lora_down.weight": "lora_A.weight", "lora_up.weight": "lora_B.weight", "alpha": "alpha"}
+    return {f"transformer.{m.group(1)}.{roles[m.group(2)]}": tensor for m, tensor in zip(matches, tensors.values())}
+
+
 def peft_key(key: str) -> str:
-    """A key as PEFT names it: an SDXL UNet key in diffusers' older names (the inverse of
-    :func:`legacy_unet_key`), or ComfyUI's ``diffusion_model.<module>.lora_down.weight`` / ``.lora_A.weight`` /
-    ``.alpha`` as the transformer's (for a model ComfyUI names as diffusers does, Qwen-Image, these are diffusers'
-    names); other keys unchanged."""
-    comfyui = _COMFYUI_KEY.match(key)
-    if comfyui is not None:
-        module, role = comfyui.groups()
-        return f"transformer.{module}." + {"down": "lora_A.weight", "A": "lora_A.weight", "up": "lora_B.weight",
-                                          "B": "lora_B.weight", None: "alpha"}[role]
+    """An SDXL UNet key in diffusers' older names as PEFT names it (the inverse of :func:`legacy_unet_key`);
+    other keys unchanged."""
     match = _LEGACY_UNET_KEY.match(key)
     if match is None:
         return key

@@ -72,8 +72,11 @@ def autocast(device_type: str, mixed_precision: str) -> contextlib.AbstractConte
 
 
 def compute_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype autocast computes in on ``device_type`` now, or ``None`` while autocast is off there."""
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    """The dtype autocast computes in on ``device_type`` now, or ``None`` while autocast is off there (or has no
+    such device: ``meta``, where the plan builds full-size models)."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def in_compute_dtype(inputs: Any, device_type: str) -> Any:
