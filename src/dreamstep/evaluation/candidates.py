@@ -31,8 +31,8 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 class Candidate:
     """One set of weights to score. ``kind``: ``lora`` (a LoRA file), ``controlnet`` (a ``save_pretrained``
     folder) or ``controlnet-checkpoint`` (a checkpoint's ControlNet state dict with its run's config);
-    ``step``: the training step, ``None`` when unknown; ``source``: what the user named (``path`` may be a
-    converted copy)."""
+    ``step``: the training step, ``None`` when unknown; ``config_dir``: a ControlNet's run folder (its
+    ``config.toml``); ``source``: what the user named (``path`` may be a converted copy)."""
 
     label: str
     path: Path
@@ -119,8 +119,10 @@ def flux_checkpoint_as_lora(weights: Path, config: dict, out: Path) -> Path:
 
 
 def _controlnet_folder(folder: Path) -> Candidate:
+    """A ``save_pretrained`` folder; a flux-controlnet run's own (its config.toml beside) names the run."""
     final = _run_config(folder).get("max_train_steps")
-    return Candidate(folder.name, folder, "controlnet", final if isinstance(final, int) else None)
+    run = folder if (folder / "config.toml").is_file() else None
+    return Candidate(folder.name, folder, "controlnet", final if isinstance(final, int) else None, run)
 
 
 def _run_folder(folder: Path, work_dir: Path, ema: str) -> list[Candidate]:
