@@ -151,6 +151,8 @@ def _score(config: EvalConfig, model_type: str, candidates: list[Candidate], wor
         raise UserError(f"ControlNets are FLUX.1's here; use 'dreamstep eval {flux_generation.CONTROLNET_VARIANT}'")
     if "edge" in config.metrics and not any(c.kind != "lora" for c in candidates):
         raise UserError("--metrics edge scores ControlNets; none of --weights is a ControlNet")
+    if any(c.kind != "lora" for c in candidates) and not config.control_image:
+        raise UserError("a ControlNet among --weights generates from a control image: give --control_image")
     losses = RunLosses(candidates) if VAL_LOSS in config.metrics else None
     prompts = _prompts(config)
     controls = _per_prompt(config.image or config.control_image, "--image" if config.image else "--control_image",
