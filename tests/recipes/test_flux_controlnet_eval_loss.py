@@ -114,3 +114,29 @@ def test_generate_takes_the_best_checkpoint_and_the_runs_ema(run: Path, tiny_flu
         (image,) = out.glob("*.png")
         images[name] = np.asarray(Image.open(image))
     assert np.array_equal(images[""], images["ema"])  # the run validated with its EMA: its folder gives the EMA
+
+
+def test_checkpoints_of_a_run_that_continued_a_controlnet(run: Path, tiny_flux_dev_dir: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run started from a ControlNet (--controlnet_model_name_or_path, a relative folder; its block counts are not
+    the flags' defaults): its checkpoint is shaped as that one, in eval and generate, also before the run wrote its
+    own config.json."""
+    pairs = run.parents[1]
+    with contextlib.chdir(pairs):
+        assert run_cli("train", "flux-controlnet", "--pretrained_model_name_or_path", tiny_flux_dev_dir,
+                       "--train_data_dir", "images", "--conditioning_data_dir", "conditioning", "--output_dir",
+                       "runs/continued", "--controlnet_model_name_or_path", "runs/cn/ema", "--resolution", "32",
+                       "--report_to", "none", "--max_train_steps", "2", "--checkpointing_steps", "2",
+                       "--validation_steps", "2", "--validation_split", "0.25", "--learning_rate", "1e-2") == 0
+    continued = pairs / "runs" / "continued"
+    (continued / "config.json").unlink()  # as a run still training has none yet
+    monkeypatch.chdir(tmp_path)
+    control = ("--control_image", pairs / "conditioning" / "pair_0.png")
+    assert run_cli("eval", "flux", "--model", tiny_flux_dev_dir, "--weights", continued / "checkpoint-2", "--metrics",
+                   "val_loss", "--output_dir", "eval", *control, *EVAL) == 0
+    rows = json.loads((tmp_path / "eval" / "scores.json").read_text())["candidates"]
+    state = json.loads((continued / "checkpoint-2" / "trainer_state.json").read_text())
+    assert rows[1]["val_loss"] == pytest.approx(dict(state["extra"]["metrics"])[2]["val_loss"], rel=1e-6)
+    assert run_cli("generate", "flux", "--model", tiny_flux_dev_dir, "--controlnet", continued / "checkpoint-2",
+                   *control, "--prompt", PROMPT, "--steps", "1", "--width", "32", "--height", "32",
+                   "--output_dir", "generated") == 0

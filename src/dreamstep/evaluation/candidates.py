@@ -42,6 +42,16 @@ class Candidate:
     source: Path | None = None
 
 
+def training_folder(run: Path, output_dir: str) -> Path:
+    """The folder a run trained from, where the relative paths of its ``config.toml`` start: the run folder less
+    ``output_dir`` when that is a relative path the run folder ends with, else the current folder."""
+    out = Path(output_dir)
+    parts = run.resolve().parts
+    if out.is_absolute() or ".." in out.parts or not out.parts or parts[-len(out.parts):] != out.parts:
+        return Path.cwd()
+    return Path(*parts[:-len(out.parts)])
+
+
 def _run_config(folder: Path) -> dict:
     file = folder / "config.toml"
     return load_toml(file) if file.is_file() else {}

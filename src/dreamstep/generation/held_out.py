@@ -21,19 +21,9 @@ from dreamstep.config.schema import build_config
 from dreamstep.data.cache import TensorCache
 from dreamstep.data.dataset import BucketDataset
 from dreamstep.errors import UserError
-from dreamstep.evaluation.candidates import Candidate
+from dreamstep.evaluation.candidates import Candidate, training_folder
 
 METRIC = "val_loss"
-
-
-def training_folder(run: Path, output_dir: str) -> Path:
-    """The folder training ran in: the run folder less ``output_dir`` when that is a relative path the run folder
-    ends with, else the current folder."""
-    out = Path(output_dir)
-    parts = run.resolve().parts
-    if out.is_absolute() or ".." in out.parts or not out.parts or parts[-len(out.parts):] != out.parts:
-        return Path.cwd()
-    return Path(*parts[:-len(out.parts)])
 
 
 @dataclass
