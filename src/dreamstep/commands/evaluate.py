@@ -4,7 +4,9 @@ Scores any set of LoRA files, ``checkpoint-N`` folders, FLUX ControlNet folders 
 expanded into its checkpoints and final weights), plus the base model alone as the baseline (step 0), on
 the same prompts with the same seeds: DINO and CLIP-I against the subject's images (``--instance_data_dir``),
 CLIP-T against the prompts with the identifier taken out, and for ControlNets the edge agreement with
-``--control_image``; for the LoRAs of an edit model (FLUX.1 Kontext) each prompt edits its ``--image`` (score
+``--control_image`` and, for the checkpoints of a flux-controlnet run that held out pairs, ``val_loss``: the
+validation loss the trainer logged, computed as it did (so ``--best_by val_loss`` names the checkpoint the
+trainer named best); for the LoRAs of an edit model (FLUX.1 Kontext) each prompt edits its ``--image`` (score
 the edits against the "after" images with ``--instance_data_dir``). Works on what every trainer writes.
 
 Writes into ``--output_dir``: ``scores.csv`` and ``scores.json`` (one row per candidate: label, path, step,
@@ -38,6 +40,6 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     for row in summary["candidates"]:
         step = "" if row["step"] is None else row["step"]
         print(f"{row['label'][:40]:<40} {step!s:>6}  " + "  ".join(f"{row[m]:8.4f}" for m in config.metrics))
-    print(f"\nbest by {config.best_by}: {summary['best']}")
+    print(f"\nbest by {config.best_by}: {summary['best'] or 'none (no candidate has a finite score)'}")
     print(f"wrote: {out / 'scores.csv'}, {out / 'scores.json'}, "
           + ", ".join(str(out / f"{m}.png") for m in config.metrics) + f", {out / 'samples'}")

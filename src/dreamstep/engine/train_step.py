@@ -182,14 +182,16 @@ class TrainStep(abc.ABC):
     Those read from the device wait for it; ``grad_norm_tensor`` and ``nonfinite_tensor`` do not.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None,
                  loss_scaler: LossScaler | None = None, max_grad_norm: float | None = None,
                  gradient_accumulation_steps: int = 1, length_of_dataloader: int | None = None,
                  accelerator: Any = None, gradient_accumulation_kwargs: dict[str, Any] | None = None,
                  ema: Any = None) -> None:
         """``gradient_accumulation_kwargs={"length_of_dataloader": L}`` is mindone's spelling of
         ``length_of_dataloader`` and is accepted so that ported mindone code runs unchanged. ``ema``
-        (:class:`~dreamstep.engine.ema.WeightAverage`) is told ``update(num_updates)`` after every group."""
+        (:class:`~dreamstep.engine.ema.WeightAverage`) is told ``update(num_updates)`` after every group. A step
+        without an ``optimizer`` only evaluates (``validation_loss_at``: ``dreamstep eval`` scoring a run's
+        checkpoints as the run did); calling it is an error."""
         length_of_dataloader = _length_from_kwargs(length_of_dataloader, gradient_accumulation_kwargs)
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
@@ -219,7 +221,8 @@ class TrainStep(abc.ABC):
         self._group_loss_sum: torch.Tensor | None = None  # sum of unscaled micro-batch losses, shape ()
         self._group_count = 0
         self._scaled_in_forward = False  # forward called scale_loss itself (mindone's contract)
-        self.optimizer.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
 
     @abc.abstractmethod
     def forward(self, *batch: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -294,6 +297,8 @@ class TrainStep(abc.ABC):
         return loss * self.group_size if self.group_size != 1 else loss
 
     def __call__(self, *batch: Any) -> tuple[torch.Tensor, ...]:
+        if self.optimizer is None:
+            raise TypeError(f"this {type(self).__name__} has no optimizer: it only evaluates (validation_loss_at)")
         closes_group = self.at_group_end
         with self._sync_context(closes_group):
             outputs = self._forward_checked(batch)
@@ -467,10 +472,10 @@ def _check_accelerator(accelerator: Any, lr_scheduler: Any) -> None:
                          "TrainStep steps it once per optimizer step")
 
 
-def _default_scaler(accelerator: Any, optimizer: torch.optim.Optimizer) -> LossScaler | None:
+def _default_scaler(accelerator: Any, optimizer: torch.optim.Optimizer | None) -> LossScaler | None:
     """fp16 needs loss scaling; bf16 and fp32 do not."""
     fp16_compute = accelerator is not None and accelerator.mixed_precision == "fp16"
-    fp16_params = any(p.dtype == torch.float16 for p in _params(optimizer))
+    fp16_params = optimizer is not None and any(p.dtype == torch.float16 for p in _params(optimizer))
     return DynamicLossScaler() if fp16_compute or fp16_params else None
 
 

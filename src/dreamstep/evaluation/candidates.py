@@ -31,8 +31,8 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 class Candidate:
     """One set of weights to score. ``kind``: ``lora`` (a LoRA file), ``controlnet`` (a ``save_pretrained``
     folder) or ``controlnet-checkpoint`` (a checkpoint's ControlNet state dict with its run's config);
-    ``step``: the training step, ``None`` when unknown; ``source``: what the user named (``path`` may be a
-    converted copy)."""
+    ``step``: the training step, ``None`` when unknown; ``config_dir``: a ControlNet's run folder (its
+    ``config.toml``); ``source``: what the user named (``path`` may be a converted copy)."""
 
     label: str
     path: Path
@@ -40,6 +40,16 @@ class Candidate:
     step: int | None
     config_dir: Path | None = None
     source: Path | None = None
+
+
+def training_folder(run: Path, output_dir: str) -> Path:
+    """The folder a run trained from, where the relative paths of its ``config.toml`` start: the run folder less
+    ``output_dir`` when that is a relative path the run folder ends with, else the current folder."""
+    out = Path(output_dir)
+    parts = run.resolve().parts
+    if out.is_absolute() or ".." in out.parts or not out.parts or parts[-len(out.parts):] != out.parts:
+        return Path.cwd()
+    return Path(*parts[:-len(out.parts)])
 
 
 def _run_config(folder: Path) -> dict:
@@ -94,7 +104,7 @@ def _checkpoint_weights(folder: Path, config: dict, ema: str, out: Path) -> tupl
             raise UserError(f"{folder}: the run kept no EMA (it trained without --ema_decay); remove "
                             "--checkpoint_weights ema")
         return weights, None
-    average = ema == "ema" or (ema == "auto" and config.get("ema_validation", True) is not False)
+    average = _reads_average(config, ema)
     try:
         state = chosen_weights(load_file(str(weights)), average)
     except UserError as e:
@@ -103,6 +113,12 @@ def _checkpoint_weights(folder: Path, config: dict, ema: str, out: Path) -> tupl
     with atomic_path(out) as tmp:
         save_file(state, str(tmp))
     return out, "ema" if average else "raw"
+
+
+def _reads_average(config: dict, ema: str) -> bool:
+    """Whether ``--checkpoint_weights ema`` picks a run's EMA over its raw weights: "ema", or "auto" for a run
+    that validated with its EMA (--ema_validation, the default), so that the best step the run named is read."""
+    return ema == "ema" or (ema == "auto" and config.get("ema_validation", True) is not False)
 
 
 def flux_checkpoint_as_lora(weights: Path, config: dict, out: Path) -> Path:
@@ -118,15 +134,23 @@ def flux_checkpoint_as_lora(weights: Path, config: dict, out: Path) -> Path:
     return out
 
 
-def _controlnet_folder(folder: Path) -> Candidate:
-    final = _run_config(folder).get("max_train_steps")
-    return Candidate(folder.name, folder, "controlnet", final if isinstance(final, int) else None)
+def _controlnet_folder(folder: Path, ema: str = "auto") -> Candidate:
+    """A ``save_pretrained`` folder; a flux-controlnet run's own (its config.toml beside) names the run, and of a
+    run that kept an EMA (``ema/`` beside) ``ema`` picks the weights as for its checkpoints."""
+    config = _run_config(folder)
+    final = config.get("max_train_steps")
+    run = folder if (folder / "config.toml").is_file() else None
+    path, label = folder, folder.name
+    if run is not None and (folder / "ema" / CONTROLNET_WEIGHTS).is_file():
+        average = _reads_average(config, ema)
+        path, label = (folder / "ema", f"{label} (ema)") if average else (folder, f"{label} (raw)")
+    return Candidate(label, path, "controlnet", final if isinstance(final, int) else None, run, source=folder)
 
 
 def _run_folder(folder: Path, work_dir: Path, ema: str) -> list[Candidate]:
     found = [_checkpoint(c, work_dir, ema) for c in list_checkpoints(folder)]
     if (folder / CONTROLNET_WEIGHTS).is_file():
-        found.append(_controlnet_folder(folder))
+        found.append(_controlnet_folder(folder, ema))
     for file in _final_loras(folder):
         found.append(Candidate(f"{folder.name}/{file.name}", file, "lora", _lora_step(file)))
     if not found:
@@ -182,9 +206,11 @@ def lora_file_for(path: Path, work_dir: Path, flag: str, ema: str = "auto") -> P
 
 def controlnet_source(text: str, work_dir: Path, ema: str = "auto") -> str | Candidate:
     """What ``--controlnet text`` names: a ``checkpoint-N`` folder of a flux-controlnet run as its candidate (its
-    weights, written into ``work_dir`` when ``ema`` picks from an EMA, and its run), else ``text`` (a folder in the
-    ``save_pretrained`` layout)."""
+    weights, written into ``work_dir`` when ``ema`` picks from an EMA, and its run), else a folder in the
+    ``save_pretrained`` layout (of a run that kept an EMA, ``ema`` picks ``ema/`` or the run's own, as eval does)."""
     path = Path(text).expanduser()
+    if (path / "config.toml").is_file() and (path / CONTROLNET_WEIGHTS).is_file():
+        return str(_controlnet_folder(path, ema).path)
     if not (path.is_dir() and _CHECKPOINT.match(path.name) and (path / WEIGHTS_FILE).is_file()):
         return text
     candidate = _checkpoint(path, work_dir, ema)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 import tempfile
 from pathlib import Path
@@ -24,6 +25,8 @@ from dreamstep.errors import UserError
 from dreamstep.evaluation.candidates import Candidate, find_candidates
 from dreamstep.evaluation.control import mean_edge_agreement
 from dreamstep.evaluation.fidelity import FidelityScorer
+from dreamstep.generation.held_out import METRIC as VAL_LOSS
+from dreamstep.generation.held_out import RunLosses
 from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, remove_loras
 from dreamstep.generation.pipelines import build_pipeline, check_model, choose_dtype, default_size
 from dreamstep.models.family import variant_family
@@ -76,15 +79,16 @@ class Generator:
         self.guidance = config.guidance_scale if config.guidance_scale is not None else defaults["guidance_scale"]
         self.size = config.resolution or default_size(self.pipe)
 
-    def images(self, candidate: Candidate | None, prompts: list[str], controls: list[Image.Image | None]
-               ) -> list[Image.Image]:
-        """``controls``: ControlNet control images, or the images Kontext edits."""
+    def images(self, candidate: Candidate | None, prompts: list[str], controls: list[Image.Image | None],
+               controlnet: torch.nn.Module | None = None) -> list[Image.Image]:
+        """``controls``: ControlNet control images, or the images Kontext edits; ``controlnet``: a ControlNet
+        candidate's model (:meth:`controlnet`)."""
         pipe = self.pipe
-        with_control = _edits(self.model_type) or (candidate is not None and candidate.kind != "lora")
+        with_control = _edits(self.model_type) or controlnet is not None
         if candidate is not None and candidate.kind == "lora":
             apply_loras(self.pipe, [LoraSpec(candidate.path)], self.family.name, merge=False)
-        elif candidate is not None:
-            pipe = self._with_controlnet(candidate)
+        elif controlnet is not None:
+            pipe = flux.assemble_pipeline(SimpleNamespace(**self.pipe.components), controlnet)
         try:
             return [image for prompt, control in zip(prompts, controls)
                     for image in self._generate(pipe, prompt, control if with_control else None)]
@@ -102,15 +106,17 @@ class Generator:
                             height=self.size, width=self.size, generator=generator, **extra).images[0])
         return out
 
-    def _with_controlnet(self, candidate: Candidate) -> Any:
-        """The base pipeline's components (no copies) with the candidate FLUX ControlNet: a folder, or a
-        flux-controlnet run's checkpoint."""
+    def controlnet(self, candidate: Candidate | None) -> torch.nn.Module | None:
+        """The candidate's FLUX ControlNet on the device (a folder, or a flux-controlnet run's checkpoint);
+        ``None`` for the base model and LoRAs."""
+        if candidate is None or candidate.kind == "lora":
+            return None
         if candidate.kind == "controlnet":
             controlnet = flux_generation.load_controlnet(str(candidate.path), self.dtype)
         else:
             controlnet = flux_generation.controlnet_from_checkpoint(candidate.path, candidate.config_dir,
                                                                     self.pipe.transformer, self.dtype)
-        return flux.assemble_pipeline(SimpleNamespace(**self.pipe.components), controlnet.to(self.device))
+        return controlnet.to(self.device)
 
 
 def _edits(model_type: str) -> bool:
@@ -130,20 +136,24 @@ def evaluate(config: EvalConfig, model_type: str) -> dict[str, Any]:
         use = f"use eval {' or eval '.join(edit_variants)}, or remove it" if edit_variants else "remove it"
         raise UserError(f"--image is the image an edit model edits; {model_type} generates from the prompt: {use}")
     check_model(model_type, config.model, config.model_config, config.component_files())
-    with tempfile.TemporaryDirectory(prefix="dreamstep-eval-") as work_dir:  # checkpoints written as LoRA files
+    # Checkpoints written as LoRA files, the held-out captions' embeddings for val_loss.
+    with tempfile.TemporaryDirectory(prefix="dreamstep-eval-") as work_dir:
         candidates = find_candidates(config.weights, Path(work_dir), config.checkpoint_weights)
         for candidate in candidates:
             if candidate.kind == "lora":
                 check_lora(candidate.path, family.name)
-        return _score(config, model_type, candidates)
+        return _score(config, model_type, candidates, Path(work_dir))
 
 
-def _score(config: EvalConfig, model_type: str, candidates: list[Candidate]) -> dict[str, Any]:
+def _score(config: EvalConfig, model_type: str, candidates: list[Candidate], work_dir: Path) -> dict[str, Any]:
     out = Path(config.output_dir)
     if model_type != flux_generation.CONTROLNET_VARIANT and any(c.kind != "lora" for c in candidates):
         raise UserError(f"ControlNets are FLUX.1's here; use 'dreamstep eval {flux_generation.CONTROLNET_VARIANT}'")
     if "edge" in config.metrics and not any(c.kind != "lora" for c in candidates):
         raise UserError("--metrics edge scores ControlNets; none of --weights is a ControlNet")
+    if any(c.kind != "lora" for c in candidates) and not config.control_image:
+        raise UserError("a ControlNet among --weights generates from a control image: give --control_image")
+    losses = RunLosses(candidates) if VAL_LOSS in config.metrics else None
     prompts = _prompts(config)
     controls = _per_prompt(config.image or config.control_image, "--image" if config.image else "--control_image",
                            prompts)
@@ -156,11 +166,16 @@ def _score(config: EvalConfig, model_type: str, candidates: list[Candidate]) -> 
     if scorer is not None:
         scorer.to(generator.device)
         scorer.set_references(references)
+    if losses is not None:
+        losses.encode(generator.pipe, generator.device, work_dir)
     rows = []
     for index, candidate in enumerate(tqdm([None, *candidates], desc="eval", unit="candidate")):
-        images = generator.images(candidate, prompts, controls)
+        controlnet = generator.controlnet(candidate)
+        images = generator.images(candidate, prompts, controls, controlnet)
         image_prompts = [p for p in prompts for _ in range(config.num_images)]
-        scores = scorer.score(images, image_prompts, config.identifier) if scorer is not None else {}
+        scores = {VAL_LOSS: losses(candidate, controlnet)} if losses is not None else {}
+        if scorer is not None:
+            scores |= scorer.score(images, image_prompts, config.identifier)
         if "edge" in config.metrics:
             scores["edge"] = mean_edge_agreement(images, [c for c in controls for _ in range(config.num_images)])
         sample = save_image_grid(images, out / "samples" / f"{index:02d}-{_slug(candidate)}.png",
@@ -178,7 +193,7 @@ def _slug(candidate: Candidate | None) -> str:
 def write_results(rows: list[dict[str, Any]], metrics: list[str], best_by: str, out: Path) -> dict[str, Any]:
     """``scores.csv``, ``scores.json`` and one ``<metric>.png`` per metric over steps; the summary."""
     out.mkdir(parents=True, exist_ok=True)
-    best = {m: max(rows, key=lambda r: r[m] if higher_is_better(m) else -r[m])["label"] for m in metrics}
+    best = {m: _best(rows, m) for m in metrics}
     summary = {"best_by": best_by, "best": best[best_by], "best_per_metric": best, "candidates": rows}
     with (out / "scores.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["label", "path", "step", *metrics, "samples"])
@@ -190,9 +205,19 @@ def write_results(rows: list[dict[str, Any]], metrics: list[str], best_by: str, 
         for row in rows:
             if row["step"] is not None:
                 table.add(row["step"], {metric: row[metric]})
-        best_step = next(r["step"] for r in rows if r["label"] == best[metric])
+        best_step = next((r["step"] for r in rows if r["label"] == best[metric]), None)
         draw_metrics(table, out / f"{metric}.png", columns=1, marks={metric: best_step} if best_step is not None
                      else None)
     return summary
 
 
+
+
+def _best(rows: list[dict[str, Any]], metric: str) -> str | None:
+    """The label of the row with the best finite value of ``metric`` (the first on ties), ``None`` if none has
+    one (a val_loss of a candidate from no run, an edge score of a blank control)."""
+    scored = [r for r in rows if math.isfinite(r[metric])]
+    if not scored:
+        return None
+    sign = 1.0 if higher_is_better(metric) else -1.0
+    return max(scored, key=lambda r: sign * r[metric])["label"]

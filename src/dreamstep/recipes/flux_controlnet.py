@@ -29,6 +29,7 @@ Outputs in --output_dir: ``config.json`` + ``diffusion_pytorch_model.safetensors
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ from PIL import Image
 
 from dreamstep.config.flux_controlnet import FluxControlNetConfig
 from dreamstep.config.schema import config_to_toml
-from dreamstep.data.dataset import ConditionedBatches
+from dreamstep.data.cache import TensorCache
+from dreamstep.data.dataset import BucketDataset, ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig, describe_datasets
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.images import load_rgb
@@ -50,7 +52,8 @@ from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.sharding import FullState, full_model_state, is_sharded, shard_model
 from dreamstep.engine.summary import print_run_summary
-from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
+from dreamstep.evaluation.evaluator import build_evaluator, held_out_batches, load_scorer
+from dreamstep.evaluation.validation_loss import ValidationLoss
 from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.flow_step import condition_latents
@@ -75,10 +78,59 @@ class FluxControlNetStep(FluxFlowMatchingStep):
     def condition(self, batch: dict[str, Any], sample: bool) -> torch.Tensor:
         return condition_latents(batch, sample)
 
-    def predict(self, controlnet: torch.nn.Module, inputs: dict[str, Any], batch: dict[str, Any],
+    def predict(self, controlnet: torch.nn.Module | None, inputs: dict[str, Any], batch: dict[str, Any],
                 condition: torch.Tensor) -> torch.Tensor:
-        residuals = cn.residuals(controlnet, controlnet_cond=flux.pack(condition), **inputs)
+        """``controlnet`` ``None``: the transformer alone (eval's base-model row; what a freshly built
+        ControlNet, its output projections zero, also predicts)."""
+        residuals = {} if controlnet is None else cn.residuals(controlnet, controlnet_cond=flux.pack(condition),
+                                                               **inputs)
         return self.transformer(**inputs, **residuals, return_dict=False)[0]
+
+
+def build_step(config: FluxControlNetConfig, controlnet: torch.nn.Module | None, transformer: torch.nn.Module,
+               scheduler: Any, **engine_options: Any) -> FluxControlNetStep:
+    """The run's step over the base ``transformer`` and its ``scheduler``'s σ table; ``engine_options``:
+    :class:`~dreamstep.engine.train_step.TrainStep`'s (without an optimizer the step only evaluates)."""
+    return FluxControlNetStep(
+        controlnet, transformer=transformer, sigmas=flux.training_sigmas(scheduler),
+        objective=config.flow_matching_objective(),
+        guidance_scale=config.guidance_scale if transformer.config.guidance_embeds else None, **engine_options)
+
+
+def split_pairs(config: FluxControlNetConfig, datasets: list[DatasetConfig], *,
+                latent_cache: TensorCache | None = None, text_cache: TensorCache | None = None
+                ) -> tuple[BucketDataset, BucketDataset | None]:
+    """The pairs trained on and those held out for the validation loss (``None``: none), chosen by content
+    and ``--seed`` (:mod:`dreamstep.data.holdout`)."""
+    return build_split_datasets(datasets, config.seed, config.validation_split, latent_cache=latent_cache,
+                                text_cache=text_cache)
+
+
+def conditioner_of(config: FluxControlNetConfig, pipeline: Any, device: torch.device, *,
+                   latent_cache: TensorCache | None, text_cache: TensorCache) -> flux.ControlConditioner:
+    """The step's inputs of a batch of pairs: both images' posteriors through ``pipeline``'s VAE, the
+    captions' embeddings through its text encoders."""
+    return flux.ControlConditioner(flux.FluxConditioner(
+        pipeline, latent_cache=latent_cache, text_cache=text_cache, max_sequence_length=config.max_sequence_length,
+        device=device))
+
+
+def held_out_loss(config: FluxControlNetConfig, held_out: BucketDataset, pipeline: Any, text_cache: TensorCache,
+                  device: torch.device) -> Callable[[torch.nn.Module | None], float]:
+    """The validation loss the run logged, as a function of a ControlNet (``None``: the base transformer
+    alone), for ``dreamstep eval``: ``held_out`` (:func:`split_pairs` of the run's config) encoded once by
+    ``pipeline`` (the base: its VAE, text encoders, transformer and scheduler), then scored by the run's step
+    at the same fixed noise levels and draws, under the run's ``--mixed_precision``."""
+    conditioner = conditioner_of(config, pipeline, device, latent_cache=None, text_cache=text_cache)
+    batches = held_out_batches(held_out, conditioner, config.seed)
+
+    def loss(controlnet: torch.nn.Module | None) -> float:
+        step = build_step(config, controlnet, pipeline.transformer, pipeline.scheduler, optimizer=None)
+        modules = [controlnet] if controlnet is not None else []
+        with autocast(device.type, config.mixed_precision):
+            return ValidationLoss(batches, step.validation_loss_at, seed=config.seed, modules=modules)()
+
+    return loss
 
 
 FOLDER_FLAG = "train_data_dir"  # the flag an image folder is read from (the dashboard's dataset check)
@@ -112,8 +164,7 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     # Target and control posteriors cached (a random crop with room to move is encoded every step), prompt
     # embeddings cached.
     latent_cache, text_cache = flux.caches_of(config, datasets)
-    dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
-                                             latent_cache=latent_cache, text_cache=text_cache)
+    dataset, held_out = split_pairs(config, datasets, latent_cache=latent_cache, text_cache=text_cache)
     validation = [(load_rgb(Path(image)), prompt) for image, prompt in config.validation_pairs()]
     scorer = load_scorer(config)
     transformer_config = flux.transformer_config(config)  # checked before the plan, or anything is encoded
@@ -139,9 +190,8 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
         base_of(config).source, revision=config.revision, variant=config.variant,
         mixed_precision=config.mixed_precision, device=run.device,
         text_encoder_quantization=config.text_encoder_quantization, files=base_of(config).files)
-    conditioner = flux.ControlConditioner(flux.FluxConditioner(
-        flux.assemble_pipeline(base), latent_cache=latent_cache, text_cache=text_cache,
-        max_sequence_length=config.max_sequence_length, device=run.device))
+    conditioner = conditioner_of(config, flux.assemble_pipeline(base), run.device, latent_cache=latent_cache,
+                                 text_cache=text_cache)
     parking.encode_run(conditioner.conditioner, dataset, held_out, epochs=plan.num_epochs)
     embeddings = flux.prompt_embeddings(conditioner.conditioner, [prompt for _, prompt in validation])
     encoders = flux.park_encoders(base, run.device, text_encoder_trains=False,
@@ -183,13 +233,10 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     # A sharded model talks to its peers itself; DDP comes from accelerate.
     ema = weight_average(controlnet, config.ema_options())
     model, optimizer = (controlnet, optimizer) if sharded else run.accelerator.prepare(controlnet, optimizer)
-    step = FluxControlNetStep(
-        model, transformer=base.transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, ema=ema,
+    step = build_step(
+        config, model, base.transformer, base.scheduler, optimizer=optimizer, lr_scheduler=lr_scheduler, ema=ema,
         accelerator=run.accelerator, max_grad_norm=config.max_grad_norm or None,
-        gradient_accumulation_steps=config.gradient_accumulation_steps, length_of_dataloader=len(loader),
-        sigmas=flux.training_sigmas(base.scheduler),
-        objective=config.flow_matching_objective(),
-        guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)
+        gradient_accumulation_steps=config.gradient_accumulation_steps, length_of_dataloader=len(loader))
 
     print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(controlnet,),

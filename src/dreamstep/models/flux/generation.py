@@ -77,12 +77,30 @@ def load_controlnet(folder: str, dtype: torch.dtype) -> FluxControlNetModel:
 
 def controlnet_from_checkpoint(weights: Path, run_dir: Path, transformer: torch.nn.Module,
                                dtype: torch.dtype) -> FluxControlNetModel:
-    """The ControlNet of a flux-controlnet run's ``checkpoint-N``: built from the base transformer as the run built
-    it (the block counts of ``run_dir/config.toml``), with the checkpoint's ``weights``."""
+    """The ControlNet of a flux-controlnet run's ``checkpoint-N``, with the checkpoint's ``weights``, shaped as the
+    run's: built from the base transformer (the block counts of ``run_dir/config.toml``), or for a run that started
+    from a ControlNet (``--controlnet_model_name_or_path``) that one's architecture."""
     run = load_toml(run_dir / "config.toml")
-    model = cn.build_from_transformer(transformer, run.get("num_double_layers", 4), run.get("num_single_layers", 4))
+    start = run.get("controlnet_model_name_or_path")
+    if start is None:
+        model = cn.build_from_transformer(transformer, run.get("num_double_layers", 4), run.get("num_single_layers", 4))
+    else:
+        model = FluxControlNetModel.from_config(_started_from(run_dir, run, start))
     model.load_state_dict(load_file(str(weights)))
     return model.to(dtype)
+
+
+def _started_from(run_dir: Path, run: dict[str, Any], start: str) -> dict[str, Any]:
+    """The config of the ControlNet a run started from: the run's own ``config.json`` (written with its final
+    ControlNet), else that of ``start`` (a folder, relative ones read from where training ran, or a hub id)."""
+    from dreamstep.evaluation.candidates import training_folder
+
+    folder = run_dir if (run_dir / "config.json").is_file() else training_folder(run_dir, run["output_dir"]) / start
+    try:
+        return FluxControlNetModel.load_config(str(folder if folder.is_dir() else start))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{run_dir}: its checkpoints continue the ControlNet {start} (--controlnet_model_name_or_"
+                        f"path), whose config.json cannot be read ({e}); put that folder back, or finish the run")
 
 
 def sampling_defaults(variant: str, pipe: Any, images: Sequence[Image.Image]) -> dict[str, Any]:
