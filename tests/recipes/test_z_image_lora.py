@@ -168,3 +168,28 @@ def test_another_familys_folder_is_named(tmp_path: Path, capsys: pytest.CaptureF
     assert code == 2
     assert "holds a FluxPipeline (a FLUX.1 model: train it with 'dreamstep train flux-lora')" in \
         capsys.readouterr().err
+
+
+def test_class_images_made_within_the_plan_are_the_whole_pipelines(tiny_z_image_dir: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A run with one class image of three makes the other two from the class prompt's caption features (the text
+    encoder off the device): the images the whole pipeline makes from the prompt with the base's own steps and
+    guidance (its empty negative prompt), seed for seed; the plan has their phase."""
+    from dreamstep.models.z_image.configs import BASE_SAMPLING
+
+    classes = tmp_path / "class"
+    classes.mkdir()
+    Image.new("RGB", (32, 32), "gray").save(classes / "mine.png")
+    assert run_train("--pretrained_model_name_or_path", tiny_z_image_dir, "--output_dir", tmp_path / "out",
+                     *BASE_ARGS, "--max_train_steps", "2", "--with_prior_preservation", "--class_data_dir", classes,
+                     "--class_prompt", "a photo of robot", "--num_class_images", "3", "--sample_batch_size", "2",
+                     "--seed", "5") == 0
+    assert sorted(p.name for p in classes.iterdir()) == ["class-00001.png", "class-00002.png", "mine.png"]
+    assert "class images" in capsys.readouterr().out
+    pipe = ZImagePipeline.from_pretrained(tiny_z_image_dir)
+    for index in (1, 2):
+        expected = pipe("a photo of robot", negative_prompt="", height=32, width=32, max_sequence_length=64,
+                        num_inference_steps=BASE_SAMPLING["steps"], guidance_scale=BASE_SAMPLING["guidance_scale"],
+                        generator=torch.Generator("cpu").manual_seed(5 + index), output_type="np").images[0]
+        made = np.asarray(Image.open(classes / f"class-{index:05d}.png"), dtype=np.float32) / 255
+        assert np.abs(made - expected).max() <= 1 / 255 + 1e-6

@@ -37,14 +37,12 @@ from dreamstep.config.z_image_lora import ZImageLoraConfig
 from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
-from dreamstep.data.images import IMAGE_EXTENSIONS
 from dreamstep.data.sources import dreambooth_datasets
 from dreamstep.engine.fit import FinishedRun, finish, fit_from_options, hooks_from_options
 from dreamstep.engine.logging import say_before_the_run
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
-from dreamstep.errors import UserError
 from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.files import honour_umask
 from dreamstep.lora.convert import convert_lora
@@ -52,6 +50,12 @@ from dreamstep.lora.inject import TrainableState, save_flux_lora
 from dreamstep.lora.io import write_lora_file
 from dreamstep.lora.training import prepare_lora_training
 from dreamstep.models import parking
+from dreamstep.models.class_images import (
+    denoising_within_plan,
+    encode_class_prompt,
+    fill_class_folder,
+    missing_class_images,
+)
 from dreamstep.models.family import check_blocks_to_swap
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.plans import RunPlan, print_run_plan
@@ -109,10 +113,9 @@ Z_IMAGE = DitLora(
 
 
 def training_datasets(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> list[DatasetConfig]:
-    """What the run trains on: its dataset TOML, or the instance (and class) folders."""
-    class_dir = config.class_data_dir if config.class_images_to_generate else None
-    if class_dir is not None:
-        _check_class_images(config)
+    """What the run trains on: its dataset TOML, or the instance (and, once it holds --num_class_images images,
+    class) folders."""
+    class_dir = config.class_data_dir if config.class_images_to_generate and not _class_images_missing(config) else None
     return dreambooth_datasets(config, class_dir, spec.command)
 
 
@@ -139,7 +142,8 @@ def plan_inputs(config: ZImageLoraConfig, dataset_configs: list[DatasetConfig], 
         text_encoder_quantization=config.text_encoder_quantization,
         encoders_on_device=not config.cache_latents or encodes_in_the_loop, blocks_to_swap=config.blocks_to_swap,
         optimizer=config.optimizer, weight_dtype=weight_dtype_for(config.mixed_precision),
-        max_sequence_length=config.max_sequence_length, validation_images=bool(config.validation_prompt))
+        max_sequence_length=config.max_sequence_length, validation_images=bool(config.validation_prompt),
+        class_images_batch=config.sample_batch_size if _class_images_missing(config) else 0)
     return DitRunPlan(spec.family.name, config.pretrained_model_name_or_path, options,
                       {"lora_layers": config.lora_layers}, kind=spec.kind)
 
@@ -171,12 +175,9 @@ def train(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> FinishedRun | No
                      resume_from_checkpoint=config.resume_from_checkpoint, config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
     check_optimization(**config.optimization())
+    generate_class = _class_images_missing(config)
     datasets = training_datasets(config, spec)
-    image_dirs = [s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None]
-    latent_cache, text_cache = zi.training_caches(
-        config.cache_root(), source, revision=config.revision, variant=config.variant,
-        mixed_precision=config.mixed_precision, max_sequence_length=config.max_sequence_length,
-        cache_latents=config.cache_latents, image_dirs=image_dirs, kind=spec.kind)
+    latent_cache, text_cache = _caches(config, datasets, spec)
     dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
                                              latent_cache=latent_cache, text_cache=text_cache)
     scorer = load_scorer(config)
@@ -188,12 +189,24 @@ def train(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> FinishedRun | No
                     config_toml=config_to_toml(config), command=f"dreamstep {spec.command}",
                     overwrite=config.overwrite_output_dir, allow_tf32=config.allow_tf32)
 
-    # 2. Data: bucketed samples, posteriors and caption features from the content-keyed caches; the step counts.
+    # 2. Class images (the plan's "class images" phase): the base makes the missing ones as the run will train it
+    # (quantized, swapped), from the class prompt's caption features; all is freed before the run loads its own.
+    if generate_class:
+        if run.is_main_process:
+            _generate_class_images(config, spec, text_cache, run.device)
+        run.accelerator.wait_for_everyone()
+        parking.free_device_memory(run.device)
+        datasets = training_datasets(config, spec)
+        latent_cache, text_cache = _caches(config, datasets, spec)
+        dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
+                                                 latent_cache=latent_cache, text_cache=text_cache)
+
+    # 3. Data: bucketed samples, posteriors and caption features from the content-keyed caches; the step counts.
     loader, plan = loader_and_plan(run, dataset, seed=config.seed, num_workers=config.dataloader_num_workers,
                                    **config.step_counts())
     run.config_toml = config.resolved_toml(plan.num_epochs)
 
-    # 3. Encode: the VAE then Qwen3 encode every image and caption (and the validation prompts) before the
+    # 4. Encode: the VAE then Qwen3 encode every image and caption (and the validation prompts) before the
     # transformer loads; then Qwen3 waits in host memory, and the VAE too when the latents are cached.
     base = zi.load_encoders(source, revision=config.revision, variant=config.variant,
                             mixed_precision=config.mixed_precision,
@@ -211,7 +224,7 @@ def train(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> FinishedRun | No
         parking.place(base.vae, run.device)
     batches = ConditionedBatches(loader, conditioner)
 
-    # 4. Load: the transformer frozen in the --mixed_precision dtype (quantized as asked); LoRA weights in fp32.
+    # 5. Load: the transformer frozen in the --mixed_precision dtype (quantized as asked); LoRA weights in fp32.
     transformer = zi.load_transformer(source, revision=config.revision, variant=config.variant,
                                       mixed_precision=config.mixed_precision, device=run.device,
                                       base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0,
@@ -221,7 +234,7 @@ def train(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> FinishedRun | No
     training = prepare_lora_training(transformer, targets, config, run, plan)
     model, optimizer, lr_scheduler, ema = training.model, training.optimizer, training.lr_scheduler, training.ema
 
-    # 5. Step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
+    # 6. Step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
     step = spec.step_class(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
         max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -232,7 +245,7 @@ def train(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> FinishedRun | No
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
                       tokenizers={"Qwen": (base.tokenizer, config.max_sequence_length)})
 
-    # 6. Loop: the engine trains, checkpoints and validates (samples, then the validation loss and scores).
+    # 7. Loop: the engine trains, checkpoints and validates (samples, then the validation loss and scores).
     evaluator = build_evaluator(config, scorer, held_out=held_out, conditioner=conditioner,
                                 loss_at=step.validation_loss_at, modules=[model], seed=config.seed,
                                 subject_images=subject_image_paths(dataset, held_out), device=run.device)
@@ -251,7 +264,7 @@ def train(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> FinishedRun | No
     result = fit_from_options(run, step, batches, config, total_steps=plan.total_steps,
                               trained=TrainableState({"transformer": transformer}), ema=ema, hooks=hooks)
 
-    # 7. Save: the diffusers layout and ComfyUI's, final samples and scores, loss curve, summary.
+    # 8. Save: the diffusers layout and ComfyUI's, final samples and scores, loss curve, summary.
     written: dict[str, Path | None] = {}
     if run.is_main_process:
         written["LoRA (diffusers)"] = save_flux_lora(config.output_dir, transformer, weight_name=LORA_WEIGHT_NAME)
@@ -277,13 +290,51 @@ def save_comfyui_lora(diffusers_file: Path, path: Path,
     return path
 
 
-def _check_class_images(config: ZImageLoraConfig) -> None:
-    folder = Path(config.class_data_dir)
-    found = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS] if folder.is_dir() else []
-    if len(found) < config.num_class_images:
-        raise UserError(f"--class_data_dir {folder} holds {len(found)} images, --num_class_images asks for "
-                        f"{config.num_class_images}; add class images (e.g. from 'dreamstep generate') or lower "
-                        "--num_class_images")
+def _caches(config: ZImageLoraConfig, datasets: list[DatasetConfig], spec: DitLora) -> tuple[Any, Any]:
+    image_dirs = [s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None]
+    return zi.training_caches(config.cache_root(), config.pretrained_model_name_or_path, revision=config.revision,
+                              variant=config.variant, mixed_precision=config.mixed_precision,
+                              max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents,
+                              image_dirs=image_dirs, kind=spec.kind)
+
+
+def _class_images_missing(config: ZImageLoraConfig) -> bool:
+    """Whether prior preservation's class folder holds fewer than --num_class_images images (the base makes the
+    rest)."""
+    return config.class_images_to_generate and missing_class_images(config.class_data_dir, config.num_class_images) > 0
+
+
+def _generate_class_images(config: ZImageLoraConfig, spec: DitLora, text_cache: Any, device: torch.device) -> None:
+    """The missing class images, made within the run's plan (:mod:`~dreamstep.models.class_images`): the class prompt
+    (and the empty prompt, for the base's guidance) encoded first, then the transformer loaded as the run trains it
+    (--base_quantization, --blocks_to_swap) drawing with the base's own steps and guidance; all dropped on return."""
+    source = config.pretrained_model_name_or_path
+    base = zi.load_encoders(source, revision=config.revision, variant=config.variant,
+                            mixed_precision=config.mixed_precision,
+                            text_encoder_quantization=config.text_encoder_quantization, kind=spec.kind,
+                            pipeline_options=spec.pipeline_options)
+    conditioner = spec.conditioner_class(base, latent_cache=None, text_cache=text_cache,
+                                         max_sequence_length=config.max_sequence_length, device=device)
+    sampling = spec.distilled_sampling if spec.is_distilled(source) else spec.base_sampling
+    text = encode_class_prompt(base, device, ("text_encoder",), lambda: {
+        "class": conditioner.prompts([config.class_prompt]),
+        "negative": conditioner.prompts([""]) if sampling["guidance_scale"] > 0 else None})
+    transformer = zi.load_transformer(source, revision=config.revision, variant=config.variant,
+                                      mixed_precision=config.mixed_precision, device=device,
+                                      base_quantization=config.base_quantization, on_host=config.blocks_to_swap > 0,
+                                      kind=spec.kind)
+    say_before_the_run(f"generating class images of '{config.class_prompt}' in {config.class_data_dir}")
+    with denoising_within_plan(base, transformer, device, config.blocks_to_swap):
+        pipe = base.pipeline(transformer)
+
+        def make(count: int, generator: torch.Generator) -> list[Image.Image]:
+            return spec.generate(pipe, [config.class_prompt] * count, seed=generator.initial_seed(),
+                                 steps=sampling["steps"], guidance_scale=sampling["guidance_scale"],
+                                 width=config.resolution, height=config.resolution,
+                                 embeddings={config.class_prompt: text["class"]}, negative=text["negative"])
+
+        fill_class_folder(config.class_data_dir, config.num_class_images, make, batch_size=config.sample_batch_size,
+                          seed=config.seed)
 
 
 class _Sampler:
