@@ -96,9 +96,9 @@ def check_folder_can_be_made(folder: str | Path, flag: str) -> None:
     blocking = next((p for p in [folder, *folder.parents] if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise UserError(f"{flag} {folder}: {blocking} is a file, so the folder cannot be made there; give "
-                          "another path")
+                        "another path")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".dreamstep-check-", dir=parent))
     except OSError as error:
         raise UserError(f"{flag} {folder}: cannot make the folder in {parent} ({error.strerror}); give a path "
-                          "you can write to") from None
+                        "you can write to") from None

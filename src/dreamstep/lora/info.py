@@ -12,7 +12,7 @@ import re
 from dreamstep.errors import UserError
 from dreamstep.lora import formats
 from dreamstep.lora.convert import Lora, read_lora, to_diffusers
-from dreamstep.lora.formats import folder_configs, model_keys
+from dreamstep.lora.formats import comfyui_as_peft, folder_configs, model_keys
 from dreamstep.lora.io import LoraFile, read_lora_file
 from dreamstep.lora.lycoris_files import fit_problem, read_lycoris, report_lines
 from dreamstep.lora.lycoris_network import is_lycoris
@@ -97,8 +97,7 @@ def _describe_lycoris(lora_file: LoraFile, model: str | None, base: str | None) 
 
 
 def _layout_name(lora: Lora, lora_file: LoraFile) -> str:
-    comfyui = lora.layout == "diffusers" and any(key.startswith("diffusion_model.") for key in lora_file.tensors)
-    return COMFYUI_LAYOUT_NAME if comfyui else LAYOUT_NAMES[lora.layout]
+    return COMFYUI_LAYOUT_NAME if comfyui_as_peft(lora_file.tensors) is not None else LAYOUT_NAMES[lora.layout]
 
 
 def describe(path: str, model: str | None = None, base: str | None = None) -> str:
