@@ -28,10 +28,10 @@ METADATA_NAMES = ("metadata.jsonl", "metadata.csv")
 
 def edit_pair_datasets(config: Any) -> list[DatasetConfig]:
     """What an edit trainer (flux-kontext-lora, qwen-image-edit-lora, flux2-lora with references) trains on, from its
-    config: a dataset TOML (ControlNet-style subsets with
-    ``conditioning_data_dir`` are pairs; DreamBooth or fine-tuning subsets train text-to-image), a metadata table
-    (``--dataset_name``) or the folders. Pairs are matched by name and share crop and flip (see
-    :mod:`~dreamstep.data.records`), every image checked before a model loads."""
+    config: a dataset TOML (ControlNet-style subsets with ``conditioning_data_dir`` are pairs; DreamBooth or
+    fine-tuning subsets train text-to-image), a metadata table (``--dataset_name``) or the folders. Pairs are matched
+    by name and share crop and flip (see :mod:`~dreamstep.data.records`), every image checked before a model
+    loads."""
     if config.dataset_config is not None:
         datasets = load_dataset_config(config.dataset_config, cli={
             "resolution": config.resolution, "train_batch_size": config.train_batch_size, **config.caption_flags()})
