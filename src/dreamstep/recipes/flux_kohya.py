@@ -60,7 +60,7 @@ from dreamstep.lora.kohya_files import (
     network_metadata,
     training_metadata,
 )
-from dreamstep.lora.kohya_flux_network import FluxLoRANetwork, create_flux_network
+from dreamstep.lora.kohya_flux_network import FluxLoRANetwork, FluxNetworkPlan, create_flux_network
 from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.flux import plumbing as flux
@@ -127,7 +127,15 @@ def plan_inputs(config: FluxKohyaConfig, dataset_configs: list[DatasetConfig], e
         config, dataset_configs, max_sequence_length=config.max_sequence_length(guidance_embeds),
         validation_images=bool(config.sample_prompts),
         encoders_on_device=config.train_clip or not config.cache_latents or encodes_in_the_loop),
-        {"lora_layers": ["all-linear"]})  # networks.lora_flux adapts every Linear of the blocks
+        {"lora_network": network_plan(config)})
+
+
+def network_plan(config: FluxKohyaConfig) -> FluxNetworkPlan:
+    """What the run's network adapts (its own target rules, on the meta-built models of the plan)."""
+    options, _ = FluxNetworkOptions.from_flags(config.network_dim, config.network_alpha, config.network_dropout,
+                                               config.network_args)
+    return FluxNetworkPlan(options, transformer=config.train_transformer, clip=config.train_clip,
+                           t5=options.train_t5xxl)
 
 
 def _check_network_weights(path: str) -> None:
