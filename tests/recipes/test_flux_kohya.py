@@ -377,3 +377,21 @@ def test_plan_takes_the_component_files(tiny_flux_files: dict[str, Path], tiny_f
     assert capsys.readouterr().err.startswith("error: --ae ")
     assert run_cli("plan", "sdxl", "--clip_l", tiny_flux_files["clip_l"]) == 2
     assert "--clip_l is a FLUX component flag" in capsys.readouterr().err
+
+
+def test_network_weights_of_another_rank_are_refused_naming_both_ranks(
+        tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # sd-scripts loads --network_weights into a network of --network_dim and stops at the size mismatch.
+    transformer = FluxPipeline.from_pretrained(tiny_flux_dev_dir).transformer
+    weights = create_flux_network(transformer, None, FluxNetworkOptions(dim=4)).save_weights(
+        tmp_path / "rank4.safetensors", None, {})
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                   _dataset(tmp_path), "--output_dir", out, "--network_weights", weights, "--network_dim=8",
+                   "--cache_latents", "--cache_text_encoder_outputs") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has rank 4" in err[0] and "--network_dim is 8" in err[0], err
+    assert "--network_dim=4" in err[0]
+    assert not out.exists()
