@@ -395,3 +395,22 @@ def test_network_weights_of_another_rank_are_refused_naming_both_ranks(
     assert len(err) == 1 and "has rank 4" in err[0] and "--network_dim is 8" in err[0], err
     assert "--network_dim=4" in err[0]
     assert not out.exists()
+
+
+def test_network_weights_that_do_not_fit_the_network_are_refused_before_anything_is_written(
+        tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    pipeline = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    with_inputs = create_flux_network(pipeline.transformer, None, FluxNetworkOptions(dim=4, in_dims=(4, 0, 0, 0, 0))
+                                      ).save_weights(tmp_path / "in_dims.safetensors", None, {})
+    with_clip = create_flux_network(pipeline.transformer, pipeline.text_encoder, FluxNetworkOptions(dim=4)
+                                    ).save_weights(tmp_path / "clip.safetensors", None, {})
+    out, dataset = tmp_path / "out", _dataset(tmp_path)
+    capsys.readouterr()
+    for weights, flags in ((with_inputs, ()), (with_clip, ("--network_train_unet_only",))):
+        assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                       dataset, "--output_dir", out, "--network_weights", weights, "--network_dim=4",
+                       "--cache_latents", "--cache_text_encoder_outputs", *flags) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "do not belong to this network" in err[0], err
+        assert not out.exists()

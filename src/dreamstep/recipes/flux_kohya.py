@@ -62,6 +62,7 @@ from dreamstep.lora.kohya_files import (
     training_metadata,
 )
 from dreamstep.lora.kohya_flux_network import FluxLoRANetwork, FluxNetworkPlan, create_flux_network
+from dreamstep.models import memory_plan as mp
 from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.flux import plumbing as flux
@@ -139,9 +140,11 @@ def network_plan(config: FluxKohyaConfig) -> FluxNetworkPlan:
                            t5=options.train_t5xxl)
 
 
-def _check_network_weights(path: str, options: FluxNetworkOptions) -> None:
+def _check_network_weights(config: FluxKohyaConfig, options: FluxNetworkOptions) -> None:
     """``--network_weights`` read as a FLUX.1 Kohya LoRA whose block ranks are the network's (sd-scripts loads
-    such a file into a network of ``--network_dim`` and stops at the first size mismatch)."""
+    such a file into a network of ``--network_dim`` and stops at the first size mismatch), then every tensor
+    checked against the run's network built on the meta device (nothing loads, nothing is written)."""
+    path = config.network_weights
     try:
         read_lora(path, FLUX.name)
         tensors = read_lora_file(path).tensors
@@ -156,6 +159,9 @@ def _check_network_weights(path: str, options: FluxNetworkOptions) -> None:
             if expected and tensor.shape[0] != expected:
                 raise UserError(f"--network_weights: {path} has rank {tensor.shape[0]} ({name}) where "
                                 f"--network_dim is {expected}; give --network_dim={tensor.shape[0]} to continue it")
+    components = FLUX.meta_components(mp.model_folder(base_of(config).source))
+    with torch.device("meta"):
+        network_plan(config)(components).check_weights(path)
 
 
 def train(config: FluxKohyaConfig) -> FinishedRun | None:
@@ -165,7 +171,7 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
     options, network_args = FluxNetworkOptions.from_flags(config.network_dim, config.network_alpha,
                                                           config.network_dropout, config.network_args)
     if config.network_weights is not None:  # a damaged file, another model's LoRA or another rank: nothing written
-        _check_network_weights(config.network_weights, options)
+        _check_network_weights(config, options)
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume,
                      resume_flag="--resume", config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
