@@ -414,3 +414,20 @@ def test_network_weights_that_do_not_fit_the_network_are_refused_before_anything
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "do not belong to this network" in err[0], err
         assert not out.exists()
+
+
+@pytest.mark.parametrize("args", [
+    ("train_double_block_indices=9",), ("img_attn_dim=-1",), ("train_blocks=nope",), ("in_dims=[1,2]",),
+    ("split_qkv=maybe",), ("train_blocks=double", "train_single_block_indices=0"), ("loraplus_lr_ratio=abc",),
+    ("train_blocks=single", "train_blocks=all"),
+])
+def test_bad_network_args_write_nothing(args: tuple[str, ...], tiny_flux_files: dict[str, Path],
+                                        tiny_flux_dev_dir: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                   _dataset(tmp_path), "--output_dir", out, "--cache_latents", "--cache_text_encoder_outputs",
+                   "--network_args", *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --network_args"), err
+    assert not out.exists()
