@@ -377,3 +377,57 @@ def test_plan_takes_the_component_files(tiny_flux_files: dict[str, Path], tiny_f
     assert capsys.readouterr().err.startswith("error: --ae ")
     assert run_cli("plan", "sdxl", "--clip_l", tiny_flux_files["clip_l"]) == 2
     assert "--clip_l is a FLUX component flag" in capsys.readouterr().err
+
+
+def test_network_weights_of_another_rank_are_refused_naming_both_ranks(
+        tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # sd-scripts loads --network_weights into a network of --network_dim and stops at the size mismatch.
+    transformer = FluxPipeline.from_pretrained(tiny_flux_dev_dir).transformer
+    weights = create_flux_network(transformer, None, FluxNetworkOptions(dim=4)).save_weights(
+        tmp_path / "rank4.safetensors", None, {})
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                   _dataset(tmp_path), "--output_dir", out, "--network_weights", weights, "--network_dim=8",
+                   "--cache_latents", "--cache_text_encoder_outputs") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has rank 4" in err[0] and "--network_dim is 8" in err[0], err
+    assert "--network_dim=4" in err[0]
+    assert not out.exists()
+
+
+def test_network_weights_that_do_not_fit_the_network_are_refused_before_anything_is_written(
+        tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    pipeline = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    with_inputs = create_flux_network(pipeline.transformer, None, FluxNetworkOptions(dim=4, in_dims=(4, 0, 0, 0, 0))
+                                      ).save_weights(tmp_path / "in_dims.safetensors", None, {})
+    with_clip = create_flux_network(pipeline.transformer, pipeline.text_encoder, FluxNetworkOptions(dim=4)
+                                    ).save_weights(tmp_path / "clip.safetensors", None, {})
+    out, dataset = tmp_path / "out", _dataset(tmp_path)
+    capsys.readouterr()
+    for weights, flags in ((with_inputs, ()), (with_clip, ("--network_train_unet_only",))):
+        assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                       dataset, "--output_dir", out, "--network_weights", weights, "--network_dim=4",
+                       "--cache_latents", "--cache_text_encoder_outputs", *flags) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "do not belong to this network" in err[0], err
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("args", [
+    ("train_double_block_indices=9",), ("img_attn_dim=-1",), ("train_blocks=nope",), ("in_dims=[1,2]",),
+    ("split_qkv=maybe",), ("train_blocks=double", "train_single_block_indices=0"), ("loraplus_lr_ratio=abc",),
+    ("train_blocks=single", "train_blocks=all"),
+])
+def test_bad_network_args_write_nothing(args: tuple[str, ...], tiny_flux_files: dict[str, Path],
+                                        tiny_flux_dev_dir: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                   _dataset(tmp_path), "--output_dir", out, "--cache_latents", "--cache_text_encoder_outputs",
+                   "--network_args", *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --network_args"), err
+    assert not out.exists()

@@ -16,6 +16,7 @@ CLIP-L gets sd-scripts' ``lora_te1_text_model_…`` modules unless ``--network_t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -167,6 +168,22 @@ def create_flux_network(transformer: nn.Module | None, clip: nn.Module | None,
             module.to(device=module._org[0].weight.device)
     network.attach()
     return network
+
+
+@dataclasses.dataclass(frozen=True)
+class FluxNetworkPlan:
+    """The network a flux-kohya run builds, for the memory plan (``Estimator(lora_network=...)``): built by
+    :func:`create_flux_network` on the meta-built components, so the plan counts what the run trains."""
+
+    options: FluxNetworkOptions
+    transformer: bool = True
+    clip: bool = True
+    t5: bool = False
+
+    def __call__(self, components: Mapping[str, nn.Module]) -> FluxLoRANetwork:
+        return create_flux_network(components["transformer"] if self.transformer else None,
+                                   components["text_encoder"] if self.clip else None, self.options,
+                                   components["text_encoder_2"] if self.t5 else None)
 
 
 def _transformer_targets(transformer: nn.Module, options: FluxNetworkOptions

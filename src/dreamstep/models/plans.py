@@ -64,11 +64,14 @@ class Estimator:
     ``family``: the family's name (``variant``: which of its released models to plan without a folder); what
     trains is a LoRA of ``rank`` on its denoiser (``lora_layers``: the trainer's ``--lora_layers``), or the module
     ``build_trainable(denoiser)`` returns, trained beside the frozen denoiser and labelled ``trainable_label`` in
-    the plan (a ControlNet)."""
+    the plan (a ControlNet), or the adapter network ``lora_network(components)`` builds and hooks onto the
+    components (the trainer's own network and target rules, e.g. flux-kohya's), held by the denoiser so its
+    passes and counts include it."""
 
     def __init__(self, family: str, source: str | None, rank: int = 0, lora_layers: list[str] | None = None,
                  build_trainable: Callable[[nn.Module], nn.Module] | None = None, trainable_label: str = "",
-                 device_type: str = "cuda", variant: str | None = None):
+                 device_type: str = "cuda", variant: str | None = None,
+                 lora_network: Callable[[dict[str, nn.Module]], nn.Module] | None = None):
         folder = mp.model_folder(source)
         self.family = get_family(family)
         self.device_type = device_type  # whose autocast policy the passes follow
@@ -82,6 +85,10 @@ class Estimator:
             with torch.device("meta"), mp.default_dtype(torch.float32):
                 self.trainable = build_trainable(self.base)
             self.trainable_label = trainable_label
+        elif lora_network is not None:
+            with torch.device("meta"), mp.default_dtype(torch.float32):
+                self.base.add_module("lora_network", lora_network(self.components))
+            self.trainable, self.trainable_label = self.base, f"LoRA rank {rank}"
         else:
             self.trainable = _with_lora(self.base, rank, self.family.lora_targets(self.base, lora_layers or []))
             self.trainable_label = f"LoRA rank {rank}"

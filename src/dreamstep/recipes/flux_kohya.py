@@ -51,6 +51,7 @@ from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
 from dreamstep.errors import UserError
 from dreamstep.lora.convert import read_lora
+from dreamstep.lora.io import read_lora_file
 from dreamstep.lora.kohya_files import (
     FLUX_BASE_MODEL_VERSION,
     FLUX_SS_FLAG_KEYS,
@@ -60,7 +61,8 @@ from dreamstep.lora.kohya_files import (
     network_metadata,
     training_metadata,
 )
-from dreamstep.lora.kohya_flux_network import FluxLoRANetwork, create_flux_network
+from dreamstep.lora.kohya_flux_network import FluxLoRANetwork, FluxNetworkPlan, create_flux_network
+from dreamstep.models import memory_plan as mp
 from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.flux import plumbing as flux
@@ -127,21 +129,49 @@ def plan_inputs(config: FluxKohyaConfig, dataset_configs: list[DatasetConfig], e
         config, dataset_configs, max_sequence_length=config.max_sequence_length(guidance_embeds),
         validation_images=bool(config.sample_prompts),
         encoders_on_device=config.train_clip or not config.cache_latents or encodes_in_the_loop),
-        {"lora_layers": ["all-linear"]})  # networks.lora_flux adapts every Linear of the blocks
+        {"lora_network": network_plan(config)})
 
 
-def _check_network_weights(path: str) -> None:
-    """``--network_weights`` read as a FLUX.1 Kohya LoRA (its fit to the network is checked when that is built)."""
+def network_plan(config: FluxKohyaConfig) -> FluxNetworkPlan:
+    """What the run's network adapts (its own target rules, on the meta-built models of the plan)."""
+    options, _ = FluxNetworkOptions.from_flags(config.network_dim, config.network_alpha, config.network_dropout,
+                                               config.network_args)
+    return FluxNetworkPlan(options, transformer=config.train_transformer, clip=config.train_clip,
+                           t5=options.train_t5xxl)
+
+
+def _check_network_weights(config: FluxKohyaConfig, options: FluxNetworkOptions) -> None:
+    """``--network_weights`` read as a FLUX.1 Kohya LoRA whose block ranks are the network's (sd-scripts loads
+    such a file into a network of ``--network_dim`` and stops at the first size mismatch), then every tensor
+    checked against the run's network built on the meta device (nothing loads, nothing is written)."""
+    path = config.network_weights
     try:
         read_lora(path, FLUX.name)
+        tensors = read_lora_file(path).tensors
     except UserError as e:
         raise UserError(f"--network_weights: {e}") from None
+    if options.split_qkv:  # the fused modules' rows hold parts·dim there
+        return
+    for key, tensor in tensors.items():
+        name = key.removesuffix(".lora_down.weight")
+        if name != key and name.startswith("lora_unet_") and "_blocks_" in name:
+            expected = options.rank_of(name)
+            if expected and tensor.shape[0] != expected:
+                raise UserError(f"--network_weights: {path} has rank {tensor.shape[0]} ({name}) where "
+                                f"--network_dim is {expected}; give --network_dim={tensor.shape[0]} to continue it")
+    components = FLUX.meta_components(mp.model_folder(base_of(config).source))
+    with torch.device("meta"):
+        network_plan(config)(components).check_weights(path)
 
 
 def train(config: FluxKohyaConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, key, folder, image, prompt line and the optimizer, before a model loads.
     base_of(config)  # the base's files checked, and what they tell the config, before config.toml is written
+    options, network_args = FluxNetworkOptions.from_flags(config.network_dim, config.network_alpha,
+                                                          config.network_dropout, config.network_args)
+    if config.network_weights is not None:  # a damaged file, another model's LoRA or another rank: nothing written
+        _check_network_weights(config, options)
     claim_output_dir(config.output_dir, overwrite=config.overwrite_output_dir, resume_from_checkpoint=config.resume,
                      resume_flag="--resume", config_toml=config_to_toml(config),
                      resume_must_match=config.resume_must_match)
@@ -150,11 +180,7 @@ def train(config: FluxKohyaConfig) -> FinishedRun | None:
     check_optimization(config.optimizer_type, config.learning_rate, lr_scheduler=config.lr_scheduler,
                        num_cycles=config.lr_scheduler_num_cycles, power=config.lr_scheduler_power,
                        optimizer_flag="--optimizer_type", extra=optimizer_args, family="sd-scripts")
-    options, network_args = FluxNetworkOptions.from_flags(config.network_dim, config.network_alpha,
-                                                          config.network_dropout, config.network_args)
     prompts = read_flux_sample_prompts(config.sample_prompts) if config.sample_prompts else None
-    if config.network_weights is not None:  # a damaged file or another model's LoRA, before the cache is made
-        _check_network_weights(config.network_weights)
     base_files = base_of(config)
     transformer_config = flux.transformer_config(config)  # also checks --blocks_to_swap
     options.check_blocks(transformer_config["num_layers"], transformer_config["num_single_layers"])
