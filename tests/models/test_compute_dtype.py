@@ -125,7 +125,7 @@ def test_a_frozen_quantized_linear_computes_an_fp32_input_as_autocast_computes_a
         out = holder(x)
     assert out.dtype == torch.bfloat16
     per_weight = (tracker.peak - out.nbytes - x.numel() * 2) / holder[0].weight.shape.numel()
-    assert per_weight <= mp.QUANTIZED_LINEAR_BYTES[mode][0], per_weight
+    assert per_weight <= _cpu_bytes_per_weight(mode), per_weight
     out.float().sum().backward()
     assert x.grad.dtype == torch.float32 and x.grad.abs().sum() > 0
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
@@ -188,3 +188,16 @@ def test_sdxl_lora_feeds_an_int8_unet_bf16_latents_and_embeddings_and_exact_size
                     "sizes": torch.float32}
     assert stream == {torch.bfloat16}
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
+
+
+def _cpu_bytes_per_weight(mode: str) -> float:
+    """What the plan prices per weight for one matmul (CUDA's kernels), which the CPU paths match, except the CPU
+    4-bit matmul of older bitsandbytes: 0.48 (the floor) dequantizes through fp32 (4 bytes), 0.50 does not (0.49 is
+    counted with the older ones, unmeasured)."""
+    if mode == "nf4":
+        import bitsandbytes
+        from packaging.version import Version
+
+        if Version(bitsandbytes.__version__) < Version("0.50"):
+            return 4.0
+    return mp.QUANTIZED_LINEAR_BYTES[mode][0]
