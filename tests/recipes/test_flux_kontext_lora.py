@@ -383,7 +383,7 @@ def test_a_pair_trains_in_its_aspect_ratio_bucket(tiny_flux_kontext_dir: Path, t
     assert shape[2] > shape[1]  # wider than tall, as the pairs
 
 
-def test_a_before_identical_to_its_after_is_named_and_a_1x1_before_is_refused(
+def test_a_before_identical_to_its_after_is_named_and_a_1x1_before_or_after_is_refused(
         tiny_flux_kontext_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
 ) -> None:
     images, conditioning = write_control_pairs(tmp_path / "pairs", count=2)
@@ -399,5 +399,12 @@ def test_a_before_identical_to_its_after_is_named_and_a_1x1_before_is_refused(
     assert run_cli(*args, "--output_dir", tmp_path / "out") == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {conditioning / '1.png'}: conditioning image is 1x1, smaller than 16 pixels") and \
+        err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+    Image.new("RGB", (64, 64)).save(conditioning / "1.png")
+    Image.new("RGB", (1, 1)).save(images / "1.png")
+    assert run_cli(*args, "--output_dir", tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {images / '1.png'}: image is 1x1, smaller than 16 pixels") and \
         err.count("\n") == 1
     assert not (tmp_path / "out").exists()
