@@ -319,6 +319,8 @@ def test_bad_sample_prompts_and_files_get_one_line(line: str, message: str, tiny
     (b"a robot --g inf\n", "prompts.txt:1: --g inf is out of range"),
     (b"a robot --d -1\n", "prompts.txt:1: --d -1 is out of range; give 0 to 2**64 - 1"),
     (b"--w 512 --h 512\n", "prompts.txt:1: the line has no prompt before its options"),
+    (b"a robot --s 1e9\n", "prompts.txt:1: --s '1e9' is not a whole number"),
+    (b"a robot\n--w 512 --h 512\n", "prompts.txt:2: the line has no prompt before its options"),
     ("a robot\n".encode("utf-16"), "prompts.txt: not UTF-8 text"),
     (b"a r\xf6bot\n", "prompts.txt: not UTF-8 text"),
 ])
