@@ -4,6 +4,7 @@ changes the image as the trained network does; resume is exact; every bad flag, 
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -433,3 +434,29 @@ def test_bad_network_args_write_nothing(args: tuple[str, ...], tiny_flux_files: 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --network_args"), err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags", [
+    ("--network_train_unet_only", "--network_args", "train_blocks=single"),
+    ("--network_args", "train_double_block_indices=0", "train_single_block_indices=none", "img_attn_dim=2",
+     "txt_mlp_dim=0", "in_dims=[2,0,0,0,2]"),
+    ("--network_args", "train_blocks=double", "single_dim=8", "img_mod_dim=3"),
+    ("--network_train_text_encoder_only",),
+])
+def test_the_plan_counts_the_parameters_the_run_trains(flags: tuple[str, ...], tiny_flux_files: dict[str, Path],
+                                                       tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    from dreamstep.config.flux_kohya import FluxKohyaConfig
+    from dreamstep.config.schema import add_arguments, build_config
+    from dreamstep.recipes.flux_kohya import plan_inputs, training_datasets
+
+    out = tmp_path / "out"
+    argv = [str(a) for a in (*_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config", _dataset(tmp_path),
+                             "--output_dir", out, "--network_dim", "4", "--log_with", "none", *flags)]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, FluxKohyaConfig)
+    config = build_config(FluxKohyaConfig, parser.parse_args(argv))
+    planned = plan_inputs(config, training_datasets(config), False).estimator().trainable
+    planned_count = sum(p.numel() for p in planned.parameters() if p.requires_grad)
+    assert run_cli("train", "flux-kohya", *argv, "--max_train_steps", "1") == 0
+    trained = load_file(out / "last.safetensors")  # every trained tensor, and the scalar alphas
+    assert planned_count == sum(v.numel() for k, v in trained.items() if not k.endswith(".alpha")) > 0
