@@ -382,8 +382,15 @@ def test_plan_takes_the_component_files(tiny_flux_files: dict[str, Path], tiny_f
     assert "--clip_l is a FLUX component flag" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flags", "said"), [
+    (("--network_dim=8",), "has rank 4 (lora_unet_double_blocks_0_img_attn_proj) where --network_dim is 8; give "
+                           "--network_dim=4"),
+    (("--network_dim=8", "--network_args", "split_qkv=True"), "where --network_dim is 8; give --network_dim=4"),
+    (("--network_dim=4", "--network_args", "img_attn_dim=2"),
+     "where --network_args img_attn_dim is 2; give --network_args img_attn_dim=4"),
+])
 def test_network_weights_of_another_rank_are_refused_naming_both_ranks(
-        tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path, tmp_path: Path,
+        flags: tuple[str, ...], said: str, tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     # sd-scripts loads --network_weights into a network of --network_dim and stops at the size mismatch.
     transformer = FluxPipeline.from_pretrained(tiny_flux_dev_dir).transformer
@@ -392,12 +399,23 @@ def test_network_weights_of_another_rank_are_refused_naming_both_ranks(
     out = tmp_path / "out"
     capsys.readouterr()
     assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
-                   _dataset(tmp_path), "--output_dir", out, "--network_weights", weights, "--network_dim=8",
+                   _dataset(tmp_path), "--output_dir", out, "--network_weights", weights, *flags,
                    "--cache_latents", "--cache_text_encoder_outputs") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "has rank 4" in err[0] and "--network_dim is 8" in err[0], err
-    assert "--network_dim=4" in err[0]
+    assert len(err) == 1 and said in err[0] and err[0].startswith(f"error: --network_weights: {weights}"), err
     assert not out.exists()
+
+
+def test_network_weights_of_split_qkv_and_the_same_rank_continue(tiny_flux_files: dict[str, Path],
+                                                                 tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    transformer = FluxPipeline.from_pretrained(tiny_flux_dev_dir).transformer
+    weights = create_flux_network(transformer, None, FluxNetworkOptions(dim=4, split_qkv=True)).save_weights(
+        tmp_path / "split.safetensors", None, {})
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                   _dataset(tmp_path), "--output_dir", tmp_path / "out", "--network_weights", weights,
+                   "--network_dim=4", "--network_args", "split_qkv=True", "--network_train_unet_only",
+                   "--cache_latents", "--cache_text_encoder_outputs", "--max_train_steps", "1",
+                   "--log_with", "none") == 0
 
 
 def test_network_weights_that_do_not_fit_the_network_are_refused_before_anything_is_written(
