@@ -4,6 +4,7 @@ changes the image as the trained network does; resume is exact; every bad flag, 
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -319,6 +320,8 @@ def test_bad_sample_prompts_and_files_get_one_line(line: str, message: str, tiny
     (b"a robot --g inf\n", "prompts.txt:1: --g inf is out of range"),
     (b"a robot --d -1\n", "prompts.txt:1: --d -1 is out of range; give 0 to 2**64 - 1"),
     (b"--w 512 --h 512\n", "prompts.txt:1: the line has no prompt before its options"),
+    (b"a robot --s 1e9\n", "prompts.txt:1: --s '1e9' is not a whole number"),
+    (b"a robot\n--w 512 --h 512\n", "prompts.txt:2: the line has no prompt before its options"),
     ("a robot\n".encode("utf-16"), "prompts.txt: not UTF-8 text"),
     (b"a r\xf6bot\n", "prompts.txt: not UTF-8 text"),
 ])
@@ -379,8 +382,15 @@ def test_plan_takes_the_component_files(tiny_flux_files: dict[str, Path], tiny_f
     assert "--clip_l is a FLUX component flag" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flags", "said"), [
+    (("--network_dim=8",), "has rank 4 (lora_unet_double_blocks_0_img_attn_proj) where --network_dim is 8; give "
+                           "--network_dim=4"),
+    (("--network_dim=8", "--network_args", "split_qkv=True"), "where --network_dim is 8; give --network_dim=4"),
+    (("--network_dim=4", "--network_args", "img_attn_dim=2"),
+     "where --network_args img_attn_dim is 2; give --network_args img_attn_dim=4"),
+])
 def test_network_weights_of_another_rank_are_refused_naming_both_ranks(
-        tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path, tmp_path: Path,
+        flags: tuple[str, ...], said: str, tiny_flux_files: dict[str, Path], tiny_flux_dev_dir: Path, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     # sd-scripts loads --network_weights into a network of --network_dim and stops at the size mismatch.
     transformer = FluxPipeline.from_pretrained(tiny_flux_dev_dir).transformer
@@ -389,12 +399,23 @@ def test_network_weights_of_another_rank_are_refused_naming_both_ranks(
     out = tmp_path / "out"
     capsys.readouterr()
     assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
-                   _dataset(tmp_path), "--output_dir", out, "--network_weights", weights, "--network_dim=8",
+                   _dataset(tmp_path), "--output_dir", out, "--network_weights", weights, *flags,
                    "--cache_latents", "--cache_text_encoder_outputs") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "has rank 4" in err[0] and "--network_dim is 8" in err[0], err
-    assert "--network_dim=4" in err[0]
+    assert len(err) == 1 and said in err[0] and err[0].startswith(f"error: --network_weights: {weights}"), err
     assert not out.exists()
+
+
+def test_network_weights_of_split_qkv_and_the_same_rank_continue(tiny_flux_files: dict[str, Path],
+                                                                 tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    transformer = FluxPipeline.from_pretrained(tiny_flux_dev_dir).transformer
+    weights = create_flux_network(transformer, None, FluxNetworkOptions(dim=4, split_qkv=True)).save_weights(
+        tmp_path / "split.safetensors", None, {})
+    assert run_cli("train", "flux-kohya", *_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config",
+                   _dataset(tmp_path), "--output_dir", tmp_path / "out", "--network_weights", weights,
+                   "--network_dim=4", "--network_args", "split_qkv=True", "--network_train_unet_only",
+                   "--cache_latents", "--cache_text_encoder_outputs", "--max_train_steps", "1",
+                   "--log_with", "none") == 0
 
 
 def test_network_weights_that_do_not_fit_the_network_are_refused_before_anything_is_written(
@@ -431,3 +452,29 @@ def test_bad_network_args_write_nothing(args: tuple[str, ...], tiny_flux_files: 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --network_args"), err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags", [
+    ("--network_train_unet_only", "--network_args", "train_blocks=single"),
+    ("--network_args", "train_double_block_indices=0", "train_single_block_indices=none", "img_attn_dim=2",
+     "txt_mlp_dim=0", "in_dims=[2,0,0,0,2]"),
+    ("--network_args", "train_blocks=double", "single_dim=8", "img_mod_dim=3"),
+    ("--network_train_text_encoder_only",),
+])
+def test_the_plan_counts_the_parameters_the_run_trains(flags: tuple[str, ...], tiny_flux_files: dict[str, Path],
+                                                       tiny_flux_dev_dir: Path, tmp_path: Path) -> None:
+    from dreamstep.config.flux_kohya import FluxKohyaConfig
+    from dreamstep.config.schema import add_arguments, build_config
+    from dreamstep.recipes.flux_kohya import plan_inputs, training_datasets
+
+    out = tmp_path / "out"
+    argv = [str(a) for a in (*_files(tiny_flux_files, tiny_flux_dev_dir), "--dataset_config", _dataset(tmp_path),
+                             "--output_dir", out, "--network_dim", "4", "--log_with", "none", *flags)]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, FluxKohyaConfig)
+    config = build_config(FluxKohyaConfig, parser.parse_args(argv))
+    planned = plan_inputs(config, training_datasets(config), False).estimator().trainable
+    planned_count = sum(p.numel() for p in planned.parameters() if p.requires_grad)
+    assert run_cli("train", "flux-kohya", *argv, "--max_train_steps", "1") == 0
+    trained = load_file(out / "last.safetensors")  # every trained tensor, and the scalar alphas
+    assert planned_count == sum(v.numel() for k, v in trained.items() if not k.endswith(".alpha")) > 0

@@ -232,6 +232,7 @@ def _unmatched(root: Path, conditioning: Path) -> Path:
 
 
 def _table_with(root: Path, rows: list[dict[str, str]]) -> Path:
+    root.mkdir(exist_ok=True)
     path = root / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -239,7 +240,7 @@ def _table_with(root: Path, rows: list[dict[str, str]]) -> Path:
 
 @pytest.mark.parametrize("case", ["missing_cond_dir", "unmatched_pair", "bad_vae_encode_mode", "missing_column",
                                   "toml_missing_cond_dir", "two_sources", "missing_validation_image", "empty_table",
-                                  "path_out_of_the_table_folder"])
+                                  "path_out_of_the_table_folder", "absolute_path_out_of_the_table_folder"])
 def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_kontext_dir: Path,
                                                      pairs: tuple[Path, Path], tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -263,6 +264,12 @@ def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_kontex
                                                        "text": INSTRUCTION}]),
              "--cond_image_column", "before", "--caption_column", "text"],
             f"row 1: '../{images.name}/0.png' leads outside the table's folder"),
+        "absolute_path_out_of_the_table_folder": lambda: (
+            ["--dataset_name", _table_with(tmp_path / "table", [
+                {"image": "0.png", "before": "0.png", "text": INSTRUCTION},
+                {"image": "1.png", "before": str(conditioning / "1.png"), "text": INSTRUCTION}]),
+             "--cond_image_column", "before", "--caption_column", "text"],
+            f"row 2: '{conditioning / '1.png'}' leads outside the table's folder"),
     }[case]()
     out = tmp_path / "out"
     code = run_cli("train", "flux-kontext-lora", "--pretrained_model_name_or_path", tiny_flux_kontext_dir,
@@ -272,6 +279,17 @@ def test_bad_input_gives_one_line_and_writes_nothing(case: str, tiny_flux_kontex
     assert code == 2
     assert len(errors) == 1 and named in errors[0] and "Traceback" not in err, err
     assert not out.exists()
+
+
+def test_a_table_may_name_its_images_by_absolute_paths_below_its_folder(tiny_flux_kontext_dir: Path, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    images, conditioning = write_control_pairs(tmp_path / "pairs", count=2)
+    table = _table_with(images.parent, [{"image": str(images / f"{i}.png"), "before": f"{conditioning.name}/{i}.png",
+                                         "text": INSTRUCTION} for i in range(2)])
+    assert run_cli("train", "flux-kontext-lora", "--pretrained_model_name_or_path", tiny_flux_kontext_dir,
+                   "--output_dir", tmp_path / "out", "--dataset_name", table, "--cond_image_column", "before",
+                   "--caption_column", "text", *TRAIN, "--max_train_steps", "1", "--dry_run") == 0, \
+        capsys.readouterr().err
 
 
 def test_ctrl_c_saves_the_step_and_the_printed_command_continues(tiny_flux_kontext_dir: Path,
@@ -365,7 +383,7 @@ def test_a_pair_trains_in_its_aspect_ratio_bucket(tiny_flux_kontext_dir: Path, t
     assert shape[2] > shape[1]  # wider than tall, as the pairs
 
 
-def test_a_before_identical_to_its_after_is_named_and_a_1x1_before_is_refused(
+def test_a_before_identical_to_its_after_is_named_and_a_1x1_before_or_after_is_refused(
         tiny_flux_kontext_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
 ) -> None:
     images, conditioning = write_control_pairs(tmp_path / "pairs", count=2)
@@ -381,5 +399,12 @@ def test_a_before_identical_to_its_after_is_named_and_a_1x1_before_is_refused(
     assert run_cli(*args, "--output_dir", tmp_path / "out") == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {conditioning / '1.png'}: conditioning image is 1x1, smaller than 16 pixels") and \
+        err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+    Image.new("RGB", (64, 64)).save(conditioning / "1.png")
+    Image.new("RGB", (1, 1)).save(images / "1.png")
+    assert run_cli(*args, "--output_dir", tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {images / '1.png'}: image is 1x1, smaller than 16 pixels") and \
         err.count("\n") == 1
     assert not (tmp_path / "out").exists()

@@ -111,10 +111,15 @@ class FluxNetworkOptions:
 
     def rank_of(self, name: str) -> int:
         """The rank of the block module sd-scripts names ``name`` (0: no LoRA there), by the per-type ranks."""
+        key = self.type_dim_key(name)
+        return self.dim if key is None else self.type_dims[key]
+
+    def type_dim_key(self, name: str) -> str | None:
+        """The ``--network_args`` key that sets the rank of block module ``name``, or ``None``: --network_dim."""
         for key, words in TYPE_DIM_KEYS.items():
             if self.type_dims and key in self.type_dims and all(w in name for w in words):
-                return self.type_dims[key]
-        return self.dim
+                return key
+        return None
 
 
 def block_ranges(text: str, key: str) -> list[tuple[int, int]] | None:

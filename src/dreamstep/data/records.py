@@ -212,7 +212,7 @@ def _pair_with_conditioning(entries: list[_Entry], subset: SubsetConfig) -> list
     return paired
 
 
-# The smallest side a conditioning image may have: one FLUX latent patch (2x2 latents of 8 pixels).
+# The smallest side either image of a pair may have: one FLUX latent patch (2x2 latents of 8 pixels).
 MIN_CONDITIONING_SIDE = 16
 
 
@@ -222,6 +222,9 @@ def _check_partner(image: ImageInfo, conditioning: ImageInfo) -> None:
         raise UserError(f"{conditioning.path}: conditioning image is {cw}x{ch}, smaller than "
                         f"{MIN_CONDITIONING_SIDE} pixels a side, so it holds nothing to condition on; give the full "
                         "image of the pair")
+    if min(w, h) < MIN_CONDITIONING_SIDE:
+        raise UserError(f"{image.path}: image is {w}x{h}, smaller than {MIN_CONDITIONING_SIDE} pixels a side, so "
+                        f"it shows nothing the pair with {conditioning.path.name} could teach; give the full image")
     if conditioning.sha256 == image.sha256:
         log.warning("%s: the same image as %s, its pair; the pair teaches no change (an edit or a control)",
                     conditioning.path, image.path.name)

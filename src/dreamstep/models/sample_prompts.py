@@ -58,7 +58,8 @@ def parse_prompt_line(line: str, where: str, defaults: dict[str, Any], allowed: 
         try:
             value = kind(match.group(2).strip())
         except ValueError:
-            raise UserError(f"{where}: --{match.group(1)} '{match.group(2).strip()}' is not a number") from None
+            what = "a whole number" if kind is int else "a number"
+            raise UserError(f"{where}: --{match.group(1)} '{match.group(2).strip()}' is not {what}") from None
         _check_range(match.group(1), value, where)
         setattr(sample, attribute, value)
     if sample.width % 8 or sample.height % 8:

@@ -150,15 +150,15 @@ def _check_network_weights(config: FluxKohyaConfig, options: FluxNetworkOptions)
         tensors = read_lora_file(path).tensors
     except UserError as e:
         raise UserError(f"--network_weights: {e}") from None
-    if options.split_qkv:  # the fused modules' rows hold parts·dim there
-        return
     for key, tensor in tensors.items():
         name = key.removesuffix(".lora_down.weight")
-        if name != key and name.startswith("lora_unet_") and "_blocks_" in name:
-            expected = options.rank_of(name)
+        split = options.split_qkv and name.endswith(("_qkv", "_linear1"))  # rows hold parts·dim there
+        if name != key and name.startswith("lora_unet_") and "_blocks_" in name and not split:
+            expected, type_key = options.rank_of(name), options.type_dim_key(name)
+            flag = "--network_dim" if type_key is None else f"--network_args {type_key}"
             if expected and tensor.shape[0] != expected:
-                raise UserError(f"--network_weights: {path} has rank {tensor.shape[0]} ({name}) where "
-                                f"--network_dim is {expected}; give --network_dim={tensor.shape[0]} to continue it")
+                raise UserError(f"--network_weights: {path} has rank {tensor.shape[0]} ({name}) where {flag} is "
+                                f"{expected}; give {flag}={tensor.shape[0]} to continue it")
     components = FLUX.meta_components(mp.model_folder(base_of(config).source))
     with torch.device("meta"):
         network_plan(config)(components).check_weights(path)

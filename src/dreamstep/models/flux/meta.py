@@ -52,6 +52,10 @@ def training_pass(transformer: nn.Module, *, resolution: int, batch: int, text_t
             double, single = trainable(controlnet_cond=torch.empty_like(inputs["hidden_states"]), **inputs)
             residuals = {"controlnet_block_samples": double, "controlnet_single_block_samples": single}
         out = transformer(**inputs, **residuals)[0]
+        if train and not out.requires_grad:  # only a text encoder trains (flux-kohya's
+            for name in ("encoder_hidden_states", "pooled_projections"):  # --network_train_text_encoder_only): the
+                inputs[name].requires_grad_(True)  # loss reaches it back through the transformer's text inputs
+            out = transformer(**inputs, **residuals)[0]
         return (out.float() - torch.empty_like(out, dtype=torch.float32)).pow(2).mean() if train else None
 
     return run
