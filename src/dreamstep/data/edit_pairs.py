@@ -94,15 +94,16 @@ def _cell(row: dict[str, Any], column: str, flag: str, path: Path, number: int) 
 
 
 def _image_path(cell: Any, table: Path, number: int) -> str:
-    """An image named in the table, relative to the table's folder (as in a Hugging Face image folder) or
-    absolute, and in either case below that folder: a table never reaches other files (judged by the name, so a
-    link placed in the folder is the user's own choice)."""
-    folder = os.path.normpath(table.parent.absolute())
-    image = os.path.normpath(os.path.join(folder, str(cell)))
-    if os.path.commonpath([folder, image]) != folder:
+    """An image named in the table: relative to the table's folder and inside it (as in a Hugging Face image
+    folder), or an absolute path, which is taken as given."""
+    name = Path(str(cell))
+    if name.is_absolute():
+        return str(name)
+    if os.path.normpath(name).split(os.sep)[0] == os.pardir:  # by the name: a link in the folder is the user's
         raise UserError(f"--dataset_name {table}: row {number}: '{cell}' leads outside the table's folder "
-                        f"{folder}; put the image below that folder and name it relative to the table")
-    return image
+                        f"{table.parent}; name images relative to the table, below its folder (or give an absolute "
+                        "path)")
+    return str(table.parent / name)
 
 
 def _pairs_file(config: Any) -> Path:
