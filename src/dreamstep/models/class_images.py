@@ -60,6 +60,15 @@ def fill_class_folder(class_dir: str | Path, wanted: int, make: Callable[[int, t
     return made
 
 
+def make_class_images(run: Any, make: Callable[[], None]) -> None:
+    """The run's "class images" phase, on any number of processes: ``make()`` fills the class folder on the main
+    process while the others wait, then the device is freed (step 3 above) before the run loads its own models."""
+    if run.is_main_process:
+        make()
+    run.accelerator.wait_for_everyone()
+    parking.free_device_memory(run.device)
+
+
 def encode_class_prompt(components: Any, device: torch.device, text_encoders: tuple[str, ...],
                         encode: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Step 1: ``encode()`` with only the ``text_encoders`` of ``components`` on ``device``; they (and the VAE) wait

@@ -47,6 +47,7 @@ from dreamstep.models.class_images import (
     denoising_within_plan,
     encode_class_prompt,
     fill_class_folder,
+    make_class_images,
     missing_class_images,
 )
 from dreamstep.models.flux2 import plumbing as flux2
@@ -115,10 +116,7 @@ def train(config: Flux2LoraConfig) -> FinishedRun | None:
     # 2. Class images (the plan's "class images" phase): the base makes the missing ones as the run will train it
     # (quantized, swapped), from the class prompt's embeddings; all is freed before the run loads its own models.
     if generate_class:
-        if run.is_main_process:
-            _generate_class_images(config, run.device)
-        run.accelerator.wait_for_everyone()
-        parking.free_device_memory(run.device)
+        make_class_images(run, lambda: _generate_class_images(config, run.device))
         datasets = training_datasets(config)
         dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
                                                  latent_cache=latent_cache, text_cache=text_cache)

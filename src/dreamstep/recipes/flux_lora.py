@@ -51,7 +51,7 @@ from dreamstep.lora.lycoris_network import LycorisNetwork, create_flux_network
 from dreamstep.lora.network_weights import StartingFile, check_starting_file, load_into_lora, load_into_network
 from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
-from dreamstep.models.class_images import missing_class_images
+from dreamstep.models.class_images import make_class_images, missing_class_images
 from dreamstep.models.flux import plumbing as flux
 from dreamstep.models.flux.family import FAMILY as FLUX
 from dreamstep.models.flux.files import base_of
@@ -181,11 +181,11 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
     # (quantized, swapped), from the class prompt's embeddings; everything is freed before the run loads its own
     # models, and the data is then built with them (the class images are read only now).
     if generate_class_images:
-        if run.is_main_process:
+        def make() -> None:
             say_before_the_run(f"generating class images of '{config.class_prompt}' in {class_dir}")
             flux.generate_class_images_within_plan(config, class_dir, run.device)
-        run.accelerator.wait_for_everyone()
-        parking.free_device_memory(run.device)
+
+        make_class_images(run, make)
         dataset, held_out = build_split_datasets(dreambooth_datasets(config, class_dir, COMMAND), config.seed,
                                                  config.validation_split,
                                                  latent_cache=latent_cache, text_cache=text_cache)

@@ -50,11 +50,11 @@ from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import TrainableState, save_flux_lora
 from dreamstep.lora.training import prepare_lora_training
 from dreamstep.models import memory_plan as mp
-from dreamstep.models import parking
 from dreamstep.models.class_images import (
     denoising_within_plan,
     encode_class_prompt,
     fill_class_folder,
+    make_class_images,
     missing_class_images,
 )
 from dreamstep.models.plans import RunPlan, plan_report
@@ -161,10 +161,7 @@ def train(config: QwenImageLoraConfig) -> FinishedRun | None:
     # 2. Class images (the plan's "class images" phase): the base makes the missing ones as the run will train it
     # (quantized, swapped), from the class prompt's embedding; all is freed before the run loads its own models.
     if generate_class:
-        if run.is_main_process:
-            _generate_class_images(config, source, run.device)
-        run.accelerator.wait_for_everyone()
-        parking.free_device_memory(run.device)
+        make_class_images(run, lambda: _generate_class_images(config, source, run.device))
         datasets = training_datasets(config)
         dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
                                                  latent_cache=latent_cache, text_cache=text_cache)

@@ -54,6 +54,7 @@ from dreamstep.models.class_images import (
     denoising_within_plan,
     encode_class_prompt,
     fill_class_folder,
+    make_class_images,
     missing_class_images,
 )
 from dreamstep.models.family import check_blocks_to_swap
@@ -192,12 +193,8 @@ def train(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> FinishedRun | No
     # 2. Class images (the plan's "class images" phase): the base makes the missing ones as the run will train it
     # (quantized, swapped), from the class prompt's caption features; all is freed before the run loads its own.
     if generate_class:
-        if run.is_main_process:
-            _generate_class_images(config, spec, text_cache, run.device)
-        run.accelerator.wait_for_everyone()
-        parking.free_device_memory(run.device)
+        make_class_images(run, lambda: _generate_class_images(config, spec, text_cache, run.device))
         datasets = training_datasets(config, spec)
-        latent_cache, text_cache = _caches(config, datasets, spec)
         dataset, held_out = build_split_datasets(datasets, config.seed, config.validation_split,
                                                  latent_cache=latent_cache, text_cache=text_cache)
 
@@ -292,6 +289,8 @@ def save_comfyui_lora(diffusers_file: Path, path: Path,
 
 def _caches(config: ZImageLoraConfig, datasets: list[DatasetConfig], spec: DitLora) -> tuple[Any, Any]:
     image_dirs = [s.image_dir for d in datasets for s in d.subsets if s.image_dir is not None]
+    if config.class_images_to_generate:  # a class folder still to fill is not among the datasets yet
+        image_dirs.append(Path(config.class_data_dir))
     return zi.training_caches(config.cache_root(), config.pretrained_model_name_or_path, revision=config.revision,
                               variant=config.variant, mixed_precision=config.mixed_precision,
                               max_sequence_length=config.max_sequence_length, cache_latents=config.cache_latents,

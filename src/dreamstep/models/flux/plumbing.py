@@ -424,7 +424,8 @@ def generate_class_images_within_plan(config: Any, class_dir: str | Path, device
     """The missing class images of a FLUX trainer's ``config`` (any :class:`FluxTrainingConfig` with prior
     preservation), made as :mod:`~dreamstep.models.class_images` says: the class prompt encoded first, then the
     transformer loaded as the run trains it (--base_quantization, --blocks_to_swap) denoising from its embeddings.
-    Everything loaded here is dropped on return; call :func:`~dreamstep.models.parking.free_device_memory` then."""
+    Everything loaded here is dropped on return; :func:`~dreamstep.models.class_images.make_class_images` frees the
+    device then."""
     from dreamstep.models.class_images import denoising_within_plan, encode_class_prompt
 
     base = base_of(config)
