@@ -127,7 +127,7 @@ def check_model_folder(source: str, model: str) -> None:
         hint = f"; plan it with 'dreamstep plan {owner.name}'" if owner is not None else ""
         raise UserError(f"--pretrained_model_name_or_path {source}: a {found} folder, not a {wanted.title} "
                         f"pipeline{hint}")
-    from dreamstep.models.loading import check_pipeline_source  # torch: not imported for --help
+    from dreamstep.models.sources import check_pipeline_source
 
     check_pipeline_source(source, wanted.name)  # the parts' configs readable
 

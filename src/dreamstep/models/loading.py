@@ -8,9 +8,6 @@ fix, and turns loader failures (missing files, no network) into such lines too.
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +23,7 @@ from diffusers import (
 from diffusers.loaders.single_file_utils import load_single_file_checkpoint
 from diffusers.utils import deprecation_utils
 from huggingface_hub import constants as hf_constants
-from huggingface_hub import try_to_load_from_cache
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from dreamstep.errors import UserError, refusing_pickled_code
@@ -35,41 +31,19 @@ from dreamstep.models import published_configs, quantization
 from dreamstep.models.flux import files as flux_files
 from dreamstep.models.flux.files import FluxFiles
 from dreamstep.models.quantized_cache import load_or_quantize, source_identity
-from dreamstep.models.sdxl.sgm_keys import UNET_PREFIX
+from dreamstep.models.sources import (
+    FluxComponents,
+    SDXLComponents,
+    check_checkpoint_file,
+    check_sdxl_safetensors,
+    folder_or_hub_id,
+    is_single_file,
+)
 
-CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
-# "owner/name" as on the hub; anything else that does not exist locally is a mistyped path.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Newer diffusers name the loaders' dtype argument `dtype` and warn on the older `torch_dtype`.
 _DTYPE_KWARG = "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
 # Loader failures that mean "these files cannot be loaded" rather than a bug in dreamstep.
 _LOAD_ERRORS = (OSError, ValueError, SafetensorError)
-
-
-@dataclass
-class FluxComponents:
-    """The seven parts of a FLUX.1 pipeline, named as in ``FluxPipeline``."""
-
-    tokenizer: Any
-    tokenizer_2: Any
-    text_encoder: torch.nn.Module
-    text_encoder_2: torch.nn.Module
-    vae: torch.nn.Module
-    transformer: torch.nn.Module
-    scheduler: Any
-
-
-@dataclass
-class SDXLComponents:
-    """The seven parts of an SDXL pipeline, named as in ``StableDiffusionXLPipeline``."""
-
-    tokenizer: Any
-    tokenizer_2: Any
-    text_encoder: torch.nn.Module
-    text_encoder_2: torch.nn.Module
-    vae: torch.nn.Module
-    unet: torch.nn.Module
-    scheduler: Any
 
 
 def _components(pipe: Any, cls: type) -> Any:
@@ -78,83 +52,6 @@ def _components(pipe: Any, cls: type) -> Any:
         if isinstance(getattr(components, name), torch.nn.Module):
             quantization.keep_only_quantized_weights(getattr(components, name))
     return components
-
-
-def _check_pipeline_folder(folder: Path, cls: type, pipeline: str) -> None:
-    """Fail early, naming the folder, when it is not a complete ``pipeline`` folder."""
-    index_path = folder / "model_index.json"
-    if not index_path.is_file():
-        raise UserError(f"{folder} is not a diffusers pipeline folder (no model_index.json); give "
-                        f"the folder that holds model_index.json, or a hub id")
-    index = _json_file(index_path)
-    missing = [name for name in cls.__dataclass_fields__
-               if not isinstance(index.get(name), list) or index[name][0] is None]
-    if missing:
-        found = index.get("_class_name", "an unknown pipeline")
-        raise UserError(f"{folder} holds {found}, not a {pipeline}: model_index.json has no "
-                        f"{', '.join(missing)}; give a {pipeline} folder")
-    absent = [name for name in cls.__dataclass_fields__ if not (folder / name).is_dir()]
-    if absent:
-        raise UserError(f"{folder} is incomplete: no {', '.join(s + '/' for s in absent)} folder "
-                        "listed in model_index.json; copy or download the whole pipeline folder")
-    for name in cls.__dataclass_fields__:
-        for config in sorted((folder / name).glob("*config.json")):
-            _json_file(config)
-
-
-def _json_file(path: Path) -> dict[str, Any]:
-    try:
-        found = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, OSError) as e:
-        raise UserError(f"{path} is not a readable JSON file ({e}); re-download or repair it") from e
-    if not isinstance(found, dict):
-        raise UserError(f"{path} holds a JSON {type(found).__name__}, not an object; re-download or repair it")
-    return found
-
-
-def _folder_or_hub_id(source: str | Path, cls: type, pipeline: str) -> str:
-    """Return ``source`` for ``from_pretrained``: a checked local folder, or a hub id."""
-    path = Path(source).expanduser()
-    if path.is_dir():
-        _check_pipeline_folder(path, cls, pipeline)
-        return str(path)
-    if path.exists():
-        raise UserError(f"'{source}' is a file, not a {pipeline} folder; give the folder that holds "
-                        "model_index.json")
-    if isinstance(source, str) and _HUB_ID.match(source) and not source.endswith(CHECKPOINT_SUFFIXES):
-        return source
-    raise UserError(f"model path '{source}' does not exist; give a {pipeline} folder or a "
-                    "Hugging Face hub id such as 'owner/model'")
-
-
-def check_pipeline_source(source: str | Path, arch: str, flag: str = "--pretrained_model_name_or_path") -> None:
-    """Fail with one line naming ``flag``, before anything loads, when ``source`` is neither a complete diffusers
-    folder of ``arch`` ("flux" or "sdxl"), a single-file SDXL checkpoint, nor a hub id (in the local cache when
-    HF_HUB_OFFLINE is set)."""
-    try:
-        if arch == "sdxl" and is_single_file(source):
-            file = _check_checkpoint_file(source, "SDXL checkpoint")
-            if file.suffix == ".safetensors":
-                _check_sdxl_safetensors(file)
-            return
-        cls, pipeline = ((FluxComponents, "FluxPipeline") if arch == "flux"
-                         else (SDXLComponents, "StableDiffusionXLPipeline") if arch == "sdxl"
-                         else _family_parts(arch))
-        name = _folder_or_hub_id(source, cls, pipeline)
-        if not Path(name).expanduser().is_dir() and hf_constants.HF_HUB_OFFLINE and not isinstance(
-                try_to_load_from_cache(name, "model_index.json"), str):
-            raise UserError(f"'{name}' is a hub id, not a local folder, and it is not in the Hugging Face cache while "
-                            "HF_HUB_OFFLINE is set; give a local folder, or unset HF_HUB_OFFLINE to download it")
-    except UserError as e:
-        raise UserError(f"{flag}: {e}") from None
-
-
-def _family_parts(name: str) -> tuple[type, str]:
-    """The parts a folder of another family must have (its ``component_labels``) and its first pipeline class."""
-    from dreamstep.models.family import get_family
-
-    found = get_family(name)
-    return dataclasses.make_dataclass(f"{found.name}_parts", list(found.component_labels)), found.pipeline_classes[0]
 
 
 def _load_error(source: str, error: Exception) -> UserError:
@@ -184,7 +81,7 @@ def load_flux(pretrained_model_name_or_path: str | Path | None, *, revision: str
     :func:`load_flux_transformer`.
     """
     files = _with_transformer_file(files, transformer_single_file)
-    source = (_folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
+    source = (folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
               if pretrained_model_name_or_path is not None else None)
     headers = flux_files.check_files(files)
     quantize = {name: mode for name, mode in (quantize or {}).items() if mode != "none"}
@@ -289,7 +186,7 @@ def load_flux_transformer(pretrained_model_name_or_path: str | Path | None, *, r
     diffusers' bitsandbytes loader quantizes on the GPU (see :func:`host_placement`). A file stored in fp8 loads as
     the fp8 base (``base_quantization`` "fp8") unless another mode is asked for: its weights are never held in a
     wider dtype on the device."""
-    source = (_folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
+    source = (folder_or_hub_id(pretrained_model_name_or_path, FluxComponents, "FluxPipeline")
               if pretrained_model_name_or_path is not None else None)
     load_kwargs = {_DTYPE_KWARG: weight_dtype, **host_placement(base_quantization, on_host)}
     if transformer_single_file is not None:
@@ -355,36 +252,13 @@ def host_placement(mode: str, on_host: bool) -> dict[str, Any]:
     return {"device_map": "cpu"} if mode == "nf4" and on_host else {}
 
 
-def _check_checkpoint_file(path: str | Path, what: str) -> Path:
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise UserError(f"{what} {file} does not exist; check the path")
-    if file.suffix not in CHECKPOINT_SUFFIXES:
-        raise UserError(f"{what} {file} is not a checkpoint (expected one of "
-                        f"{', '.join(CHECKPOINT_SUFFIXES)})")
-    return file
-
-
-def _check_sdxl_safetensors(file: Path) -> None:
-    """Read only the header: is this an SDXL checkpoint in the original (SGM) layout?"""
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            keys = list(f.keys())
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{file} is not a readable .safetensors file ({e}); re-download it") from e
-    if not any(key.startswith(UNET_PREFIX) for key in keys):
-        raise UserError(f"{file} is not an SDXL single-file checkpoint: it has no '{UNET_PREFIX}*' "
-                        "keys (a LoRA or a lone UNet/VAE file?); give a full checkpoint such as "
-                        "sd_xl_base_1.0.safetensors, or a diffusers folder")
-
-
 def _load_sdxl_single_file(file: Path, config: str | Path | None, weight_dtype: torch.dtype,
                            unet_quantization: str) -> StableDiffusionXLPipeline:
     if file.suffix == ".safetensors":
-        _check_sdxl_safetensors(file)
+        check_sdxl_safetensors(file)
     kwargs: dict[str, Any] = {_DTYPE_KWARG: weight_dtype}
     if config is not None:
-        kwargs["config"] = _folder_or_hub_id(config, SDXLComponents, "StableDiffusionXLPipeline")
+        kwargs["config"] = folder_or_hub_id(config, SDXLComponents, "StableDiffusionXLPipeline")
     try:
         if unet_quantization != "none":
             # The pipeline's single-file loader takes no quantization_config; its UNet's loader does.
@@ -397,18 +271,6 @@ def _load_sdxl_single_file(file: Path, config: str | Path | None, weight_dtype: 
         hint = ("" if config is not None and Path(config).expanduser().is_dir() else
                 "; offline, give --model_config a diffusers SDXL folder (for the model configs and tokenizers)")
         raise UserError(f"could not load the SDXL checkpoint {file}: {e}{hint}") from e
-
-
-def is_single_file(path_or_id: str | Path) -> bool:
-    """Whether ``path_or_id`` names a single-file checkpoint rather than a diffusers folder or hub id."""
-    return Path(path_or_id).expanduser().is_file() or str(path_or_id).endswith(CHECKPOINT_SUFFIXES)
-
-
-def check_model_config(model: str, model_config: str | None, single_file: bool) -> None:
-    """``--model_config`` supplies a single file's other components; a folder or hub id has its own."""
-    if model_config is not None and not single_file:
-        raise UserError(f"--model_config only applies to a single-file --model ({model} is a folder or hub id, "
-                        "with its own configs); remove it")
 
 
 def load_sdxl(path_or_id_or_single_file: str | Path, *, revision: str | None = None,
@@ -425,9 +287,9 @@ def load_sdxl(path_or_id_or_single_file: str | Path, *, revision: str | None = N
     a single file is read whole, its UNet included.
     """
     if is_single_file(path_or_id_or_single_file):
-        file = _check_checkpoint_file(Path(path_or_id_or_single_file).expanduser(), "SDXL checkpoint")
+        file = check_checkpoint_file(Path(path_or_id_or_single_file).expanduser(), "SDXL checkpoint")
         return _components(_load_sdxl_single_file(file, config, weight_dtype, unet_quantization), SDXLComponents)
-    name = _folder_or_hub_id(path_or_id_or_single_file, SDXLComponents, "StableDiffusionXLPipeline")
+    name = folder_or_hub_id(path_or_id_or_single_file, SDXLComponents, "StableDiffusionXLPipeline")
     pipeline_quantization = quantization.pipeline_config({"unet": unet_quantization if unet else "none"},
                                                          weight_dtype)
     extra: dict[str, Any] = {"quantization_config": pipeline_quantization} if pipeline_quantization is not None else {}
@@ -444,7 +306,7 @@ def load_sdxl_unet(path_or_id: str | Path, *, revision: str | None = None, varia
     """The UNet alone of an SDXL diffusers folder or hub id, in ``weight_dtype``, its linear weights quantized
     as ``unet_quantization`` says; in host memory, or with an unswapped 4-bit base on the GPU
     (:func:`host_placement`)."""
-    name = _folder_or_hub_id(path_or_id, SDXLComponents, "StableDiffusionXLPipeline")
+    name = folder_or_hub_id(path_or_id, SDXLComponents, "StableDiffusionXLPipeline")
     load_kwargs = {_DTYPE_KWARG: weight_dtype, **host_placement(unet_quantization, on_host)}
     unet = load_or_quantize(
         UNet2DConditionModel, source_identity(name, "unet", revision, variant), unet_quantization, weight_dtype,

@@ -1,11 +1,14 @@
-"""The memory plan's measured passes, kept on disk: a pass over the meta device takes seconds to tens of seconds
-at full size, and its result depends only on the model's structure, the pass's arguments and the code that runs
-it, so ``plan``, the dashboard's form and every trainer's check read it back instead of measuring again.
+"""The memory plan's figures, kept on disk: a pass over the meta device takes seconds to tens of seconds at full
+size, and building the full-size modules to count their weights takes seconds more, while the figures depend only
+on the model's structure, the arguments and the code that computes them. So ``plan``, the dashboard's form and
+every trainer's check read them back instead of building and measuring again.
 
-The key hashes the modules' parameter names, shapes, dtypes and trainability, the pass's arguments, the versions of
-torch, diffusers, transformers and peft, and the source of ``dreamstep.models`` (the families' passes and the
-method), so a change to any of them measures afresh. ``DREAMSTEP_PLAN_CACHE`` names the folder (default
-``$XDG_CACHE_HOME/dreamstep/plans``); an unwritable folder only means measuring every time."""
+The key hashes the model's structure (for a LoRA run, the configs its modules are built from,
+:func:`config_fingerprint`; otherwise the modules' parameter names, shapes, dtypes and trainability,
+:func:`module_fingerprint`), the arguments, the versions of torch, diffusers, transformers, peft, torchao and
+bitsandbytes, and the source of ``dreamstep.models`` (the families' passes, published configs and the method), so
+a change to any of them computes afresh. ``DREAMSTEP_PLAN_CACHE`` names the folder (default
+``$XDG_CACHE_HOME/dreamstep/plans``); an unwritable folder only means computing every time."""
 
 from __future__ import annotations
 
@@ -54,8 +57,8 @@ def module_fingerprint(modules: dict[str, nn.Module]) -> str:
 
 
 def remembered(modules: str, what: str, arguments: tuple, measure: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
-    """``measure()``'s result for these ``modules`` (:func:`module_fingerprint`) and ``arguments``: read back when an
-    earlier run measured it, else measured and kept."""
+    """``measure()``'s result for these ``modules`` (a fingerprint) and ``arguments``: read back when an earlier run
+    measured it, else measured and kept."""
     key = hashlib.sha256(f"{_code_fingerprint()}|{modules}|{what}|{arguments!r}".encode()).hexdigest()
     path = cache_dir() / f"{key}.json"
     try:
@@ -71,3 +74,15 @@ def remembered(modules: str, what: str, arguments: tuple, measure: Callable[[], 
     except OSError:
         pass
     return result
+
+
+def config_fingerprint(folder: Path | None, family: str, variant: str | None, rank: int, lora_layers: list[str]) -> str:
+    """What a LoRA run's modules follow from, without building them: the family and variant, the configs the
+    family's ``meta_components`` reads from ``folder`` (``model_index.json`` and each part's ``config.json``; none:
+    the published ones, in the source), and the LoRA's rank and layers."""
+    digest = hashlib.sha256(f"{family}|{variant}|{rank}|{sorted(lora_layers)}|".encode())
+    if folder is not None:
+        for config in sorted([folder / "model_index.json", *folder.glob("*/config.json")]):
+            if config.is_file():
+                digest.update(config.relative_to(folder).as_posix().encode() + b"=" + config.read_bytes() + b";")
+    return digest.hexdigest()

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from dreamstep.config.memory import OPTIMIZER_STATE_BYTES, parse_bytes
@@ -20,11 +19,13 @@ from dreamstep.models.blocks import HostCheckpointing, most_blocks_to_swap
 from dreamstep.models.family import get_family
 from dreamstep.models.memory_plan import Line, MemoryPlan, Phase, PlanOptions
 from dreamstep.models.phases import CLASS_IMAGES, loop_encoders, resident_components, run_phases
-from dreamstep.models.plan_cache import module_fingerprint, remembered
+from dreamstep.models.plan_cache import config_fingerprint, module_fingerprint, remembered
 from dreamstep.models.vae import encode_posterior
 
 
 def _with_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
+    from peft import LoraConfig, inject_adapter_in_model  # seconds to import, and a cached plan needs none
+
     model.requires_grad_(False)
     inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets), model)
     return model
@@ -72,30 +73,55 @@ class Estimator:
                  build_trainable: Callable[[nn.Module], nn.Module] | None = None, trainable_label: str = "",
                  device_type: str = "cuda", variant: str | None = None,
                  lora_network: Callable[[dict[str, nn.Module]], nn.Module] | None = None):
-        folder = mp.model_folder(source)
         self.family = get_family(family)
         self.device_type = device_type  # whose autocast policy the passes follow
         self.labels = self.family.component_labels
-        self.components = self.family.meta_components(folder, variant)
-        for module in self.components.values():
-            module.requires_grad_(False)
         self.base_name = self.family.denoiser
-        self.base = self.components[self.base_name]
-        if build_trainable is not None:
-            with torch.device("meta"), mp.default_dtype(torch.float32):
-                self.trainable = build_trainable(self.base)
-            self.trainable_label = trainable_label
-        elif lora_network is not None:
-            with torch.device("meta"), mp.default_dtype(torch.float32):
-                self.base.add_module("lora_network", lora_network(self.components))
-            self.trainable, self.trainable_label = self.base, f"LoRA rank {rank}"
+        self._folder, self._variant = mp.model_folder(source), variant
+        self._rank, self._lora_layers = rank, list(lora_layers or [])
+        self._build_trainable, self._lora_network = build_trainable, lora_network
+        self.trainable_label = trainable_label if build_trainable is not None else f"LoRA rank {rank}"
+        if build_trainable is None and lora_network is None:
+            # A LoRA's modules follow from the configs, the rank and the layers: a plan read back from the cache
+            # builds nothing.
+            self.fingerprint = config_fingerprint(self._folder, self.family.name, variant, rank, self._lora_layers)
         else:
-            self.trainable = _with_lora(self.base, rank, self.family.lora_targets(self.base, lora_layers or []))
-            self.trainable_label = f"LoRA rank {rank}"
-            for param in self.trainable.parameters():  # trainable weights are fp32 (models/precision.py)
-                if param.requires_grad:
-                    param.data = param.data.float()
-        self.fingerprint = module_fingerprint({**self.components, "trainable": self.trainable})
+            self.fingerprint = module_fingerprint({**self.components, "trainable": self.trainable})
+
+    @cached_property
+    def _built(self) -> tuple[dict[str, nn.Module], nn.Module]:
+        """Every component and what trains, on the meta device; built only when a figure is not in the cache."""
+        components = self.family.meta_components(self._folder, self._variant)
+        for module in components.values():
+            module.requires_grad_(False)
+        base = components[self.base_name]
+        if self._build_trainable is not None:
+            with torch.device("meta"), mp.default_dtype(torch.float32):
+                return components, self._build_trainable(base)
+        if self._lora_network is not None:
+            with torch.device("meta"), mp.default_dtype(torch.float32):
+                base.add_module("lora_network", self._lora_network(components))
+            return components, base
+        trainable = _with_lora(base, self._rank, self.family.lora_targets(base, self._lora_layers))
+        for param in trainable.parameters():  # trainable weights are fp32 (models/precision.py)
+            if param.requires_grad:
+                param.data = param.data.float()
+        return components, trainable
+
+    @property
+    def components(self) -> dict[str, nn.Module]:
+        return self._built[0]
+
+    @property
+    def base(self) -> nn.Module:
+        return self.components[self.base_name]
+
+    @property
+    def trainable(self) -> nn.Module:
+        return self._built[1]
+
+    def _remembered(self, what: str, arguments: tuple, measure: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
+        return remembered(self.fingerprint, what, arguments, measure)
 
     def _quantized(self, mode: str) -> dict[nn.Parameter, str]:
         if mode == "none":
@@ -119,7 +145,7 @@ class Estimator:
         (``--cpu_offload_checkpointing``): (peak device bytes, bytes of those inputs in host memory)."""
         arguments = (resolution, batch, checkpointing, offload, text_tokens, quantization, str(half), train,
                      image_token_multiplier, self.device_type)
-        peak, host_bytes = remembered(self.fingerprint, "training pass", arguments, lambda: self._measure_pass(
+        peak, host_bytes = self._remembered("training pass", arguments, lambda: self._measure_pass(
             resolution, batch, checkpointing, offload, text_tokens, quantization, half, train, image_token_multiplier))
         return peak, host_bytes
 
@@ -150,29 +176,33 @@ class Estimator:
     def encoder_pass(self, name: str, resolution: int, text_tokens: int, decode: bool = False) -> int:
         """Peak bytes of encoding a batch of captions with text encoder ``name``, or one image with the VAE
         (``decode``: decoding one)."""
-        module = self.components[name]
-        if name == "vae":
-            run = _vae_pass(module, resolution, decode)
-        else:
-            run = _text_encoder_pass(module, text_tokens if name == self.family.long_text_encoder else 77)
-
         def measure() -> tuple[int]:
+            module = self.components[name]
+            if name == "vae":
+                run = _vae_pass(module, resolution, decode)
+            else:
+                run = _text_encoder_pass(module, text_tokens if name == self.family.long_text_encoder else 77)
             with torch.device("meta"), torch.no_grad():
                 return (mp.pass_peak(module, run, autocast=None, device_type=self.device_type),)
 
         arguments = (name, resolution, text_tokens, decode, self.device_type)
-        return remembered(self.fingerprint, "encoder pass", arguments, measure)[0]
+        return self._remembered("encoder pass", arguments, measure)[0]
 
     def _weights(self, name: str, options: PlanOptions) -> Line:
-        module = self.components[name]
         dtype_bytes = torch.finfo(options.weight_dtype).bits // 8
         if name == self.base_name:
             quant = options.base_quantization
         else:
             quant = options.text_encoder_quantization if name == self.family.long_text_encoder else "none"
-        frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
-        return Line(f"{self.labels[name]} (frozen)", frozen, _label(quant, mp.dtype_name(options.weight_dtype)),
+
+        def count() -> tuple[int, int]:
+            module = self.components[name]
+            return (sum(p.numel() for p in module.parameters() if not p.requires_grad),
                     mp.weight_bytes(module, quant, dtype_bytes, frozen_only=True))
+
+        frozen, nbytes = self._remembered("weights", (name, quant, dtype_bytes), count)
+        return Line(f"{self.labels[name]} (frozen)", frozen, _label(quant, mp.dtype_name(options.weight_dtype)),
+                    nbytes)
 
     def _base_lines(self, options: PlanOptions) -> tuple[list[Line], list[Line]]:
         """The frozen base's weights on the device and, with swapping, in host memory."""
@@ -181,20 +211,29 @@ class Estimator:
             return device, []
         quant = options.base_quantization
         dtype_bytes = torch.finfo(options.weight_dtype).bits // 8
-        swapped, resident = mp.swapped_blocks(self.base, options)
 
-        def size(blocks: list[nn.Module]) -> int:
+        def sizes() -> tuple[int, int, int]:
+            swapped, resident = mp.swapped_blocks(self.base, options)
             # nf4's absmax is kept with the block's quantization state on the device.
             plain = quant if quant != "nf4" else "nf4-packed"
-            return sum(mp.weight_bytes(b, plain, dtype_bytes, frozen_only=True) for b in blocks)
+            return len(swapped), *(sum(mp.weight_bytes(b, plain, dtype_bytes, frozen_only=True) for b in blocks)
+                                   for blocks in (swapped, resident))
 
-        out = size(swapped) - size(resident)
-        device.append(Line(f"  {len(swapped)} blocks swapped out (2 of them on the device at a time)", 0, "", -out))
-        return device, [Line(f"{len(swapped)} swapped blocks of the {self.base_name}", 0, _label(
-            quant, mp.dtype_name(options.weight_dtype)), size(swapped))]
+        count, swapped, resident = self._remembered(
+            "swapped blocks", (quant, dtype_bytes, options.blocks_to_swap, options.sd_scripts_swap), sizes)
+        device.append(Line(f"  {count} blocks swapped out (2 of them on the device at a time)", 0, "",
+                           resident - swapped))
+        return device, [Line(f"{count} swapped blocks of the {self.base_name}", 0, _label(
+            quant, mp.dtype_name(options.weight_dtype)), swapped)]
+
+    def most_blocks_to_swap(self, sd_scripts_flux: bool) -> int:
+        """:func:`~dreamstep.models.blocks.most_blocks_to_swap` of the base."""
+        return self._remembered("most blocks to swap", (sd_scripts_flux,), lambda: (
+            most_blocks_to_swap(self.base, sd_scripts_flux=sd_scripts_flux),))[0]
 
     def _trainable_lines(self, options: PlanOptions) -> list[Line]:
-        trained = sum(p.numel() for p in self.trainable.parameters() if p.requires_grad)
+        trained = self._remembered("trainable", (), lambda: (
+            sum(p.numel() for p in self.trainable.parameters() if p.requires_grad),))[0]
         state = OPTIMIZER_STATE_BYTES.get(options.optimizer, OPTIMIZER_STATE_BYTES["AdamW"])
         return [Line(f"{self.trainable_label}: fp32 weights + {options.optimizer} state", trained, "fp32",
                      trained * (4 + state))]
@@ -207,7 +246,7 @@ class Estimator:
                                        base_loads_on_device=options.base_quantization == "nf4"
                                        and not options.blocks_to_swap)
         half = None if options.weight_dtype == torch.float32 else options.weight_dtype
-        encoders = [name for name in self.components if name != self.base_name]
+        encoders = [name for name in self.labels if name != self.base_name]
         device = [self._weights(name, options) for name in encoders if name in resident]
         host = [self._weights(name, options) for name in encoders if name not in resident]
         resolution, tokens = options.resolution, options.max_sequence_length
@@ -289,7 +328,7 @@ def plan_report(estimator: Estimator, options: PlanOptions, device_memory: int |
 def options_that_fit(estimator: Estimator, options: PlanOptions, device_memory: int) -> list[tuple[str, MemoryPlan]]:
     """:func:`~dreamstep.models.memory_plan.options_that_fit` for ``estimator``'s model on this machine."""
     return mp.options_that_fit(estimator, options, device_memory,
-                               max_blocks=most_blocks_to_swap(estimator.base, sd_scripts_flux=options.sd_scripts_swap),
+                               max_blocks=estimator.most_blocks_to_swap(options.sd_scripts_swap),
                                cuda=torch.cuda.is_available(),
                                has_long_text_encoder=estimator.family.long_text_encoder is not None,
                                can_offload_checkpointing=estimator.family.long_text_encoder is not None)
@@ -308,7 +347,7 @@ class RunPlan:
 
     def check_source(self) -> None:
         """The base must be a pipeline of the family (one line naming it, before anything is built)."""
-        from dreamstep.models.loading import check_pipeline_source
+        from dreamstep.models.sources import check_pipeline_source
 
         if self.source is not None:
             check_pipeline_source(self.source, self.family)

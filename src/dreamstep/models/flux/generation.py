@@ -18,7 +18,8 @@ from dreamstep.models.flux import controlnet as cn
 from dreamstep.models.flux.files import FILE_SUFFIXES, resolve_base
 from dreamstep.models.flux.kontext import edit_size
 from dreamstep.models.flux.plumbing import FLUX_DEV_SAMPLING
-from dreamstep.models.loading import check_model_config, check_pipeline_source, is_single_file, load_flux
+from dreamstep.models.loading import load_flux
+from dreamstep.models.sources import check_model_config, check_pipeline_source, is_single_file
 
 # Where a single-file --model takes its other components and configs when --model_config is not given.
 DEFAULT_BASES = {"flux": "black-forest-labs/FLUX.1-dev", "flux-kontext": "black-forest-labs/FLUX.1-Kontext-dev"}

@@ -19,11 +19,12 @@ from dreamstep.models import parking
 from dreamstep.models.family import check_blocks_to_swap
 from dreamstep.models.flux.family import FAMILY as FLUX
 from dreamstep.models.flux.files import FLAGS, FluxFiles, base_of, config_folder, read_header
-from dreamstep.models.loading import check_pipeline_source, component_identity, load_flux, load_flux_transformer
+from dreamstep.models.loading import component_identity, load_flux, load_flux_transformer
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.parking import ParkedModules
 from dreamstep.models.phases import ENCODERS, TEXT_ENCODERS
 from dreamstep.models.precision import freeze, weight_dtype_for
+from dreamstep.models.sources import check_pipeline_source
 from dreamstep.models.vae import encode_posterior
 from dreamstep.notices import CAPTION_CUT, hidden
 from dreamstep.png_text import JSON_KEY, sample_parameters

@@ -12,8 +12,9 @@ from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 from PIL import Image
 
 from dreamstep.errors import UserError
-from dreamstep.models.loading import check_model_config, check_pipeline_source, is_single_file, load_sdxl
+from dreamstep.models.loading import load_sdxl
 from dreamstep.models.sdxl.plumbing import config_source
+from dreamstep.models.sources import check_model_config, check_pipeline_source, is_single_file
 
 # Where a single file takes its configs when --model_config is not given and its folder has none.
 DEFAULT_BASE = "stabilityai/stable-diffusion-xl-base-1.0"

@@ -67,7 +67,7 @@ def check_source(source: str, flag: str = "--pretrained_model_name_or_path", kin
     """One line naming ``flag`` when ``source`` is neither a pipeline folder of ``kind`` nor a hub id (in the local
     cache when HF_HUB_OFFLINE is set), before anything loads."""
     from dreamstep.models.family import family_of_pipeline
-    from dreamstep.models.loading import _HUB_ID, _json_file
+    from dreamstep.models.sources import HUB_ID, json_file
 
     path = Path(source).expanduser()
     if path.is_dir():
@@ -75,7 +75,7 @@ def check_source(source: str, flag: str = "--pretrained_model_name_or_path", kin
         if not index.is_file():
             raise UserError(f"{flag} {source}: not a diffusers pipeline folder (no model_index.json); give the "
                             f"{kind.title} folder that holds it, or a hub id such as {kind.example}")
-        found = _json_file(index).get("_class_name", "an unknown pipeline")
+        found = json_file(index).get("_class_name", "an unknown pipeline")
         if found not in kind.pipelines:
             other = family_of_pipeline(found)
             hint = f" (a {other.title} model: train it with 'dreamstep train {other.name}-lora')" if other else ""
@@ -87,7 +87,7 @@ def check_source(source: str, flag: str = "--pretrained_model_name_or_path", kin
             raise UserError(f"{flag} {source}: incomplete {kind.title} folder, no {', '.join(missing)}/; copy or "
                             "download the whole pipeline folder")
         return
-    if path.exists() or not _HUB_ID.match(source):
+    if path.exists() or not HUB_ID.match(source):
         raise UserError(f"{flag} {source}: no such folder; give a {kind.title} pipeline folder or a hub id such as "
                         f"{kind.example}")
     from huggingface_hub import constants, try_to_load_from_cache
