@@ -1,6 +1,7 @@
 """A wrong base model is one line naming the flag and what was found there, before anything loads or is written,
 in every trainer, generate, eval and plan: a path that does not exist, the other family's folder, a hub id that is
-not in the cache while HF_HUB_OFFLINE is set (conftest sets it), and a folder whose config.json is not JSON."""
+not in the cache while HF_HUB_OFFLINE is set (conftest sets it), an SDXL single file whose configs would come from
+the hub, and a folder whose config.json is not JSON."""
 
 from __future__ import annotations
 
@@ -68,6 +69,12 @@ def test_a_wrong_model_is_one_line_naming_the_flag(command: str, tiny_flux_dir: 
     cases = _bad_models(family, tmp_path, tiny_flux_dir, tiny_sdxl_dir)
     if not command.startswith("plan"):  # plan reads a hub id's published shapes, which needs no download
         cases["hub id offline"] = ("nobody-xyz/no-such-model", "not in the Hugging Face cache while HF_HUB_OFFLINE")
+    if family == "sdxl" and not command.startswith("plan"):  # its configs would come from the hub
+        lone = tmp_path / "lone" / "model.safetensors"
+        lone.parent.mkdir()
+        shutil.copy(tiny_sdxl_dir / "tiny_sdxl.safetensors", lone)
+        cases["lone single file offline"] = (lone, "lone single file (no --model_config, no model_index.json beside "
+                                                   "it): diffusers takes its configs and tokenizers from stabilityai/")
     for case, (model, said) in cases.items():
         assert run_cli(*args, model) == 2, case
         err = capsys.readouterr().err

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 # "owner/name" as on the hub; anything else that does not exist locally is a mistyped path.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Where diffusers takes an SDXL single file's configs and tokenizers when it is given none.
+SDXL_BASE = "stabilityai/stable-diffusion-xl-base-1.0"
 
 @dataclass
 class FluxComponents:
@@ -97,29 +99,39 @@ def folder_or_hub_id(source: str | Path, cls: type, pipeline: str) -> str:
                     "Hugging Face hub id such as 'owner/model'")
 
 
-def check_pipeline_source(source: str | Path, arch: str, flag: str = "--pretrained_model_name_or_path") -> None:
+def check_pipeline_source(source: str | Path, arch: str, flag: str = "--pretrained_model_name_or_path", *,
+                          configs_given: bool = False) -> None:
     """Fail with one line naming ``flag``, before anything loads, when ``source`` is neither a complete diffusers
     folder of ``arch`` ("flux" or "sdxl"), a single-file SDXL checkpoint, nor a hub id (in the local cache when
-    HF_HUB_OFFLINE is set)."""
+    HF_HUB_OFFLINE is set). ``configs_given``: a single file's configs come from ``--model_config``."""
     try:
         if arch == "sdxl" and is_single_file(source):
             file = check_checkpoint_file(source, "SDXL checkpoint")
             if file.suffix == ".safetensors":
                 check_sdxl_safetensors(file)
+            if not configs_given and not (file.parent / "model_index.json").is_file():
+                _check_in_reach(SDXL_BASE, f"{file} is a lone single file (no --model_config, no "
+                                           "model_index.json beside it): diffusers takes its configs and tokenizers "
+                                           f"from {SDXL_BASE}", "give --model_config a diffusers SDXL folder")
             return
         cls, pipeline = ((FluxComponents, "FluxPipeline") if arch == "flux"
                          else (SDXLComponents, "StableDiffusionXLPipeline") if arch == "sdxl"
                          else _family_parts(arch))
         name = folder_or_hub_id(source, cls, pipeline)
-        from huggingface_hub import constants as hf_constants
-        from huggingface_hub import try_to_load_from_cache
-
-        if not Path(name).expanduser().is_dir() and hf_constants.HF_HUB_OFFLINE and not isinstance(
-                try_to_load_from_cache(name, "model_index.json"), str):
-            raise UserError(f"'{name}' is a hub id, not a local folder, and it is not in the Hugging Face cache while "
-                            "HF_HUB_OFFLINE is set; give a local folder, or unset HF_HUB_OFFLINE to download it")
+        if not Path(name).expanduser().is_dir():
+            _check_in_reach(name, f"'{name}' is a hub id, not a local folder", "give a local folder")
     except UserError as e:
         raise UserError(f"{flag}: {e}") from None
+
+
+def _check_in_reach(hub_id: str, what: str, fix: str) -> None:
+    """Offline, the hub model ``hub_id`` must be in the Hugging Face cache."""
+    from huggingface_hub import constants as hf_constants
+    from huggingface_hub import try_to_load_from_cache
+
+    if hf_constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(hub_id, "model_index.json"), str):
+        raise UserError(f"{what}; {hub_id} is not in the Hugging Face cache while HF_HUB_OFFLINE is set: {fix}, "
+                        "or unset HF_HUB_OFFLINE to download it")
 
 
 def _family_parts(name: str) -> tuple[type, str]:

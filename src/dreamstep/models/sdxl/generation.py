@@ -14,10 +14,8 @@ from PIL import Image
 from dreamstep.errors import UserError
 from dreamstep.models.loading import load_sdxl
 from dreamstep.models.sdxl.plumbing import config_source
-from dreamstep.models.sources import check_model_config, check_pipeline_source, is_single_file
+from dreamstep.models.sources import SDXL_BASE, check_model_config, check_pipeline_source, is_single_file
 
-# Where a single file takes its configs when --model_config is not given and its folder has none.
-DEFAULT_BASE = "stabilityai/stable-diffusion-xl-base-1.0"
 SAMPLING = {"steps": 50, "guidance_scale": 7.0}
 
 
@@ -25,7 +23,7 @@ def check_model(model: str, model_config: str | None, component_files: Mapping[s
     if component_files:
         raise UserError(f"--{next(iter(component_files))} is a FLUX component file; SDXL takes none")
     check_model_config(model, model_config, is_single_file(model))
-    check_pipeline_source(model, "sdxl", "--model")
+    check_pipeline_source(model, "sdxl", "--model", configs_given=model_config is not None)
     if model_config is not None and is_single_file(model):
         check_pipeline_source(model_config, "sdxl", "--model_config")
 
@@ -35,7 +33,7 @@ def pipeline(model: str, *, model_config: str | None, dtype: torch.dtype) -> Sta
     if is_single_file(model):
         # --model_config, or the file's own folder when that holds model_index.json (as the trainer reads it).
         beside = (Path(model).expanduser().parent / "model_index.json").is_file()
-        config = config_source(model, model_config) if model_config or beside else DEFAULT_BASE
+        config = config_source(model, model_config) if model_config or beside else SDXL_BASE
     pipe = StableDiffusionXLPipeline(**vars(load_sdxl(model, config=config, weight_dtype=dtype)),
                                      add_watermarker=False)
     pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
