@@ -21,8 +21,9 @@ def accelerate_launch(*target: object, processes: int = 2, hf_home: Path | None 
                       timeout: int = 300) -> subprocess.CompletedProcess:
     """``accelerate launch`` of ``target`` (a script and its arguments, or ``-m module ...``); asserts that it
     succeeded. ``hf_home`` keeps a user's accelerate config out; ``pythonpath`` goes before the inherited one."""
+    # PYTHONFAULTHANDLER: a rank that crashes in native code prints its Python stack.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore"}
+           "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
     if hf_home is not None:
         env["HF_HOME"] = str(hf_home)
     if pythonpath is not None:

@@ -18,7 +18,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from diffusers.training_utils import EMAModel
 
 from dreamstep.errors import UserError
 
@@ -31,6 +30,8 @@ class WeightAverage:
 
     def __init__(self, model: torch.nn.Module, *, decay: float, update_every: int = 1,
                  warmup_power: float | None = None, on_cpu: bool = False):
+        from diffusers.training_utils import EMAModel  # seconds to import: not for what reads checkpoints only
+
         self.named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.update_every = update_every
         self.on_cpu = on_cpu

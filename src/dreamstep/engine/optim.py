@@ -12,8 +12,6 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
-from diffusers.optimization import get_scheduler
-from transformers.optimization import Adafactor, AdafactorSchedule
 
 from dreamstep.config.schema import parse_key_values
 from dreamstep.config.training import LR_SCHEDULERS
@@ -101,6 +99,8 @@ def build_optimizer(name: str, params: Iterable[Any], lr: float, *, betas: tuple
             return _import("bitsandbytes", canonical).optim.Lion(params, **kwargs)
         if canonical == "Prodigy":
             return _import("prodigyopt", canonical).Prodigy(params, **kwargs)
+        from transformers.optimization import Adafactor  # seconds to import: not before the run needs it
+
         return Adafactor(params, **kwargs)
     except (TypeError, ValueError) as e:
         raise UserError(f"{flag} {canonical}: bad optimizer argument ({e}); check --optimizer_args") from None
@@ -131,23 +131,11 @@ def build_lr_scheduler(name: str, optimizer: torch.optim.Optimizer, *, warmup_st
     if name not in LR_SCHEDULERS:
         raise UserError(f"{flag}: unknown scheduler '{name}'{did_you_mean(name, LR_SCHEDULERS)}; "
                         f"choose one of {', '.join(LR_SCHEDULERS)}")
-    if isinstance(optimizer, Adafactor) and optimizer.defaults["relative_step"]:
+    from diffusers.optimization import get_scheduler  # seconds to import: not for the checks at the door
+
+    from dreamstep.engine.adafactor import AdafactorStepSizes, is_adafactor
+
+    if is_adafactor(optimizer) and optimizer.defaults["relative_step"]:
         return AdafactorStepSizes(optimizer)
     return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps,
                          num_cycles=num_cycles, power=power)
-
-
-class AdafactorStepSizes(AdafactorSchedule):
-    """transformers' proxy schedule for an Adafactor with relative step: it reports the step size Adafactor
-    computed for each group (for the logs). transformers' own ``get_lr`` leaves out the groups whose first
-    parameter got no gradient this step (a LoRA module dropped by ``module_dropout``), and torch's schedulers
-    refuse a list shorter than the groups; here such a group keeps its last value."""
-
-    def get_lr(self) -> list[float]:
-        optimizer = self.optimizer
-        last = getattr(self, "_last_lr", self.base_lrs)
-        sizes = []
-        for group, before in zip(optimizer.param_groups, last):
-            state = optimizer.state.get(group["params"][0], {})
-            sizes.append(optimizer._get_lr(group, state) if "step" in state else before)
-        return sizes

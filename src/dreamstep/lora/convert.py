@@ -39,7 +39,7 @@ from dreamstep.lora.layouts import (
 )
 from dreamstep.lora.lycoris_files import LycorisFile, dora_as_diffusers, lycoris_readers, read_lycoris
 from dreamstep.lora.lycoris_network import is_lycoris
-from dreamstep.models.family import families, guess_family, model_title
+from dreamstep.models.family import families, get_family, guess_family, model_title
 from dreamstep.models.full_size import lora_shape_problem, weight_shapes
 from dreamstep.models.lora_keys import ModelKeys
 from dreamstep.models.precision import dtype_named
@@ -240,9 +240,20 @@ def read_lora(path: str | Path, model: str | None = None, configs: Mapping[str, 
 def _names_fit(modules: Mapping[str, LoraWeights], layout: str, model: str,
                configs: Mapping[str, Mapping] | None) -> bool:
     """Whether every module is one of ``model``'s (FLUX.2's diffusers names hold FLUX.1's hints too)."""
+    if layout not in ("kohya", "diffusers") or not _components_fit(modules, layout, model):
+        return False  # without building the model's key tables (SDXL's builds its UNet)
     keys = model_keys(model, configs)
     known = keys.by_kohya if layout == "kohya" else keys.by_diffusers
     return layout in ("kohya", "diffusers") and all(name in known for name in modules)
+
+
+def _components_fit(modules: Mapping[str, LoraWeights], layout: str, model: str) -> bool:
+    """Whether every module's name starts with one of ``model``'s components (diffusers names) or file prefixes
+    (sd-scripts' names)."""
+    found = get_family(model)
+    if layout == "kohya":
+        return all(name.startswith(tuple(f"{prefix}_" for prefix in found.kohya_prefixes)) for name in modules)
+    return all(name.split(".", 1)[0] in found.component_labels for name in modules)
 
 
 def _family_holding(modules: Mapping[str, LoraWeights], layout: str, guessed: str) -> str:
