@@ -173,7 +173,6 @@ def _run(key: tuple[str, ...], command: Command, argv: list[str]) -> None:
         module = _load(command.runner)
         module.configure_parser(parser, key)
         args = parser.parse_args(argv)
-        hide_transformers_progress_bars()
         module.run(args, key)
         return
     from dreamstep.config.schema import add_arguments, build_config

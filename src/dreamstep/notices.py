@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import sys
 import warnings
 from collections.abc import Iterator, Mapping
 
@@ -66,12 +65,11 @@ def hide_known_notices() -> None:
 
 def hide_transformers_progress_bars() -> None:
     """transformers' own "Loading weights" and "Writing model shards" bars, one per model, nested inside
-    diffusers' "Loading pipeline components" bar and our own; downloads keep huggingface_hub's bars. Does
-    nothing until transformers is imported (call it after the command's modules are)."""
-    if "transformers" in sys.modules:
-        from transformers.utils import logging as transformers_logging
+    diffusers' "Loading pipeline components" bar and our own; downloads keep huggingface_hub's bars. Imports
+    transformers' logging (half a second): for the commands that load models."""
+    from transformers.utils import logging as transformers_logging
 
-        transformers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
 
 
 @contextlib.contextmanager

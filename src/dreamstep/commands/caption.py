@@ -38,5 +38,7 @@ def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
                         "dreamstep caption FOLDER_OR_TOML [options]")
     config = build_config(CaptionConfig, values)
     from dreamstep.captioning.run import caption
+    from dreamstep.notices import hide_transformers_progress_bars
 
+    hide_transformers_progress_bars()
     caption(config)

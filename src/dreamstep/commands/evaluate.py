@@ -33,7 +33,9 @@ def configure_parser(parser: argparse.ArgumentParser, key: tuple[str, ...]) -> N
 def run(args: argparse.Namespace, key: tuple[str, ...]) -> None:
     config = build_config(EvalConfig, args)
     from dreamstep.generation.evaluate import evaluate
+    from dreamstep.notices import hide_transformers_progress_bars
 
+    hide_transformers_progress_bars()
     summary = evaluate(config, key[-1])
     out = Path(config.output_dir)
     print(f"\n{'candidate':<40} {'step':>6}  " + "  ".join(f"{m:>8}" for m in config.metrics))

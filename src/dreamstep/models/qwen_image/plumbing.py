@@ -20,18 +20,13 @@ from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.errors import UserError
 from dreamstep.models import parking, quantization
 from dreamstep.models.family import check_blocks_to_swap, family_of_pipeline
-from dreamstep.models.loading import (
-    _DTYPE_KWARG,
-    _folder_or_hub_id,
-    _from_pretrained,
-    component_identity,
-    host_placement,
-)
+from dreamstep.models.loading import _DTYPE_KWARG, _from_pretrained, component_identity, host_placement
 from dreamstep.models.memory_plan import PlanOptions
 from dreamstep.models.parking import ParkedModules
 from dreamstep.models.precision import freeze, weight_dtype_for
 from dreamstep.models.qwen_image.configs import TRAINING_SHIFT
 from dreamstep.models.qwen_image.family import FAMILY
+from dreamstep.models.sources import folder_or_hub_id
 from dreamstep.notices import CAPTION_CUT, hidden
 
 BASE_FLAG = "--pretrained_model_name_or_path"
@@ -217,7 +212,7 @@ def check_base(source: str, flag: str = BASE_FLAG) -> str:
         raise UserError(f"{flag} {source}: holds a {found}, not a Qwen-Image pipeline "
                         f"({', '.join(FAMILY.pipeline_classes[:3])}){hint}")
     try:
-        return _folder_or_hub_id(source, QwenImageParts, "QwenImagePipeline")
+        return folder_or_hub_id(source, QwenImageParts, "QwenImagePipeline")
     except UserError as e:
         raise UserError(f"{flag}: {e}") from None
 
