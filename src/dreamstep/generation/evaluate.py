@@ -3,11 +3,13 @@ tables, plots and sample grids (the command and its options: :mod:`dreamstep.com
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -79,22 +81,28 @@ class Generator:
         self.guidance = config.guidance_scale if config.guidance_scale is not None else defaults["guidance_scale"]
         self.size = config.resolution or default_size(self.pipe)
 
-    def images(self, candidate: Candidate | None, prompts: list[str], controls: list[Image.Image | None],
+    @contextlib.contextmanager
+    def applied(self, candidate: Candidate | None) -> Iterator[None]:
+        """A LoRA candidate's weights on the pipeline inside the block (its images and its validation loss)."""
+        lora = candidate is not None and candidate.kind == "lora"
+        if lora:
+            apply_loras(self.pipe, [LoraSpec(candidate.path)], self.family.name, merge=False)
+        try:
+            yield
+        finally:
+            if lora:
+                remove_loras(self.pipe)
+
+    def images(self, prompts: list[str], controls: list[Image.Image | None],
                controlnet: torch.nn.Module | None = None) -> list[Image.Image]:
-        """``controls``: ControlNet control images, or the images Kontext edits; ``controlnet``: a ControlNet
-        candidate's model (:meth:`controlnet`)."""
+        """With the LoRA :meth:`applied` now; ``controls``: ControlNet control images, or the images Kontext
+        edits; ``controlnet``: a ControlNet candidate's model (:meth:`controlnet`)."""
         pipe = self.pipe
         with_control = _edits(self.model_type) or controlnet is not None
-        if candidate is not None and candidate.kind == "lora":
-            apply_loras(self.pipe, [LoraSpec(candidate.path)], self.family.name, merge=False)
-        elif controlnet is not None:
+        if controlnet is not None:
             pipe = flux.assemble_pipeline(SimpleNamespace(**self.pipe.components), controlnet)
-        try:
-            return [image for prompt, control in zip(prompts, controls)
-                    for image in self._generate(pipe, prompt, control if with_control else None)]
-        finally:
-            if candidate is not None and candidate.kind == "lora":
-                remove_loras(self.pipe)
+        return [image for prompt, control in zip(prompts, controls)
+                for image in self._generate(pipe, prompt, control if with_control else None)]
 
     def _generate(self, pipe: Any, prompt: str, control: Image.Image | None) -> list[Image.Image]:
         extra = self.family.image_inputs(self.model_type, [control] if control is not None else [], self.size,
@@ -171,9 +179,10 @@ def _score(config: EvalConfig, model_type: str, candidates: list[Candidate], wor
     rows = []
     for index, candidate in enumerate(tqdm([None, *candidates], desc="eval", unit="candidate")):
         controlnet = generator.controlnet(candidate)
-        images = generator.images(candidate, prompts, controls, controlnet)
+        with generator.applied(candidate):
+            images = generator.images(prompts, controls, controlnet)
+            scores = {VAL_LOSS: losses(candidate, controlnet)} if losses is not None else {}
         image_prompts = [p for p in prompts for _ in range(config.num_images)]
-        scores = {VAL_LOSS: losses(candidate, controlnet)} if losses is not None else {}
         if scorer is not None:
             scores |= scorer.score(images, image_prompts, config.identifier)
         if "edge" in config.metrics:

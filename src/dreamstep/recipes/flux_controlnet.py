@@ -106,6 +106,11 @@ def split_pairs(config: FluxControlNetConfig, datasets: list[DatasetConfig], *,
                                 text_cache=text_cache)
 
 
+def held_out_images(config: FluxControlNetConfig) -> BucketDataset | None:
+    """The pairs the run holds out for its validation loss (``None``: none), as :func:`train` chooses them."""
+    return split_pairs(config, training_datasets(config))[1]
+
+
 def conditioner_of(config: FluxControlNetConfig, pipeline: Any, device: torch.device, *,
                    latent_cache: TensorCache | None, text_cache: TensorCache) -> flux.ControlConditioner:
     """The step's inputs of a batch of pairs: both images' posteriors through ``pipeline``'s VAE, the
