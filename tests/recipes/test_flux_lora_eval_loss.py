@@ -61,7 +61,7 @@ def test_val_loss_of_runs_eval_cannot_score_is_one_line(tiny_flux_dev_dir: Path,
     run = _train(tiny_flux_dev_dir, tmp_path / "run", "--max_train_steps", "2", "--validation_steps", "0")
     lone = tmp_path / "lone.safetensors"
     shutil.copy(run / "pytorch_lora_weights.safetensors", lone)
-    other = tmp_path / "other_run"  # a run of a trainer whose loss eval does not recompute (sdxl-lora's keys)
+    other = tmp_path / "other_run"  # a run of a trainer whose loss eval does not recompute (flux-kohya's keys)
     other.mkdir()
     shutil.copy(lone, other / "last.safetensors")
     (other / "config.toml").write_text('network_dim = 4\npretrained_model_name_or_path = "x"\n')
@@ -71,7 +71,7 @@ def test_val_loss_of_runs_eval_cannot_score_is_one_line(tiny_flux_dev_dir: Path,
     config.write_text(re.sub(r'(?m)^validation_data_dir = .*$', "", config.read_text()))
     capsys.readouterr()
     for weights, said in ((lone, "give a run folder or its checkpoint-N folders"),
-                          (other, "is not a flux-lora or flux-controlnet run"),
+                          (other, "is not a flux-lora, sdxl-lora or flux-controlnet run"),
                           (no_held_out, "held out nothing")):
         assert run_cli("eval", "flux", "--model", tiny_flux_dev_dir, "--weights", weights, "--metrics", "val_loss",
                        "--output_dir", tmp_path / "eval", *EVAL) == 2

@@ -29,7 +29,7 @@ class EvalConfig(FluxComponentFileOptions):
     image: list[str] = option([], "edit models (eval flux-kontext): the images the prompts edit: one, or one per "
                                   "prompt")
     metrics: list[str] = option(["dino", "clip_i", "clip_t"], "dino, clip_i, clip_t; edge for ControlNets; "
-                                "val_loss (the held-out loss flux-lora and flux-controlnet runs logged)",
+                                "val_loss (the held-out loss flux-lora, sdxl-lora and flux-controlnet runs logged)",
                                 aliases=("eval_metrics",))
     best_by: str | None = option(None, "metric that names the best candidate (default: the first --metrics)",
                                  aliases=("eval_best_by",))

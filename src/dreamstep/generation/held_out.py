@@ -1,9 +1,9 @@
-"""``dreamstep eval``'s ``val_loss``: the validation loss a flux-lora or flux-controlnet run logged, for that run's
-checkpoints and saved weights (and the base model), so that eval ranks them as the trainer did. The trainer's own
-code computes it (``held_out_images`` / ``held_out_loss`` of :mod:`dreamstep.recipes.flux_lora` and
-:mod:`dreamstep.recipes.flux_controlnet`): the images or pairs the run held out, chosen from its ``config.toml``
-as training chose them, scored at the same fixed noise levels and draws. A LoRA is scored on the pipeline's
-transformer, where eval applies it; a ControlNet beside it.
+"""``dreamstep eval``'s ``val_loss``: the validation loss a flux-lora, sdxl-lora or flux-controlnet run logged, for
+that run's checkpoints and saved weights (and the base model), so that eval ranks them as the trainer did. The
+trainer's own code computes it (``held_out_images`` / ``held_out_loss`` of the recipe in :data:`_TRAINERS`): the
+images or pairs the run held out, chosen from its ``config.toml`` as training chose them, scored at the same
+fixed noise levels and draws. A LoRA is scored on the pipeline's denoiser (and text encoders), where eval applies
+it; a ControlNet beside the transformer.
 
 The paths in ``config.toml`` are as training was given them: relative ones are read from the folder training ran
 in, which the run folder tells (its path less the ``output_dir`` it was given), so eval may run from anywhere."""
@@ -32,7 +32,8 @@ METRIC = "val_loss"
 # The trainers whose runs eval scores, told apart by their config.toml: the config class and the recipe module.
 _TRAINERS = {"flux-controlnet": ("dreamstep.config.flux_controlnet:FluxControlNetConfig",
                                  "dreamstep.recipes.flux_controlnet"),
-             "flux-lora": ("dreamstep.config.flux_lora:FluxLoraConfig", "dreamstep.recipes.flux_lora")}
+             "flux-lora": ("dreamstep.config.flux_lora:FluxLoraConfig", "dreamstep.recipes.flux_lora"),
+             "sdxl-lora": ("dreamstep.config.sdxl_lora:SDXLLoraConfig", "dreamstep.recipes.sdxl_lora")}
 
 
 @dataclass
@@ -44,8 +45,8 @@ class _Run:
 
 
 class RunLosses:
-    """The held-out validation loss of each candidate that comes from a flux-lora or flux-controlnet run (``nan``
-    for the others); the base model's on the held-out data when every such candidate comes from one run."""
+    """The held-out validation loss of each candidate that comes from a run of one of :data:`_TRAINERS` (``nan`` for
+    the others); the base model's on the held-out data when every such candidate comes from one run."""
 
     def __init__(self, candidates: list[Candidate]):
         """Reads each run's config and chooses its held-out data, before any model loads: a run that held out
@@ -55,8 +56,8 @@ class RunLosses:
             if candidate.config_dir is not None and candidate.config_dir not in self.runs:
                 self.runs[candidate.config_dir] = _held_out(candidate.config_dir)
         if not self.runs:
-            raise UserError(f"--metrics {METRIC} is the held-out loss of flux-lora and flux-controlnet runs: give a "
-                            f"run folder or its checkpoint-N folders in --weights, or drop {METRIC}")
+            raise UserError(f"--metrics {METRIC} is the held-out loss of flux-lora, sdxl-lora and flux-controlnet "
+                            f"runs: give a run folder or its checkpoint-N folders in --weights, or drop {METRIC}")
         self.losses: dict[Path, Callable[[torch.nn.Module | None], float]] = {}
 
     def encode(self, pipeline: Any, device: torch.device, work_dir: Path) -> None:
@@ -86,6 +87,8 @@ def _of_pipeline(loss: Callable[[], float]) -> Callable[[torch.nn.Module | None]
 def _trainer_of(config: dict[str, Any]) -> str | None:
     if "num_double_layers" in config or "controlnet_weights_dtype" in config:
         return "flux-controlnet"
+    if "v_parameterization" in config:
+        return "sdxl-lora"
     return "flux-lora" if "rank" in config and "conditioning_data_dir" not in config else None
 
 
@@ -93,8 +96,8 @@ def _held_out(run: Path) -> _Run:
     file = run / "config.toml"
     trainer = _trainer_of(load_toml(file))
     if trainer is None:
-        raise UserError(f"--metrics {METRIC}: {run} is not a flux-lora or flux-controlnet run, the trainers whose "
-                        f"validation loss eval recomputes; drop {METRIC}")
+        raise UserError(f"--metrics {METRIC}: {run} is not a flux-lora, sdxl-lora or flux-controlnet run, the "
+                        f"trainers whose validation loss eval recomputes; drop {METRIC}")
     config_path, recipe_name = _TRAINERS[trainer]
     module, name = config_path.split(":")
     config = build_config(getattr(importlib.import_module(module), name), {}, toml_path=file)
