@@ -17,8 +17,12 @@ def cannot_load(flag: str, model_id: str, what: str, error: Exception, otherwise
     """One line for a model that would not load: a local folder is damaged (download advice would mislead), a
     hub id is not at hand offline, or the loader's first line says why. ``otherwise`` ends the advice for a hub
     id (``give a local folder``)."""
+    from dreamstep.models.sources import HUB_ID
+
     text = str(error).strip()
     reason = text.splitlines()[0] if text else type(error).__name__
+    if not Path(model_id).expanduser().exists() and not HUB_ID.fullmatch(model_id):
+        return UserError(f"{flag} {model_id}: no such folder, and not a hub id (owner/name); check the path")
     if Path(model_id).is_dir():
         return UserError(f"{flag} {model_id}: cannot load the {what} from this folder ({reason}); fix or download "
                          "the folder again, or give the hub id")

@@ -155,6 +155,15 @@ def test_a_missing_model_offline_is_one_line_and_writes_nothing(tmp_path, capsys
     assert not list((tmp_path / "data").glob("*.txt"))
 
 
+def test_a_model_path_that_is_not_there_is_named_as_a_path_not_as_offline(tmp_path, capsys):
+    _pictures(tmp_path / "data")
+    missing = tmp_path / "models" / "blip"
+    assert _caption(tmp_path / "data", "--captioner", "blip", "--model", missing) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --model {missing}: no such folder, and not a hub id (owner/name); check the path\n"
+    assert not list((tmp_path / "data").glob("*.txt"))
+
+
 def test_a_damaged_model_folder_is_named_as_damaged_not_as_offline(tmp_path, capsys):
     _pictures(tmp_path / "data")
     damaged = tmp_path / "florence"
