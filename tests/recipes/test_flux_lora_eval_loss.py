@@ -71,7 +71,7 @@ def test_val_loss_of_runs_eval_cannot_score_is_one_line(tiny_flux_dev_dir: Path,
     config.write_text(re.sub(r'(?m)^validation_data_dir = .*$', "", config.read_text()))
     capsys.readouterr()
     for weights, said in ((lone, "give a run folder or its checkpoint-N folders"),
-                          (other, "is not a flux-lora, sdxl-lora or flux-controlnet run"),
+                          (other, "is not a run of flux-lora, flux-controlnet or sdxl-lora"),
                           (no_held_out, "held out nothing")):
         assert run_cli("eval", "flux", "--model", tiny_flux_dev_dir, "--weights", weights, "--metrics", "val_loss",
                        "--output_dir", tmp_path / "eval", *EVAL) == 2

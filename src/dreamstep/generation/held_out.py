@@ -1,6 +1,6 @@
 """``dreamstep eval``'s ``val_loss``: the validation loss a flux-lora, sdxl-lora or flux-controlnet run logged, for
 that run's checkpoints and saved weights (and the base model), so that eval ranks them as the trainer did. The
-trainer's own code computes it (``held_out_images`` / ``held_out_loss`` of the recipe in :data:`_TRAINERS`): the
+trainer's own code computes it (``held_out_images`` / ``held_out_loss`` of its recipe, :class:`_Trainer`): the
 images or pairs the run held out, chosen from its ``config.toml`` as training chose them, scored at the same
 fixed noise levels and draws. A LoRA is scored on the pipeline's denoiser (and text encoders), where eval applies
 it; a ControlNet beside the transformer.
@@ -15,7 +15,9 @@ import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -29,24 +31,48 @@ from dreamstep.evaluation.candidates import Candidate, training_folder
 METRIC = "val_loss"
 
 
-# The trainers whose runs eval scores, told apart by their config.toml: the config class and the recipe module.
-_TRAINERS = {"flux-controlnet": ("dreamstep.config.flux_controlnet:FluxControlNetConfig",
-                                 "dreamstep.recipes.flux_controlnet"),
-             "flux-lora": ("dreamstep.config.flux_lora:FluxLoraConfig", "dreamstep.recipes.flux_lora"),
-             "sdxl-lora": ("dreamstep.config.sdxl_lora:SDXLLoraConfig", "dreamstep.recipes.sdxl_lora")}
+@dataclass(frozen=True)
+class _Trainer:
+    """A trainer whose recipe gives its held-out loss: ``wrote_run(config.toml as a dict)``,
+    ``held_out_images(config)`` and ``held_out_loss(config, held_out, pipeline, text_cache, device)``."""
+
+    name: str
+    options: type  # its config class
+    recipe: ModuleType
+    scores_a_module: bool  # its loss takes the trained module (a ControlNet); else it reads the pipeline's LoRA
+
+
+@cache
+def _trainers() -> tuple[_Trainer, ...]:
+    """The trainers (of the command table) whose recipe computes its held-out loss for eval."""
+    from dreamstep.cli import COMMANDS
+
+    found = []
+    for key, command in COMMANDS.items():
+        recipe = importlib.import_module(command.runner.partition(":")[0]) if key[0] == "train" else None
+        if recipe is not None and hasattr(recipe, "held_out_loss"):
+            module, _, name = command.options.partition(":")
+            found.append(_Trainer(key[1], getattr(importlib.import_module(module), name), recipe,
+                                  getattr(recipe, "HELD_OUT_LOSS_OF_MODULE", False)))
+    return tuple(found)
+
+
+def _names(conjunction: str) -> str:
+    names = [trainer.name for trainer in _trainers()]
+    return f"{', '.join(names[:-1])} {conjunction} {names[-1]}" if len(names) > 1 else names[0]
 
 
 @dataclass
 class _Run:
-    trainer: str
+    trainer: _Trainer
     config: Any  # the trainer's config class
     folder: Path  # where training ran
     held_out: BucketDataset
 
 
 class RunLosses:
-    """The held-out validation loss of each candidate that comes from a run of one of :data:`_TRAINERS` (``nan`` for
-    the others); the base model's on the held-out data when every such candidate comes from one run."""
+    """The held-out validation loss of each candidate that comes from a run of such a trainer (``nan`` for the
+    others); the base model's on the held-out data when every such candidate comes from one run."""
 
     def __init__(self, candidates: list[Candidate]):
         """Reads each run's config and chooses its held-out data, before any model loads: a run that held out
@@ -56,8 +82,8 @@ class RunLosses:
             if candidate.config_dir is not None and candidate.config_dir not in self.runs:
                 self.runs[candidate.config_dir] = _held_out(candidate.config_dir)
         if not self.runs:
-            raise UserError(f"--metrics {METRIC} is the held-out loss of flux-lora, sdxl-lora and flux-controlnet "
-                            f"runs: give a run folder or its checkpoint-N folders in --weights, or drop {METRIC}")
+            raise UserError(f"--metrics {METRIC} is the held-out loss of {_names('and')} runs: give a run folder or "
+                            f"its checkpoint-N folders in --weights, or drop {METRIC}")
         self.losses: dict[Path, Callable[[torch.nn.Module | None], float]] = {}
 
     def encode(self, pipeline: Any, device: torch.device, work_dir: Path) -> None:
@@ -65,10 +91,9 @@ class RunLosses:
         cached under ``work_dir``."""
         text_cache = TensorCache(work_dir / "text", "eval")
         for config_dir, run in self.runs.items():
-            recipe = importlib.import_module(_TRAINERS[run.trainer][1])
             with contextlib.chdir(run.folder):
-                loss = recipe.held_out_loss(run.config, run.held_out, pipeline, text_cache, device)
-            self.losses[config_dir] = loss if run.trainer == "flux-controlnet" else _of_pipeline(loss)
+                loss = run.trainer.recipe.held_out_loss(run.config, run.held_out, pipeline, text_cache, device)
+            self.losses[config_dir] = loss if run.trainer.scores_a_module else _of_pipeline(loss)
 
     def __call__(self, candidate: Candidate | None, controlnet: torch.nn.Module | None) -> float:
         """``candidate``'s loss, with its LoRA applied to the pipeline or its loaded ``controlnet``; ``None``: the
@@ -84,28 +109,18 @@ def _of_pipeline(loss: Callable[[], float]) -> Callable[[torch.nn.Module | None]
     return lambda _: loss()
 
 
-def _trainer_of(config: dict[str, Any]) -> str | None:
-    if "num_double_layers" in config or "controlnet_weights_dtype" in config:
-        return "flux-controlnet"
-    if "v_parameterization" in config:
-        return "sdxl-lora"
-    return "flux-lora" if "rank" in config and "conditioning_data_dir" not in config else None
-
-
 def _held_out(run: Path) -> _Run:
     file = run / "config.toml"
-    trainer = _trainer_of(load_toml(file))
+    values = load_toml(file)
+    trainer = next((t for t in _trainers() if t.recipe.wrote_run(values)), None)
     if trainer is None:
-        raise UserError(f"--metrics {METRIC}: {run} is not a flux-lora, sdxl-lora or flux-controlnet run, the "
-                        f"trainers whose validation loss eval recomputes; drop {METRIC}")
-    config_path, recipe_name = _TRAINERS[trainer]
-    module, name = config_path.split(":")
-    config = build_config(getattr(importlib.import_module(module), name), {}, toml_path=file)
-    recipe = importlib.import_module(recipe_name)
+        raise UserError(f"--metrics {METRIC}: {run} is not a run of {_names('or')}, the trainers whose validation loss "
+                        f"eval recomputes; drop {METRIC}")
+    config = build_config(trainer.options, {}, toml_path=file)
     folder = training_folder(run, config.output_dir)
     try:
         with contextlib.chdir(folder):
-            held_out = recipe.held_out_images(config)
+            held_out = trainer.recipe.held_out_images(config)
     except UserError as e:
         raise UserError(f"--metrics {METRIC}: {file}'s data, read from {folder}: {e}") from None
     if held_out is None:
