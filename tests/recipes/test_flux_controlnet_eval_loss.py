@@ -89,7 +89,7 @@ def test_val_loss_refusals(run: Path, tiny_flux_dev_dir: Path, tmp_path: Path, c
     assert "give --control_image" in refused(run / "checkpoint-2")
     control = ("--control_image", run.parents[1] / "conditioning" / "pair_0.png")
     # a ControlNet folder with no run: no held-out pairs to score
-    said = "--metrics val_loss is the held-out loss of flux-lora, flux-controlnet and sdxl-lora runs"
+    said = "--metrics val_loss is the held-out loss of flux-lora and flux-controlnet runs"
     assert said in refused(run / "ema", *control)
     # a run whose data is not where its config.toml says (moved away from the folder training ran in)
     moved = tmp_path / "moved"

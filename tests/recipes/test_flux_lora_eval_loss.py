@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, run_cli
 
+from dreamstep.models.tiny import write_tiny_model
+
 EVAL = ("--prompt", ROBOT_PROMPT, "--num_images", "1", "--steps", "1", "--resolution", "32")
 
 
@@ -71,10 +73,23 @@ def test_val_loss_of_runs_eval_cannot_score_is_one_line(tiny_flux_dev_dir: Path,
     config.write_text(re.sub(r'(?m)^validation_data_dir = .*$', "", config.read_text()))
     capsys.readouterr()
     for weights, said in ((lone, "give a run folder or its checkpoint-N folders"),
-                          (other, "is not a run of flux-lora, flux-controlnet or sdxl-lora"),
+                          (other, "is not a run of flux-lora or flux-controlnet, the FLUX.1 trainers"),
                           (no_held_out, "held out nothing")):
         assert run_cli("eval", "flux", "--model", tiny_flux_dev_dir, "--weights", weights, "--metrics", "val_loss",
                        "--output_dir", tmp_path / "eval", *EVAL) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and said in err and err.count("\n") == 1, err
         assert not (tmp_path / "eval").exists()
+
+
+def test_val_loss_of_a_family_eval_does_not_recompute_is_one_line(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    model = write_tiny_model("z-image", tmp_path / "z-image", seed=0)
+    lora = tmp_path / "any.safetensors"
+    lora.write_bytes(b"never read: the metric is refused first")
+    capsys.readouterr()
+    assert run_cli("eval", "z-image", "--model", model, "--weights", lora, "--metrics", "val_loss", "--prompt", "x",
+                   "--output_dir", tmp_path / "eval") == 2
+    assert capsys.readouterr().err == ("error: --metrics val_loss: eval does not recompute the validation loss of "
+                                       "Z-Image runs (their train.log and metrics.csv have it); drop val_loss\n")
+    assert not (tmp_path / "eval").exists()

@@ -28,7 +28,7 @@ from dreamstep.evaluation.candidates import Candidate, find_candidates
 from dreamstep.evaluation.control import mean_edge_agreement
 from dreamstep.evaluation.fidelity import FidelityScorer
 from dreamstep.generation.held_out import METRIC as VAL_LOSS
-from dreamstep.generation.held_out import RunLosses
+from dreamstep.generation.held_out import RunLosses, check_family
 from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, remove_loras
 from dreamstep.generation.pipelines import build_pipeline, check_model, choose_dtype, default_size
 from dreamstep.models.family import variant_family
@@ -144,6 +144,8 @@ def evaluate(config: EvalConfig, model_type: str) -> dict[str, Any]:
         use = f"use eval {' or eval '.join(edit_variants)}, or remove it" if edit_variants else "remove it"
         raise UserError(f"--image is the image an edit model edits; {model_type} generates from the prompt: {use}")
     check_model(model_type, config.model, config.model_config, config.component_files())
+    if VAL_LOSS in config.metrics:
+        check_family(family.name)
     # Checkpoints written as LoRA files, the held-out captions' embeddings for val_loss.
     with tempfile.TemporaryDirectory(prefix="dreamstep-eval-") as work_dir:
         candidates = find_candidates(config.weights, Path(work_dir), config.checkpoint_weights)
@@ -161,7 +163,7 @@ def _score(config: EvalConfig, model_type: str, candidates: list[Candidate], wor
         raise UserError("--metrics edge scores ControlNets; none of --weights is a ControlNet")
     if any(c.kind != "lora" for c in candidates) and not config.control_image:
         raise UserError("a ControlNet among --weights generates from a control image: give --control_image")
-    losses = RunLosses(candidates) if VAL_LOSS in config.metrics else None
+    losses = RunLosses(candidates, variant_family(model_type).name) if VAL_LOSS in config.metrics else None
     prompts = _prompts(config)
     controls = _per_prompt(config.image or config.control_image, "--image" if config.image else "--control_image",
                            prompts)

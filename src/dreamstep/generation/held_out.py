@@ -11,6 +11,7 @@ in, which the run folder tells (its path less the ``output_dir`` it was given), 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import math
 from collections.abc import Callable
@@ -27,14 +28,15 @@ from dreamstep.data.cache import TensorCache
 from dreamstep.data.dataset import BucketDataset
 from dreamstep.errors import UserError
 from dreamstep.evaluation.candidates import Candidate, training_folder
+from dreamstep.models.family import get_family, model_title
 
 METRIC = "val_loss"
 
 
 @dataclass(frozen=True)
 class _Trainer:
-    """A trainer whose recipe gives its held-out loss: ``wrote_run(config.toml as a dict)``,
-    ``held_out_images(config)`` and ``held_out_loss(config, held_out, pipeline, text_cache, device)``."""
+    """A trainer whose recipe gives its held-out loss: ``held_out_images(config)`` and ``held_out_loss(config,
+    held_out, pipeline, text_cache, device)``."""
 
     name: str
     options: type  # its config class
@@ -43,13 +45,14 @@ class _Trainer:
 
 
 @cache
-def _trainers() -> tuple[_Trainer, ...]:
-    """The trainers (of the command table) whose recipe computes its held-out loss for eval."""
+def _trainers(family: str) -> tuple[_Trainer, ...]:
+    """The trainers of ``family`` (of the command table) whose recipe computes its held-out loss for eval."""
     from dreamstep.cli import COMMANDS
 
     found = []
     for key, command in COMMANDS.items():
-        recipe = importlib.import_module(command.runner.partition(":")[0]) if key[0] == "train" else None
+        ours = key[0] == "train" and key in get_family(family).commands
+        recipe = importlib.import_module(command.runner.partition(":")[0]) if ours else None
         if recipe is not None and hasattr(recipe, "held_out_loss"):
             module, _, name = command.options.partition(":")
             found.append(_Trainer(key[1], getattr(importlib.import_module(module), name), recipe,
@@ -57,8 +60,8 @@ def _trainers() -> tuple[_Trainer, ...]:
     return tuple(found)
 
 
-def _names(conjunction: str) -> str:
-    names = [trainer.name for trainer in _trainers()]
+def _names(family: str, conjunction: str) -> str:
+    names = [trainer.name for trainer in _trainers(family)]
     return f"{', '.join(names[:-1])} {conjunction} {names[-1]}" if len(names) > 1 else names[0]
 
 
@@ -74,16 +77,17 @@ class RunLosses:
     """The held-out validation loss of each candidate that comes from a run of such a trainer (``nan`` for the
     others); the base model's on the held-out data when every such candidate comes from one run."""
 
-    def __init__(self, candidates: list[Candidate]):
+    def __init__(self, candidates: list[Candidate], family: str):
         """Reads each run's config and chooses its held-out data, before any model loads: a run that held out
-        nothing, or whose data is not where its config says, is one error line."""
+        nothing, or whose data is not where its config says, is one error line. ``family``: the model's (eval's
+        variant's), whose trainers wrote the runs (:func:`check_family` first)."""
         self.runs: dict[Path, _Run] = {}
         for candidate in candidates:
             if candidate.config_dir is not None and candidate.config_dir not in self.runs:
-                self.runs[candidate.config_dir] = _held_out(candidate.config_dir)
+                self.runs[candidate.config_dir] = _held_out(candidate.config_dir, family)
         if not self.runs:
-            raise UserError(f"--metrics {METRIC} is the held-out loss of {_names('and')} runs: give a run folder or "
-                            f"its checkpoint-N folders in --weights, or drop {METRIC}")
+            raise UserError(f"--metrics {METRIC} is the held-out loss of {_names(family, 'and')} runs: give a run "
+                            f"folder or its checkpoint-N folders in --weights, or drop {METRIC}")
         self.losses: dict[Path, Callable[[torch.nn.Module | None], float]] = {}
 
     def encode(self, pipeline: Any, device: torch.device, work_dir: Path) -> None:
@@ -104,18 +108,34 @@ class RunLosses:
         return loss(controlnet) if loss is not None else math.nan
 
 
+def check_family(family: str) -> None:
+    """Refuse, before anything is read, a family none of whose trainers gives eval its held-out loss."""
+    if not _trainers(family):
+        raise UserError(f"--metrics {METRIC}: eval does not recompute the validation loss of {model_title(family)} "
+                        f"runs (their train.log and metrics.csv have it); drop {METRIC}")
+
+
 def _of_pipeline(loss: Callable[[], float]) -> Callable[[torch.nn.Module | None], float]:
     """A LoRA run's loss, which reads the LoRA from the pipeline, called as a ControlNet run's is."""
     return lambda _: loss()
 
 
-def _held_out(run: Path) -> _Run:
+def _trainer_of(values: dict[str, Any], family: str) -> _Trainer | None:
+    """The trainer of ``family`` that wrote a run's ``config.toml`` (``values``): the one whose options hold every
+    key, and of several, the one with the fewest options (``config.toml`` writes the run's resolved options but
+    those left ``None``)."""
+    keys = set(values)
+    fitting = [t for t in _trainers(family) if keys <= {f.name for f in dataclasses.fields(t.options)}]
+    return min(fitting, key=lambda t: len(dataclasses.fields(t.options)), default=None)
+
+
+def _held_out(run: Path, family: str) -> _Run:
     file = run / "config.toml"
-    values = load_toml(file)
-    trainer = next((t for t in _trainers() if t.recipe.wrote_run(values)), None)
+    trainer = _trainer_of(load_toml(file), family)
     if trainer is None:
-        raise UserError(f"--metrics {METRIC}: {run} is not a run of {_names('or')}, the trainers whose validation loss "
-                        f"eval recomputes; drop {METRIC}")
+        raise UserError(f"--metrics {METRIC}: {run} is not a run of {_names(family, 'or')}, the {model_title(family)} "
+                        f"trainers whose validation loss eval recomputes (the others log it in train.log and "
+                        f"metrics.csv); drop {METRIC}")
     config = build_config(trainer.options, {}, toml_path=file)
     folder = training_folder(run, config.output_dir)
     try:

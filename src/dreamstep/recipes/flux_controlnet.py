@@ -29,7 +29,7 @@ Outputs in --output_dir: ``config.json`` + ``diffusion_pytorch_model.safetensors
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,11 +107,6 @@ def split_pairs(config: FluxControlNetConfig, datasets: list[DatasetConfig], *,
 
 
 HELD_OUT_LOSS_OF_MODULE = True  # held_out_loss scores the ControlNet it is given
-
-
-def wrote_run(values: Mapping[str, Any]) -> bool:
-    """Whether a run's ``config.toml`` (``values``) is this trainer's."""
-    return "num_double_layers" in values or "controlnet_weights_dtype" in values
 
 
 def held_out_images(config: FluxControlNetConfig) -> BucketDataset | None:

@@ -22,7 +22,7 @@ header; with --lora_type lokr/loha/dora LyCORIS' layout, ``lycoris_<module>.lokr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -150,11 +150,6 @@ def plan_inputs(config: FluxLoraConfig, dataset_configs: list[DatasetConfig], en
     if config.class_images_to_generate and _class_images_missing(config):
         options = replace(options, class_images_batch=config.sample_batch_size)
     return RunPlan(FLUX.name, base_of(config).source, options, {"lora_layers": config.lora_layers})
-
-
-def wrote_run(values: Mapping[str, Any]) -> bool:
-    """Whether a run's ``config.toml`` (``values``) is this trainer's: a LoRA rank, no edit pairs, no ControlNet."""
-    return "rank" in values and not {"conditioning_data_dir", "num_double_layers"} & values.keys()
 
 
 def held_out_images(config: FluxLoraConfig) -> BucketDataset | None:

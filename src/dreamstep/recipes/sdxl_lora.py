@@ -31,7 +31,7 @@ Outputs in --output_dir: ``<output_name>.safetensors`` (or ``.ckpt``) with sd-sc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -224,11 +224,6 @@ def build_step(config: SDXLLoraConfig, model: nn.Module, scheduler_config: Any, 
         loss=config.loss_function(), debiased_estimation_loss=config.debiased_estimation_loss,
         ip_noise_gamma=config.ip_noise_gamma, ip_noise_gamma_random_strength=config.ip_noise_gamma_random_strength,
         **engine_options)
-
-
-def wrote_run(values: Mapping[str, Any]) -> bool:
-    """Whether a run's ``config.toml`` (``values``) is this trainer's."""
-    return "v_parameterization" in values
 
 
 def held_out_images(config: SDXLLoraConfig) -> BucketDataset | None:
