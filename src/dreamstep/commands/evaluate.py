@@ -3,12 +3,11 @@
 Scores any set of LoRA files, ``checkpoint-N`` folders, FLUX ControlNet folders and whole run folders (each
 expanded into its checkpoints and final weights), plus the base model alone as the baseline (step 0), on
 the same prompts with the same seeds: DINO and CLIP-I against the subject's images (``--instance_data_dir``),
-CLIP-T against the prompts with the identifier taken out, for ControlNets the edge agreement with
-``--control_image``, and for the weights of a flux-lora, sdxl-lora or flux-controlnet run that held out images or pairs,
-``val_loss``: the validation loss the trainer logged, computed as it did (so ``--best_by val_loss`` names the
-checkpoint the trainer named best); for the LoRAs of an edit model (FLUX.1 Kontext) each prompt edits its
-``--image`` (score the edits against the "after" images with ``--instance_data_dir``). Works on what every trainer
-writes.
+CLIP-T against the prompts with the identifier taken out, and for ControlNets the edge agreement with
+``--control_image`` and, for the checkpoints of a flux-controlnet run that held out pairs, ``val_loss``: the
+validation loss the trainer logged, computed as it did (so ``--best_by val_loss`` names the checkpoint the
+trainer named best); for the LoRAs of an edit model (FLUX.1 Kontext) each prompt edits its ``--image`` (score
+the edits against the "after" images with ``--instance_data_dir``). Works on what every trainer writes.
 
 Writes into ``--output_dir``: ``scores.csv`` and ``scores.json`` (one row per candidate: label, path, step,
 scores; the JSON also names the best candidate per metric), ``<metric>.png`` (the metric over training

@@ -3,13 +3,11 @@ tables, plots and sample grids (the command and its options: :mod:`dreamstep.com
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import math
 import re
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -28,7 +26,7 @@ from dreamstep.evaluation.candidates import Candidate, find_candidates
 from dreamstep.evaluation.control import mean_edge_agreement
 from dreamstep.evaluation.fidelity import FidelityScorer
 from dreamstep.generation.held_out import METRIC as VAL_LOSS
-from dreamstep.generation.held_out import RunLosses, check_family
+from dreamstep.generation.held_out import RunLosses
 from dreamstep.generation.loras import LoraSpec, apply_loras, check_lora, remove_loras
 from dreamstep.generation.pipelines import build_pipeline, check_model, choose_dtype, default_size
 from dreamstep.models.family import variant_family
@@ -81,28 +79,22 @@ class Generator:
         self.guidance = config.guidance_scale if config.guidance_scale is not None else defaults["guidance_scale"]
         self.size = config.resolution or default_size(self.pipe)
 
-    @contextlib.contextmanager
-    def applied(self, candidate: Candidate | None) -> Iterator[None]:
-        """A LoRA candidate's weights on the pipeline inside the block (its images and its validation loss)."""
-        lora = candidate is not None and candidate.kind == "lora"
-        if lora:
-            apply_loras(self.pipe, [LoraSpec(candidate.path)], self.family.name, merge=False)
-        try:
-            yield
-        finally:
-            if lora:
-                remove_loras(self.pipe)
-
-    def images(self, prompts: list[str], controls: list[Image.Image | None],
+    def images(self, candidate: Candidate | None, prompts: list[str], controls: list[Image.Image | None],
                controlnet: torch.nn.Module | None = None) -> list[Image.Image]:
-        """With the LoRA :meth:`applied` now; ``controls``: ControlNet control images, or the images Kontext
-        edits; ``controlnet``: a ControlNet candidate's model (:meth:`controlnet`)."""
+        """``controls``: ControlNet control images, or the images Kontext edits; ``controlnet``: a ControlNet
+        candidate's model (:meth:`controlnet`)."""
         pipe = self.pipe
         with_control = _edits(self.model_type) or controlnet is not None
-        if controlnet is not None:
+        if candidate is not None and candidate.kind == "lora":
+            apply_loras(self.pipe, [LoraSpec(candidate.path)], self.family.name, merge=False)
+        elif controlnet is not None:
             pipe = flux.assemble_pipeline(SimpleNamespace(**self.pipe.components), controlnet)
-        return [image for prompt, control in zip(prompts, controls)
-                for image in self._generate(pipe, prompt, control if with_control else None)]
+        try:
+            return [image for prompt, control in zip(prompts, controls)
+                    for image in self._generate(pipe, prompt, control if with_control else None)]
+        finally:
+            if candidate is not None and candidate.kind == "lora":
+                remove_loras(self.pipe)
 
     def _generate(self, pipe: Any, prompt: str, control: Image.Image | None) -> list[Image.Image]:
         extra = self.family.image_inputs(self.model_type, [control] if control is not None else [], self.size,
@@ -144,8 +136,6 @@ def evaluate(config: EvalConfig, model_type: str) -> dict[str, Any]:
         use = f"use eval {' or eval '.join(edit_variants)}, or remove it" if edit_variants else "remove it"
         raise UserError(f"--image is the image an edit model edits; {model_type} generates from the prompt: {use}")
     check_model(model_type, config.model, config.model_config, config.component_files())
-    if VAL_LOSS in config.metrics:
-        check_family(family.name)
     # Checkpoints written as LoRA files, the held-out captions' embeddings for val_loss.
     with tempfile.TemporaryDirectory(prefix="dreamstep-eval-") as work_dir:
         candidates = find_candidates(config.weights, Path(work_dir), config.checkpoint_weights)
@@ -163,7 +153,7 @@ def _score(config: EvalConfig, model_type: str, candidates: list[Candidate], wor
         raise UserError("--metrics edge scores ControlNets; none of --weights is a ControlNet")
     if any(c.kind != "lora" for c in candidates) and not config.control_image:
         raise UserError("a ControlNet among --weights generates from a control image: give --control_image")
-    losses = RunLosses(candidates, variant_family(model_type).name) if VAL_LOSS in config.metrics else None
+    losses = RunLosses(candidates) if VAL_LOSS in config.metrics else None
     prompts = _prompts(config)
     controls = _per_prompt(config.image or config.control_image, "--image" if config.image else "--control_image",
                            prompts)
@@ -181,10 +171,9 @@ def _score(config: EvalConfig, model_type: str, candidates: list[Candidate], wor
     rows = []
     for index, candidate in enumerate(tqdm([None, *candidates], desc="eval", unit="candidate")):
         controlnet = generator.controlnet(candidate)
-        with generator.applied(candidate):
-            images = generator.images(prompts, controls, controlnet)
-            scores = {VAL_LOSS: losses(candidate, controlnet)} if losses is not None else {}
+        images = generator.images(candidate, prompts, controls, controlnet)
         image_prompts = [p for p in prompts for _ in range(config.num_images)]
+        scores = {VAL_LOSS: losses(candidate, controlnet)} if losses is not None else {}
         if scorer is not None:
             scores |= scorer.score(images, image_prompts, config.identifier)
         if "edge" in config.metrics:

@@ -106,14 +106,6 @@ def split_pairs(config: FluxControlNetConfig, datasets: list[DatasetConfig], *,
                                 text_cache=text_cache)
 
 
-HELD_OUT_LOSS_OF_MODULE = True  # held_out_loss scores the ControlNet it is given
-
-
-def held_out_images(config: FluxControlNetConfig) -> BucketDataset | None:
-    """The pairs the run holds out for its validation loss (``None``: none), as :func:`train` chooses them."""
-    return split_pairs(config, training_datasets(config))[1]
-
-
 def conditioner_of(config: FluxControlNetConfig, pipeline: Any, device: torch.device, *,
                    latent_cache: TensorCache | None, text_cache: TensorCache) -> flux.ControlConditioner:
     """The step's inputs of a batch of pairs: both images' posteriors through ``pipeline``'s VAE, the

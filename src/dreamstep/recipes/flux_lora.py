@@ -22,7 +22,7 @@ header; with --lora_type lokr/loha/dora LyCORIS' layout, ``lycoris_<module>.lokr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -33,8 +33,7 @@ from torch import nn
 
 from dreamstep.config.flux_lora import FluxLoraConfig
 from dreamstep.config.schema import config_to_toml
-from dreamstep.data.cache import TensorCache
-from dreamstep.data.dataset import BucketDataset, ConditionedBatches
+from dreamstep.data.dataset import ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig, describe_datasets
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import dreambooth_datasets
@@ -45,8 +44,7 @@ from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
-from dreamstep.evaluation.evaluator import build_evaluator, held_out_batches, load_scorer
-from dreamstep.evaluation.validation_loss import ValidationLoss
+from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import CLIP_LORA_TARGETS, TrainableState, add_lora, save_flux_lora
 from dreamstep.lora.lycoris_network import LycorisNetwork, create_flux_network
@@ -60,7 +58,7 @@ from dreamstep.models.flux.files import base_of
 from dreamstep.models.flux.lora_targets import flux_lora_targets
 from dreamstep.models.flux.step import FluxFlowMatchingStep
 from dreamstep.models.plans import RunPlan, print_run_plan
-from dreamstep.models.precision import autocast, cast_trainable_params_to_fp32
+from dreamstep.models.precision import cast_trainable_params_to_fp32
 
 
 class FluxLoraModel(nn.Module):
@@ -150,36 +148,6 @@ def plan_inputs(config: FluxLoraConfig, dataset_configs: list[DatasetConfig], en
     if config.class_images_to_generate and _class_images_missing(config):
         options = replace(options, class_images_batch=config.sample_batch_size)
     return RunPlan(FLUX.name, base_of(config).source, options, {"lora_layers": config.lora_layers})
-
-
-def held_out_images(config: FluxLoraConfig) -> BucketDataset | None:
-    """The images the run holds out for its validation loss (``None``: none), chosen by content and ``--seed`` as
-    :func:`train` chooses them (:mod:`dreamstep.data.holdout`)."""
-    return build_split_datasets(training_datasets(config), config.seed, config.validation_split)[1]
-
-
-def held_out_loss(config: FluxLoraConfig, held_out: BucketDataset, pipeline: Any, text_cache: TensorCache,
-                  device: torch.device) -> Callable[[], float]:
-    """The validation loss the run logged, for ``dreamstep eval``: ``held_out`` (:func:`held_out_images`) encoded
-    once by ``pipeline`` (the base), then scored by the run's step at the same fixed noise levels and draws, under
-    the run's ``--mixed_precision``, with whatever LoRA is on the pipeline's transformer (and CLIP, for a run that
-    trained it: its pooled embedding is then recomputed per call, as in training)."""
-    text_encoder = pipeline.text_encoder if config.train_text_encoder else None
-    conditioner = flux.FluxConditioner(pipeline, latent_cache=None, text_cache=text_cache,
-                                       max_sequence_length=config.max_sequence_length, device=device,
-                                       clip_ids=text_encoder is not None)
-    batches = held_out_batches(held_out, conditioner, config.seed)
-
-    def loss() -> float:
-        model = FluxLoraModel(pipeline.transformer, text_encoder)
-        step = FluxLoraStep(
-            model, optimizer=None, sigmas=flux.training_sigmas(pipeline.scheduler),
-            objective=config.flow_matching_objective(), prior_loss_weight=config.prior_loss_weight,
-            guidance_scale=config.guidance_scale if pipeline.transformer.config.guidance_embeds else None)
-        with autocast(device.type, config.mixed_precision):
-            return ValidationLoss(batches, step.validation_loss_at, seed=config.seed, modules=[model])()
-
-    return loss
 
 
 def train(config: FluxLoraConfig) -> FinishedRun | None:

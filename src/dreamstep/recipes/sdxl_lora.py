@@ -31,7 +31,6 @@ Outputs in --output_dir: ``<output_name>.safetensors`` (or ``.ckpt``) with sd-sc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -45,8 +44,7 @@ from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data import (
     ConditionedBatches,
 )
-from dreamstep.data.cache import TensorCache, remove_caches
-from dreamstep.data.dataset import BucketDataset
+from dreamstep.data.cache import remove_caches
 from dreamstep.data.dataset_config import DatasetConfig, describe_datasets
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import kohya_datasets
@@ -60,8 +58,7 @@ from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
 from dreamstep.engine.train_step import TrainStep
-from dreamstep.evaluation.evaluator import build_evaluator, held_out_batches, load_scorer
-from dreamstep.evaluation.validation_loss import ValidationLoss
+from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
 from dreamstep.lora.kohya_files import KohyaLoraWriter, dataset_metadata, network_metadata, training_metadata
 from dreamstep.lora.kohya_network import (
     LoRANetwork,
@@ -73,7 +70,7 @@ from dreamstep.models import parking
 from dreamstep.models.blocks import prepare_blocks
 from dreamstep.models.memory_plan import model_folder
 from dreamstep.models.plans import RunPlan, print_run_plan
-from dreamstep.models.precision import autocast, dtype_named, in_compute_dtype, weight_dtype_for
+from dreamstep.models.precision import dtype_named, in_compute_dtype, weight_dtype_for
 from dreamstep.models.sdxl import plumbing as sdxl
 from dreamstep.models.sdxl.family import FAMILY as SDXL
 from dreamstep.models.vae import sample_latents
@@ -211,46 +208,6 @@ def plan_inputs(config: SDXLLoraConfig, dataset_configs: list[DatasetConfig], en
                                      validation_images=bool(config.sample_prompts)))
 
 
-def build_step(config: SDXLLoraConfig, model: nn.Module, scheduler_config: Any, **engine_options: Any
-               ) -> SDXLLoraStep:
-    """The run's step over ``model`` with the base's DDPM schedule; ``engine_options``:
-    :class:`~dreamstep.engine.train_step.TrainStep`'s (without an optimizer the step only evaluates)."""
-    return SDXLLoraStep(
-        model, noise_scheduler=noise_math.training_scheduler(scheduler_config, config.zero_terminal_snr),
-        v_prediction=config.v_parameterization, min_snr_gamma=config.min_snr_gamma,
-        noise_offset=config.noise_offset, adaptive_noise_scale=config.adaptive_noise_scale,
-        multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
-        timestep_range=(config.min_timestep, config.max_timestep), prior_loss_weight=config.prior_loss_weight,
-        loss=config.loss_function(), debiased_estimation_loss=config.debiased_estimation_loss,
-        ip_noise_gamma=config.ip_noise_gamma, ip_noise_gamma_random_strength=config.ip_noise_gamma_random_strength,
-        **engine_options)
-
-
-def held_out_images(config: SDXLLoraConfig) -> BucketDataset | None:
-    """The images the run holds out for its validation loss (``None``: none), as :func:`train` chooses them."""
-    return build_split_datasets(training_datasets(config), config.seed, config.validation_split)[1]
-
-
-def held_out_loss(config: SDXLLoraConfig, held_out: BucketDataset, pipeline: Any, text_cache: TensorCache,
-                  device: torch.device) -> Callable[[], float]:
-    """The validation loss the run logged, for ``dreamstep eval``: ``held_out`` (:func:`held_out_images`) encoded
-    once by ``pipeline`` (the base), then scored by the run's step at the same fixed timesteps and draws, under the
-    run's ``--mixed_precision``, with whatever LoRA is on the pipeline's UNet (and text encoders, for a run that
-    trained them: the captions are then encoded per call, as in training)."""
-    train_text = not config.network_train_unet_only
-    conditioner = sdxl.SDXLConditioner(pipeline, device=device, latent_cache=None,
-                                       text_cache=None if train_text else text_cache, encode_text=not train_text)
-    batches = held_out_batches(held_out, conditioner, config.seed)
-
-    def loss() -> float:
-        model = sdxl.SDXLLoraModel(pipeline.unet, None, pipeline)
-        step = build_step(config, model, pipeline.scheduler.config, optimizer=None)
-        with autocast(device.type, config.mixed_precision):
-            return ValidationLoss(batches, step.validation_loss_at, seed=config.seed, modules=[model])()
-
-    return loss
-
-
 def train(config: SDXLLoraConfig) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, key, folder, image and the optimizer, before a model loads.
@@ -335,10 +292,17 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
                                       power=config.lr_scheduler_power)
     ema = weight_average(network, config.ema_options())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
-    step = build_step(config, model, base.scheduler.config, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                      accelerator=run.accelerator, ema=ema, max_grad_norm=config.max_grad_norm or None,
-                      gradient_accumulation_steps=config.gradient_accumulation_steps,
-                      length_of_dataloader=len(loader))
+    step = SDXLLoraStep(
+        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
+        max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
+        length_of_dataloader=len(loader),
+        noise_scheduler=noise_math.training_scheduler(base.scheduler.config, config.zero_terminal_snr),
+        v_prediction=config.v_parameterization, min_snr_gamma=config.min_snr_gamma,
+        noise_offset=config.noise_offset, adaptive_noise_scale=config.adaptive_noise_scale,
+        multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
+        timestep_range=(config.min_timestep, config.max_timestep), prior_loss_weight=config.prior_loss_weight,
+        loss=config.loss_function(), debiased_estimation_loss=config.debiased_estimation_loss,
+        ip_noise_gamma=config.ip_noise_gamma, ip_noise_gamma_random_strength=config.ip_noise_gamma_random_strength)
     print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(network,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,
