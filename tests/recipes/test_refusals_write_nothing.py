@@ -1,0 +1,313 @@
+"""A refused run leaves nothing behind. Every trainer meets bad input that is only found by reading something (a
+corrupt image, a caption that is not UTF-8, a dataset TOML's key, a file given as weights or a checkpoint, a
+model folder of another family, a folder that holds another run): each must end in one line naming the flag,
+file or key, and the folders the run would write (its --output_dir and cache, the data folders) must be as
+they were: not made when they were missing, byte for byte the same when they were there."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from flux_testkit import ROBOT_DIR, ROBOT_PROMPT
+from safetensors.torch import save_file
+from test_option_contract import TRAINERS, _recipe, _smallest_run
+
+from dreamstep.config.schema import build_config
+from dreamstep.errors import UserError
+
+KOHYA = ("flux-kohya", "sdxl-lora")  # sd-scripts' flags: a dataset TOML and --resume
+DATA_FLAGS = ("instance_data_dir", "train_data_dir", "conditioning_data_dir")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_flux_dev_dir: Path, tiny_sdxl_dir: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, str]]:
+    """The options of each trainer's one-step run, its tiny model built once for the module."""
+    made: dict[str, dict[str, str]] = {}
+
+    def run(trainer: str) -> dict[str, str]:
+        if trainer not in made:
+            root = tmp_path_factory.mktemp(f"models-{trainer}")
+            made[trainer] = _smallest_run(trainer, {"flux": tiny_flux_dev_dir, "sdxl": tiny_sdxl_dir}, root)
+        return dict(made[trainer])
+
+    return run
+
+
+def _fields(trainer: str) -> set[str]:
+    return set(_recipe(trainer)[0].__dataclass_fields__)
+
+
+def _data_copy(work: Path) -> Path:
+    data = work / "data"
+    shutil.copytree(ROBOT_DIR, data)
+    for image in data.glob("*.png"):
+        image.with_suffix(".txt").write_text(ROBOT_PROMPT)
+    return data
+
+
+def _with_data(trainer: str, values: dict[str, str], work: Path, data: Path, extra: str = "") -> dict[str, str]:
+    """``values`` training on ``data``: its data flags, or (sd-scripts' trainers) a dataset TOML naming it."""
+    if trainer in KOHYA:
+        return {**values, "dataset_config": str(_toml(work, data, "caption_extension = '.txt'\n" + extra))}
+    return {**values, **{flag: str(data) for flag in DATA_FLAGS if flag in values}}
+
+
+def _toml(work: Path, image_dir: Path, extra: str = "", conditioning: bool = False) -> Path:
+    subset = f"image_dir = '{image_dir.as_posix()}'\nclass_tokens = '{ROBOT_PROMPT}'\n{extra}"
+    if conditioning:
+        subset += f"conditioning_data_dir = '{image_dir.as_posix()}'\n"
+    toml = work / "dataset.toml"
+    toml.write_text("[general]\nenable_bucket = false\n\n[[datasets]]\nresolution = 32\nbatch_size = 1\n\n"
+                    f"  [[datasets.subsets]]\n{subset}")
+    return toml
+
+
+def _toml_run(trainer: str, values: dict[str, str], work: Path, image_dir: Path, extra: str = "") -> dict[str, str]:
+    """``values`` with a dataset TOML in place of the data flags."""
+    kept = {k: v for k, v in values.items() if k not in (*DATA_FLAGS, "instance_prompt", "default_caption")}
+    conditioning = "conditioning_data_dir" in values
+    return {**kept, "dataset_config": str(_toml(work, image_dir, extra, conditioning))}
+
+
+# Each case: (trainer, its one-step options, a scratch folder) -> (the bad options, what the line must name), or
+# None where the trainer has no such input.
+Case = Callable[[str, dict[str, str], Path], "tuple[dict[str, str], str] | None"]
+
+
+def corrupt_image(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str]:
+    data = _data_copy(work)
+    (data / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    (data / "broken.txt").write_text(ROBOT_PROMPT)
+    return _with_data(trainer, values, work, data), "broken.png"
+
+
+def empty_data(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str]:
+    data = work / "data"
+    data.mkdir()
+    return _with_data(trainer, values, work, data), "data"
+
+
+def caption_not_utf8(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str]:
+    data = _data_copy(work)
+    (data / "robot_1.txt").write_bytes(b"a photo of \xff\xfe robot")
+    return _with_data(trainer, values, work, data), "robot_1.txt"
+
+
+def toml_bad_key(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str]:
+    return _toml_run(trainer, values, work, _data_copy(work), "no_such_key = 3\n"), "no_such_key"
+
+
+def toml_missing_subset(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str]:
+    return _toml_run(trainer, values, work, work / "missing_folder"), "missing_folder"
+
+
+def model_of_another_family(trainer: str, values: dict[str, str], work: Path,
+                            models: dict[str, Path]) -> tuple[dict[str, str], str]:
+    other = models["flux"] if trainer == "sdxl-lora" else models["sdxl"]
+    return {**values, "pretrained_model_name_or_path": str(other)}, "pretrained_model_name_or_path"
+
+
+def output_holds_another_run(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str]:
+    out = Path(values["output_dir"])
+    out.mkdir()
+    (out / "run_status.json").write_text('{"state": "finished", "step": 5}')
+    (out / "pytorch_lora_weights.safetensors").write_bytes(b"weights of another run")
+    return values, "--output_dir"
+
+
+def resume_not_a_checkpoint(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str]:
+    folder = work / "not-a-checkpoint"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("holiday photos")
+    flag = "resume" if trainer in KOHYA else "resume_from_checkpoint"
+    return {**values, flag: str(folder)}, "not-a-checkpoint"
+
+
+def corrupt_weights(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "network_weights" not in _fields(trainer):
+        return None
+    weights = work / "broken.safetensors"
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    return {**values, "network_weights": str(weights)}, "broken.safetensors"
+
+
+def weights_of_another_family(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "network_weights" not in _fields(trainer):
+        return None
+    module = ("lora_unet_double_blocks_0_img_attn_qkv" if trainer == "sdxl-lora"
+              else "lora_unet_down_blocks_1_attentions_0_proj_in")
+    weights = work / "other-family.safetensors"
+    save_file({f"{module}.lora_down.weight": torch.zeros(4, 16), f"{module}.lora_up.weight": torch.zeros(16, 4),
+               f"{module}.alpha": torch.tensor(4.0)}, str(weights))
+    return {**values, "network_weights": str(weights)}, "other-family.safetensors"
+
+
+def validation_image_missing(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "validation_image" not in _fields(trainer):
+        return None
+    return ({**values, "validation_prompt": ROBOT_PROMPT, "validation_image": str(work / "no-such-image.png")},
+            "no-such-image.png")
+
+
+def sample_prompts_bad(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "sample_prompts" not in _fields(trainer):
+        return None
+    prompts = work / "prompts.txt"
+    prompts.write_text("a photo of sks robot --w 32 --h 32 --s 0\n")
+    return {**values, "sample_prompts": str(prompts), "sample_every_n_steps": "1"}, "prompts.txt"
+
+
+def sample_prompts_not_utf8(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "sample_prompts" not in _fields(trainer):
+        return None
+    prompts = work / "prompts.txt"
+    prompts.write_bytes("a photo of sks robot --s 2\n".encode("utf-16"))
+    return {**values, "sample_prompts": str(prompts), "sample_every_n_steps": "1"}, "prompts.txt"
+
+
+def class_images_corrupt(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "class_data_dir" not in _fields(trainer):
+        return None
+    classes = work / "class"
+    classes.mkdir()
+    shutil.copy(ROBOT_DIR / "robot_0.png", classes / "a.png")
+    (classes / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    return ({**values, "with_prior_preservation": "true", "class_data_dir": str(classes), "class_prompt": "a robot",
+             "num_class_images": "2"}, "b.png")
+
+
+def class_dir_is_a_file(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "class_data_dir" not in _fields(trainer):
+        return None
+    (work / "class").write_text("not a folder")
+    return ({**values, "with_prior_preservation": "true", "class_data_dir": str(work / "class"),
+             "class_prompt": "a robot", "num_class_images": "2"}, "class_data_dir")
+
+
+def output_and_cache_there(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str]:
+    """Empty --output_dir and --cache_dir folders made beforehand, and a corrupt image: both stay as they were."""
+    Path(values["output_dir"]).mkdir()
+    if "cache_dir" in values:
+        Path(values["cache_dir"]).mkdir()
+    return corrupt_image(trainer, values, work)
+
+
+def evaluator_not_a_model(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "dino_model" not in _fields(trainer):
+        return None
+    folder = work / "not-dino"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "bert"}')
+    given = {**values, "eval_metrics": ["dino"], "dino_model": str(folder), "validation_prompt": ROBOT_PROMPT}
+    if "validation_image" in _fields(trainer):
+        given["validation_image"] = str(ROBOT_DIR / "robot_0.png")
+    if "sample_prompts" in _fields(trainer):
+        (work / "prompts.txt").write_text(f"{ROBOT_PROMPT} --w 32 --h 32 --s 2\n")
+        given |= {"sample_prompts": str(work / "prompts.txt"), "sample_every_n_steps": "1"}
+        del given["validation_prompt"]
+    return given, "not-dino"
+
+
+def validation_data_corrupt(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "validation_data_dir" not in _fields(trainer):
+        return None
+    held_out = work / "held-out"
+    shutil.copytree(ROBOT_DIR, held_out)
+    (held_out / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    return {**values, "validation_data_dir": str(held_out), "validation_prompt": ROBOT_PROMPT}, "broken.png"
+
+
+def regularization_corrupt(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if trainer not in KOHYA:
+        return None
+    data = _data_copy(work)
+    regularization = work / "reg"
+    regularization.mkdir()
+    (regularization / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    extra = (f"\n  [[datasets.subsets]]\nimage_dir = '{regularization.as_posix()}'\nclass_tokens = 'robot'\n"
+             "is_reg = true\n")
+    return _with_data(trainer, values, work, data, extra), "broken.png"
+
+
+def metadata_not_json(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if trainer not in KOHYA:
+        return None
+    (work / "meta.json").write_text("{not json")
+    toml = work / "dataset.toml"
+    toml.write_text("[general]\nenable_bucket = false\n\n[[datasets]]\nresolution = 32\nbatch_size = 1\n\n"
+                    f"  [[datasets.subsets]]\nimage_dir = '{_data_copy(work).as_posix()}'\n"
+                    f"metadata_file = '{(work / 'meta.json').as_posix()}'\n")
+    return {**values, "dataset_config": str(toml)}, "meta.json"
+
+
+def network_args_bad(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "network_args" not in _fields(trainer):
+        return None
+    return {**values, "network_args": ["no_such_arg=1"]}, "no_such_arg"
+
+
+def controlnet_not_a_model(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "controlnet_model_name_or_path" not in _fields(trainer):
+        return None
+    folder = work / "not-a-controlnet"
+    folder.mkdir()
+    (folder / "config.json").write_text("{broken")
+    return {**values, "controlnet_model_name_or_path": str(folder)}, "not-a-controlnet"
+
+
+def validation_model_of_another_family(trainer: str, values: dict[str, str], work: Path,
+                                       models: dict[str, Path]) -> tuple[dict[str, str], str] | None:
+    if "validation_model_path" not in _fields(trainer):
+        return None
+    return ({**values, "validation_model_path": str(models["sdxl"]), "validation_prompt": ROBOT_PROMPT},
+            "validation_model_path")
+
+
+CASES: list[Case] = [corrupt_image, empty_data, caption_not_utf8, toml_bad_key, toml_missing_subset,
+                     model_of_another_family, output_holds_another_run, resume_not_a_checkpoint, corrupt_weights,
+                     weights_of_another_family, validation_image_missing, sample_prompts_bad, sample_prompts_not_utf8,
+                     class_images_corrupt, class_dir_is_a_file, output_and_cache_there, evaluator_not_a_model,
+                     validation_data_corrupt, regularization_corrupt, metadata_not_json, network_args_bad,
+                     controlnet_not_a_model, validation_model_of_another_family]
+
+
+def _snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root``: a file's bytes, ``None`` for a folder."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def _bad_run(case: Case, trainer: str, values: dict[str, str], work: Path,
+             models: dict[str, Path]) -> tuple[dict[str, str], str] | None:
+    if case in (model_of_another_family, validation_model_of_another_family):
+        return case(trainer, values, work, models)
+    return case(trainer, values, work)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.__name__)
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_a_refused_run_writes_nothing(trainer: str, case: Case, runs: Callable[[str], dict[str, str]],
+                                      tiny_flux_dev_dir: Path, tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    values = {**runs(trainer), "output_dir": str(work / "out")}
+    if "cache_dir" in _fields(trainer):
+        values["cache_dir"] = str(work / "cache")
+    bad = _bad_run(case, trainer, values, work, {"flux": tiny_flux_dev_dir, "sdxl": tiny_sdxl_dir})
+    if bad is None:
+        pytest.skip(f"train {trainer} has no such input")
+    given, named = bad
+    before = _snapshot(work)
+    options_class, recipe = _recipe(trainer)
+    with pytest.raises(UserError) as refused:
+        recipe.train(build_config(options_class, given))
+    message = str(refused.value)
+    assert "\n" not in message and named in message, message
+    after = _snapshot(work)
+    assert sorted(set(after) - set(before)) == [], f"written before refusing: {message}"
+    changed = sorted(path for path in before if after.get(path, b"gone") != before[path])
+    assert changed == [], f"changed before refusing: {message}"
