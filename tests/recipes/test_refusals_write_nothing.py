@@ -6,6 +6,7 @@ they were: not made when they were missing, byte for byte the same when they wer
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from flux_testkit import ROBOT_DIR, ROBOT_PROMPT
 from safetensors.torch import save_file
 from test_option_contract import TRAINERS, _recipe, _smallest_run
 
+from dreamstep.cli import main
 from dreamstep.config.schema import build_config
 from dreamstep.errors import UserError
 
@@ -311,3 +313,87 @@ def test_a_refused_run_writes_nothing(trainer: str, case: Case, runs: Callable[[
     assert sorted(set(after) - set(before)) == [], f"written before refusing: {message}"
     changed = sorted(path for path in before if after.get(path, b"gone") != before[path])
     assert changed == [], f"changed before refusing: {message}"
+
+
+def _lora_files(work: Path) -> tuple[Path, Path]:
+    """A corrupt LoRA file and an SDXL LoRA (for a FLUX command)."""
+    corrupt_weights("flux-lora", {}, work)
+    weights_of_another_family("flux-lora", {}, work)
+    return work / "broken.safetensors", work / "other-family.safetensors"
+
+
+def _flux_lora(work: Path, flux: Path) -> Path:
+    """A diffusers-layout LoRA of one attention projection of the tiny FLUX.1 ``flux`` (zero: changes nothing)."""
+    config = json.loads((flux / "transformer" / "config.json").read_text())
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    module = "transformer.single_transformer_blocks.0.attn.to_q"
+    path = work / "flux-lora.safetensors"
+    save_file({f"{module}.lora_A.weight": torch.zeros(2, width), f"{module}.lora_B.weight": torch.zeros(width, 2)},
+              str(path))
+    return path
+
+
+def _command_cases(work: Path, flux: Path, sdxl: Path) -> dict[str, tuple[list[object], str]]:
+    """The other commands that write: their arguments and what the refusal must name."""
+    broken, other = _lora_files(work)
+    lora = _flux_lora(work, flux)
+    images = _data_copy(work)
+    (images / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    (work / "prompts.txt").write_bytes(b"a photo of \xff\xfe robot\n")
+    not_a_model = work / "not-a-model"
+    not_a_model.mkdir()
+    (not_a_model / "config.json").write_text("{broken")
+    (work / "table.parquet").write_bytes(b"PAR1 not a parquet table")
+    taken = work / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("someone's notes")
+    out = work / "out"
+    generate = ["generate", "flux", "--model", flux, "--prompt", ROBOT_PROMPT, "--steps", "1", "--width", "32",
+                "--output_dir", out]
+    evaluate = ["eval", "flux", "--model", flux, "--prompt", ROBOT_PROMPT, "--steps", "1", "--resolution", "32",
+                "--output_dir", out]
+    return {
+        "generate-corrupt-lora": ([*generate, "--lora", broken], "broken.safetensors"),
+        "generate-lora-of-another-family": ([*generate, "--lora", other], "other-family.safetensors"),
+        "generate-model-of-another-family": ([*generate[:3], sdxl, *generate[4:]], "--model"),
+        "generate-prompt-file-not-utf8": ([*generate[:4], "--from_file", work / "prompts.txt", *generate[6:]],
+                                          "prompts.txt"),
+        "generate-controlnet-not-a-model": ([*generate, "--controlnet", not_a_model, "--control_image",
+                                             ROBOT_DIR / "robot_0.png"], "not-a-model"),
+        "eval-corrupt-weights": ([*evaluate, "--weights", broken, "--metrics", "clip_t"], "broken.safetensors"),
+        "eval-corrupt-reference-image": ([*evaluate, "--weights", lora, "--instance_data_dir", images,
+                                          "--metrics", "dino"], "broken.png"),
+        "eval-evaluator-not-a-model": ([*evaluate, "--weights", lora, "--metrics", "dino", "--dino_model",
+                                        not_a_model, "--instance_data_dir", ROBOT_DIR], "not-a-model"),
+        "convert-corrupt-lora": (["convert", "lora", broken, out / "converted.safetensors", "--to", "kohya"],
+                                 "broken.safetensors"),
+        "convert-lora-of-another-family": (["convert", "lora", other, out / "converted.safetensors", "--to",
+                                            "diffusers", "--model", "flux"], "other-family.safetensors"),
+        "caption-captioner-not-a-model": (["caption", images, "--model", not_a_model], "not-a-model"),
+        "tiny-model-into-a-taken-folder": (["tiny-model", "flux", taken], "taken"),
+        "dataset-from-hf-corrupt-table": (["dataset", "from-hf", work / "table.parquet", "--output_dir", out],
+                                          "table.parquet"),
+    }
+
+
+COMMAND_CASES = ["generate-corrupt-lora", "generate-lora-of-another-family", "generate-model-of-another-family",
+                 "generate-prompt-file-not-utf8", "generate-controlnet-not-a-model", "eval-corrupt-weights",
+                 "eval-corrupt-reference-image", "eval-evaluator-not-a-model", "convert-corrupt-lora",
+                 "convert-lora-of-another-family", "caption-captioner-not-a-model", "tiny-model-into-a-taken-folder",
+                 "dataset-from-hf-corrupt-table"]
+
+
+@pytest.mark.parametrize("case", COMMAND_CASES)
+def test_a_refused_command_writes_nothing(case: str, tiny_flux_dev_dir: Path, tiny_sdxl_dir: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    args, named = _command_cases(work, tiny_flux_dev_dir, tiny_sdxl_dir)[case]
+    before = _snapshot(work)
+    code = main([str(a) for a in args])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and named in errors[0] and "Traceback" not in err, err[-2000:]
+    after = _snapshot(work)
+    assert sorted(set(after) - set(before)) == [], f"written before refusing: {errors[0]}"
+    assert sorted(p for p in before if after.get(p, b"gone") != before[p]) == [], f"changed: {errors[0]}"
