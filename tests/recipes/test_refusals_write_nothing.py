@@ -40,6 +40,15 @@ def runs(tiny_flux_dev_dir: Path, tiny_sdxl_dir: Path,
     return run
 
 
+@pytest.fixture(scope="module")
+def flux_checkpoint(runs: Callable[[str], dict[str, str]], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint-1 folder of a one-step flux-lora run."""
+    out = tmp_path_factory.mktemp("flux-lora-run") / "out"
+    options_class, recipe = _recipe("flux-lora")
+    recipe.train(build_config(options_class, {**runs("flux-lora"), "output_dir": str(out), "checkpointing_steps": "1"}))
+    return out / "checkpoint-1"
+
+
 def _fields(trainer: str) -> set[str]:
     return set(_recipe(trainer)[0].__dataclass_fields__)
 
@@ -270,12 +279,75 @@ def validation_model_of_another_family(trainer: str, values: dict[str, str], wor
             "validation_model_path")
 
 
+def lora_layers_unknown(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "lora_layers" not in _fields(trainer):
+        return None
+    return {**values, "lora_layers": "no_such_module"}, "no_such_module"
+
+
+def checkpoint_of_nothing(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str]:
+    """A ``checkpoint-3`` folder whose files are not a checkpoint's."""
+    folder = work / "old-run" / "checkpoint-3"
+    folder.mkdir(parents=True)
+    for name in ("pytorch_lora_weights.safetensors", "model.safetensors", "optimizer.bin"):
+        (folder / name).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    flag = "resume" if trainer in KOHYA else "resume_from_checkpoint"
+    return {**values, flag: str(folder)}, "checkpoint-3"
+
+
+def validation_image_corrupt(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "validation_image" not in _fields(trainer):
+        return None
+    (work / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    return {**values, "validation_prompt": ROBOT_PROMPT, "validation_image": str(work / "broken.png")}, "broken.png"
+
+
+def toml_bad_value(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str]:
+    return _toml_run(trainer, values, work, _data_copy(work), "num_repeats = -2\n"), "num_repeats"
+
+
+def jsonl_corrupt(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "jsonl_for_train" not in _fields(trainer):
+        return None
+    (work / "train.jsonl").write_text('{"image": "robot_0.png", "text": \n')
+    kept = {k: v for k, v in values.items() if k not in ("train_data_dir", "conditioning_data_dir")}
+    return {**kept, "jsonl_for_train": str(work / "train.jsonl")}, "train.jsonl"
+
+
+def base_file_corrupt(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    flag = next((f for f in ("transformer_single_file", "ae", "clip_l") if f in _fields(trainer)), None)
+    if flag is None:
+        return None
+    (work / "base.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    return {**values, flag: str(work / "base.safetensors")}, "base.safetensors"
+
+
+def sample_prompts_options_only(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "sample_prompts" not in _fields(trainer):
+        return None
+    prompts = work / "prompts.txt"
+    prompts.write_text("--w 32 --h 32 --l nan\n")
+    return {**values, "sample_prompts": str(prompts), "sample_every_n_steps": "1"}, "prompts.txt"
+
+
+def checkpoint_of_another_trainer(trainer: str, values: dict[str, str], work: Path,
+                                  checkpoint: Path) -> tuple[dict[str, str], str] | None:
+    """flux-lora's checkpoint given to another trainer to continue (flux-kontext-lora here trains the same tiny base
+    with the same LoRA layout and settings, so continuing is allowed)."""
+    if trainer in ("flux-lora", "flux-kontext-lora"):
+        return None
+    flag = "resume" if trainer in KOHYA else "resume_from_checkpoint"
+    return {**values, flag: str(checkpoint)}, "checkpoint-1"
+
+
 CASES: list[Case] = [corrupt_image, empty_data, caption_not_utf8, toml_bad_key, toml_missing_subset,
                      model_of_another_family, output_holds_another_run, resume_not_a_checkpoint, corrupt_weights,
                      weights_of_another_family, validation_image_missing, sample_prompts_bad, sample_prompts_not_utf8,
                      class_images_corrupt, class_dir_is_a_file, output_and_cache_there, evaluator_not_a_model,
                      validation_data_corrupt, regularization_corrupt, metadata_not_json, network_args_bad,
-                     controlnet_not_a_model, validation_model_of_another_family]
+                     controlnet_not_a_model, validation_model_of_another_family, lora_layers_unknown,
+                     checkpoint_of_nothing, validation_image_corrupt, toml_bad_value, jsonl_corrupt,
+                     base_file_corrupt, sample_prompts_options_only, checkpoint_of_another_trainer]
 
 
 def _snapshot(root: Path) -> dict[str, bytes | None]:
@@ -283,8 +355,10 @@ def _snapshot(root: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
 
 
-def _bad_run(case: Case, trainer: str, values: dict[str, str], work: Path,
-             models: dict[str, Path]) -> tuple[dict[str, str], str] | None:
+def _bad_run(case: Case, trainer: str, values: dict[str, str], work: Path, models: dict[str, Path],
+             request: pytest.FixtureRequest) -> tuple[dict[str, str], str] | None:
+    if case is checkpoint_of_another_trainer:
+        return case(trainer, values, work, request.getfixturevalue("flux_checkpoint"))
     if case in (model_of_another_family, validation_model_of_another_family):
         return case(trainer, values, work, models)
     return case(trainer, values, work)
@@ -293,13 +367,14 @@ def _bad_run(case: Case, trainer: str, values: dict[str, str], work: Path,
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.__name__)
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_a_refused_run_writes_nothing(trainer: str, case: Case, runs: Callable[[str], dict[str, str]],
-                                      tiny_flux_dev_dir: Path, tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+                                      tiny_flux_dev_dir: Path, tiny_sdxl_dir: Path, tmp_path: Path,
+                                      request: pytest.FixtureRequest) -> None:
     work = tmp_path / "work"
     work.mkdir()
     values = {**runs(trainer), "output_dir": str(work / "out")}
     if "cache_dir" in _fields(trainer):
         values["cache_dir"] = str(work / "cache")
-    bad = _bad_run(case, trainer, values, work, {"flux": tiny_flux_dev_dir, "sdxl": tiny_sdxl_dir})
+    bad = _bad_run(case, trainer, values, work, {"flux": tiny_flux_dev_dir, "sdxl": tiny_sdxl_dir}, request)
     if bad is None:
         pytest.skip(f"train {trainer} has no such input")
     given, named = bad
