@@ -422,6 +422,10 @@ def _command_cases(work: Path, flux: Path, sdxl: Path) -> dict[str, tuple[list[o
     taken = work / "taken"
     taken.mkdir()
     (taken / "notes.txt").write_text("someone's notes")
+    shutil.copy(ROBOT_DIR / "robot_0.png", work / "good.png")
+    (work / "junk.png").write_bytes(b"junk")
+    (work / "no-images.csv").write_text("image,text\njunk.png,one\njunk.png,two\n")
+    (work / "table.csv").write_text("image,text,note\ngood.png,one,sunny\n")
     out = work / "out"
     generate = ["generate", "flux", "--model", flux, "--prompt", ROBOT_PROMPT, "--steps", "1", "--width", "32",
                 "--output_dir", out]
@@ -448,6 +452,13 @@ def _command_cases(work: Path, flux: Path, sdxl: Path) -> dict[str, tuple[list[o
         "tiny-model-into-a-taken-folder": (["tiny-model", "flux", taken], "taken"),
         "dataset-from-hf-corrupt-table": (["dataset", "from-hf", work / "table.parquet", "--output_dir", out],
                                           "table.parquet"),
+        "dataset-from-hf-no-readable-image": (["dataset", "from-hf", work / "no-images.csv", "--output_dir", out,
+                                               "--image_column", "image"], "no-images.csv"),
+        "dataset-from-hf-column-without-images": (["dataset", "from-hf", work / "table.csv", "--output_dir", out,
+                                                   "--image_column", "note", "--caption_column", "text"],
+                                                  "--image_column"),
+        "dataset-from-hf-into-a-taken-folder": (["dataset", "from-hf", work / "table.csv", "--output_dir", taken,
+                                                 "--image_column", "image"], "taken"),
     }
 
 
@@ -455,7 +466,8 @@ COMMAND_CASES = ["generate-corrupt-lora", "generate-lora-of-another-family", "ge
                  "generate-prompt-file-not-utf8", "generate-controlnet-not-a-model", "eval-corrupt-weights",
                  "eval-corrupt-reference-image", "eval-evaluator-not-a-model", "convert-corrupt-lora",
                  "convert-lora-of-another-family", "caption-captioner-not-a-model", "tiny-model-into-a-taken-folder",
-                 "dataset-from-hf-corrupt-table"]
+                 "dataset-from-hf-corrupt-table", "dataset-from-hf-no-readable-image",
+                 "dataset-from-hf-column-without-images", "dataset-from-hf-into-a-taken-folder"]
 
 
 @pytest.mark.parametrize("case", COMMAND_CASES)
