@@ -408,7 +408,14 @@ def _flux_lora(work: Path, flux: Path) -> Path:
     return path
 
 
-def _command_cases(work: Path, flux: Path, sdxl: Path) -> dict[str, tuple[list[object], str]]:
+@pytest.fixture(scope="module")
+def tiny_blip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dreamstep.captioning.tiny import write_tiny_blip
+
+    return write_tiny_blip(tmp_path_factory.mktemp("captioner") / "blip")
+
+
+def _command_cases(work: Path, flux: Path, sdxl: Path, blip: Path) -> dict[str, tuple[list[object], str]]:
     """The other commands that write: their arguments and what the refusal must name."""
     broken, other = _lora_files(work)
     lora = _flux_lora(work, flux)
@@ -426,6 +433,9 @@ def _command_cases(work: Path, flux: Path, sdxl: Path) -> dict[str, tuple[list[o
     (work / "junk.png").write_bytes(b"junk")
     (work / "no-images.csv").write_text("image,text\njunk.png,one\njunk.png,two\n")
     (work / "table.csv").write_text("image,text,note\ngood.png,one,sunny\n")
+    captioned = _data_copy(work.parent / "captioned")
+    (captioned / "robot_3.txt").unlink()
+    (captioned / "robot_3.txt").mkdir()
     out = work / "out"
     generate = ["generate", "flux", "--model", flux, "--prompt", ROBOT_PROMPT, "--steps", "1", "--width", "32",
                 "--output_dir", out]
@@ -449,6 +459,8 @@ def _command_cases(work: Path, flux: Path, sdxl: Path) -> dict[str, tuple[list[o
         "convert-lora-of-another-family": (["convert", "lora", other, out / "converted.safetensors", "--to",
                                             "diffusers", "--model", "flux"], "other-family.safetensors"),
         "caption-captioner-not-a-model": (["caption", images, "--model", not_a_model], "not-a-model"),
+        "caption-a-caption-path-is-a-folder": (["caption", captioned, "--model", blip,
+                                                "--overwrite"], "robot_3.txt"),
         "tiny-model-into-a-taken-folder": (["tiny-model", "flux", taken], "taken"),
         "dataset-from-hf-corrupt-table": (["dataset", "from-hf", work / "table.parquet", "--output_dir", out],
                                           "table.parquet"),
@@ -465,22 +477,23 @@ def _command_cases(work: Path, flux: Path, sdxl: Path) -> dict[str, tuple[list[o
 COMMAND_CASES = ["generate-corrupt-lora", "generate-lora-of-another-family", "generate-model-of-another-family",
                  "generate-prompt-file-not-utf8", "generate-controlnet-not-a-model", "eval-corrupt-weights",
                  "eval-corrupt-reference-image", "eval-evaluator-not-a-model", "convert-corrupt-lora",
-                 "convert-lora-of-another-family", "caption-captioner-not-a-model", "tiny-model-into-a-taken-folder",
-                 "dataset-from-hf-corrupt-table", "dataset-from-hf-no-readable-image",
+                 "convert-lora-of-another-family", "caption-captioner-not-a-model",
+                 "caption-a-caption-path-is-a-folder", "tiny-model-into-a-taken-folder", "dataset-from-hf-corrupt-table",
+                 "dataset-from-hf-no-readable-image",
                  "dataset-from-hf-column-without-images", "dataset-from-hf-into-a-taken-folder"]
 
 
 @pytest.mark.parametrize("case", COMMAND_CASES)
-def test_a_refused_command_writes_nothing(case: str, tiny_flux_dev_dir: Path, tiny_sdxl_dir: Path, tmp_path: Path,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_refused_command_writes_nothing(case: str, tiny_flux_dev_dir: Path, tiny_sdxl_dir: Path, tiny_blip: Path,
+                                          tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     work = tmp_path / "work"
     work.mkdir()
-    args, named = _command_cases(work, tiny_flux_dev_dir, tiny_sdxl_dir)[case]
-    before = _snapshot(work)
+    args, named = _command_cases(work, tiny_flux_dev_dir, tiny_sdxl_dir, tiny_blip)[case]
+    before = _snapshot(tmp_path)
     code = main([str(a) for a in args])
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code == 2 and len(errors) == 1 and named in errors[0] and "Traceback" not in err, err[-2000:]
-    after = _snapshot(work)
+    after = _snapshot(tmp_path)
     assert sorted(set(after) - set(before)) == [], f"written before refusing: {errors[0]}"
     assert sorted(p for p in before if after.get(p, b"gone") != before[p]) == [], f"changed: {errors[0]}"
