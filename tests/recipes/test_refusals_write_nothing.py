@@ -478,8 +478,8 @@ COMMAND_CASES = ["generate-corrupt-lora", "generate-lora-of-another-family", "ge
                  "generate-prompt-file-not-utf8", "generate-controlnet-not-a-model", "eval-corrupt-weights",
                  "eval-corrupt-reference-image", "eval-evaluator-not-a-model", "convert-corrupt-lora",
                  "convert-lora-of-another-family", "caption-captioner-not-a-model",
-                 "caption-a-caption-path-is-a-folder", "tiny-model-into-a-taken-folder", "dataset-from-hf-corrupt-table",
-                 "dataset-from-hf-no-readable-image",
+                 "caption-a-caption-path-is-a-folder", "tiny-model-into-a-taken-folder",
+                 "dataset-from-hf-corrupt-table", "dataset-from-hf-no-readable-image",
                  "dataset-from-hf-column-without-images", "dataset-from-hf-into-a-taken-folder"]
 
 
