@@ -340,6 +340,25 @@ def checkpoint_of_another_trainer(trainer: str, values: dict[str, str], work: Pa
     return {**values, flag: str(checkpoint)}, "checkpoint-1"
 
 
+def logging_dir_is_a_file(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "logging_dir" not in _fields(trainer):
+        return None
+    (work / "logs").write_text("not a folder")
+    return {**values, "logging_dir": str(work / "logs"), "log_with": "tensorboard"}, "logging_dir"
+
+
+def output_dir_under_a_file(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str]:
+    (work / "runs").write_text("not a folder")
+    return {**values, "output_dir": str(work / "runs" / "out")}, "--output_dir"
+
+
+def validation_data_empty(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    if "validation_data_dir" not in _fields(trainer):
+        return None
+    (work / "held-out").mkdir()
+    return {**values, "validation_data_dir": str(work / "held-out"), "validation_prompt": ROBOT_PROMPT}, "held-out"
+
+
 CASES: list[Case] = [corrupt_image, empty_data, caption_not_utf8, toml_bad_key, toml_missing_subset,
                      model_of_another_family, output_holds_another_run, resume_not_a_checkpoint, corrupt_weights,
                      weights_of_another_family, validation_image_missing, sample_prompts_bad, sample_prompts_not_utf8,
@@ -347,7 +366,8 @@ CASES: list[Case] = [corrupt_image, empty_data, caption_not_utf8, toml_bad_key, 
                      validation_data_corrupt, regularization_corrupt, metadata_not_json, network_args_bad,
                      controlnet_not_a_model, validation_model_of_another_family, lora_layers_unknown,
                      checkpoint_of_nothing, validation_image_corrupt, toml_bad_value, jsonl_corrupt,
-                     base_file_corrupt, sample_prompts_options_only, checkpoint_of_another_trainer]
+                     base_file_corrupt, sample_prompts_options_only, checkpoint_of_another_trainer,
+                     logging_dir_is_a_file, output_dir_under_a_file, validation_data_empty]
 
 
 def _snapshot(root: Path) -> dict[str, bytes | None]:
@@ -436,6 +456,7 @@ def _command_cases(work: Path, flux: Path, sdxl: Path, blip: Path) -> dict[str, 
     captioned = _data_copy(work.parent / "captioned")
     (captioned / "robot_3.txt").unlink()
     (captioned / "robot_3.txt").mkdir()
+    (work / "empty.txt").write_text("\n")
     out = work / "out"
     generate = ["generate", "flux", "--model", flux, "--prompt", ROBOT_PROMPT, "--steps", "1", "--width", "32",
                 "--output_dir", out]
@@ -461,6 +482,11 @@ def _command_cases(work: Path, flux: Path, sdxl: Path, blip: Path) -> dict[str, 
         "caption-captioner-not-a-model": (["caption", images, "--model", not_a_model], "not-a-model"),
         "caption-a-caption-path-is-a-folder": (["caption", captioned, "--model", blip,
                                                 "--overwrite"], "robot_3.txt"),
+        "generate-empty-prompt-file": ([*generate[:4], "--from_file", work / "empty.txt", *generate[6:]],
+                                       "empty.txt"),
+        "generate-output-under-a-file": ([*generate[:-1], taken / "notes.txt" / "images"], "notes.txt"),
+        "eval-output-under-a-file": ([*evaluate[:-1], taken / "notes.txt" / "scores", "--weights", lora, "--metrics",
+                                      "clip_t"], "notes.txt"),
         "tiny-model-into-a-taken-folder": (["tiny-model", "flux", taken], "taken"),
         "dataset-from-hf-corrupt-table": (["dataset", "from-hf", work / "table.parquet", "--output_dir", out],
                                           "table.parquet"),
@@ -480,7 +506,8 @@ COMMAND_CASES = ["generate-corrupt-lora", "generate-lora-of-another-family", "ge
                  "convert-lora-of-another-family", "caption-captioner-not-a-model",
                  "caption-a-caption-path-is-a-folder", "tiny-model-into-a-taken-folder",
                  "dataset-from-hf-corrupt-table", "dataset-from-hf-no-readable-image",
-                 "dataset-from-hf-column-without-images", "dataset-from-hf-into-a-taken-folder"]
+                 "dataset-from-hf-column-without-images", "generate-empty-prompt-file", "generate-output-under-a-file",
+                 "eval-output-under-a-file", "dataset-from-hf-into-a-taken-folder"]
 
 
 @pytest.mark.parametrize("case", COMMAND_CASES)
