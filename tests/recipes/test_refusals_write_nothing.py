@@ -435,7 +435,8 @@ def tiny_blip(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_blip(tmp_path_factory.mktemp("captioner") / "blip")
 
 
-def _command_cases(work: Path, flux: Path, sdxl: Path, blip: Path) -> dict[str, tuple[list[object], str]]:
+def _command_cases(work: Path, flux: Path, sdxl: Path, blip: Path,
+                   evaluators: dict[str, Path]) -> dict[str, tuple[list[object], str]]:
     """The other commands that write: their arguments and what the refusal must name."""
     broken, other = _lora_files(work)
     lora = _flux_lora(work, flux)
@@ -486,7 +487,7 @@ def _command_cases(work: Path, flux: Path, sdxl: Path, blip: Path) -> dict[str, 
                                        "empty.txt"),
         "generate-output-under-a-file": ([*generate[:-1], taken / "notes.txt" / "images"], "notes.txt"),
         "eval-output-under-a-file": ([*evaluate[:-1], taken / "notes.txt" / "scores", "--weights", lora, "--metrics",
-                                      "clip_t"], "notes.txt"),
+                                      "clip_t", "--clip_model", evaluators["clip"]], "notes.txt"),
         "tiny-model-into-a-taken-folder": (["tiny-model", "flux", taken], "taken"),
         "dataset-from-hf-corrupt-table": (["dataset", "from-hf", work / "table.parquet", "--output_dir", out],
                                           "table.parquet"),
@@ -512,10 +513,11 @@ COMMAND_CASES = ["generate-corrupt-lora", "generate-lora-of-another-family", "ge
 
 @pytest.mark.parametrize("case", COMMAND_CASES)
 def test_a_refused_command_writes_nothing(case: str, tiny_flux_dev_dir: Path, tiny_sdxl_dir: Path, tiny_blip: Path,
-                                          tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+                                          tiny_evaluators: dict[str, Path], tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
     work = tmp_path / "work"
     work.mkdir()
-    args, named = _command_cases(work, tiny_flux_dev_dir, tiny_sdxl_dir, tiny_blip)[case]
+    args, named = _command_cases(work, tiny_flux_dev_dir, tiny_sdxl_dir, tiny_blip, tiny_evaluators)[case]
     before = _snapshot(tmp_path)
     code = main([str(a) for a in args])
     err = capsys.readouterr().err
