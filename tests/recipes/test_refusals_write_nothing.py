@@ -359,6 +359,33 @@ def validation_data_empty(trainer: str, values: dict[str, str], work: Path) -> t
     return {**values, "validation_data_dir": str(work / "held-out"), "validation_prompt": ROBOT_PROMPT}, "held-out"
 
 
+def _edit_table(trainer: str, values: dict[str, str], work: Path, rows: list[dict[str, str]]) -> dict[str, str] | None:
+    """``values`` training on a metadata table of edit pairs (``--dataset_name``) holding ``rows``."""
+    if "dataset_name" not in _fields(trainer):
+        return None
+    data = _data_copy(work)
+    table = data / "pairs.jsonl"
+    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    kept = {k: v for k, v in values.items() if k not in (*DATA_FLAGS, "instance_prompt")}
+    return {**kept, "dataset_name": str(table), "image_column": "after", "cond_image_column": "before",
+            "caption_column": "edit"}
+
+
+def edit_table_empty(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    given = _edit_table(trainer, values, work, [])
+    return None if given is None else (given, "pairs.jsonl")
+
+
+def edit_table_corrupt_image(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    rows = [{"after": f"robot_{i}.png", "before": f"robot_{i + 1}.png", "edit": "make it red"} for i in range(3)]
+    given = _edit_table(trainer, values, work, [*rows, {"after": "broken.png", "before": "robot_0.png",
+                                                       "edit": "make it blue"}])
+    if given is None:
+        return None
+    (work / "data" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    return given, "broken.png"
+
+
 CASES: list[Case] = [corrupt_image, empty_data, caption_not_utf8, toml_bad_key, toml_missing_subset,
                      model_of_another_family, output_holds_another_run, resume_not_a_checkpoint, corrupt_weights,
                      weights_of_another_family, validation_image_missing, sample_prompts_bad, sample_prompts_not_utf8,
@@ -367,7 +394,8 @@ CASES: list[Case] = [corrupt_image, empty_data, caption_not_utf8, toml_bad_key, 
                      controlnet_not_a_model, validation_model_of_another_family, lora_layers_unknown,
                      checkpoint_of_nothing, validation_image_corrupt, toml_bad_value, jsonl_corrupt,
                      base_file_corrupt, sample_prompts_options_only, checkpoint_of_another_trainer,
-                     logging_dir_is_a_file, output_dir_under_a_file, validation_data_empty]
+                     logging_dir_is_a_file, output_dir_under_a_file, validation_data_empty, edit_table_empty,
+                     edit_table_corrupt_image]
 
 
 def _snapshot(root: Path) -> dict[str, bytes | None]:
