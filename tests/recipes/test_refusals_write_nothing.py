@@ -516,6 +516,9 @@ def _command_cases(work: Path, flux: Path, sdxl: Path, blip: Path,
         "generate-output-under-a-file": ([*generate[:-1], taken / "notes.txt" / "images"], "notes.txt"),
         "eval-output-under-a-file": ([*evaluate[:-1], taken / "notes.txt" / "scores", "--weights", lora, "--metrics",
                                       "clip_t", "--clip_model", evaluators["clip"]], "notes.txt"),
+        "convert-output-under-a-file": (["convert", "lora", lora, taken / "notes.txt" / "c.safetensors", "--to",
+                                         "kohya"], "notes.txt"),
+        "tiny-model-under-a-file": (["tiny-model", "flux", taken / "notes.txt" / "tiny"], "notes.txt"),
         "tiny-model-into-a-taken-folder": (["tiny-model", "flux", taken], "taken"),
         "dataset-from-hf-corrupt-table": (["dataset", "from-hf", work / "table.parquet", "--output_dir", out],
                                           "table.parquet"),
@@ -536,7 +539,8 @@ COMMAND_CASES = ["generate-corrupt-lora", "generate-lora-of-another-family", "ge
                  "caption-a-caption-path-is-a-folder", "tiny-model-into-a-taken-folder",
                  "dataset-from-hf-corrupt-table", "dataset-from-hf-no-readable-image",
                  "dataset-from-hf-column-without-images", "generate-empty-prompt-file", "generate-output-under-a-file",
-                 "eval-output-under-a-file", "dataset-from-hf-into-a-taken-folder"]
+                 "eval-output-under-a-file", "convert-output-under-a-file",
+                 "tiny-model-under-a-file", "dataset-from-hf-into-a-taken-folder"]
 
 
 @pytest.mark.parametrize("case", COMMAND_CASES)
