@@ -386,6 +386,13 @@ def edit_table_corrupt_image(trainer: str, values: dict[str, str], work: Path) -
     return given, "broken.png"
 
 
+def overwrite_then_corrupt_image(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str]:
+    """--overwrite_output_dir over a finished run, and a corrupt image: the old run stays as it was."""
+    output_holds_another_run(trainer, values, work)
+    given, named = corrupt_image(trainer, values, work)
+    return {**given, "overwrite_output_dir": "true"}, named
+
+
 CASES: list[Case] = [corrupt_image, empty_data, caption_not_utf8, toml_bad_key, toml_missing_subset,
                      model_of_another_family, output_holds_another_run, resume_not_a_checkpoint, corrupt_weights,
                      weights_of_another_family, validation_image_missing, sample_prompts_bad, sample_prompts_not_utf8,
@@ -395,7 +402,7 @@ CASES: list[Case] = [corrupt_image, empty_data, caption_not_utf8, toml_bad_key, 
                      checkpoint_of_nothing, validation_image_corrupt, toml_bad_value, jsonl_corrupt,
                      base_file_corrupt, sample_prompts_options_only, checkpoint_of_another_trainer,
                      logging_dir_is_a_file, output_dir_under_a_file, validation_data_empty, edit_table_empty,
-                     edit_table_corrupt_image]
+                     edit_table_corrupt_image, overwrite_then_corrupt_image]
 
 
 def _snapshot(root: Path) -> dict[str, bytes | None]:
