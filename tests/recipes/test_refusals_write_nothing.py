@@ -1,8 +1,10 @@
-"""A refused run leaves nothing behind. Every trainer meets bad input that is only found by reading something (a
-corrupt image, a caption that is not UTF-8, a dataset TOML's key, a file given as weights or a checkpoint, a
-model folder of another family, a folder that holds another run): each must end in one line naming the flag,
-file or key, and the folders the run would write (its --output_dir and cache, the data folders) must be as
-they were: not made when they were missing, byte for byte the same when they were there."""
+"""A refused command leaves nothing behind. Every trainer meets bad input that is only found by reading something
+(a corrupt image, a caption that is not UTF-8, a dataset TOML's key or value, a file given as weights or a
+checkpoint, a model, ControlNet or evaluator folder that is not one, an edit-pair table, sample prompts, a class
+folder, a folder that holds another run or cannot be made), and so do generate, eval, convert lora, caption,
+tiny-model and dataset from-hf: each must end in one line naming the flag, file or key, and every folder the
+command could write (--output_dir, the caches, logs, the data folders) must be as it was: not made when it was
+missing, byte for byte the same when it was there. A case a trainer has no input for is skipped."""
 
 from __future__ import annotations
 
