@@ -273,6 +273,30 @@ def controlnet_not_a_model(trainer: str, values: dict[str, str], work: Path) -> 
     return {**values, "controlnet_model_name_or_path": str(folder)}, "not-a-controlnet"
 
 
+def controlnet_of_another_base(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    """A ControlNet folder whose config is another width's (the published FLUX.1's)."""
+    if "controlnet_model_name_or_path" not in _fields(trainer):
+        return None
+    folder = work / "big-controlnet"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "_class_name": "FluxControlNetModel", "in_channels": 64, "attention_head_dim": 128, "num_attention_heads": 24,
+        "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True, "num_layers": 2,
+        "num_single_layers": 0}))
+    return {**values, "controlnet_model_name_or_path": str(folder)}, "attention_head_dim"
+
+
+def controlnet_without_weights(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    """A ControlNet folder whose config fits the base but holds no weights."""
+    if "controlnet_model_name_or_path" not in _fields(trainer):
+        return None
+    config = json.loads((Path(values["pretrained_model_name_or_path"]) / "transformer" / "config.json").read_text())
+    folder = work / "empty-controlnet"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**config, "_class_name": "FluxControlNetModel"}))
+    return {**values, "controlnet_model_name_or_path": str(folder)}, "empty-controlnet"
+
+
 def validation_model_of_another_family(trainer: str, values: dict[str, str], work: Path,
                                        models: dict[str, Path]) -> tuple[dict[str, str], str] | None:
     if "validation_model_path" not in _fields(trainer):
@@ -400,7 +424,8 @@ CASES: list[Case] = [corrupt_image, empty_data, caption_not_utf8, toml_bad_key, 
                      weights_of_another_family, validation_image_missing, sample_prompts_bad, sample_prompts_not_utf8,
                      class_images_corrupt, class_dir_is_a_file, output_and_cache_there, evaluator_not_a_model,
                      validation_data_corrupt, regularization_corrupt, metadata_not_json, network_args_bad,
-                     controlnet_not_a_model, validation_model_of_another_family, lora_layers_unknown,
+                     controlnet_not_a_model, controlnet_of_another_base, controlnet_without_weights,
+                     validation_model_of_another_family, lora_layers_unknown,
                      checkpoint_of_nothing, validation_image_corrupt, toml_bad_value, jsonl_corrupt,
                      base_file_corrupt, sample_prompts_options_only, checkpoint_of_another_trainer,
                      logging_dir_is_a_file, output_dir_under_a_file, validation_data_empty, edit_table_empty,

@@ -123,6 +123,9 @@ def check_trained(path: str, transformer_config: Any) -> Path:
         raise UserError(f"{where}: {CONFIG_NAME} there is not a FLUX ControlNet's (no {_SHARED_KEYS[0]} or "
                         "widths); give the folder that train flux-controlnet wrote")
     check_matches({"guidance_embeds": False, **config}, transformer_config, where)
+    if folder.exists() and not any(folder.glob("diffusion_pytorch_model*")):
+        raise UserError(f"{where}: no weights (diffusion_pytorch_model.safetensors) beside its {CONFIG_NAME}; give "
+                        "the folder that train flux-controlnet wrote")
     return folder
 
 
