@@ -148,8 +148,18 @@ def find_targets(folders: list[CaptionFolder], redo: bool) -> tuple[list[Target]
             if existing is not None and not redo:
                 done += 1
                 continue
+            _check_caption_path(image, folder)
             targets.append(Target(image, folder, existing))
     return targets, done
+
+
+def _check_caption_path(image: Path, folder: CaptionFolder) -> None:
+    """Refuse, before the captioner loads, a caption path that holds something other than a file (a folder): the
+    write would fail after other captions were written."""
+    path = image.with_suffix(folder.extension) if folder.extension is not None else folder.path / METADATA_FILE
+    if path.exists() and not path.is_file():
+        raise UserError(f"{path}: not a file, so the caption of {image.name} cannot be written there; rename or "
+                        "remove it, or pick another --caption_extension")
 
 
 def compose(generated: str, existing: str | None, *, append: bool, prefix: str, tags: bool) -> str:

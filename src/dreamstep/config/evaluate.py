@@ -11,6 +11,7 @@ from dreamstep.config.evaluation import CONTROL_METRICS, DEFAULT_CLIP_MODEL, DEF
 from dreamstep.config.options import FluxComponentFileOptions
 from dreamstep.config.schema import option
 from dreamstep.errors import UserError, did_you_mean
+from dreamstep.files import check_folder_can_be_made
 
 
 @dataclass
@@ -49,6 +50,7 @@ class EvalConfig(FluxComponentFileOptions):
 
     def __post_init__(self) -> None:
         self.metrics = list(dict.fromkeys(m.strip() for v in self.metrics for m in v.split(",") if m.strip()))
+        check_folder_can_be_made(self.output_dir, "--output_dir")  # made at the first image: refused now
         allowed = FIDELITY_METRICS + CONTROL_METRICS + ("val_loss",)
         for name in self.metrics:
             if name not in allowed:

@@ -32,6 +32,7 @@ from dreamstep.config.options import (
 from dreamstep.config.schema import RANK_BOUNDS, SEED_BOUNDS, check_option_groups, option, refuse_unused
 from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
+from dreamstep.files import check_folder_can_be_made
 
 if TYPE_CHECKING:
     from dreamstep.diffusion.flow_matching import FlowMatchingObjective
@@ -208,6 +209,8 @@ class FluxKohyaConfig(FluxComponentFileOptions, LossOptions, MaskedLossOptions, 
     overwrite_output_dir: bool = option(False, "allow writing into a non-empty --output_dir")
 
     def __post_init__(self) -> None:
+        if self.logging_dir is not None:  # made when the run starts: refused now, not then
+            check_folder_can_be_made(self.logging_dir, "--logging_dir")
         if self.network_module != NETWORK_MODULE:
             raise UserError(f"--network_module '{self.network_module}' is not supported here; train flux-kohya "
                             f"trains '{NETWORK_MODULE}'")

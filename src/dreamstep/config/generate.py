@@ -11,6 +11,7 @@ from dreamstep.config.choices import CHECKPOINT_WEIGHTS_HELP
 from dreamstep.config.options import FluxComponentFileOptions
 from dreamstep.config.schema import SEED_BOUNDS, option
 from dreamstep.errors import UserError
+from dreamstep.files import check_folder_can_be_made
 
 
 @dataclass
@@ -59,6 +60,7 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.from_file is None):
             raise UserError("give --prompt or --from_file (one of them)")
+        check_folder_can_be_made(self.output_dir, "--output_dir")  # made at the first image: refused now
         for flag in ("width", "height"):
             value = getattr(self, flag)
             multiple = self.size_multiple

@@ -14,6 +14,7 @@ from dreamstep.config.options import CaptionAugmentationOptions, EmaOptions, Los
 from dreamstep.config.schema import RANK_BOUNDS, SEED_BOUNDS, check_option_groups, option, refuse_unused
 from dreamstep.config.training import LR_SCHEDULERS
 from dreamstep.errors import UserError
+from dreamstep.files import check_folder_can_be_made
 
 NETWORK_MODULE = "networks.lora"
 # sd-scripts' --sample_sampler names (models/sdxl/plumbing.py maps each to a diffusers scheduler).
@@ -152,6 +153,8 @@ class SDXLLoraConfig(LossOptions, CaptionAugmentationOptions, EmaOptions, Masked
     overwrite_output_dir: bool = option(False, "allow writing into a non-empty --output_dir")
 
     def __post_init__(self) -> None:
+        if self.logging_dir is not None:  # made when the run starts: refused now, not then
+            check_folder_can_be_made(self.logging_dir, "--logging_dir")
         if self.network_module not in (NETWORK_MODULE, "lora", LYCORIS_MODULE):
             raise UserError(f"--network_module '{self.network_module}' is not supported; dreamstep trains "
                             f"'{NETWORK_MODULE}' (LoRA, and LoCon with --network_args conv_dim=...) and "

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from dreamstep.config.schema import toml_value
 from dreamstep.data.images import IMAGE_EXTENSIONS, to_rgb
 from dreamstep.errors import UserError, did_you_mean
-from dreamstep.files import write_bytes_atomic
+from dreamstep.files import check_folder_can_be_made, write_bytes_atomic
 
 METADATA_NAME = "metadata.json"
 TOML_NAME = "dataset.toml"
@@ -238,11 +238,13 @@ def caption_text(value: Any) -> str | None:
 
 # ------------------------------------------------------------------------------ the output folder
 
-def prepare_output(output_dir: Path, identity: dict[str, Any]) -> dict[str, str]:
-    """Create or reopen ``output_dir``; return the images already there by stem. A non-empty folder must be
-    an earlier run's on the same data: nothing else of the user's is written into or over."""
+def check_output(output_dir: Path, identity: dict[str, Any]) -> dict[str, str]:
+    """Refuse an ``output_dir`` this run must not write into; return the images already there by stem. A
+    non-empty folder must be an earlier run's on the same data: nothing else of the user's is written into or
+    over. Writes nothing: the folder is made when the first image is (see :func:`open_output`)."""
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"OUT {output_dir} is a file; give a folder")
+    check_folder_can_be_made(output_dir, "OUT")
     marker = output_dir / MARKER_NAME
     images = ({p.stem: p.name for p in output_dir.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS}
               if output_dir.is_dir() else {})
@@ -258,11 +260,15 @@ def prepare_output(output_dir: Path, identity: dict[str, Any]) -> dict[str, str]
         if changed is not None:
             raise UserError(f"OUT {output_dir} was made with {changed} = {earlier.get(changed)!r}, not "
                             f"{identity[changed]!r}; give the same source and columns to continue, or a new folder")
+    return images
+
+
+def open_output(output_dir: Path, identity: dict[str, Any]) -> None:
+    """Create or reopen ``output_dir`` (checked by :func:`check_output`) and mark it as this conversion's."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(marker, json.dumps(identity, indent=1).encode())
+    write_bytes_atomic(output_dir / MARKER_NAME, json.dumps(identity, indent=1).encode())
     for stale in output_dir.glob(".*.tmp"):  # an interrupted write; its row is converted again
         stale.unlink()
-    return images
 
 
 def write_metadata(output_dir: Path, captions: dict[str, dict[str, str]]) -> Path:
@@ -297,10 +303,13 @@ def write_dataset_toml(output_dir: Path, resolution: int) -> Path:
 # ------------------------------------------------------------------------------ the conversion
 
 def convert(rows: Iterable[dict[str, Any]], image_column: str, caption_column: str, output_dir: Path,
-            existing: dict[str, str], base: Path | None, total: int | None, limit: int | None) -> Conversion:
-    """Write each row's image and collect its caption; metadata.json is saved as it goes and at the end."""
+            existing: dict[str, str], base: Path | None, total: int | None, limit: int | None,
+            identity: dict[str, Any]) -> Conversion:
+    """Write each row's image and collect its caption; metadata.json is saved as it goes and at the end. The
+    folder is opened (made, marked with ``identity``) at the first image, so a source with none leaves nothing."""
     result = Conversion(output_dir)
     captions: dict[str, dict[str, str]] = {}
+    opened = False
     bar = tqdm(total=min(total, limit) if total is not None and limit else total or limit, unit="row",
                desc="from-hf")
     try:
@@ -317,34 +326,38 @@ def convert(rows: Iterable[dict[str, Any]], image_column: str, caption_column: s
             if name is not None:
                 result.kept += 1
             else:
-                name = _write_row_image(row[image_column], stem, output_dir, base, index, result, image_column)
-                if name is None:
+                image = _row_image(row[image_column], base, index, result, image_column)
+                if image is None:
                     continue
+                if not opened:
+                    open_output(output_dir, identity)
+                    opened = True
+                name = f"{stem}{image[1]}"
+                write_bytes_atomic(output_dir / name, image[0])
+                result.written += 1
             captions[name] = {"caption": caption}
             if len(captions) % SAVE_EVERY == 0:
                 write_metadata(output_dir, captions)
     finally:
         bar.close()
-        write_metadata(output_dir, captions)
+        if captions:
+            write_metadata(output_dir, captions)
     return result
 
 
-def _write_row_image(value: Any, stem: str, output_dir: Path, base: Path | None, index: int,
-                     result: Conversion, image_column: str) -> str | None:
+def _row_image(value: Any, base: Path | None, index: int, result: Conversion,
+               image_column: str) -> tuple[bytes, str] | None:
+    """The row's image as ``(bytes, extension)`` to write, or ``None`` (noted in ``result``) when unreadable."""
     try:
-        data, ext = checked_image(image_bytes(value, base))
+        return checked_image(image_bytes(value, base))
     except _NotAnImage as e:
         if result.images == 0:  # the first image cell already holds none: the wrong column
             raise UserError(f"--image_column {image_column}: row {index} holds no image ({e}); choose the "
                             "column with the images") from None
         result.unreadable.append((index, str(e)))
-        return None
     except _Unreadable as e:
         result.unreadable.append((index, str(e)))
-        return None
-    write_bytes_atomic(output_dir / f"{stem}{ext}", data)
-    result.written += 1
-    return f"{stem}{ext}"
+    return None
 
 
 def convert_dataset(source: str, output_dir: str | Path, *, image_column: str | None = None,
@@ -361,11 +374,11 @@ def convert_dataset(source: str, output_dir: str | Path, *, image_column: str | 
                 "split": split, "dataset_config_name": config_name,
                 "image_column": image_column, "caption_column": caption_column}
     output_dir = Path(output_dir).expanduser()
-    existing = prepare_output(output_dir, identity)
+    existing = check_output(output_dir, identity)
     rows = _raw_rows(dataset, image_column, caption_column, kinds[image_column] == "image")
     base = source_path if source_path.is_dir() else source_path.parent if source_path.exists() else None
     result = convert(rows, image_column, caption_column, output_dir, existing, base,
-                     _row_count(dataset, source), limit)
+                     _row_count(dataset, source), limit, identity)
     if result.images == 0:
         raise UserError(f"{source}: no row had both an image and a caption in columns "
                         f"'{image_column}' and '{caption_column}'; check --image_column and --caption_column")

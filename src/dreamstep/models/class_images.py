@@ -25,14 +25,18 @@ from PIL import Image
 from torch import nn
 
 from dreamstep.data.images import IMAGE_EXTENSIONS
-from dreamstep.files import atomic_path
+from dreamstep.files import atomic_path, check_folder_can_be_made
 from dreamstep.models import parking
 from dreamstep.models.blocks import BlockSwapper
 
 
 def missing_class_images(class_dir: str | Path, wanted: int) -> int:
-    """How many images ``class_dir`` lacks to hold ``wanted`` (0 when it holds enough)."""
+    """How many images ``class_dir`` lacks to hold ``wanted`` (0 when it holds enough). A folder still to fill
+    that could not be made (a file on its path, a read-only parent) is refused here, at the door, as the
+    trainers ask this before their run starts."""
     folder = Path(class_dir)
+    if not folder.is_dir() and wanted > 0:
+        check_folder_can_be_made(folder, "--class_data_dir")
     found = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS] if folder.is_dir() else []
     return max(0, wanted - len(found))
 

@@ -44,7 +44,7 @@ from transformers import (
 )
 
 from dreamstep.errors import UserError, did_you_mean
-from dreamstep.files import honour_umask
+from dreamstep.files import check_folder_can_be_made, honour_umask
 from dreamstep.models.family import all_variants, variant_family
 
 # Words whose BPE merges are in the tiny CLIP vocabulary and whose pieces are in the T5 vocabulary,
@@ -158,12 +158,13 @@ def to_eval(pipe: DiffusionPipeline) -> None:
 # ---------------------------------------------------------------- writing
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse a file, or a non-empty folder unless ``overwrite``."""
+    """Refuse a file, a non-empty folder unless ``overwrite``, or a folder that cannot be made."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"output path {out_dir} is a file, not a folder; choose a folder path")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"output folder {out_dir} is not empty; choose a new folder or pass "
                         "--overwrite to write over it")
+    check_folder_can_be_made(out_dir, "OUT")
 
 
 def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, guidance_embeds: bool = False,

@@ -170,6 +170,8 @@ def train(config: FluxControlNetConfig) -> FinishedRun | None:
     transformer_config = flux.transformer_config(config)  # checked before the plan, or anything is encoded
     if config.controlnet_model_name_or_path is None:
         cn.check_layers(config.num_double_layers, config.num_single_layers, transformer_config)
+    else:
+        cn.check_trained(config.controlnet_model_name_or_path, transformer_config)
     print_run_plan(plan_inputs(config, datasets, dataset.encodes_in_the_loop()), config.device_memory)
     if config.dry_run:
         return None

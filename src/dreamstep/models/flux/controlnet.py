@@ -97,27 +97,48 @@ def _copy_from_transformer(controlnet: FluxControlNetModel, transformer: FluxTra
 def load(path: str, transformer: FluxTransformer2DModel) -> FluxControlNetModel:
     """A trained ControlNet (a ``save_pretrained`` folder or a hub id) in its saved dtype, checked against
     the base."""
-    folder = Path(path).expanduser()
-    if folder.exists() and not (folder / CONFIG_NAME).is_file():
-        raise UserError(f"--controlnet_model_name_or_path {path}: no {CONFIG_NAME} there; give the folder "
-                        "that train flux-controlnet (or save_pretrained) wrote")
+    folder = check_trained(path, transformer.config)
     try:
         with refusing_pickled_code(path, "--controlnet_model_name_or_path"):
             controlnet = FluxControlNetModel.from_pretrained(str(folder) if folder.exists() else path)
     except (OSError, ValueError) as e:
         raise UserError(f"--controlnet_model_name_or_path {path}: cannot load the ControlNet ({e})") from None
-    check_matches(controlnet, transformer, f"--controlnet_model_name_or_path {path}")
+    check_matches(controlnet.config, transformer.config, f"--controlnet_model_name_or_path {path}")
     return controlnet
 
 
-def check_matches(controlnet: FluxControlNetModel, transformer: FluxTransformer2DModel, where: str) -> None:
-    """Refuse a ControlNet whose widths, inputs or guidance embedding differ from the base transformer's."""
+def check_trained(path: str, transformer_config: Any) -> Path:
+    """Refuse, from its config alone and before anything loads or is written, a trained ControlNet that cannot be
+    read or does not fit the base transformer (its config); returns the folder (a hub id's may not exist)."""
+    where = f"--controlnet_model_name_or_path {path}"
+    folder = Path(path).expanduser()
+    if folder.exists() and not (folder / CONFIG_NAME).is_file():
+        raise UserError(f"{where}: no {CONFIG_NAME} there; give the folder that train flux-controlnet (or "
+                        "save_pretrained) wrote")
+    try:
+        config = FluxControlNetModel.load_config(str(folder) if folder.exists() else path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{where}: cannot load the ControlNet ({e})") from None
+    if not all(key in config for key in _SHARED_KEYS):
+        raise UserError(f"{where}: {CONFIG_NAME} there is not a FLUX ControlNet's (no {_SHARED_KEYS[0]} or "
+                        "widths); give the folder that train flux-controlnet wrote")
+    check_matches({"guidance_embeds": False, **config}, transformer_config, where)
+    if folder.exists() and not any(folder.glob("diffusion_pytorch_model*")):
+        raise UserError(f"{where}: no weights (diffusion_pytorch_model.safetensors) beside its {CONFIG_NAME}; give "
+                        "the folder that train flux-controlnet wrote")
+    return folder
+
+
+def check_matches(controlnet_config: Any, transformer_config: Any, where: str) -> None:
+    """Refuse a ControlNet (its config) whose widths, inputs or guidance embedding differ from the base
+    transformer's (its config)."""
     for key in (*_SHARED_KEYS, "guidance_embeds"):
-        ours, theirs = controlnet.config[key], transformer.config[key]
+        ours, theirs = controlnet_config[key], transformer_config[key]
         if ours != theirs:
             raise UserError(f"{where}: the ControlNet has {key}={ours} but the base transformer has {theirs}; "
                             "use a ControlNet trained for this base model")
-    if controlnet.input_hint_block is not None or controlnet.union:
+    if controlnet_config.get("conditioning_embedding_channels") is not None or \
+            controlnet_config.get("num_mode") is not None:
         raise UserError(f"{where}: XLabs-style (input_hint_block) and Union ControlNets are not supported "
                         "for training; give an InstantX-style ControlNet or build one from the transformer")
 
