@@ -1,0 +1,111 @@
+"""`dreamstep eval --metrics val_loss` on LoRA runs (flux-lora, sdxl-lora): the validation loss of each checkpoint,
+of the saved LoRA and of the base model equals what the trainer logged, recomputed by the trainer's own step on the
+images the run held out, so `--best_by val_loss` names the step the trainer named best."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from flux_testkit import ROBOT_DIR, ROBOT_PROMPT
+from sdxl_testkit import run_cli, write_images
+
+
+def _logged(run: Path, last: int) -> dict[int, float]:
+    """The trainer's val_loss per step, at full precision (the last checkpoint's metrics table)."""
+    state = json.loads((run / f"checkpoint-{last}" / "trainer_state.json").read_text())
+    return {step: row["val_loss"] for step, row in state["extra"]["metrics"]}
+
+
+def _trainer_best_step(run: Path) -> int:
+    line = next(li for li in (run / "train.log").read_text().splitlines() if "best by val_loss" in li)
+    return int(re.search(r"best by val_loss: step (\d+)", line).group(1))
+
+
+def _eval(model_type: str, model: Path, weights: Path, out: Path, size: int, *more: object) -> dict:
+    assert run_cli("eval", model_type, "--model", model, "--weights", weights, "--metrics", "val_loss",
+                   "--prompt", "a photo", "--num_images", "1", "--steps", "1", "--resolution", size,
+                   "--output_dir", out, *more) == 0
+    return json.loads((out / "scores.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def flux_run(tiny_flux_dev_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 steps, a third of the 6 robots held out, checkpoints and validation every 2 steps; CLIP trains too."""
+    out = tmp_path_factory.mktemp("flux_lora_loss") / "run"
+    assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir, "--output_dir", out,
+                   "--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--resolution", "32",
+                   "--center_crop", "--report_to", "none", "--rank", "4", "--lora_alpha", "2",
+                   "--learning_rate", "1e-2", "--validation_split", "0.34", "--validation_steps", "2",
+                   "--checkpointing_steps", "2", "--max_train_steps", "4", "--train_text_encoder",
+                   "--seed", "5") == 0
+    return out
+
+
+def test_flux_lora_eval_val_loss_equals_the_trainers(flux_run: Path, tiny_flux_dev_dir: Path,
+                                                     tmp_path: Path) -> None:
+    summary = _eval("flux", tiny_flux_dev_dir, flux_run, tmp_path / "eval", 32)
+    rows = {r["label"]: r for r in summary["candidates"]}
+    assert list(rows) == ["base model", "run/checkpoint-2", "run/checkpoint-4", "run/pytorch_lora_weights.safetensors"]
+    logged = _logged(flux_run, 4)
+    assert len(set(logged.values())) == 3  # the weights moved: three different losses to match
+    eval_loss = {r["step"]: r["val_loss"] for label, r in rows.items() if "checkpoint" in label or r["step"] == 0}
+    assert eval_loss == pytest.approx(logged, rel=1e-5, abs=1e-6)
+    assert rows["run/pytorch_lora_weights.safetensors"]["val_loss"] == pytest.approx(logged[4], rel=1e-5)
+    best = next(r for r in summary["candidates"] if r["label"] == summary["best"])
+    assert summary["best_by"] == "val_loss" and best["step"] == _trainer_best_step(flux_run)
+
+
+def test_a_checkpoint_alone_is_scored_and_a_lora_file_alone_is_not(flux_run: Path, tiny_flux_dev_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    loose = tmp_path / "loose.safetensors"
+    shutil.copy(flux_run / "pytorch_lora_weights.safetensors", loose)
+    summary = _eval("flux", tiny_flux_dev_dir, flux_run / "checkpoint-2", tmp_path / "eval", 32,
+                    "--weights", loose)
+    rows = {r["label"]: r for r in summary["candidates"]}
+    assert rows["run/checkpoint-2"]["val_loss"] == pytest.approx(_logged(flux_run, 4)[2], rel=1e-5)
+    assert rows["loose.safetensors"]["val_loss"] != rows["loose.safetensors"]["val_loss"]  # nan: from no run
+
+
+@pytest.fixture(scope="module")
+def sdxl_run(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 steps of an sd-scripts-style run with a quarter of 4 images held out, a --save_state checkpoint and
+    validation every step; the text encoders train too (sd-scripts' default)."""
+    root = tmp_path_factory.mktemp("sdxl_lora_loss")
+    write_images(root / "images", count=4, seed=3)
+    out = root / "out"
+    assert run_cli("train", "sdxl-lora", "--pretrained_model_name_or_path", tiny_sdxl_dir, "--train_data_dir",
+                   root / "images", "--output_dir", out, "--resolution", "64", "--max_train_steps", "3",
+                   "--learning_rate", "1e-2", "--network_dim", "4", "--network_alpha", "2",
+                   "--save_every_n_steps", "1", "--save_state", "--log_with", "none", "--seed", "0",
+                   "--validation_split", "0.25", "--validate_every_n_steps", "1") == 0
+    return out
+
+
+def test_sdxl_lora_eval_val_loss_equals_the_trainers(sdxl_run: Path, tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    summary = _eval("sdxl", tiny_sdxl_dir, sdxl_run, tmp_path / "eval", 64)
+    rows = {r["label"]: r for r in summary["candidates"]}
+    logged = _logged(sdxl_run, 3)
+    assert len(set(logged.values())) == 4
+    eval_loss = {r["step"]: r["val_loss"] for label, r in rows.items() if "checkpoint" in label or r["step"] == 0}
+    assert eval_loss == pytest.approx(logged, rel=1e-5, abs=1e-6)
+    assert rows["out/last.safetensors"]["val_loss"] == pytest.approx(logged[3], rel=1e-5)
+    best = next(r for r in summary["candidates"] if r["label"] == summary["best"])
+    assert best["step"] == _trainer_best_step(sdxl_run)
+
+
+def test_a_run_that_held_out_nothing_is_one_line(sdxl_run: Path, tiny_sdxl_dir: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    moved = tmp_path / "out"
+    shutil.copytree(sdxl_run, moved, ignore=shutil.ignore_patterns("cache", "sample"))
+    toml = moved / "config.toml"
+    toml.write_text(re.sub(r"validation_split = [0-9.]+", "validation_split = 0.0", toml.read_text()))
+    assert run_cli("eval", "sdxl", "--model", tiny_sdxl_dir, "--weights", moved, "--metrics", "val_loss",
+                   "--prompt", "x", "--output_dir", tmp_path / "eval") == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    assert "held out no images" in error and "--validation_split" in error
+    assert not (tmp_path / "eval").exists()
