@@ -75,7 +75,7 @@ def sdxl_run(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     """3 steps of an sd-scripts-style run with a quarter of 4 images held out, a --save_state checkpoint and
     validation every step; the text encoders train too (sd-scripts' default)."""
     root = tmp_path_factory.mktemp("sdxl_lora_loss")
-    write_images(root / "images", count=4, seed=3)
+    write_images(root / "images" / "1_sks dog", count=4, seed=3)
     out = root / "out"
     assert run_cli("train", "sdxl-lora", "--pretrained_model_name_or_path", tiny_sdxl_dir, "--train_data_dir",
                    root / "images", "--output_dir", out, "--resolution", "64", "--max_train_steps", "3",
