@@ -4,8 +4,9 @@ Scores any set of LoRA files, ``checkpoint-N`` folders, FLUX ControlNet folders 
 expanded into its checkpoints and final weights), plus the base model alone as the baseline (step 0), on
 the same prompts with the same seeds: DINO and CLIP-I against the subject's images (``--instance_data_dir``),
 CLIP-T against the prompts with the identifier taken out, and for ControlNets the edge agreement with
-``--control_image`` and, for the checkpoints of a flux-controlnet run that held out pairs, ``val_loss``: the
-validation loss the trainer logged, computed as it did (so ``--best_by val_loss`` names the checkpoint the
+``--control_image``; and ``val_loss``, for the checkpoints and saved weights (and the base model) of a run that
+held out images (a LoRA run of flux-lora, sdxl-lora, ... or a flux-controlnet run): the validation loss the trainer
+logged, computed by its own code on the same held-out images (so ``--best_by val_loss`` names the checkpoint the
 trainer named best); for the LoRAs of an edit model (FLUX.1 Kontext) each prompt edits its ``--image`` (score
 the edits against the "after" images with ``--instance_data_dir``). Works on what every trainer writes.
 
