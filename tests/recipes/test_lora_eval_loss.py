@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from flux_testkit import ROBOT_DIR, ROBOT_PROMPT
+from flux_testkit import ROBOT_DIR, ROBOT_PROMPT, write_control_pairs
 from sdxl_testkit import run_cli, write_images
 
 
@@ -68,6 +68,24 @@ def test_a_checkpoint_alone_is_scored_and_a_lora_file_alone_is_not(flux_run: Pat
     rows = {r["label"]: r for r in summary["candidates"]}
     assert rows["run/checkpoint-2"]["val_loss"] == pytest.approx(_logged(flux_run, 4)[2], rel=1e-5)
     assert rows["loose.safetensors"]["val_loss"] != rows["loose.safetensors"]["val_loss"]  # nan: from no run
+
+
+def test_flux_kontext_lora_eval_val_loss_equals_the_trainers(tiny_flux_kontext_dir: Path, tmp_path: Path) -> None:
+    """The same path for an edit model: the held-out pairs' targets scored beside their "before" images."""
+    images, conditioning = write_control_pairs(tmp_path / "pairs")
+    run = tmp_path / "kontext"
+    assert run_cli("train", "flux-kontext-lora", "--pretrained_model_name_or_path", tiny_flux_kontext_dir,
+                   "--output_dir", run, "--instance_data_dir", images, "--conditioning_data_dir", conditioning,
+                   "--resolution", "32", "--max_sequence_length", "16", "--report_to", "none", "--rank", "4",
+                   "--learning_rate", "1e-2", "--max_train_steps", "2", "--checkpointing_steps", "1",
+                   "--validation_steps", "1", "--validation_split", "0.25") == 0
+    summary = _eval("flux-kontext", tiny_flux_kontext_dir, run, tmp_path / "eval", 32, "--image",
+                    conditioning / "0.png")
+    eval_loss = {r["step"]: r["val_loss"] for r in summary["candidates"] if "checkpoint" in r["label"]
+                 or r["step"] == 0}
+    logged = _logged(run, 2)
+    assert len(set(logged.values())) == 3
+    assert eval_loss == pytest.approx(logged, rel=1e-5, abs=1e-6)
 
 
 @pytest.fixture(scope="module")
