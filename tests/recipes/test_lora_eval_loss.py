@@ -4,6 +4,7 @@ images the run held out, so `--best_by val_loss` names the step the trainer name
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shutil
@@ -81,6 +82,26 @@ def test_flux_kontext_lora_eval_val_loss_equals_the_trainers(tiny_flux_kontext_d
                    "--validation_steps", "1", "--validation_split", "0.25") == 0
     summary = _eval("flux-kontext", tiny_flux_kontext_dir, run, tmp_path / "eval", 32, "--image",
                     conditioning / "0.png")
+    eval_loss = {r["step"]: r["val_loss"] for r in summary["candidates"] if "checkpoint" in r["label"]
+                 or r["step"] == 0}
+    logged = _logged(run, 2)
+    assert len(set(logged.values())) == 3
+    assert eval_loss == pytest.approx(logged, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize(("trainer", "testkit", "model_type"), [
+    ("flux2-lora", "flux2_testkit", "flux2-klein"), ("z-image-lora", "z_image_testkit", "z-image"),
+    ("krea2-lora", "krea2_testkit", "krea2"), ("qwen-image-lora", "qwen_image_testkit", "qwen-image")])
+def test_every_dit_lora_run_gives_its_logged_val_loss(trainer: str, testkit: str, model_type: str,
+                                                      tmp_path: Path) -> None:
+    """The same shared path for the families on the family protocol: their testkits' smallest run, two steps
+    with a checkpoint and validation at each and a third of the robots held out."""
+    options = importlib.import_module(testkit).smallest_run(trainer, tmp_path) | {
+        "max_train_steps": "2", "checkpointing_steps": "1", "validation_steps": "1", "validation_split": "0.34",
+        "learning_rate": "1e-2"}
+    assert run_cli("train", trainer, *[a for k, v in options.items() for a in (f"--{k}", v)]) == 0
+    run = Path(options["output_dir"])
+    summary = _eval(model_type, Path(options["pretrained_model_name_or_path"]), run, tmp_path / "eval", 32)
     eval_loss = {r["step"]: r["val_loss"] for r in summary["candidates"] if "checkpoint" in r["label"]
                  or r["step"] == 0}
     logged = _logged(run, 2)
