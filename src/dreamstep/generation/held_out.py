@@ -99,8 +99,8 @@ def trainer_of(run: Path, model_type: str) -> tuple[str, type, ModuleType]:
 def _held_out(run: Path, model_type: str) -> _Run:
     name, options, recipe = trainer_of(run, model_type)
     if not hasattr(recipe, "held_out_loss"):
-        raise UserError(f"--metrics {METRIC}: eval does not recompute the validation loss of {name} runs ({run}); "
-                        f"drop {METRIC}")
+        raise UserError(f"--metrics {METRIC}: {run} is a {name} run, whose validation loss eval does not "
+                        f"recompute; drop {METRIC}")
     file = run / "config.toml"
     config = build_config(options, {}, toml_path=file)
     folder = training_folder(run, config.output_dir)
