@@ -35,14 +35,15 @@ def _eval(model_type: str, model: Path, weights: Path, out: Path, size: int, *mo
 
 @pytest.fixture(scope="module")
 def flux_run(tiny_flux_dev_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """4 steps, a third of the 6 robots held out, checkpoints and validation every 2 steps; CLIP trains too."""
+    """4 steps, a third of the 6 robots held out, checkpoints and validation every 2 steps; CLIP trains too, and an
+    EMA, which the run validates with."""
     out = tmp_path_factory.mktemp("flux_lora_loss") / "run"
     assert run_cli("train", "flux-lora", "--pretrained_model_name_or_path", tiny_flux_dev_dir, "--output_dir", out,
                    "--instance_data_dir", ROBOT_DIR, "--instance_prompt", ROBOT_PROMPT, "--resolution", "32",
                    "--center_crop", "--report_to", "none", "--rank", "4", "--lora_alpha", "2",
                    "--learning_rate", "1e-2", "--validation_split", "0.34", "--validation_steps", "2",
                    "--checkpointing_steps", "2", "--max_train_steps", "4", "--train_text_encoder",
-                   "--seed", "5") == 0
+                   "--ema_decay", "0.9", "--seed", "5") == 0
     return out
 
 
@@ -50,12 +51,14 @@ def test_flux_lora_eval_val_loss_equals_the_trainers(flux_run: Path, tiny_flux_d
                                                      tmp_path: Path) -> None:
     summary = _eval("flux", tiny_flux_dev_dir, flux_run, tmp_path / "eval", 32)
     rows = {r["label"]: r for r in summary["candidates"]}
-    assert list(rows) == ["base model", "run/checkpoint-2", "run/checkpoint-4", "run/pytorch_lora_weights.safetensors"]
+    assert list(rows) == ["base model", "run/checkpoint-2 (ema)", "run/checkpoint-4 (ema)",
+                          "run/pytorch_lora_weights.safetensors", "run/pytorch_lora_weights_ema.safetensors"]
     logged = _logged(flux_run, 4)
     assert len(set(logged.values())) == 3  # the weights moved: three different losses to match
     eval_loss = {r["step"]: r["val_loss"] for label, r in rows.items() if "checkpoint" in label or r["step"] == 0}
     assert eval_loss == pytest.approx(logged, rel=1e-5, abs=1e-6)
-    assert rows["run/pytorch_lora_weights.safetensors"]["val_loss"] == pytest.approx(logged[4], rel=1e-5)
+    assert rows["run/pytorch_lora_weights_ema.safetensors"]["val_loss"] == pytest.approx(logged[4], rel=1e-5)
+    assert rows["run/pytorch_lora_weights.safetensors"]["val_loss"] != pytest.approx(logged[4], rel=1e-5)  # raw
     best = next(r for r in summary["candidates"] if r["label"] == summary["best"])
     assert summary["best_by"] == "val_loss" and best["step"] == _trainer_best_step(flux_run)
 
@@ -67,7 +70,12 @@ def test_a_checkpoint_alone_is_scored_and_a_lora_file_alone_is_not(flux_run: Pat
     summary = _eval("flux", tiny_flux_dev_dir, flux_run / "checkpoint-2", tmp_path / "eval", 32,
                     "--weights", loose)
     rows = {r["label"]: r for r in summary["candidates"]}
-    assert rows["run/checkpoint-2"]["val_loss"] == pytest.approx(_logged(flux_run, 4)[2], rel=1e-5)
+    assert rows["run/checkpoint-2 (ema)"]["val_loss"] == pytest.approx(_logged(flux_run, 4)[2], rel=1e-5)
+    raw = _eval("flux", tiny_flux_dev_dir, flux_run / "checkpoint-4", tmp_path / "raw", 32, "--checkpoint_weights",
+                "raw", "--weights", flux_run / "pytorch_lora_weights.safetensors")["candidates"]
+    assert [r["label"] for r in raw[1:]] == ["run/checkpoint-4 (raw)", "pytorch_lora_weights.safetensors"]
+    assert raw[1]["val_loss"] == pytest.approx(raw[2]["val_loss"], rel=1e-6)  # the raw weights, as the run saved
+    assert raw[1]["val_loss"] != pytest.approx(_logged(flux_run, 4)[4], rel=1e-5)  # the EMA is what the run scored
     assert rows["loose.safetensors"]["val_loss"] != rows["loose.safetensors"]["val_loss"]  # nan: from no run
 
 
