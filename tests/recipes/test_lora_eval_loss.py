@@ -156,3 +156,17 @@ def test_a_run_that_held_out_nothing_is_one_line(sdxl_run: Path, tiny_sdxl_dir: 
     assert len(error.splitlines()) == 1
     assert "held out no images" in error and "--validation_split" in error
     assert not (tmp_path / "eval").exists()
+
+
+def test_a_run_of_a_trainer_eval_cannot_score_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A Qwen-Image-Edit run (eval has no edit variant of Qwen-Image to score it with) is named, before anything
+    loads."""
+    testkit = importlib.import_module("qwen_image_testkit")
+    options = testkit.smallest_run("qwen-image-edit-lora", tmp_path)
+    assert run_cli("train", "qwen-image-edit-lora", *[a for k, v in options.items() for a in (f"--{k}", v)]) == 0
+    assert run_cli("eval", "qwen-image", "--model", testkit.tiny_model("qwen-image", tmp_path), "--weights",
+                   options["output_dir"], "--metrics", "val_loss", "--prompt", "x", "--output_dir",
+                   tmp_path / "eval") == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "is a qwen-image-edit-lora run, whose validation loss eval does not recompute; drop val_loss" in error
+    assert not (tmp_path / "eval").exists()
