@@ -51,31 +51,32 @@ def test_flux_lora_eval_val_loss_equals_the_trainers(flux_run: Path, tiny_flux_d
                                                      tmp_path: Path) -> None:
     summary = _eval("flux", tiny_flux_dev_dir, flux_run, tmp_path / "eval", 32)
     rows = {r["label"]: r for r in summary["candidates"]}
+    # the run validated with its EMA: of its final files, the EMA's (the raw one only with --checkpoint_weights raw)
     assert list(rows) == ["base model", "run/checkpoint-2 (ema)", "run/checkpoint-4 (ema)",
-                          "run/pytorch_lora_weights.safetensors", "run/pytorch_lora_weights_ema.safetensors"]
+                          "run/pytorch_lora_weights_ema.safetensors"]
     logged = _logged(flux_run, 4)
     assert len(set(logged.values())) == 3  # the weights moved: three different losses to match
     eval_loss = {r["step"]: r["val_loss"] for label, r in rows.items() if "checkpoint" in label or r["step"] == 0}
     assert eval_loss == pytest.approx(logged, rel=1e-5, abs=1e-6)
     assert rows["run/pytorch_lora_weights_ema.safetensors"]["val_loss"] == pytest.approx(logged[4], rel=1e-5)
-    assert rows["run/pytorch_lora_weights.safetensors"]["val_loss"] != pytest.approx(logged[4], rel=1e-5)  # raw
-    best = next(r for r in summary["candidates"] if r["label"] == summary["best"])
-    assert summary["best_by"] == "val_loss" and best["step"] == _trainer_best_step(flux_run)
+    assert summary["best_by"] == "val_loss"
+    assert summary["best"] == f"run/checkpoint-{_trainer_best_step(flux_run)} (ema)"  # on a tie the checkpoint
 
 
-def test_a_checkpoint_alone_is_scored_and_a_lora_file_alone_is_not(flux_run: Path, tiny_flux_dev_dir: Path,
-                                                                   tmp_path: Path) -> None:
+def test_a_checkpoint_alone_raw_weights_and_a_loose_file(flux_run: Path, tiny_flux_dev_dir: Path,
+                                                         tmp_path: Path) -> None:
     loose = tmp_path / "loose.safetensors"
     shutil.copy(flux_run / "pytorch_lora_weights.safetensors", loose)
     summary = _eval("flux", tiny_flux_dev_dir, flux_run / "checkpoint-2", tmp_path / "eval", 32,
                     "--weights", loose)
     rows = {r["label"]: r for r in summary["candidates"]}
     assert rows["run/checkpoint-2 (ema)"]["val_loss"] == pytest.approx(_logged(flux_run, 4)[2], rel=1e-5)
-    raw = _eval("flux", tiny_flux_dev_dir, flux_run / "checkpoint-4", tmp_path / "raw", 32, "--checkpoint_weights",
-                "raw", "--weights", flux_run / "pytorch_lora_weights.safetensors")["candidates"]
-    assert [r["label"] for r in raw[1:]] == ["run/checkpoint-4 (raw)", "pytorch_lora_weights.safetensors"]
-    assert raw[1]["val_loss"] == pytest.approx(raw[2]["val_loss"], rel=1e-6)  # the raw weights, as the run saved
-    assert raw[1]["val_loss"] != pytest.approx(_logged(flux_run, 4)[4], rel=1e-5)  # the EMA is what the run scored
+    raw = _eval("flux", tiny_flux_dev_dir, flux_run, tmp_path / "raw", 32, "--checkpoint_weights", "raw")
+    labels = [r["label"] for r in raw["candidates"]]
+    assert labels[1:] == ["run/checkpoint-2 (raw)", "run/checkpoint-4 (raw)", "run/pytorch_lora_weights.safetensors"]
+    last, final = raw["candidates"][2:]
+    assert last["val_loss"] == pytest.approx(final["val_loss"], rel=1e-6)  # the raw weights, as the run saved them
+    assert last["val_loss"] != pytest.approx(_logged(flux_run, 4)[4], rel=1e-5)  # the EMA is what the run scored
     assert rows["loose.safetensors"]["val_loss"] != rows["loose.safetensors"]["val_loss"]  # nan: from no run
 
 

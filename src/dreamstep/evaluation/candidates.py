@@ -152,11 +152,23 @@ def _run_folder(folder: Path, work_dir: Path, ema: str) -> list[Candidate]:
     found = [_checkpoint(c, work_dir, ema) for c in list_checkpoints(folder)]
     if (folder / CONTROLNET_WEIGHTS).is_file():
         found.append(_controlnet_folder(folder, ema))
-    for file in _final_loras(folder):
+    for file in _chosen_finals(_final_loras(folder), _run_config(folder), ema):
         found.append(Candidate(f"{folder.name}/{file.name}", file, "lora", _lora_step(file), folder))
     if not found:
         raise UserError(f"{folder}: no LoRA files, checkpoint-N folders or ControlNet weights in this folder")
     return found
+
+
+def _chosen_finals(files: list[Path], config: dict, ema: str) -> list[Path]:
+    """A run's final LoRA files less the twin ``ema`` does not choose, where the run saved its EMA beside its raw
+    weights (``<name>_ema`` beside ``<name>``): as for its checkpoints, so the final file scored is the kind of
+    weights the run validated."""
+    names = {f.stem for f in files}
+    twins = {f.stem[:-len("_ema")] for f in files if f.stem.endswith("_ema") and f.stem[:-len("_ema")] in names}
+    if not twins:
+        return files
+    average = _reads_average(config, ema)
+    return [f for f in files if not (f.stem in twins if average else f.stem.endswith("_ema") and f.stem[:-4] in twins)]
 
 
 def find_candidates(paths: list[str], work_dir: Path, ema: str = "auto") -> list[Candidate]:
