@@ -1,7 +1,8 @@
 """``dreamstep eval VARIANT`` (``flux``, ``flux-kontext``, ``sdxl``, ...): which checkpoint to keep, in numbers.
 
 Scores any set of LoRA files, ``checkpoint-N`` folders, FLUX ControlNet folders and whole run folders (each
-expanded into its checkpoints and final weights), plus the base model alone as the baseline (step 0), on
+expanded into its checkpoints and final weights; of a run that saved an EMA beside its weights, those
+``--checkpoint_weights`` chooses), plus the base model alone as the baseline (step 0), on
 the same prompts with the same seeds: DINO and CLIP-I against the subject's images (``--instance_data_dir``),
 CLIP-T against the prompts with the identifier taken out, and for ControlNets the edge agreement with
 ``--control_image``; and ``val_loss``, for the checkpoints and saved weights (and the base model) of a run that
