@@ -89,7 +89,7 @@ def test_val_loss_refusals(run: Path, tiny_flux_dev_dir: Path, tmp_path: Path, c
     assert "give --control_image" in refused(run / "checkpoint-2")
     control = ("--control_image", run.parents[1] / "conditioning" / "pair_0.png")
     # a ControlNet folder with no run: no held-out pairs to score
-    assert "--metrics val_loss is the held-out loss of flux-controlnet runs" in refused(run / "ema", *control)
+    assert "--metrics val_loss is the held-out loss a run logged" in refused(run / "ema", *control)
     # a run whose data is not where its config.toml says (moved away from the folder training ran in)
     moved = tmp_path / "moved"
     shutil.copytree(run, moved, ignore=shutil.ignore_patterns("cache", "samples"))
@@ -99,7 +99,7 @@ def test_val_loss_refusals(run: Path, tiny_flux_dev_dir: Path, tmp_path: Path, c
                                                                                    "validation_split = 0.0"))
     shutil.copytree(run.parents[1] / "images", tmp_path / "images")
     shutil.copytree(run.parents[1] / "conditioning", tmp_path / "conditioning")
-    assert "held out no pairs" in refused(moved, *control)
+    assert "held out no images" in refused(moved, *control)
     assert not (tmp_path / "eval").exists()
 
 

@@ -1,11 +1,13 @@
 """``dreamstep eval VARIANT`` (``flux``, ``flux-kontext``, ``sdxl``, ...): which checkpoint to keep, in numbers.
 
 Scores any set of LoRA files, ``checkpoint-N`` folders, FLUX ControlNet folders and whole run folders (each
-expanded into its checkpoints and final weights), plus the base model alone as the baseline (step 0), on
+expanded into its checkpoints and final weights; of a run that saved an EMA beside its weights, those
+``--checkpoint_weights`` chooses), plus the base model alone as the baseline (step 0), on
 the same prompts with the same seeds: DINO and CLIP-I against the subject's images (``--instance_data_dir``),
 CLIP-T against the prompts with the identifier taken out, and for ControlNets the edge agreement with
-``--control_image`` and, for the checkpoints of a flux-controlnet run that held out pairs, ``val_loss``: the
-validation loss the trainer logged, computed as it did (so ``--best_by val_loss`` names the checkpoint the
+``--control_image``; and ``val_loss``, for the checkpoints and saved weights (and the base model) of a run that
+held out images (a LoRA run of flux-lora, sdxl-lora, ... or a flux-controlnet run): the validation loss the trainer
+logged, computed by its own code on the same held-out images (so ``--best_by val_loss`` names the checkpoint the
 trainer named best); for the LoRAs of an edit model (FLUX.1 Kontext) each prompt edits its ``--image`` (score
 the edits against the "after" images with ``--instance_data_dir``). Works on what every trainer writes.
 

@@ -29,8 +29,9 @@ class EvalConfig(FluxComponentFileOptions):
     control_image: list[str] = option([], "ControlNet control images: one, or one per prompt")
     image: list[str] = option([], "edit models (eval flux-kontext): the images the prompts edit: one, or one per "
                                   "prompt")
-    metrics: list[str] = option(["dino", "clip_i", "clip_t"], "dino, clip_i, clip_t; edge and val_loss (the "
-                                "held-out loss flux-controlnet logged) for ControlNets", aliases=("eval_metrics",))
+    metrics: list[str] = option(["dino", "clip_i", "clip_t"], "dino, clip_i, clip_t; edge for ControlNets; "
+                                "val_loss: the held-out loss a run logged (run or checkpoint-N folders of a run "
+                                "trained with --validation_split or a validation subset)", aliases=("eval_metrics",))
     best_by: str | None = option(None, "metric that names the best candidate (default: the first --metrics)",
                                  aliases=("eval_best_by",))
     identifier: str | None = option("sks", "identifier token taken out of prompts for clip_t ('none': keep)")

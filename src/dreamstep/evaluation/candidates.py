@@ -31,7 +31,7 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 class Candidate:
     """One set of weights to score. ``kind``: ``lora`` (a LoRA file), ``controlnet`` (a ``save_pretrained``
     folder) or ``controlnet-checkpoint`` (a checkpoint's ControlNet state dict with its run's config);
-    ``step``: the training step, ``None`` when unknown; ``config_dir``: a ControlNet's run folder (its
+    ``step``: the training step, ``None`` when unknown; ``config_dir``: the run folder the weights come from (its
     ``config.toml``); ``source``: what the user named (``path`` may be a converted copy)."""
 
     label: str
@@ -78,18 +78,19 @@ def _checkpoint(folder: Path, work_dir: Path, ema: str) -> Candidate:
         raise UserError(f"{folder}: no {WEIGHTS_FILE}; give a checkpoint folder that a dreamstep trainer wrote")
     check_weights_file(folder)
     config = _run_config(folder.parent)
+    run = folder.parent if config else None
     name = f"{folder.parent.name}_{folder.name}"
     weights, kept = _checkpoint_weights(folder, config, ema, work_dir / f"{name}_weights.safetensors")
     label = f"{folder.parent.name}/{folder.name}" + (f" ({kept})" if kept else "")
     if "num_double_layers" in config or "controlnet_weights_dtype" in config:
-        return Candidate(label, weights, "controlnet-checkpoint", step, folder.parent, source=folder)
+        return Candidate(label, weights, "controlnet-checkpoint", step, run, source=folder)
     if config.get("lora_type", "lora") != "lora":  # flux-lora's LyCORIS network: its state dict is the file
-        return Candidate(label, weights, "lora", step, source=folder)
+        return Candidate(label, weights, "lora", step, run, source=folder)
     if "rank" in config:  # flux-lora: peft-named LoRA weights, alpha in the run's config
         converted = flux_checkpoint_as_lora(weights, config, work_dir / f"{name}.safetensors")
-        return Candidate(label, converted, "lora", step, source=folder)
+        return Candidate(label, converted, "lora", step, run, source=folder)
     # sdxl-lora: the network state dict is a Kohya LoRA
-    return Candidate(label, weights, "lora", step, source=folder)
+    return Candidate(label, weights, "lora", step, run, source=folder)
 
 
 def _checkpoint_weights(folder: Path, config: dict, ema: str, out: Path) -> tuple[Path, str | None]:
@@ -151,11 +152,23 @@ def _run_folder(folder: Path, work_dir: Path, ema: str) -> list[Candidate]:
     found = [_checkpoint(c, work_dir, ema) for c in list_checkpoints(folder)]
     if (folder / CONTROLNET_WEIGHTS).is_file():
         found.append(_controlnet_folder(folder, ema))
-    for file in _final_loras(folder):
-        found.append(Candidate(f"{folder.name}/{file.name}", file, "lora", _lora_step(file)))
+    for file in _chosen_finals(_final_loras(folder), _run_config(folder), ema):
+        found.append(Candidate(f"{folder.name}/{file.name}", file, "lora", _lora_step(file), folder))
     if not found:
         raise UserError(f"{folder}: no LoRA files, checkpoint-N folders or ControlNet weights in this folder")
     return found
+
+
+def _chosen_finals(files: list[Path], config: dict, ema: str) -> list[Path]:
+    """A run's final LoRA files less the twin ``ema`` does not choose, where the run saved its EMA beside its raw
+    weights (``<name>_ema`` beside ``<name>``): as for its checkpoints, so the final file scored is the kind of
+    weights the run validated."""
+    names = {f.stem for f in files}
+    twins = {f.stem[:-len("_ema")] for f in files if f.stem.endswith("_ema") and f.stem[:-len("_ema")] in names}
+    if not twins:
+        return files
+    average = _reads_average(config, ema)
+    return [f for f in files if not (f.stem in twins if average else f.stem.endswith("_ema") and f.stem[:-4] in twins)]
 
 
 def find_candidates(paths: list[str], work_dir: Path, ema: str = "auto") -> list[Candidate]:
@@ -171,7 +184,8 @@ def find_candidates(paths: list[str], work_dir: Path, ema: str = "auto") -> list
             if path.suffix.lower() not in LORA_SUFFIXES:
                 raise UserError(f"{path}: not a LoRA file (expected {', '.join(LORA_SUFFIXES)})")
             read_lora_file(path)  # a damaged file is one error line now, not after the base model loads
-            found.append(Candidate(path.name, path, "lora", _lora_step(path)))
+            run = path.parent if (path.parent / "config.toml").is_file() else None
+            found.append(Candidate(path.name, path, "lora", _lora_step(path), run))
         elif _CHECKPOINT.match(path.name):
             found.append(_checkpoint(path, work_dir, ema))
         elif (path / "config.toml").is_file():

@@ -4,7 +4,7 @@ Built once per run from the evaluation options."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from dreamstep.errors import UserError
 from dreamstep.evaluation.control import mean_edge_agreement
 from dreamstep.evaluation.fidelity import FidelityScorer
 from dreamstep.evaluation.validation_loss import LossAt, ValidationLoss
+from dreamstep.models.precision import autocast
 
 
 class RunEvaluator:
@@ -45,6 +46,24 @@ class RunEvaluator:
 def held_out_batches(held_out: BucketDataset, conditioner: Any, seed: int) -> list[dict[str, Any]]:
     """The held-out images as step inputs (latent posteriors, prompt embeddings), computed once."""
     return [conditioner(batch) for batch in make_dataloader(held_out, seed=seed)]
+
+
+def held_out_loss_of(held_out: BucketDataset, conditioner: Any, *, seed: int, device: torch.device,
+                     mixed_precision: str,
+                     step_for: Callable[[torch.nn.Module | None], tuple[LossAt, Sequence[torch.nn.Module]]]
+                     ) -> Callable[[torch.nn.Module | None], float]:
+    """A run's validation loss as ``dreamstep eval`` recomputes it (each recipe's ``held_out_loss``): ``held_out``
+    encoded once by ``conditioner``, then, for a module beside the base (a ControlNet; ``None``: the base, with
+    whatever LoRA eval applied to it), scored as the run scored it: ``step_for`` gives the run's step's
+    ``validation_loss_at`` and the modules it puts in eval mode, under the run's ``--mixed_precision``."""
+    batches = held_out_batches(held_out, conditioner, seed)
+
+    def loss(module: torch.nn.Module | None) -> float:
+        loss_at, modules = step_for(module)
+        with autocast(device.type, mixed_precision):
+            return ValidationLoss(batches, loss_at, seed=seed, modules=modules)()
+
+    return loss
 
 
 def load_scorer(options: EvaluationOptions) -> FidelityScorer | None:

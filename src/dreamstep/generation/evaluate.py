@@ -8,6 +8,8 @@ import json
 import math
 import re
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -79,22 +81,28 @@ class Generator:
         self.guidance = config.guidance_scale if config.guidance_scale is not None else defaults["guidance_scale"]
         self.size = config.resolution or default_size(self.pipe)
 
-    def images(self, candidate: Candidate | None, prompts: list[str], controls: list[Image.Image | None],
+    @contextmanager
+    def applied(self, candidate: Candidate | None) -> Iterator[None]:
+        """The pipeline with ``candidate``'s LoRA applied (as it is for the base model and ControlNets)."""
+        if candidate is None or candidate.kind != "lora":
+            yield
+            return
+        apply_loras(self.pipe, [LoraSpec(candidate.path)], self.family.name, merge=False)
+        try:
+            yield
+        finally:
+            remove_loras(self.pipe)
+
+    def images(self, prompts: list[str], controls: list[Image.Image | None],
                controlnet: torch.nn.Module | None = None) -> list[Image.Image]:
-        """``controls``: ControlNet control images, or the images Kontext edits; ``controlnet``: a ControlNet
-        candidate's model (:meth:`controlnet`)."""
+        """The pipeline's images (a LoRA applied with :meth:`applied`); ``controls``: ControlNet control images,
+        or the images Kontext edits; ``controlnet``: a ControlNet candidate's model (:meth:`controlnet`)."""
         pipe = self.pipe
         with_control = _edits(self.model_type) or controlnet is not None
-        if candidate is not None and candidate.kind == "lora":
-            apply_loras(self.pipe, [LoraSpec(candidate.path)], self.family.name, merge=False)
-        elif controlnet is not None:
+        if controlnet is not None:
             pipe = flux.assemble_pipeline(SimpleNamespace(**self.pipe.components), controlnet)
-        try:
-            return [image for prompt, control in zip(prompts, controls)
-                    for image in self._generate(pipe, prompt, control if with_control else None)]
-        finally:
-            if candidate is not None and candidate.kind == "lora":
-                remove_loras(self.pipe)
+        return [image for prompt, control in zip(prompts, controls)
+                for image in self._generate(pipe, prompt, control if with_control else None)]
 
     def _generate(self, pipe: Any, prompt: str, control: Image.Image | None) -> list[Image.Image]:
         extra = self.family.image_inputs(self.model_type, [control] if control is not None else [], self.size,
@@ -153,7 +161,7 @@ def _score(config: EvalConfig, model_type: str, candidates: list[Candidate], wor
         raise UserError("--metrics edge scores ControlNets; none of --weights is a ControlNet")
     if any(c.kind != "lora" for c in candidates) and not config.control_image:
         raise UserError("a ControlNet among --weights generates from a control image: give --control_image")
-    losses = RunLosses(candidates) if VAL_LOSS in config.metrics else None
+    losses = RunLosses(candidates, model_type) if VAL_LOSS in config.metrics else None
     prompts = _prompts(config)
     controls = _per_prompt(config.image or config.control_image, "--image" if config.image else "--control_image",
                            prompts)
@@ -171,9 +179,10 @@ def _score(config: EvalConfig, model_type: str, candidates: list[Candidate], wor
     rows = []
     for index, candidate in enumerate(tqdm([None, *candidates], desc="eval", unit="candidate")):
         controlnet = generator.controlnet(candidate)
-        images = generator.images(candidate, prompts, controls, controlnet)
+        with generator.applied(candidate):
+            images = generator.images(prompts, controls, controlnet)
+            scores = {VAL_LOSS: losses(candidate, controlnet)} if losses is not None else {}
         image_prompts = [p for p in prompts for _ in range(config.num_images)]
-        scores = {VAL_LOSS: losses(candidate, controlnet)} if losses is not None else {}
         if scorer is not None:
             scores |= scorer.score(images, image_prompts, config.identifier)
         if "edge" in config.metrics:

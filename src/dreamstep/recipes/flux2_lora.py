@@ -18,6 +18,7 @@ module names, which ComfyUI and diffusers' FLUX.2 loader read; --save_kohya_form
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from inspect import signature
 from pathlib import Path
@@ -25,10 +26,12 @@ from typing import Any
 
 import torch
 from PIL import Image
+from torch import nn
 
 from dreamstep.config.flux2_lora import Flux2LoraConfig
 from dreamstep.config.schema import config_to_toml, refuse_unused
-from dreamstep.data.dataset import ConditionedBatches
+from dreamstep.data.cache import TensorCache
+from dreamstep.data.dataset import BucketDataset, ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.edit_pairs import edit_pair_datasets
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
@@ -38,7 +41,7 @@ from dreamstep.engine.logging import say_before_the_run
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
-from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
+from dreamstep.evaluation.evaluator import build_evaluator, held_out_loss_of, load_scorer
 from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import TrainableState, save_flux_lora
 from dreamstep.lora.training import prepare_lora_training
@@ -83,6 +86,33 @@ def plan_inputs(config: Flux2LoraConfig, datasets: list[DatasetConfig], encodes_
     if config.with_prior_preservation and _class_images_missing(config):
         options = replace(options, class_images_batch=config.sample_batch_size)
     return RunPlan(FAMILY.name, config.pretrained_model_name_or_path, options, {"lora_layers": config.lora_layers})
+
+
+def build_step(config: Flux2LoraConfig, model: nn.Module, scheduler: Any, guidance_embeds: bool,
+               **engine_options: Any) -> Flux2Step:
+    """The run's step: ``model`` (the LoRA'd transformer, or DDP's wrap of it) with the base ``scheduler``'s σ
+    table; ``engine_options``: :class:`~dreamstep.engine.train_step.TrainStep`'s and ``prior_loss_weight`` (without
+    an optimizer the step only evaluates)."""
+    return Flux2Step(model, sigmas=flux2.training_sigmas(scheduler), objective=config.flow_matching_objective(),
+                     guidance_scale=config.guidance_scale if guidance_embeds else None, **engine_options)
+
+
+def held_out_loss(config: Flux2LoraConfig, held_out: BucketDataset, pipeline: Any, text_cache: TensorCache,
+                  device: torch.device) -> Callable[[nn.Module | None], float]:
+    """The validation loss the run logged, for ``dreamstep eval``: of ``pipeline`` (the base, with the LoRA eval
+    applied to its transformer) on the images the run held out, encoded once, scored by the run's step at the
+    same fixed noise levels and draws."""
+    conditioner = flux2.Flux2Conditioner(pipeline, latent_cache=None, text_cache=text_cache,
+                                         max_sequence_length=config.max_sequence_length, device=device,
+                                         text_encoder_out_layers=_layers(config))
+
+    def step_for(_: nn.Module | None) -> tuple[Any, list[nn.Module]]:
+        transformer = pipeline.transformer
+        return build_step(config, transformer, pipeline.scheduler, transformer.config.guidance_embeds,
+                          optimizer=None).validation_loss_at, [transformer]
+
+    return held_out_loss_of(held_out, conditioner, seed=config.seed, device=device,
+                            mixed_precision=config.mixed_precision, step_for=step_for)
 
 
 def train(config: Flux2LoraConfig) -> FinishedRun | None:
@@ -150,12 +180,11 @@ def train(config: Flux2LoraConfig) -> FinishedRun | None:
     model, optimizer, lr_scheduler, ema = training.model, training.optimizer, training.lr_scheduler, training.ema
 
     # 6. Step: the optimizer over the LoRA weights, the LR schedule, clipping, accumulation.
-    step = Flux2Step(model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
-                     max_grad_norm=config.max_grad_norm or None,
-                     gradient_accumulation_steps=config.gradient_accumulation_steps, length_of_dataloader=len(loader),
-                     sigmas=flux2.training_sigmas(pipeline.scheduler), objective=config.flow_matching_objective(),
-                     prior_loss_weight=config.prior_loss_weight if _has_prior(dataset) else None,
-                     guidance_scale=config.guidance_scale if guidance_embeds else None)
+    step = build_step(config, model, pipeline.scheduler, guidance_embeds, optimizer=optimizer,
+                      lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
+                      max_grad_norm=config.max_grad_norm or None,
+                      gradient_accumulation_steps=config.gradient_accumulation_steps, length_of_dataloader=len(loader),
+                      prior_loss_weight=config.prior_loss_weight if _has_prior(dataset) else None)
     print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(transformer,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,

@@ -52,8 +52,7 @@ from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.sharding import FullState, full_model_state, is_sharded, shard_model
 from dreamstep.engine.summary import print_run_summary
-from dreamstep.evaluation.evaluator import build_evaluator, held_out_batches, load_scorer
-from dreamstep.evaluation.validation_loss import ValidationLoss
+from dreamstep.evaluation.evaluator import build_evaluator, held_out_loss_of, load_scorer
 from dreamstep.models import parking
 from dreamstep.models.blocks import enable_checkpointing, prepare_blocks
 from dreamstep.models.flow_step import condition_latents
@@ -121,16 +120,13 @@ def held_out_loss(config: FluxControlNetConfig, held_out: BucketDataset, pipelin
     alone), for ``dreamstep eval``: ``held_out`` (:func:`split_pairs` of the run's config) encoded once by
     ``pipeline`` (the base: its VAE, text encoders, transformer and scheduler), then scored by the run's step
     at the same fixed noise levels and draws, under the run's ``--mixed_precision``."""
-    conditioner = conditioner_of(config, pipeline, device, latent_cache=None, text_cache=text_cache)
-    batches = held_out_batches(held_out, conditioner, config.seed)
-
-    def loss(controlnet: torch.nn.Module | None) -> float:
+    def step_for(controlnet: torch.nn.Module | None) -> tuple[Any, list[torch.nn.Module]]:
         step = build_step(config, controlnet, pipeline.transformer, pipeline.scheduler, optimizer=None)
-        modules = [controlnet] if controlnet is not None else []
-        with autocast(device.type, config.mixed_precision):
-            return ValidationLoss(batches, step.validation_loss_at, seed=config.seed, modules=modules)()
+        return step.validation_loss_at, [controlnet] if controlnet is not None else []
 
-    return loss
+    conditioner = conditioner_of(config, pipeline, device, latent_cache=None, text_cache=text_cache)
+    return held_out_loss_of(held_out, conditioner, seed=config.seed, device=device,
+                            mixed_precision=config.mixed_precision, step_for=step_for)
 
 
 FOLDER_FLAG = "train_data_dir"  # the flag an image folder is read from (the dashboard's dataset check)

@@ -22,16 +22,19 @@ event files, ``checkpoint-N/``, ``cache/`` and ``config.toml``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import FluxKontextPipeline
 from PIL import Image
+from torch import nn
 
 from dreamstep.config.flux_kontext_lora import FluxKontextLoraConfig
 from dreamstep.config.schema import config_to_toml
-from dreamstep.data.dataset import ConditionedBatches
+from dreamstep.data.cache import TensorCache
+from dreamstep.data.dataset import BucketDataset, ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig, describe_datasets
 from dreamstep.data.edit_pairs import edit_pair_datasets, read_validation_image
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
@@ -40,7 +43,7 @@ from dreamstep.engine.logging import say_before_the_run
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
-from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
+from dreamstep.evaluation.evaluator import build_evaluator, held_out_loss_of, load_scorer
 from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import TrainableState, save_flux_lora
 from dreamstep.lora.training import prepare_lora_training
@@ -101,6 +104,35 @@ def plan_inputs(config: FluxKontextLoraConfig, dataset_configs: list[DatasetConf
 
 
 KONTEXT_BASE = "black-forest-labs/FLUX.1-Kontext-dev"
+
+
+def build_step(config: FluxKontextLoraConfig, model: nn.Module, transformer: nn.Module, scheduler: Any,
+               **engine_options: Any) -> FluxKontextStep:
+    """The run's step: ``model`` (the LoRA'd transformer, or DDP's wrap of it) with the base ``scheduler``'s σ
+    table; ``engine_options``: :class:`~dreamstep.engine.train_step.TrainStep`'s (without an optimizer the step
+    only evaluates)."""
+    return FluxKontextStep(model, sigmas=flux.training_sigmas(scheduler), objective=config.flow_matching_objective(),
+                           vae_encode_mode=config.vae_encode_mode,
+                           guidance_scale=config.guidance_scale if transformer.config.guidance_embeds else None,
+                           **engine_options)
+
+
+def held_out_loss(config: FluxKontextLoraConfig, held_out: BucketDataset, pipeline: Any, text_cache: TensorCache,
+                  device: torch.device) -> Callable[[nn.Module | None], float]:
+    """The validation loss the run logged, for ``dreamstep eval``: of ``pipeline`` (the base, with the LoRA eval
+    applied to its transformer) on the pairs the run held out, encoded once, scored by the run's step at the
+    same fixed noise levels and draws."""
+    encoder = flux.FluxConditioner(pipeline, latent_cache=None, text_cache=text_cache,
+                                   max_sequence_length=config.max_sequence_length, device=device)
+    paired = training_datasets(config)[0].method == "controlnet"
+
+    def step_for(_: nn.Module | None) -> tuple[Any, list[nn.Module]]:
+        transformer = pipeline.transformer
+        return build_step(config, transformer, transformer, pipeline.scheduler, optimizer=None
+                          ).validation_loss_at, [transformer]
+
+    return held_out_loss_of(held_out, flux.ControlConditioner(encoder) if paired else encoder, seed=config.seed,
+                            device=device, mixed_precision=config.mixed_precision, step_for=step_for)
 
 
 def _warn_unless_kontext(source: str | None) -> None:
@@ -182,12 +214,10 @@ def train(config: FluxKontextLoraConfig) -> FinishedRun | None:
     model, optimizer, lr_scheduler, ema = training.model, training.optimizer, training.lr_scheduler, training.ema
 
     # 5. Step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
-    step = FluxKontextStep(
-        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
-        max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
-        length_of_dataloader=len(loader), sigmas=flux.training_sigmas(base.scheduler),
-        objective=config.flow_matching_objective(), vae_encode_mode=config.vae_encode_mode,
-        guidance_scale=config.guidance_scale if transformer.config.guidance_embeds else None)
+    step = build_step(config, model, transformer, base.scheduler, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                      accelerator=run.accelerator, ema=ema, max_grad_norm=config.max_grad_norm or None,
+                      gradient_accumulation_steps=config.gradient_accumulation_steps,
+                      length_of_dataloader=len(loader))
     print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(transformer,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,

@@ -22,7 +22,7 @@ header; with --lora_type lokr/loha/dora LyCORIS' layout, ``lycoris_<module>.lokr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -33,7 +33,8 @@ from torch import nn
 
 from dreamstep.config.flux_lora import FluxLoraConfig
 from dreamstep.config.schema import config_to_toml
-from dreamstep.data.dataset import ConditionedBatches
+from dreamstep.data.cache import TensorCache
+from dreamstep.data.dataset import BucketDataset, ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig, describe_datasets
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import dreambooth_datasets
@@ -44,7 +45,7 @@ from dreamstep.engine.optim import build_lr_scheduler, build_optimizer
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
-from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
+from dreamstep.evaluation.evaluator import build_evaluator, held_out_loss_of, load_scorer
 from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import CLIP_LORA_TARGETS, TrainableState, add_lora, save_flux_lora
 from dreamstep.lora.lycoris_network import LycorisNetwork, create_flux_network
@@ -87,6 +88,37 @@ class FluxLoraStep(FluxFlowMatchingStep):
     def predict(self, model: FluxLoraModel, inputs: dict[str, Any], batch: dict[str, Any],
                 condition: None) -> torch.Tensor:
         return model(clip_input_ids=batch.get("clip_input_ids"), **inputs)
+
+
+def build_step(config: FluxLoraConfig, model: nn.Module, transformer: nn.Module, scheduler: Any,
+               **engine_options: Any) -> FluxLoraStep:
+    """The run's step: ``model`` (:class:`FluxLoraModel`, or DDP's wrap of it) over the base ``transformer`` and its
+    ``scheduler``'s σ table; ``engine_options``: :class:`~dreamstep.engine.train_step.TrainStep`'s (without an
+    optimizer the step only evaluates)."""
+    return FluxLoraStep(model, sigmas=flux.training_sigmas(scheduler), objective=config.flow_matching_objective(),
+                        prior_loss_weight=config.prior_loss_weight,
+                        guidance_scale=config.guidance_scale if transformer.config.guidance_embeds else None,
+                        **engine_options)
+
+
+def held_out_loss(config: FluxLoraConfig, held_out: BucketDataset, pipeline: Any, text_cache: TensorCache,
+                  device: torch.device) -> Callable[[nn.Module | None], float]:
+    """The validation loss the run logged, for ``dreamstep eval``: of ``pipeline`` (the base, with the LoRA eval
+    applied to its transformer and CLIP) on ``held_out`` (the images the run held out), encoded once, scored by
+    the run's step at the same fixed noise levels and draws. A CLIP that trained recomputes the pooled embedding
+    with its LoRA, as in training."""
+    text_encoder = pipeline.text_encoder if config.train_text_encoder else None
+    conditioner = flux.FluxConditioner(pipeline, latent_cache=None, text_cache=text_cache,
+                                       max_sequence_length=config.max_sequence_length, device=device,
+                                       clip_ids=text_encoder is not None)
+
+    def step_for(_: nn.Module | None) -> tuple[Any, list[nn.Module]]:
+        model = FluxLoraModel(pipeline.transformer, text_encoder)
+        return build_step(config, model, pipeline.transformer, pipeline.scheduler, optimizer=None
+                          ).validation_loss_at, [model]
+
+    return held_out_loss_of(held_out, conditioner, seed=config.seed, device=device,
+                            mixed_precision=config.mixed_precision, step_for=step_for)
 
 
 def optimizer_groups(config: FluxLoraConfig, transformer: nn.Module, text_encoder: nn.Module | None,
@@ -241,12 +273,10 @@ def train(config: FluxLoraConfig) -> FinishedRun | None:
                                       power=config.lr_power)
     ema = weight_average(model, config.ema_options())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
-    step = FluxLoraStep(
-        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
-        max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
-        length_of_dataloader=len(loader), sigmas=flux.training_sigmas(base.scheduler),
-        objective=config.flow_matching_objective(), prior_loss_weight=config.prior_loss_weight,
-        guidance_scale=config.guidance_scale if base.transformer.config.guidance_embeds else None)
+    step = build_step(config, model, base.transformer, base.scheduler, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                      accelerator=run.accelerator, ema=ema, max_grad_norm=config.max_grad_norm or None,
+                      gradient_accumulation_steps=config.gradient_accumulation_steps,
+                      length_of_dataloader=len(loader))
 
     print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision,

@@ -15,7 +15,14 @@ with --save_kohya_format ``pytorch_lora_weights_kohya.safetensors``, with --ema_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
 from dreamstep.config.krea2_lora import Krea2LoraConfig
+from dreamstep.data.cache import TensorCache
+from dreamstep.data.dataset import BucketDataset
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.engine.fit import FinishedRun
 from dreamstep.models.krea2 import configs
@@ -43,6 +50,12 @@ def training_datasets(config: Krea2LoraConfig) -> list[DatasetConfig]:
 
 def plan_inputs(config: Krea2LoraConfig, dataset_configs: list[DatasetConfig], encodes_in_the_loop: bool) -> RunPlan:
     return dit.plan_inputs(config, dataset_configs, encodes_in_the_loop, KREA2)
+
+
+def held_out_loss(config: Krea2LoraConfig, held_out: BucketDataset, pipeline: Any, text_cache: TensorCache,
+                  device: torch.device) -> Callable[[torch.nn.Module | None], float]:
+    """The validation loss the run logged, for ``dreamstep eval`` (:func:`dit.held_out_loss`)."""
+    return dit.held_out_loss(config, held_out, pipeline, text_cache, device, KREA2)
 
 
 def train(config: Krea2LoraConfig) -> FinishedRun | None:

@@ -20,6 +20,7 @@ files, ``checkpoint-N/``, ``cache/`` and ``config.toml``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from inspect import signature
 from pathlib import Path
@@ -30,7 +31,8 @@ from PIL import Image
 
 from dreamstep.config.qwen_image_lora import QwenImageLoraConfig
 from dreamstep.config.schema import config_to_toml
-from dreamstep.data.dataset import ConditionedBatches
+from dreamstep.data.cache import TensorCache
+from dreamstep.data.dataset import BucketDataset, ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import dreambooth_datasets
@@ -39,7 +41,7 @@ from dreamstep.engine.logging import say_before_the_run
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
-from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
+from dreamstep.evaluation.evaluator import build_evaluator, held_out_loss_of, load_scorer
 from dreamstep.lora.comfyui_files import (
     EMA_WEIGHT_NAME,
     KOHYA_WEIGHT_NAME,
@@ -110,8 +112,31 @@ class LoraTransformer(NamedTuple):
         return dict(optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, accelerator=self.accelerator,
                     ema=self.ema, max_grad_norm=config.max_grad_norm or None,
                     gradient_accumulation_steps=config.gradient_accumulation_steps,
-                    length_of_dataloader=length_of_dataloader, sigmas=qwen.training_sigmas(pipeline.scheduler),
-                    objective=config.flow_matching_objective())
+                    length_of_dataloader=length_of_dataloader, **flow_options(config, pipeline))
+
+
+def flow_options(config: Any, pipeline: Any) -> dict[str, Any]:
+    """The flow-matching step's σ table (``pipeline``'s scheduler's) and objective, as every Qwen-Image recipe
+    sets them."""
+    return {"sigmas": qwen.training_sigmas(pipeline.scheduler), "objective": config.flow_matching_objective()}
+
+
+def held_out_loss(config: QwenImageLoraConfig, held_out: BucketDataset, pipeline: Any, text_cache: TensorCache,
+                  device: torch.device) -> Callable[[torch.nn.Module | None], float]:
+    """The validation loss the run logged, for ``dreamstep eval``: of ``pipeline`` (the base, with the LoRA eval
+    applied to its transformer) on the images the run held out, encoded once, scored by the run's step at the
+    same fixed noise levels and draws."""
+    conditioner = qwen.QwenImageConditioner(pipeline, latent_cache=None, text_cache=text_cache,
+                                            max_sequence_length=config.max_sequence_length, device=device)
+
+    def step_for(_: torch.nn.Module | None) -> tuple[Any, list[torch.nn.Module]]:
+        transformer = pipeline.transformer
+        step = QwenImageLoraStep(transformer, optimizer=None, prior_loss_weight=config.prior_loss_weight,
+                                 **flow_options(config, pipeline))
+        return step.validation_loss_at, [transformer]
+
+    return held_out_loss_of(held_out, conditioner, seed=config.seed, device=device,
+                            mixed_precision=config.mixed_precision, step_for=step_for)
 
 
 def load_lora_transformer(config: Any, source: str, pipeline: Any, run: Any, plan: Any) -> LoraTransformer:

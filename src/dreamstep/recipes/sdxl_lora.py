@@ -31,6 +31,7 @@ Outputs in --output_dir: ``<output_name>.safetensors`` (or ``.ckpt``) with sd-sc
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -44,7 +45,8 @@ from dreamstep.config.sdxl_lora import SDXLLoraConfig
 from dreamstep.data import (
     ConditionedBatches,
 )
-from dreamstep.data.cache import remove_caches
+from dreamstep.data.cache import TensorCache, remove_caches
+from dreamstep.data.dataset import BucketDataset
 from dreamstep.data.dataset_config import DatasetConfig, describe_datasets
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import kohya_datasets
@@ -58,7 +60,7 @@ from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
 from dreamstep.engine.train_step import TrainStep
-from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
+from dreamstep.evaluation.evaluator import build_evaluator, held_out_loss_of, load_scorer
 from dreamstep.lora.kohya_files import KohyaLoraWriter, dataset_metadata, network_metadata, training_metadata
 from dreamstep.lora.kohya_network import (
     LoRANetwork,
@@ -188,6 +190,39 @@ class SDXLLoraStep(TrainStep):
             return self.per_sample_loss(self.unwrapped_model, batch, latents, noise, timesteps)
 
 
+def build_step(config: SDXLLoraConfig, model: nn.Module, scheduler: Any, **engine_options: Any) -> SDXLLoraStep:
+    """The run's step over ``model`` (:class:`~dreamstep.models.sdxl.plumbing.SDXLLoraModel`, or DDP's wrap of it)
+    with the base ``scheduler``'s table; ``engine_options``: :class:`~dreamstep.engine.train_step.TrainStep`'s
+    (without an optimizer the step only evaluates)."""
+    return SDXLLoraStep(
+        model, noise_scheduler=noise_math.training_scheduler(scheduler.config, config.zero_terminal_snr),
+        v_prediction=config.v_parameterization, min_snr_gamma=config.min_snr_gamma,
+        noise_offset=config.noise_offset, adaptive_noise_scale=config.adaptive_noise_scale,
+        multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
+        timestep_range=(config.min_timestep, config.max_timestep), prior_loss_weight=config.prior_loss_weight,
+        loss=config.loss_function(), debiased_estimation_loss=config.debiased_estimation_loss,
+        ip_noise_gamma=config.ip_noise_gamma, ip_noise_gamma_random_strength=config.ip_noise_gamma_random_strength,
+        **engine_options)
+
+
+def held_out_loss(config: SDXLLoraConfig, held_out: BucketDataset, pipeline: Any, text_cache: TensorCache,
+                  device: torch.device) -> Callable[[nn.Module | None], float]:
+    """The validation loss the run logged, for ``dreamstep eval``: of ``pipeline`` (the base, with the LoRA eval
+    applied to its UNet and text encoders) on ``held_out`` (the images the run held out), encoded once, scored by
+    the run's step at the same fixed timesteps and draws. Text encoders that trained encode the captions with
+    their LoRA, as in training."""
+    train_text = not config.network_train_unet_only
+    conditioner = sdxl.SDXLConditioner(pipeline, device=device, latent_cache=None, text_cache=text_cache,
+                                       encode_text=not train_text)
+
+    def step_for(_: nn.Module | None) -> tuple[Any, list[nn.Module]]:
+        model = sdxl.SDXLLoraModel(pipeline.unet, None, pipeline)
+        return build_step(config, model, pipeline.scheduler, optimizer=None).validation_loss_at, [model]
+
+    return held_out_loss_of(held_out, conditioner, seed=config.seed, device=device,
+                            mixed_precision=config.mixed_precision, step_for=step_for)
+
+
 # ------------------------------------------------------------------------------------------- main
 
 FOLDER_FLAG = "train_data_dir"  # the flag an image folder is read from (the dashboard's dataset check)
@@ -292,17 +327,10 @@ def train(config: SDXLLoraConfig) -> FinishedRun | None:
                                       power=config.lr_scheduler_power)
     ema = weight_average(network, config.ema_options())
     model, optimizer = run.accelerator.prepare(model, optimizer, device_placement=[swapper is None, True])
-    step = SDXLLoraStep(
-        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
-        max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
-        length_of_dataloader=len(loader),
-        noise_scheduler=noise_math.training_scheduler(base.scheduler.config, config.zero_terminal_snr),
-        v_prediction=config.v_parameterization, min_snr_gamma=config.min_snr_gamma,
-        noise_offset=config.noise_offset, adaptive_noise_scale=config.adaptive_noise_scale,
-        multires_iterations=config.multires_noise_iterations, multires_discount=config.multires_noise_discount,
-        timestep_range=(config.min_timestep, config.max_timestep), prior_loss_weight=config.prior_loss_weight,
-        loss=config.loss_function(), debiased_estimation_loss=config.debiased_estimation_loss,
-        ip_noise_gamma=config.ip_noise_gamma, ip_noise_gamma_random_strength=config.ip_noise_gamma_random_strength)
+    step = build_step(config, model, base.scheduler, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                      accelerator=run.accelerator, ema=ema, max_grad_norm=config.max_grad_norm or None,
+                      gradient_accumulation_steps=config.gradient_accumulation_steps,
+                      length_of_dataloader=len(loader))
     print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(network,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,

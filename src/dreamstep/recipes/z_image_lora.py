@@ -31,10 +31,12 @@ from typing import Any
 import torch
 from PIL import Image, ImageDraw
 from safetensors.torch import load_file
+from torch import nn
 
 from dreamstep.config.schema import config_to_toml
 from dreamstep.config.z_image_lora import ZImageLoraConfig
-from dreamstep.data.dataset import ConditionedBatches
+from dreamstep.data.cache import TensorCache
+from dreamstep.data.dataset import BucketDataset, ConditionedBatches
 from dreamstep.data.dataset_config import DatasetConfig
 from dreamstep.data.holdout import build_split_datasets, subject_image_paths
 from dreamstep.data.sources import dreambooth_datasets
@@ -43,7 +45,7 @@ from dreamstep.engine.logging import say_before_the_run
 from dreamstep.engine.plan import check_optimization, loader_and_plan
 from dreamstep.engine.run import claim_output_dir, start_run
 from dreamstep.engine.summary import print_run_summary
-from dreamstep.evaluation.evaluator import build_evaluator, load_scorer
+from dreamstep.evaluation.evaluator import build_evaluator, held_out_loss_of, load_scorer
 from dreamstep.files import honour_umask
 from dreamstep.lora.convert import convert_lora
 from dreamstep.lora.inject import TrainableState, save_flux_lora
@@ -167,6 +169,36 @@ def check_base(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> dict[str, A
     return found
 
 
+def build_step(config: ZImageLoraConfig, spec: DitLora, model: nn.Module, scheduler: Any,
+               **engine_options: Any) -> Any:
+    """The run's step: ``model`` (the LoRA'd transformer, or DDP's wrap of it) with the base ``scheduler``'s σ
+    table; ``engine_options``: :class:`~dreamstep.engine.train_step.TrainStep`'s (without an optimizer the step
+    only evaluates)."""
+    return spec.step_class(model, sigmas=zi.training_sigmas(scheduler), objective=config.flow_matching_objective(),
+                           prior_loss_weight=config.prior_loss_weight, **engine_options)
+
+
+def held_out_loss(config: ZImageLoraConfig, held_out: BucketDataset, pipeline: Any, text_cache: TensorCache,
+                  device: torch.device, spec: DitLora = Z_IMAGE) -> Callable[[nn.Module | None], float]:
+    """The validation loss the run logged, for ``dreamstep eval``: of ``pipeline`` (the base, with the LoRA eval
+    applied to its transformer) on the images the run held out, encoded once, scored by the run's step at the
+    same fixed noise levels and draws."""
+    components = zi.ZImageComponents(scheduler=pipeline.scheduler, vae=pipeline.vae,
+                                     text_encoder=pipeline.text_encoder, tokenizer=pipeline.tokenizer,
+                                     transformer=pipeline.transformer, pipeline_class=type(pipeline),
+                                     pipeline_options={name: pipeline.config[name] for name in spec.pipeline_options})
+    conditioner = spec.conditioner_class(components, latent_cache=None, text_cache=text_cache,
+                                         max_sequence_length=config.max_sequence_length, device=device)
+
+    def step_for(_: nn.Module | None) -> tuple[Any, list[nn.Module]]:
+        transformer = pipeline.transformer
+        return build_step(config, spec, transformer, pipeline.scheduler, optimizer=None
+                          ).validation_loss_at, [transformer]
+
+    return held_out_loss_of(held_out, conditioner, seed=config.seed, device=device,
+                            mixed_precision=config.mixed_precision, step_for=step_for)
+
+
 def train(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> FinishedRun | None:
     """Train as configured; return what was written where (nothing with --dry_run)."""
     # 1. Check and plan: every flag, folder and image and the optimizer, before a model loads.
@@ -232,11 +264,10 @@ def train(config: ZImageLoraConfig, spec: DitLora = Z_IMAGE) -> FinishedRun | No
     model, optimizer, lr_scheduler, ema = training.model, training.optimizer, training.lr_scheduler, training.ema
 
     # 6. Step: AdamW/8-bit/Prodigy over the LoRA weights, the LR schedule, clipping, accumulation.
-    step = spec.step_class(
-        model, optimizer=optimizer, lr_scheduler=lr_scheduler, accelerator=run.accelerator, ema=ema,
-        max_grad_norm=config.max_grad_norm or None, gradient_accumulation_steps=config.gradient_accumulation_steps,
-        length_of_dataloader=len(loader), sigmas=zi.training_sigmas(base.scheduler),
-        objective=config.flow_matching_objective(), prior_loss_weight=config.prior_loss_weight)
+    step = build_step(config, spec, model, base.scheduler, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                      accelerator=run.accelerator, ema=ema, max_grad_norm=config.max_grad_norm or None,
+                      gradient_accumulation_steps=config.gradient_accumulation_steps,
+                      length_of_dataloader=len(loader))
     print_run_summary(run, dataset, plan, gradient_accumulation_steps=config.gradient_accumulation_steps,
                       mixed_precision=config.mixed_precision, trainable=(transformer,),
                       caches={"latents": latent_cache, "text": text_cache}, outputs=config.output_dir,

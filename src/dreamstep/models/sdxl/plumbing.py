@@ -185,7 +185,9 @@ class SDXLLoraModel(torch.nn.Module):
     """What DDP wraps: the UNet with the network's hooks; prompts are encoded here when the text encoders
     train (``captions``), else they come cached (``prompt_embeds``, ``pooled``)."""
 
-    def __init__(self, unet: torch.nn.Module, network: torch.nn.Module, pipeline: Any):
+    def __init__(self, unet: torch.nn.Module, network: torch.nn.Module | None, pipeline: Any):
+        """``network``: the Kohya network hooked into the UNet (and text encoders); ``None`` where a LoRA was
+        loaded into the pipeline instead (``dreamstep eval``)."""
         super().__init__()
         self.unet = unet
         self.network = network
