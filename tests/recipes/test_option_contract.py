@@ -32,10 +32,12 @@ SAME_EITHER_WAY = {
 _NOT_USES = ("dreamstep/config/schema.py", "/dataclasses.py")
 
 
-def _dataset_toml(root: Path, conditioning: bool) -> Path:
-    subset = f"image_dir = '{ROBOT_DIR.as_posix()}'\nclass_tokens = '{ROBOT_PROMPT}'\n"
+def dataset_toml(root: Path, image_dir: Path = ROBOT_DIR, extra: str = "", conditioning: bool = False) -> Path:
+    """``root/dataset.toml``: one subset of ``image_dir`` (its own conditioning images too, with ``conditioning``)
+    at 32 px, ``extra`` lines added to the subset."""
+    subset = f"image_dir = '{image_dir.as_posix()}'\nclass_tokens = '{ROBOT_PROMPT}'\n{extra}"
     if conditioning:
-        subset += f"conditioning_data_dir = '{ROBOT_DIR.as_posix()}'\n"
+        subset += f"conditioning_data_dir = '{image_dir.as_posix()}'\n"
     toml = root / "dataset.toml"
     toml.write_text("[general]\nenable_bucket = false\n\n[[datasets]]\nresolution = 32\nbatch_size = 1\n\n"
                     f"  [[datasets.subsets]]\n{subset}")
@@ -48,7 +50,7 @@ def _smallest_run(trainer: str, models: dict[str, Path], root: Path) -> dict[str
     out = {"output_dir": str(root / "out"), "max_train_steps": "1"}
     flux = {**out, "pretrained_model_name_or_path": str(models["flux"]), "resolution": "32", "report_to": "none",
             "checkpointing_steps": "0"}
-    kohya = {**out, "dataset_config": str(_dataset_toml(root, conditioning=False)), "log_with": "none"}
+    kohya = {**out, "dataset_config": str(dataset_toml(root)), "log_with": "none"}
     runs = {
         "flux-lora": {**flux, "instance_data_dir": str(ROBOT_DIR), "instance_prompt": ROBOT_PROMPT},
         "flux-kontext-lora": {**flux, "instance_data_dir": str(ROBOT_DIR), "conditioning_data_dir": str(ROBOT_DIR),

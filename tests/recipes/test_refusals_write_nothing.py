@@ -17,7 +17,7 @@ import pytest
 import torch
 from flux_testkit import ROBOT_DIR, ROBOT_PROMPT
 from safetensors.torch import save_file
-from test_option_contract import TRAINERS, _recipe, _smallest_run
+from test_option_contract import TRAINERS, _recipe, _smallest_run, dataset_toml
 
 from dreamstep.cli import main
 from dreamstep.config.schema import build_config
@@ -66,25 +66,15 @@ def _data_copy(work: Path) -> Path:
 def _with_data(trainer: str, values: dict[str, str], work: Path, data: Path, extra: str = "") -> dict[str, str]:
     """``values`` training on ``data``: its data flags, or (sd-scripts' trainers) a dataset TOML naming it."""
     if trainer in KOHYA:
-        return {**values, "dataset_config": str(_toml(work, data, "caption_extension = '.txt'\n" + extra))}
+        return {**values, "dataset_config": str(dataset_toml(work, data, "caption_extension = '.txt'\n" + extra))}
     return {**values, **{flag: str(data) for flag in DATA_FLAGS if flag in values}}
-
-
-def _toml(work: Path, image_dir: Path, extra: str = "", conditioning: bool = False) -> Path:
-    subset = f"image_dir = '{image_dir.as_posix()}'\nclass_tokens = '{ROBOT_PROMPT}'\n{extra}"
-    if conditioning:
-        subset += f"conditioning_data_dir = '{image_dir.as_posix()}'\n"
-    toml = work / "dataset.toml"
-    toml.write_text("[general]\nenable_bucket = false\n\n[[datasets]]\nresolution = 32\nbatch_size = 1\n\n"
-                    f"  [[datasets.subsets]]\n{subset}")
-    return toml
 
 
 def _toml_run(trainer: str, values: dict[str, str], work: Path, image_dir: Path, extra: str = "") -> dict[str, str]:
     """``values`` with a dataset TOML in place of the data flags."""
     kept = {k: v for k, v in values.items() if k not in (*DATA_FLAGS, "instance_prompt", "default_caption")}
     conditioning = "conditioning_data_dir" in values
-    return {**kept, "dataset_config": str(_toml(work, image_dir, extra, conditioning))}
+    return {**kept, "dataset_config": str(dataset_toml(work, image_dir, extra, conditioning))}
 
 
 # Each case: (trainer, its one-step options, a scratch folder) -> (the bad options, what the line must name), or
@@ -167,20 +157,22 @@ def validation_image_missing(trainer: str, values: dict[str, str], work: Path) -
             "no-such-image.png")
 
 
-def sample_prompts_bad(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+def _sample_prompts(trainer: str, values: dict[str, str], work: Path,
+                    content: bytes) -> tuple[dict[str, str], str] | None:
+    """``values`` sampling every step from a prompt file holding ``content``, for a trainer that takes one."""
     if "sample_prompts" not in _fields(trainer):
         return None
     prompts = work / "prompts.txt"
-    prompts.write_text("a photo of sks robot --w 32 --h 32 --s 0\n")
+    prompts.write_bytes(content)
     return {**values, "sample_prompts": str(prompts), "sample_every_n_steps": "1"}, "prompts.txt"
+
+
+def sample_prompts_bad(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
+    return _sample_prompts(trainer, values, work, b"a photo of sks robot --w 32 --h 32 --s 0\n")
 
 
 def sample_prompts_not_utf8(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
-    if "sample_prompts" not in _fields(trainer):
-        return None
-    prompts = work / "prompts.txt"
-    prompts.write_bytes("a photo of sks robot --s 2\n".encode("utf-16"))
-    return {**values, "sample_prompts": str(prompts), "sample_every_n_steps": "1"}, "prompts.txt"
+    return _sample_prompts(trainer, values, work, "a photo of sks robot --s 2\n".encode("utf-16"))
 
 
 def class_images_corrupt(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
@@ -349,11 +341,7 @@ def base_file_corrupt(trainer: str, values: dict[str, str], work: Path) -> tuple
 
 
 def sample_prompts_options_only(trainer: str, values: dict[str, str], work: Path) -> tuple[dict[str, str], str] | None:
-    if "sample_prompts" not in _fields(trainer):
-        return None
-    prompts = work / "prompts.txt"
-    prompts.write_text("--w 32 --h 32 --l nan\n")
-    return {**values, "sample_prompts": str(prompts), "sample_every_n_steps": "1"}, "prompts.txt"
+    return _sample_prompts(trainer, values, work, b"--w 32 --h 32 --l nan\n")
 
 
 def checkpoint_of_another_trainer(trainer: str, values: dict[str, str], work: Path,
