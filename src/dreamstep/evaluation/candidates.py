@@ -167,8 +167,8 @@ def _chosen_finals(files: list[Path], config: dict, ema: str) -> list[Path]:
     twins = {f.stem[:-len("_ema")] for f in files if f.stem.endswith("_ema") and f.stem[:-len("_ema")] in names}
     if not twins:
         return files
-    average = _reads_average(config, ema)
-    return [f for f in files if not (f.stem in twins if average else f.stem.endswith("_ema") and f.stem[:-4] in twins)]
+    dropped = twins if _reads_average(config, ema) else {f"{twin}_ema" for twin in twins}
+    return [f for f in files if f.stem not in dropped]
 
 
 def find_candidates(paths: list[str], work_dir: Path, ema: str = "auto") -> list[Candidate]:
