@@ -332,8 +332,9 @@ def convert(rows: Iterable[dict[str, Any]], image_column: str, caption_column: s
                 if not opened:
                     open_output(output_dir, identity)
                     opened = True
-                name = f"{stem}{image[1]}"
-                write_bytes_atomic(output_dir / name, image[0])
+                data, extension = image
+                name = f"{stem}{extension}"
+                write_bytes_atomic(output_dir / name, data)
                 result.written += 1
             captions[name] = {"caption": caption}
             if len(captions) % SAVE_EVERY == 0:
